@@ -1,0 +1,22 @@
+"""qkvnp: Q/K/V attention in pure NumPy, with hand-derived backward passes.
+
+Shape key: B batch, H heads, T query length, S key length, E embedding,
+D head dim.
+
+``import qkvnp`` imports numpy and nothing else; scipy is imported the first
+time a softmax runs, and PyTorch never.
+"""
+from . import functional
+from .functional import scaled_dot_product_attention, softmax
+from .layers import MultiHeadAttention, SelfAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "functional",
+    "softmax",
+    "scaled_dot_product_attention",
+    "SelfAttention",
+    "MultiHeadAttention",
+    "__version__",
+]

@@ -1,0 +1,7 @@
+"""``python -m qkvnp``: see :mod:`qkvnp.cli`."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

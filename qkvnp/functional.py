@@ -1,0 +1,489 @@
+"""Every differentiable op of qkvnp as a pair of pure functions.
+
+Shape key: B batch, H heads, T query length, S key length, E embedding,
+D head dim (of queries and keys), Dv head dim of values, N input features,
+M output features. ``...`` stands for any leading dims (possibly none).
+
+Each op ``name`` has ``name_forward(inputs) -> (out, cache)`` and
+``name_backward(dout, cache) -> gradients``, one gradient per differentiable
+input, with that input's shape and (compute) dtype. The cache is a small named
+tuple holding exactly what the backward reads. The derivations are in
+``docs/derivations.md``.
+
+This is the *reference* path: every formula is written line for line, with
+scipy's softmax, so that it reads like the math and serves as the oracle.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype
+from .masks import prepare_mask
+
+__all__ = [
+    "softmax",
+    "linear_forward",
+    "linear_backward",
+    "softmax_forward",
+    "softmax_backward",
+    "attention_forward",
+    "attention_backward",
+    "split_heads_forward",
+    "split_heads_backward",
+    "merge_heads_forward",
+    "merge_heads_backward",
+    "scaled_dot_product_attention",
+    "sum_to_shape",
+    "LinearCache",
+    "SoftmaxCache",
+    "AttentionCache",
+    "HeadsCache",
+]
+
+LinearCache = namedtuple("LinearCache", "x W has_bias")
+SoftmaxCache = namedtuple("SoftmaxCache", "weights axis")
+AttentionCache = namedtuple("AttentionCache", "query key value weights scale")
+HeadsCache = namedtuple("HeadsCache", "num_heads")
+
+
+def sum_to_shape(grad, shape):
+    """Sum ``grad`` over the axes that broadcasting added or stretched.
+
+    The adjoint of broadcasting ``x`` of ``shape`` up to ``grad.shape``.
+
+    >>> sum_to_shape(np.ones((2, 3, 4)), (3, 1)).ravel().tolist()
+    [8.0, 8.0, 8.0]
+    """
+    shape = tuple(shape)
+    extra = grad.ndim - len(shape)
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad
+
+
+# ---------------------------------------------------------------- linear
+
+
+def linear_forward(x, W, b=None):
+    """Affine map ``out = x @ W + b`` over the last axis of ``x``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., N)
+    W : ndarray, shape (N, M)
+        The seeds' ``x @ W`` convention (PyTorch stores the transpose).
+    b : ndarray, shape (M,), optional
+
+    Returns
+    -------
+    out : ndarray, shape (..., M)
+    cache : LinearCache
+
+    Raises
+    ------
+    ValueError
+        If ``W`` is not 2-D, ``x``'s last dim is not ``N`` or ``b`` is not ``(M,)``.
+
+    Notes
+    -----
+    Forward: :math:`Y = X W + b`. With the leading dims of ``X`` flattened
+    into rows, backward:
+
+    .. math:: \\bar X = \\bar Y W^T, \\quad \\bar W = X^T \\bar Y, \\quad
+              \\bar b = \\sum_{rows} \\bar Y
+
+    Examples
+    --------
+    >>> out, cache = linear_forward(np.ones((2, 3)), np.eye(3, 2), np.array([1., 0.]))
+    >>> out
+    array([[2., 1.],
+           [2., 1.]])
+    """
+    W = as_float_array(W, "W")
+    dtype = compute_dtype(np.asarray(x).dtype, W.dtype)
+    x = as_float_array(x, "x", dtype)
+    W = W.astype(dtype, copy=False)
+    if W.ndim != 2:
+        raise ValueError(f"W must have shape (N, M), got shape {W.shape}")
+    check_ndim(x, "x", 1, "(..., N)")
+    if x.shape[-1] != W.shape[0]:
+        raise ValueError(
+            f"x must have shape (..., {W.shape[0]}) to match W of shape {W.shape}, "
+            f"got shape {x.shape}"
+        )
+    out = x @ W  # (..., N) -> (..., M)
+    if b is not None:
+        b = as_float_array(b, "b", dtype)
+        if b.shape != (W.shape[1],):
+            raise ValueError(f"b must have shape ({W.shape[1]},), got shape {b.shape}")
+        out = out + b
+    return out, LinearCache(x, W, b is not None)
+
+
+def linear_backward(dout, cache):
+    """Backward of :func:`linear_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., M)
+    cache : LinearCache
+
+    Returns
+    -------
+    dx : ndarray, shape (..., N)
+    dW : ndarray, shape (N, M)
+    db : ndarray, shape (M,), or None when the forward had no bias
+    """
+    x, W, has_bias = cache
+    check_same_shape(dout, "dout", x.shape[:-1] + (W.shape[1],))
+    dout = np.asarray(dout, dtype=W.dtype)
+    dx = dout @ W.T  # (..., M) -> (..., N)
+    x_rows = x.reshape(-1, x.shape[-1])  # (..., N) -> (rows, N)
+    dout_rows = dout.reshape(-1, dout.shape[-1])  # (..., M) -> (rows, M)
+    dW = x_rows.T @ dout_rows  # (N, rows) @ (rows, M) -> (N, M)
+    db = dout_rows.sum(axis=0) if has_bias else None  # (rows, M) -> (M,)
+    return dx, dW, db
+
+
+# ---------------------------------------------------------------- softmax
+
+
+def softmax(x, axis=-1):
+    """``scipy.special.softmax``, except that an all ``-inf`` row gives zeros.
+
+    Parameters
+    ----------
+    x : array_like
+    axis : int
+        Axis along which the entries sum to 1.
+
+    Returns
+    -------
+    ndarray, same shape as ``x``
+        Rows sum to 1, except fully masked rows (every entry ``-inf``), which
+        are all zeros: such a query attends to nothing. No NaN, no warning.
+
+    Examples
+    --------
+    >>> softmax(np.array([[0.0, 0.0], [-np.inf, -np.inf]]))
+    array([[0.5, 0.5],
+           [0. , 0. ]])
+    """
+    from scipy.special import softmax as scipy_softmax
+
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        x = x.astype(compute_dtype(x.dtype))
+    dead = np.all(np.isneginf(x), axis=axis, keepdims=True)
+    if not dead.any():
+        return scipy_softmax(x, axis=axis)
+    # NOTE: a fully masked row has no defined softmax (0/0); we define it as
+    # all zeros so that the query's output is 0 and no gradient flows through it.
+    safe = np.where(dead, 0, x)
+    return np.where(dead, 0, scipy_softmax(safe, axis=axis)).astype(x.dtype, copy=False)
+
+
+def softmax_forward(scores, axis=-1):
+    """Softmax along ``axis``, with the cache its backward needs.
+
+    Parameters
+    ----------
+    scores : ndarray
+    axis : int
+
+    Returns
+    -------
+    weights : ndarray, same shape as ``scores``
+    cache : SoftmaxCache
+
+    Notes
+    -----
+    Forward: :math:`P_i = e^{s_i} / \\sum_j e^{s_j}`. The Jacobian is
+    :math:`\\partial P_i / \\partial s_j = P_i(\\delta_{ij} - P_j)`, so the
+    vector-Jacobian product collapses to the closed form
+
+    .. math:: \\bar s = P \\odot (\\bar P - \\textstyle\\sum_j P_j \\bar P_j)
+
+    which never builds the Jacobian. A fully masked row has ``P = 0`` and
+    therefore ``dscores = 0``.
+
+    Examples
+    --------
+    >>> weights, cache = softmax_forward(np.log([[1.0, 3.0]]))
+    >>> weights
+    array([[0.25, 0.75]])
+    """
+    scores = as_float_array(scores, "scores", finite=False)
+    weights = softmax(scores, axis=axis)
+    return weights, SoftmaxCache(weights, axis)
+
+
+def softmax_backward(dweights, cache):
+    """Backward of :func:`softmax_forward`: ``P * (dP - sum(P * dP, axis))``.
+
+    Parameters
+    ----------
+    dweights : ndarray, same shape as the weights
+    cache : SoftmaxCache
+
+    Returns
+    -------
+    dscores : ndarray, same shape as the weights
+    """
+    weights, axis = cache
+    check_same_shape(dweights, "dweights", weights.shape)
+    dweights = np.asarray(dweights, dtype=weights.dtype)
+    row_dot = np.sum(weights * dweights, axis=axis, keepdims=True)  # (..., 1)
+    return weights * (dweights - row_dot)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _check_attention_inputs(query, key, value):
+    """Cast to a common float dtype and check the attention shapes."""
+    dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)))
+    query = as_float_array(query, "query", dtype)
+    key = as_float_array(key, "key", dtype)
+    value = as_float_array(value, "value", dtype)
+    check_ndim(query, "query", 2, "(..., T, D)")
+    check_ndim(key, "key", 2, "(..., S, D)")
+    check_ndim(value, "value", 2, "(..., S, Dv)")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key must have shape (..., S, {query.shape[-1]}) to match query's head "
+            f"dim D={query.shape[-1]}, got shape {key.shape}"
+        )
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value must have shape (..., {key.shape[-2]}, Dv) to match key's length "
+            f"S={key.shape[-2]}, got shape {value.shape}"
+        )
+    try:
+        lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            "the leading (batch, head) dims of query, key and value must broadcast, "
+            f"got query {query.shape}, key {key.shape}, value {value.shape}"
+        ) from None
+    return query, key, value, lead
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        # NOTE: 1/sqrt(D) with D the *head* dim: it keeps the variance of a score
+        # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
+        # the seeds' tutorial) flattens the softmax as heads are added.
+        return 1.0 / np.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return scale
+
+
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
+    """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``.
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., T, D)
+    key : ndarray, shape (..., S, D)
+    value : ndarray, shape (..., S, Dv)
+        Leading dims of the three broadcast against each other.
+    attn_mask : ndarray of bool or float, optional
+        Broadcastable to ``(..., T, S)``. Bool: True = may attend. Float: added
+        to the scores.
+    is_causal : bool
+        Query ``i`` attends to keys ``0..i`` (top-left aligned). Combined with
+        ``attn_mask``: the float mask is added first, then every boolean mask
+        removes the positions it forbids.
+    scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, Dv)
+    cache : AttentionCache
+        Holds the inputs, the weights ``(..., T, S)`` and the scale.
+
+    Raises
+    ------
+    ValueError
+        On mismatched dims, a mask that does not broadcast, non-finite inputs.
+    TypeError
+        On a mask that is neither bool nor float.
+
+    Notes
+    -----
+    Forward, with :math:`c` the scale and :math:`M` the additive mask:
+
+    .. math:: S = c\\,Q K^T + M, \\quad P = \\mathrm{softmax}_{rows}(S), \\quad O = P V
+
+    Backward (see ``docs/derivations.md``):
+
+    .. math:: \\bar V = P^T \\bar O, \\quad \\bar P = \\bar O V^T, \\quad
+              \\bar S = P \\odot (\\bar P - \\mathrm{rowsum}(P \\odot \\bar P)),
+    .. math:: \\bar Q = c\\, \\bar S K, \\quad \\bar K = c\\, \\bar S^T Q
+
+    A query row whose keys are all masked has ``P = 0``: its output row is 0
+    and no gradient flows through it. Scores that overflow (inputs of
+    magnitude ~1e150 in float64) are clipped to the dtype's largest finite
+    value, so the output stays finite; their gradient is taken as if unclipped.
+
+    Examples
+    --------
+    One key: every query returns that key's value.
+
+    >>> out, cache = attention_forward(np.ones((2, 4)), np.ones((1, 4)), np.array([[3., 5.]]))
+    >>> out
+    array([[3., 5.],
+           [3., 5.]])
+    """
+    query, key, value, lead = _check_attention_inputs(query, key, value)
+    scale = _check_scale(scale, query.shape[-1])
+    T, S = query.shape[-2], key.shape[-2]
+    bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)
+
+    scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (..., T, D) @ (..., D, S) -> (..., T, S)
+    scores = _clip_overflow(scores)
+    if bias is not None:
+        scores = np.minimum(scores + bias, np.finfo(scores.dtype).max)  # -inf stays -inf
+    if keep is not None:
+        scores = np.where(keep, scores, -np.inf)
+    weights, _ = softmax_forward(scores)  # (..., T, S), rows sum to 1 (or 0 if fully masked)
+    out = weights @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+    return out, AttentionCache(query, key, value, weights, scale)
+
+
+def _clip_overflow(scores):
+    """Replace overflowed scores (inf, or NaN from inf - inf) by finite values."""
+    if np.isfinite(scores).all():
+        return scores
+    big = np.finfo(scores.dtype).max
+    return np.nan_to_num(scores, nan=0.0, posinf=big, neginf=-big)
+
+
+def attention_backward(dout, cache):
+    """Backward of :func:`attention_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, Dv)
+        Same shape as the forward output (it is not broadcast).
+    cache : AttentionCache
+
+    Returns
+    -------
+    dquery : ndarray, shape of ``query``
+    dkey : ndarray, shape of ``key``
+    dvalue : ndarray, shape of ``value``
+    """
+    query, key, value, weights, scale = cache
+    check_same_shape(dout, "dout", weights.shape[:-1] + (value.shape[-1],))
+    dout = np.asarray(dout, dtype=weights.dtype)
+    dvalue = np.swapaxes(weights, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+    dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    dscores = softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
+    dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
+    dkey = (np.swapaxes(dscores, -1, -2) @ query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
+    return (
+        sum_to_shape(dquery, query.shape),
+        sum_to_shape(dkey, key.shape),
+        sum_to_shape(dvalue, value.shape),
+    )
+
+
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False
+):
+    """Scaled dot-product attention, the forward alone.
+
+    Same arguments as :func:`attention_forward` (and as PyTorch's
+    ``torch.nn.functional.scaled_dot_product_attention``, mask polarity
+    included: True = may attend).
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, Dv)
+    weights : ndarray, shape (..., T, S)
+        Only when ``return_weights=True``.
+
+    Examples
+    --------
+    Equal scores give the mean of the values:
+
+    >>> scaled_dot_product_attention(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[0., 2.], [4., 6.]]))
+    array([[2., 4.]])
+    """
+    out, cache = attention_forward(query, key, value, attn_mask, is_causal, scale)
+    return (out, cache.weights) if return_weights else out
+
+
+# ---------------------------------------------------------------- heads
+
+
+def split_heads_forward(x, num_heads):
+    """Split the last axis into heads: ``(..., T, H*D) -> (..., H, T, D)``.
+
+    Head ``h`` gets the contiguous columns ``h*D:(h+1)*D`` (as PyTorch and BERT).
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., T, E)
+    num_heads : int
+        Must divide ``E``.
+
+    Returns
+    -------
+    out : ndarray, shape (..., H, T, E // H)
+    cache : HeadsCache
+
+    Examples
+    --------
+    >>> out, cache = split_heads_forward(np.arange(4.0).reshape(1, 4), 2)
+    >>> out.tolist()
+    [[[0.0, 1.0]], [[2.0, 3.0]]]
+    """
+    x = np.asarray(x)
+    check_ndim(x, "x", 2, "(..., T, E)")
+    E = x.shape[-1]
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1 or E % num_heads:
+        raise ValueError(f"num_heads must be a positive divisor of E={E}, got {num_heads}")
+    T = x.shape[-2]
+    heads = x.reshape(x.shape[:-1] + (num_heads, E // num_heads))  # (..., T, E) -> (..., T, H, D)
+    return np.swapaxes(heads, -2, -3), HeadsCache(num_heads)  # (..., T, H, D) -> (..., H, T, D)
+
+
+def split_heads_backward(dout, cache):
+    """Backward of :func:`split_heads_forward`: merge the heads of ``dout``."""
+    dout = np.asarray(dout)
+    if dout.ndim < 3 or dout.shape[-3] != cache.num_heads:
+        raise ValueError(
+            f"dout must have shape (..., {cache.num_heads}, T, D), got shape {dout.shape}"
+        )
+    return merge_heads_forward(dout)[0]
+
+
+def merge_heads_forward(x):
+    """Merge heads: ``(..., H, T, D) -> (..., T, H*D)``, inverse of the split.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, H*D)
+    cache : HeadsCache
+    """
+    x = np.asarray(x)
+    check_ndim(x, "x", 3, "(..., H, T, D)")
+    H, T, D = x.shape[-3:]
+    heads = np.swapaxes(x, -2, -3)  # (..., H, T, D) -> (..., T, H, D)
+    return heads.reshape(heads.shape[:-2] + (H * D,)), HeadsCache(H)  # -> (..., T, H*D)
+
+
+def merge_heads_backward(dout, cache):
+    """Backward of :func:`merge_heads_forward`: split ``dout`` into heads."""
+    return split_heads_forward(dout, cache.num_heads)[0]

@@ -1,0 +1,421 @@
+"""Layers built from the ops of :mod:`qkvnp.functional`.
+
+Shape key: B batch, H heads, T query length, S key length, E embedding,
+D = E // H head dim. Leading dims are optional: ``(T, E)`` works like
+``(B, T, E)``.
+
+A layer holds ``params`` and ``grads`` (dicts with the same keys and shapes),
+``forward`` keeps the caches its ``backward`` reads, and ``backward``
+*accumulates* into ``grads`` (like autograd engines' ``+=``) and returns the
+gradient of its inputs. ``zero_grad()`` resets the gradients.
+"""
+import numpy as np
+
+from . import functional as F
+from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype, make_rng
+
+__all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform"]
+
+
+def xavier_uniform(rng, fan_in, fan_out, dtype):
+    """Glorot/Xavier uniform ``(fan_in, fan_out)``: U(-a, a), a = sqrt(6/(fan_in+fan_out))."""
+    bound = np.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-bound, bound, size=(fan_in, fan_out)).astype(dtype)
+
+
+def _positive_int(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def _layer_dtype(dtype):
+    dtype = compute_dtype(np.dtype(dtype))
+    if np.dtype(dtype).kind != "f":
+        raise TypeError(f"dtype must be a float dtype, got {dtype}")
+    return dtype
+
+
+class Layer:
+    """Base class: ``params``/``grads`` dicts, ``zero_grad``, parameter count.
+
+    Subclasses fill ``self.params`` in ``__init__`` and call
+    ``self.zero_grad()``; ``backward`` adds into ``self.grads``.
+    """
+
+    params: dict
+    grads: dict
+
+    def zero_grad(self):
+        """Reset every gradient to zeros of its parameter's shape and dtype."""
+        self.grads = {name: np.zeros_like(p) for name, p in self.params.items()}
+
+    def num_parameters(self):
+        """Total number of scalar parameters."""
+        return sum(p.size for p in self.params.values())
+
+    def _accumulate(self, name, grad):
+        if grad is not None:
+            self.grads[name] += grad
+
+    def _need_cache(self):
+        if getattr(self, "_cache", None) is None:
+            raise ValueError(
+                f"{type(self).__name__}.backward called before forward: call "
+                "forward(...) first, then backward(dout)"
+            )
+        return self._cache
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class SelfAttention(Layer):
+    """Single-head self-attention with trainable query, key and value projections.
+
+    Parameters
+    ----------
+    d_in : int
+        Embedding size of the input tokens.
+    d_out : int
+        Size of queries, keys, values and of the output.
+    qkv_bias : bool
+        Add ``b_query``, ``b_key``, ``b_value`` of shape ``(d_out,)``.
+    rng : numpy.random.Generator or int, optional
+        Source of the Xavier-uniform initial weights.
+    dtype : float dtype
+        float32 or float64 (float16 is computed in float32).
+
+    Attributes
+    ----------
+    params : dict
+        ``W_query, W_key, W_value``: ``(d_in, d_out)`` (the seeds' ``x @ W``),
+        plus ``b_query, b_key, b_value``: ``(d_out,)`` with ``qkv_bias``.
+    grads : dict
+        Same keys and shapes as ``params``.
+
+    Notes
+    -----
+    Forward: :math:`q = xW_q + b_q,\\ k = xW_k + b_k,\\ v = xW_v + b_v,\\
+    o = \\mathrm{softmax}(qk^T/\\sqrt{d_{out}} + M)\\,v`.
+    Backward: attention backward gives :math:`\\bar q, \\bar k, \\bar v`; each
+    projection's backward gives its weight gradient, and since ``x`` feeds all
+    three, :math:`\\bar x = \\bar q W_q^T + \\bar k W_k^T + \\bar v W_v^T`.
+    ``b_key`` always gets a zero gradient: it adds :math:`q \\cdot b_k` to every
+    score of a query's row, and softmax ignores a constant added to a row.
+
+    Examples
+    --------
+    >>> layer = SelfAttention(3, 2, rng=0)
+    >>> out = layer.forward(np.ones((6, 3)))
+    >>> out.shape
+    (6, 2)
+    >>> layer.backward(np.ones((6, 2))).shape
+    (6, 3)
+    """
+
+    def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64):
+        self.d_in = _positive_int(d_in, "d_in")
+        self.d_out = _positive_int(d_out, "d_out")
+        self.dtype = _layer_dtype(dtype)
+        rng = make_rng(rng)
+        self.params = {
+            name: xavier_uniform(rng, self.d_in, self.d_out, self.dtype)
+            for name in ("W_query", "W_key", "W_value")
+        }
+        if qkv_bias:
+            for name in ("b_query", "b_key", "b_value"):
+                self.params[name] = np.zeros(self.d_out, dtype=self.dtype)
+        self.qkv_bias = bool(qkv_bias)
+        self._cache = None
+        self.zero_grad()
+
+    def forward(self, x, attn_mask=None, is_causal=False, return_weights=False):
+        """Attend over the tokens of ``x``.
+
+        Parameters
+        ----------
+        x : ndarray, shape (..., T, d_in)
+        attn_mask : ndarray of bool or float, optional
+            Broadcastable to ``(..., T, T)``; bool True = may attend.
+        is_causal : bool
+        return_weights : bool
+
+        Returns
+        -------
+        out : ndarray, shape (..., T, d_out)
+        weights : ndarray, shape (..., T, T)
+            Only with ``return_weights=True``.
+        """
+        x = as_float_array(x, "x", self.dtype)
+        check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
+        if x.shape[-1] != self.d_in:
+            raise ValueError(f"x must have shape (..., T, {self.d_in}), got shape {x.shape}")
+        p = self.params
+        query, query_cache = F.linear_forward(x, p["W_query"], p.get("b_query"))  # (..., T, d_in) -> (..., T, d_out)
+        key, key_cache = F.linear_forward(x, p["W_key"], p.get("b_key"))  # (..., T, d_in) -> (..., T, d_out)
+        value, value_cache = F.linear_forward(x, p["W_value"], p.get("b_value"))  # (..., T, d_in) -> (..., T, d_out)
+        out, attention_cache = F.attention_forward(query, key, value, attn_mask, is_causal)  # -> (..., T, d_out)
+        self._cache = (query_cache, key_cache, value_cache, attention_cache, out.shape)
+        return (out, attention_cache.weights) if return_weights else out
+
+    def backward(self, dout):
+        """Accumulate parameter gradients into ``grads`` and return ``dx``.
+
+        Parameters
+        ----------
+        dout : ndarray, shape (..., T, d_out)
+            Same shape as the forward output.
+
+        Returns
+        -------
+        dx : ndarray, shape (..., T, d_in)
+        """
+        query_cache, key_cache, value_cache, attention_cache, out_shape = self._need_cache()
+        check_same_shape(dout, "dout", out_shape)
+        # reverse order of forward, one line for one line
+        dquery, dkey, dvalue = F.attention_backward(dout, attention_cache)
+        dx_value, dW_value, db_value = F.linear_backward(dvalue, value_cache)
+        dx_key, dW_key, db_key = F.linear_backward(dkey, key_cache)
+        dx_query, dW_query, db_query = F.linear_backward(dquery, query_cache)
+        for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
+                           ("b_query", db_query), ("b_key", db_key), ("b_value", db_value)):
+            self._accumulate(name, grad)
+        return dx_query + dx_key + dx_value  # x feeds q, k and v
+
+
+class MultiHeadAttention(Layer):
+    """Multi-head attention with output projection (BERT, PyTorch, ``fc_out``).
+
+    Parameters
+    ----------
+    embed_dim : int
+        ``E``, the model size; queries, keys, values and output have ``E`` features.
+    num_heads : int
+        ``H``, must divide ``E``; each head has ``D = E // H`` features.
+    bias : bool
+        Add ``b_query, b_key, b_value, b_out`` of shape ``(E,)``.
+    kdim, vdim : int, optional
+        Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
+    rng : numpy.random.Generator or int, optional
+    dtype : float dtype
+
+    Attributes
+    ----------
+    params : dict
+        ``W_query (E, E)``, ``W_key (kdim, E)``, ``W_value (vdim, E)``,
+        ``W_out (E, E)``; with ``bias`` also ``b_query, b_key, b_value, b_out (E,)``.
+        Head ``h`` uses columns ``h*D:(h+1)*D`` of the input projections and
+        rows ``h*D:(h+1)*D`` of ``W_out``. PyTorch stores the transposes:
+        ``W_query = in_proj_weight[:E].T``, ``W_out = out_proj.weight.T``.
+    grads : dict
+
+    Notes
+    -----
+    Forward: :math:`Q = X_q W_q + b_q` (likewise K, V), split into heads,
+    :math:`O_h = \\mathrm{softmax}(Q_h K_h^T / \\sqrt{D} + M) V_h`, heads
+    merged, :math:`Y = O W_{out} + b_{out}`. Backward runs the same ops'
+    backwards in reverse order.
+
+    Masks: ``attn_mask`` (bool True = may attend, or float added to the
+    scores) broadcasts to ``(B, H, T, S)``; ``key_padding_mask`` is bool
+    ``(B, S)`` with **True = a real token that may be attended**. PyTorch's
+    ``nn.MultiheadAttention`` uses the opposite polarity for both boolean
+    masks (True = ignore): pass ``~mask`` when porting code.
+
+    Examples
+    --------
+    >>> mha = MultiHeadAttention(8, 2, rng=0)
+    >>> x = np.ones((3, 5, 8))
+    >>> mha.forward(x, is_causal=True).shape
+    (3, 5, 8)
+    >>> mha.backward(np.ones((3, 5, 8))).shape
+    (3, 5, 8)
+    """
+
+    def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
+                 dtype=np.float64):
+        self.embed_dim = _positive_int(embed_dim, "embed_dim")
+        self.num_heads = _positive_int(num_heads, "num_heads")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} "
+                f"and num_heads={num_heads}"
+            )
+        self.head_dim = self.embed_dim // self.num_heads
+        self.kdim = self.embed_dim if kdim is None else _positive_int(kdim, "kdim")
+        self.vdim = self.embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        self.dtype = _layer_dtype(dtype)
+        self.bias = bool(bias)
+        rng = make_rng(rng)
+        E = self.embed_dim
+        self.params = {
+            "W_query": xavier_uniform(rng, E, E, self.dtype),
+            "W_key": xavier_uniform(rng, self.kdim, E, self.dtype),
+            "W_value": xavier_uniform(rng, self.vdim, E, self.dtype),
+            "W_out": xavier_uniform(rng, E, E, self.dtype),
+        }
+        if self.bias:
+            for name in ("b_query", "b_key", "b_value", "b_out"):
+                self.params[name] = np.zeros(E, dtype=self.dtype)
+        self._cache = None
+        self.zero_grad()
+
+    # -- input checks -------------------------------------------------------
+
+    def _check_inputs(self, query, key, value):
+        self_attention = key is None and value is None
+        if key is None and value is not None:
+            raise ValueError("key must be given when value is given (value defaults to key)")
+        query = as_float_array(query, "query", self.dtype)
+        check_ndim(query, "query", 2, f"(..., T, {self.embed_dim})")
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query must have shape (..., T, {self.embed_dim}), got shape {query.shape}"
+            )
+        if self_attention:
+            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+                raise ValueError(
+                    "self-attention (key=None) needs kdim == vdim == embed_dim; pass key "
+                    "and value for a layer built with other kdim/vdim"
+                )
+            return query, query, query, "self"
+        value_omitted = value is None
+        key = as_float_array(key, "key", self.dtype)
+        value = key if value_omitted else as_float_array(value, "value", self.dtype)
+        check_ndim(key, "key", 2, f"(..., S, {self.kdim})")
+        if key.shape[-1] != self.kdim:
+            raise ValueError(f"key must have shape (..., S, {self.kdim}), got shape {key.shape}")
+        if value.shape[-1] != self.vdim:
+            raise ValueError(
+                f"value must have shape (..., S, {self.vdim}), got shape {value.shape}"
+            )
+        if value.shape[:-1] != key.shape[:-1]:
+            raise ValueError(
+                f"value must have shape {key.shape[:-1] + (self.vdim,)} to match key "
+                f"{key.shape}, got shape {value.shape}"
+            )
+        if key.shape[:-2] != query.shape[:-2]:
+            raise ValueError(
+                f"key must have the batch dims of query {query.shape[:-2]}, "
+                f"got shape {key.shape}"
+            )
+        return query, key, value, "key_only" if value_omitted else "cross"
+
+    def _combine_masks(self, attn_mask, key_padding_mask, batch, T, S):
+        """Fold ``key_padding_mask`` into ``attn_mask``; check the mask's rank."""
+        scores_shape = batch + (self.num_heads, T, S)
+        if attn_mask is not None:
+            attn_mask = np.asarray(attn_mask)
+            if attn_mask.ndim not in (2, len(scores_shape)):
+                raise ValueError(
+                    f"attn_mask must have shape (T, S) = {(T, S)} or "
+                    f"{batch + ('H or 1', T, S)}, got shape {attn_mask.shape}"
+                )
+        if key_padding_mask is None:
+            return attn_mask
+        key_padding_mask = np.asarray(key_padding_mask)
+        if key_padding_mask.dtype != np.bool_:
+            raise TypeError(
+                "key_padding_mask must be bool (True = real token that may be attended), "
+                f"got dtype {key_padding_mask.dtype}"
+            )
+        if key_padding_mask.shape != batch + (S,):
+            raise ValueError(
+                f"key_padding_mask must have shape {batch + (S,)} (batch, S), "
+                f"got shape {key_padding_mask.shape}"
+            )
+        padding = key_padding_mask.reshape(batch + (1, 1, S))  # (B, S) -> (B, 1, 1, S)
+        if attn_mask is None or attn_mask.dtype == np.bool_:
+            return padding if attn_mask is None else attn_mask & padding
+        if attn_mask.dtype.kind != "f":
+            return attn_mask  # let prepare_mask raise its TypeError
+        # a float mask is added, then the boolean padding removes keys: -inf does both
+        return np.where(padding, attn_mask.astype(self.dtype, copy=False), -np.inf)
+
+    # -- forward / backward ---------------------------------------------------
+
+    def forward(self, query, key=None, value=None, attn_mask=None, is_causal=False,
+                key_padding_mask=None, return_weights=False):
+        """Multi-head attention of ``query`` over ``key``/``value``.
+
+        Parameters
+        ----------
+        query : ndarray, shape (..., T, E)
+        key : ndarray, shape (..., S, kdim), optional
+            Omitted: self-attention (``key = value = query``).
+        value : ndarray, shape (..., S, vdim), optional
+            Omitted with ``key`` given: ``value = key``.
+        attn_mask : ndarray of bool or float, optional
+            ``(T, S)`` or ``(..., H or 1, T, S)``; bool True = may attend.
+        is_causal : bool
+        key_padding_mask : ndarray of bool, shape (..., S), optional
+            True = real token (may be attended). Opposite of PyTorch.
+        return_weights : bool
+            Also return the per-head weights ``(..., H, T, S)``.
+
+        Returns
+        -------
+        out : ndarray, shape (..., T, E)
+        weights : ndarray, shape (..., H, T, S)
+            Only with ``return_weights=True``.
+        """
+        query, key, value, kind = self._check_inputs(query, key, value)
+        batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
+        mask = self._combine_masks(attn_mask, key_padding_mask, batch, T, S)
+        p, H = self.params, self.num_heads
+        q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, E) -> (..., T, E)
+        k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, kdim) -> (..., S, E)
+        v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, vdim) -> (..., S, E)
+        q_heads, q_split = F.split_heads_forward(q, H)  # (..., T, E) -> (..., H, T, D)
+        k_heads, k_split = F.split_heads_forward(k, H)  # (..., S, E) -> (..., H, S, D)
+        v_heads, v_split = F.split_heads_forward(v, H)  # (..., S, E) -> (..., H, S, D)
+        # NOTE: the scale is 1/sqrt(head_dim). The seeds' tutorial divides by
+        # sqrt(embed_size), a known bug that over-smooths the softmax.
+        heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads, mask, is_causal)  # -> (..., H, T, D)
+        merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
+        out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, E)
+        self._cache = (kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
+                       attention_cache, merge_cache, out_cache, out.shape)
+        return (out, attention_cache.weights) if return_weights else out
+
+    def backward(self, dout):
+        """Accumulate parameter gradients into ``grads``; return input gradients.
+
+        Parameters
+        ----------
+        dout : ndarray, shape (..., T, E)
+            Same shape as the forward output.
+
+        Returns
+        -------
+        dx : ndarray, shape (..., T, E)
+            For self-attention (the input fed query, key and value: their sum).
+        (dquery, dkey, dvalue) : tuple
+            For cross-attention. When ``value`` was omitted (``value = key``),
+            ``dkey`` is the key input's total gradient and ``dvalue`` is None.
+        """
+        (kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
+         attention_cache, merge_cache, out_cache, out_shape) = self._need_cache()
+        check_same_shape(dout, "dout", out_shape)
+        # reverse order of forward, one line for one line
+        dmerged, dW_out, db_out = F.linear_backward(dout, out_cache)
+        dheads = F.merge_heads_backward(dmerged, merge_cache)
+        dq_heads, dk_heads, dv_heads = F.attention_backward(dheads, attention_cache)
+        dv = F.split_heads_backward(dv_heads, v_split)
+        dk = F.split_heads_backward(dk_heads, k_split)
+        dq = F.split_heads_backward(dq_heads, q_split)
+        dvalue, dW_value, db_value = F.linear_backward(dv, v_cache)
+        dkey, dW_key, db_key = F.linear_backward(dk, k_cache)
+        dquery, dW_query, db_query = F.linear_backward(dq, q_cache)
+        for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
+                           ("W_out", dW_out), ("b_query", db_query), ("b_key", db_key),
+                           ("b_value", db_value), ("b_out", db_out)):
+            self._accumulate(name, grad)
+        if kind == "self":
+            return dquery + dkey + dvalue  # x feeds query, key and value
+        if kind == "key_only":
+            return dquery, dkey + dvalue, None  # key fed both key and value
+        return dquery, dkey, dvalue
