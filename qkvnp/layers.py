@@ -31,6 +31,15 @@ def _positive_int(value, name):
     return int(value)
 
 
+IMPLS = ("auto", "reference")
+
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
 def _layer_dtype(dtype):
     dtype = compute_dtype(np.dtype(dtype))
     if np.dtype(dtype).kind != "f":
@@ -87,6 +96,9 @@ class SelfAttention(Layer):
         Source of the Xavier-uniform initial weights.
     dtype : float dtype
         float32 or float64 (float16 is computed in float32).
+    impl : str
+        Which code path computes attention: ``"reference"`` (the readable
+        oracle in :mod:`qkvnp.functional`) or ``"auto"`` (the default).
 
     Attributes
     ----------
@@ -116,7 +128,8 @@ class SelfAttention(Layer):
     (6, 3)
     """
 
-    def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64):
+    def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto"):
+        self.impl = _check_impl(impl)
         self.d_in = _positive_int(d_in, "d_in")
         self.d_out = _positive_int(d_out, "d_out")
         self.dtype = _layer_dtype(dtype)
@@ -201,6 +214,8 @@ class MultiHeadAttention(Layer):
         Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
     rng : numpy.random.Generator or int, optional
     dtype : float dtype
+    impl : str
+        ``"reference"`` or ``"auto"`` (the default); see :class:`SelfAttention`.
 
     Attributes
     ----------
@@ -236,7 +251,8 @@ class MultiHeadAttention(Layer):
     """
 
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
-                 dtype=np.float64):
+                 dtype=np.float64, impl="auto"):
+        self.impl = _check_impl(impl)
         self.embed_dim = _positive_int(embed_dim, "embed_dim")
         self.num_heads = _positive_int(num_heads, "num_heads")
         if self.embed_dim % self.num_heads:

@@ -49,3 +49,13 @@ def torch():
 def rng():
     """A fresh seeded generator per test, so failures reproduce."""
     return np.random.default_rng(12345)
+
+
+# Every layer test runs on each implementation the layers offer.
+LAYER_IMPLS = ["reference"]
+
+
+@pytest.fixture(params=LAYER_IMPLS)
+def impl(request):
+    """Name of the layer implementation under test (``impl=`` keyword)."""
+    return request.param
