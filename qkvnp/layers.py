@@ -9,12 +9,15 @@ A layer holds ``params`` and ``grads`` (dicts with the same keys and shapes),
 *accumulates* into ``grads`` (like autograd engines' ``+=``) and returns the
 gradient of its inputs. ``zero_grad()`` resets the gradients.
 """
+from collections import namedtuple
+
 import numpy as np
 
 from . import functional as F
 from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype, make_rng
 
-__all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform"]
+__all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform",
+           "Linear", "Embedding", "embedding_forward", "embedding_backward", "EmbeddingCache"]
 
 
 def xavier_uniform(rng, fan_in, fan_out, dtype):
@@ -435,3 +438,274 @@ class MultiHeadAttention(Layer):
         if kind == "key_only":
             return dquery, dkey + dvalue, None  # key fed both key and value
         return dquery, dkey, dvalue
+
+
+# ---------------------------------------------------------------- small layers
+
+
+class Linear(Layer):
+    """Affine layer ``y = x @ W + b`` over the last axis (``fc``, ``nn.Linear``).
+
+    Parameters
+    ----------
+    in_features : int
+        ``N``, size of each input vector.
+    out_features : int
+        ``M``, size of each output vector.
+    bias : bool
+        Add ``b`` of shape ``(M,)``.
+    rng : numpy.random.Generator or int, optional
+        Source of the initial weights.
+    dtype : float dtype
+        float32 or float64 (float16 is computed in float32).
+
+    Attributes
+    ----------
+    params : dict
+        ``W (N, M)`` (the seeds' ``x @ W`` convention; PyTorch's
+        ``nn.Linear.weight`` is ``W.T``) and, with ``bias``, ``b (M,)``.
+    grads : dict
+        Same keys and shapes as ``params``.
+
+    Notes
+    -----
+    Forward: :math:`Y = XW + b` (:func:`qkvnp.functional.linear_forward`).
+    Backward, leading dims of :math:`X` flattened into rows:
+    :math:`\\bar X = \\bar Y W^T`, :math:`\\bar W = X^T \\bar Y`,
+    :math:`\\bar b = \\sum_{rows} \\bar Y`.
+
+    Initialisation as PyTorch's ``nn.Linear``: ``W`` and ``b`` uniform in
+    :math:`[-1/\\sqrt{N}, 1/\\sqrt{N}]`.
+
+    Examples
+    --------
+    >>> layer = Linear(3, 2, rng=0)
+    >>> layer.forward(np.ones((4, 5, 3))).shape
+    (4, 5, 2)
+    >>> layer.backward(np.ones((4, 5, 2))).shape
+    (4, 5, 3)
+    >>> layer.grads["b"]
+    array([20., 20.])
+    """
+
+    def __init__(self, in_features, out_features, bias=True, rng=None, dtype=np.float64):
+        self.in_features = _positive_int(in_features, "in_features")
+        self.out_features = _positive_int(out_features, "out_features")
+        self.dtype = _layer_dtype(dtype)
+        self.bias = bool(bias)
+        rng = make_rng(rng)
+        bound = 1.0 / np.sqrt(self.in_features)
+        self.params = {
+            "W": rng.uniform(-bound, bound, size=(self.in_features, self.out_features)).astype(self.dtype),
+        }
+        if self.bias:
+            self.params["b"] = rng.uniform(-bound, bound, size=self.out_features).astype(self.dtype)
+        self._cache = None
+        self.zero_grad()
+
+    def forward(self, x):
+        """Apply the affine map to the last axis of ``x``.
+
+        Parameters
+        ----------
+        x : ndarray, shape (..., in_features)
+
+        Returns
+        -------
+        out : ndarray, shape (..., out_features)
+        """
+        x = as_float_array(x, "x", self.dtype)
+        check_ndim(x, "x", 1, f"(..., {self.in_features})")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x must have shape (..., {self.in_features}), got shape {x.shape}"
+            )
+        out, linear_cache = F.linear_forward(x, self.params["W"], self.params.get("b"))  # (..., N) -> (..., M)
+        self._cache = (linear_cache, out.shape)
+        return out
+
+    def backward(self, dout):
+        """Accumulate ``dW`` (and ``db``) into ``grads``; return ``dx``.
+
+        Parameters
+        ----------
+        dout : ndarray, shape (..., out_features)
+            Same shape as the forward output.
+
+        Returns
+        -------
+        dx : ndarray, shape (..., in_features)
+        """
+        linear_cache, out_shape = self._need_cache()
+        check_same_shape(dout, "dout", out_shape)
+        dx, dW, db = F.linear_backward(dout, linear_cache)
+        self._accumulate("W", dW)
+        if self.bias:
+            self._accumulate("b", db)
+        return dx
+
+
+EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
+
+
+def _check_indices(indices, num_embeddings, name="indices"):
+    """Integer array with every entry in ``[0, num_embeddings)``."""
+    if indices is None:
+        raise TypeError(f"{name} must be an integer array, got None")
+    indices = np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must hold integer token ids (e.g. int64), got dtype {indices.dtype}"
+        )
+    bad = (indices < 0) | (indices >= num_embeddings)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be in [0, {num_embeddings}) (num_embeddings={num_embeddings}), "
+            f"got {int(indices[where])} at index {where}"
+        )
+    return indices
+
+
+def embedding_forward(indices, weight):
+    """Look up rows of ``weight``: ``out[...] = weight[indices[...]]``.
+
+    Parameters
+    ----------
+    indices : ndarray of int, shape (...)
+        Entries in ``[0, num)``; negative indices are refused (no wrap-around).
+    weight : ndarray, shape (num, dim)
+
+    Returns
+    -------
+    out : ndarray, shape (..., dim)
+    cache : EmbeddingCache
+
+    Raises
+    ------
+    TypeError
+        If ``indices`` is not an integer array.
+    ValueError
+        If ``weight`` is not 2-D or an index is out of range.
+
+    Notes
+    -----
+    Forward: :math:`Y_{\\dots} = W_{i_{\\dots}}` (a one-hot matrix times
+    :math:`W`). Backward: :math:`\\bar W_r = \\sum_{\\dots : i_{\\dots} = r}
+    \\bar Y_{\\dots}`: every occurrence of row :math:`r` adds its upstream
+    gradient (``np.add.at``, which, unlike ``dW[indices] += dout``, does not
+    drop repeated indices). The indices get no gradient.
+
+    Examples
+    --------
+    >>> out, cache = embedding_forward(np.array([2, 0, 2]), np.arange(6.0).reshape(3, 2))
+    >>> out
+    array([[4., 5.],
+           [0., 1.],
+           [4., 5.]])
+    >>> embedding_backward(np.ones((3, 2)), cache)
+    array([[1., 1.],
+           [0., 0.],
+           [2., 2.]])
+    """
+    weight = as_float_array(weight, "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
+    indices = _check_indices(indices, weight.shape[0])
+    out = weight[indices]  # (...) -> (..., dim)
+    return out, EmbeddingCache(indices, weight.shape, weight.dtype)
+
+
+def embedding_backward(dout, cache):
+    """Backward of :func:`embedding_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., dim)
+    cache : EmbeddingCache
+
+    Returns
+    -------
+    dweight : ndarray, shape (num, dim)
+        Rows never looked up are 0; repeated indices add up.
+    """
+    indices, weight_shape, dtype = cache
+    check_same_shape(dout, "dout", indices.shape + (weight_shape[1],))
+    dout = np.asarray(dout, dtype=dtype)
+    dweight = np.zeros(weight_shape, dtype=dtype)
+    np.add.at(dweight, indices.reshape(-1), dout.reshape(-1, weight_shape[1]))  # (rows, dim) -> (num, dim)
+    return dweight
+
+
+class Embedding(Layer):
+    """Lookup table of ``num_embeddings`` trainable vectors (``nn.Embedding``).
+
+    Parameters
+    ----------
+    num_embeddings : int
+        Vocabulary size (or number of positions, for learned positional embeddings).
+    embedding_dim : int
+        Size of each vector.
+    rng : numpy.random.Generator or int, optional
+    dtype : float dtype
+
+    Attributes
+    ----------
+    params : dict
+        ``weight (num_embeddings, embedding_dim)``, initialised N(0, 1) as
+        PyTorch's ``nn.Embedding``.
+    grads : dict
+
+    Notes
+    -----
+    See :func:`embedding_forward`. ``backward`` returns None: integer indices
+    are not differentiable.
+
+    Examples
+    --------
+    >>> emb = Embedding(10, 4, rng=0)
+    >>> emb.forward(np.array([[1, 2, 1]])).shape
+    (1, 3, 4)
+    >>> emb.backward(np.ones((1, 3, 4))) is None
+    True
+    >>> emb.grads["weight"][1]
+    array([2., 2., 2., 2.])
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, rng=None, dtype=np.float64):
+        self.num_embeddings = _positive_int(num_embeddings, "num_embeddings")
+        self.embedding_dim = _positive_int(embedding_dim, "embedding_dim")
+        self.dtype = _layer_dtype(dtype)
+        rng = make_rng(rng)
+        self.params = {
+            "weight": rng.standard_normal((self.num_embeddings, self.embedding_dim)).astype(self.dtype),
+        }
+        self._cache = None
+        self.zero_grad()
+
+    def forward(self, indices):
+        """Return the vectors of ``indices``.
+
+        Parameters
+        ----------
+        indices : ndarray of int, shape (...)
+            Entries in ``[0, num_embeddings)``.
+
+        Returns
+        -------
+        out : ndarray, shape (..., embedding_dim)
+        """
+        out, self._cache = embedding_forward(indices, self.params["weight"])  # (...) -> (..., dim)
+        return out
+
+    def backward(self, dout):
+        """Accumulate the gradient of ``weight`` into ``grads``; return None.
+
+        Parameters
+        ----------
+        dout : ndarray, shape (..., embedding_dim)
+            Same shape as the forward output.
+        """
+        cache = self._need_cache()
+        self._accumulate("weight", embedding_backward(dout, cache))
+        return None
