@@ -1,0 +1,422 @@
+"""Optimizers that update a model's ``params`` dict in place from its ``grads``.
+
+Shape key: none of their own; each state buffer has its parameter's shape and dtype.
+
+Each optimizer follows the algorithm documented for its ``torch.optim``
+namesake (``maximize=False``, ``amsgrad=False``) in the same operation
+order, so float64 trajectories agree with PyTorch's to rounding. The update
+equations are written one per line, each with its formula in a comment.
+
+State is keyed by parameter name and exported *flat*: ``state_dict()``
+returns ``{"step": 0-d int64, "<buffer>/<param name>": ndarray, ...}``,
+ready for ``np.savez`` and ``np.load(..., allow_pickle=False)``.
+Hyperparameters (``lr``, ``betas``, ...) are configuration, not state: they
+are not in the state dict, and the caller restores them.
+"""
+import numbers
+
+import numpy as np
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+
+
+def _real(value, name):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _at_least(value, name, low):
+    value = _real(value, name)
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _positive(value, name):
+    value = _real(value, name)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def _unit_interval(value, name):
+    """A value in ``[0, 1)``, as Adam's betas."""
+    value = _real(value, name)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return value
+
+
+class Optimizer:
+    """Base class: holds the model's ``params`` dict and per-name state.
+
+    Parameters
+    ----------
+    params : dict of str to ndarray
+        The model's parameters (e.g. ``layer.params``). The dict itself is
+        kept, and its arrays are updated **in place**: they keep their
+        identity, so a layer sees the new values without any copy-back.
+    lr : float
+        Learning rate, > 0. A public attribute: a schedule may assign it
+        between steps (the new value is validated).
+
+    Attributes
+    ----------
+    lr : float
+    step_count : int
+        Number of ``step`` calls so far (``"step"`` in the state dict).
+    state : dict of str to ndarray
+        Flat state, keys ``"<buffer>/<param name>"``.
+
+    Notes
+    -----
+    Subclasses list their buffer names in ``_buffers`` and implement
+    ``_update(name, param, grad)``.
+    """
+
+    _buffers = ()
+
+    def __init__(self, params, lr):
+        if not isinstance(params, dict):
+            raise TypeError(
+                f"params must be a dict of name -> ndarray (e.g. layer.params), got {type(params).__name__}"
+            )
+        if not params:
+            raise ValueError("params must hold at least one parameter, got an empty dict")
+        for name, param in params.items():
+            if not isinstance(name, str):
+                raise TypeError(f"params keys must be str, got {name!r}")
+            if not isinstance(param, np.ndarray) or param.dtype.kind != "f":
+                raise TypeError(
+                    f"params[{name!r}] must be a float ndarray, got "
+                    f"{type(param).__name__} of dtype {getattr(param, 'dtype', None)}"
+                )
+            if not param.flags.writeable:
+                raise ValueError(f"params[{name!r}] must be writeable: it is updated in place")
+        self.params = params
+        self.lr = lr
+        self.step_count = 0
+        self.state = {
+            f"{buffer}/{name}": np.zeros_like(param)
+            for buffer in self._buffers
+            for name, param in params.items()
+        }
+
+    @property
+    def lr(self):
+        """Learning rate (a float > 0); assignable between steps."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value):
+        self._lr = _positive(value, "lr")
+
+    def _check_grads(self, grads):
+        if not isinstance(grads, dict):
+            raise TypeError(f"grads must be a dict of name -> ndarray, got {type(grads).__name__}")
+        unknown = sorted(set(grads) - set(self.params))
+        if unknown:
+            raise ValueError(
+                f"grads has key {unknown[0]!r} that is not a parameter; expected keys "
+                f"{sorted(self.params)}"
+            )
+        checked = {}
+        for name, param in self.params.items():
+            if name not in grads:
+                raise ValueError(
+                    f"grads is missing the gradient of parameter {name!r} (shape {param.shape})"
+                )
+            grad = np.asarray(grads[name])
+            if grad.dtype.kind not in "biuf":
+                raise TypeError(f"grads[{name!r}] must be real-valued, got dtype {grad.dtype}")
+            if grad.shape != param.shape:
+                raise ValueError(
+                    f"grads[{name!r}] must have the shape of its parameter {param.shape}, "
+                    f"got shape {grad.shape}"
+                )
+            checked[name] = grad.astype(param.dtype, copy=False)
+        return checked
+
+    def step(self, grads):
+        """Update every parameter in place from its gradient.
+
+        Parameters
+        ----------
+        grads : dict of str to ndarray
+            Exactly the keys of ``params``, each with its parameter's shape
+            (e.g. ``layer.grads``). Not modified.
+
+        Raises
+        ------
+        ValueError
+            If a gradient is missing, misshaped or not a parameter's; nothing
+            is updated then.
+        """
+        grads = self._check_grads(grads)
+        self.step_count += 1
+        for name, param in self.params.items():
+            self._update(name, param, grads[name])
+
+    def _update(self, name, param, grad):
+        raise NotImplementedError
+
+    # -- state ---------------------------------------------------------------
+
+    def state_dict(self):
+        """Return a flat copy of the state, ready for ``np.savez``.
+
+        Returns
+        -------
+        dict of str to ndarray
+            ``"step"``: 0-d int64; ``"<buffer>/<param name>"``: a copy of each
+            buffer (e.g. ``"exp_avg/W_query"``).
+        """
+        state = {"step": np.array(self.step_count, dtype=np.int64)}
+        state.update({key: value.copy() for key, value in self.state.items()})
+        return state
+
+    def load_state_dict(self, state):
+        """Restore a state from :meth:`state_dict` (e.g. read back with ``np.load``).
+
+        Parameters
+        ----------
+        state : mapping of str to ndarray
+            Exactly the keys of :meth:`state_dict`, with the same shapes and
+            dtypes. An ``NpzFile`` works.
+
+        Raises
+        ------
+        ValueError
+            Naming the first missing, unexpected, misshaped or mistyped key.
+            Nothing is changed when it raises.
+        """
+        try:
+            keys = set(state.keys())
+        except AttributeError:
+            raise TypeError(
+                f"state must be a mapping of str -> ndarray, got {type(state).__name__}"
+            ) from None
+        expected = self.state_dict()
+        missing = sorted(set(expected) - keys)
+        if missing:
+            raise ValueError(f"optimizer state is missing key {missing[0]!r}")
+        unexpected = sorted(keys - set(expected))
+        if unexpected:
+            raise ValueError(
+                f"optimizer state has unexpected key {unexpected[0]!r} (expected keys "
+                f"{sorted(expected)}; another optimizer or model?)"
+            )
+        loaded = {}
+        for key, reference in expected.items():
+            value = np.asarray(state[key])
+            if value.shape != reference.shape:
+                raise ValueError(
+                    f"optimizer state {key!r} must have shape {reference.shape}, got shape {value.shape}"
+                )
+            if value.dtype != reference.dtype:
+                raise ValueError(
+                    f"optimizer state {key!r} must have dtype {reference.dtype}, got dtype {value.dtype}"
+                )
+            if key != "step" and not np.isfinite(value).all():
+                raise ValueError(f"optimizer state {key!r} contains NaN or inf")
+            loaded[key] = np.array(value, copy=True)
+        step = int(loaded.pop("step"))
+        if step < 0:
+            raise ValueError(f"optimizer state 'step' must be >= 0, got {step}")
+        self.step_count = step
+        self.state = loaded
+
+    def __repr__(self):
+        settings = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"{type(self).__name__}({settings})"
+
+    def _settings(self):
+        return {"lr": self.lr}
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, dampening, weight decay, Nesterov.
+
+    Parameters
+    ----------
+    params : dict of str to ndarray
+    lr : float
+        Learning rate :math:`\\gamma > 0`.
+    momentum : float
+        :math:`\\mu \\ge 0`.
+    dampening : float
+        :math:`\\tau \\ge 0`.
+    weight_decay : float
+        L2 coefficient :math:`\\lambda \\ge 0`, added to the gradient.
+    nesterov : bool
+        Needs ``momentum > 0`` and ``dampening == 0`` (as PyTorch).
+
+    Notes
+    -----
+    ``torch.optim.SGD``'s algorithm, at step :math:`t`:
+
+    .. math::
+        g_t &\\leftarrow g_t + \\lambda \\theta_{t-1} \\\\
+        b_t &= g_t \\ (t = 1), \\quad \\mu b_{t-1} + (1 - \\tau) g_t \\ (t > 1) \\\\
+        g_t &\\leftarrow g_t + \\mu b_t \\ \\text{(Nesterov)}, \\quad b_t \\ \\text{(otherwise)} \\\\
+        \\theta_t &= \\theta_{t-1} - \\gamma g_t
+
+    The momentum buffer ``momentum_buffer/<name>`` exists (zeros before the
+    first step) only when ``momentum > 0``.
+
+    Examples
+    --------
+    One plain step is exactly :math:`\\theta - \\gamma g`:
+
+    >>> params = {"w": np.array([1.0, 2.0])}
+    >>> SGD(params, lr=0.5).step({"w": np.array([2.0, -2.0])})
+    >>> params["w"]
+    array([0., 3.])
+    """
+
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+        self.momentum = _at_least(momentum, "momentum", 0.0)
+        self.dampening = _at_least(dampening, "dampening", 0.0)
+        self.weight_decay = _at_least(weight_decay, "weight_decay", 0.0)
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+        if nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError(
+                "nesterov=True needs momentum > 0 and dampening == 0, got "
+                f"momentum={self.momentum} and dampening={self.dampening}"
+            )
+        self.nesterov = bool(nesterov)
+        self._buffers = ("momentum_buffer",) if self.momentum > 0 else ()
+        super().__init__(params, lr)
+
+    def _settings(self):
+        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def _update(self, name, param, grad):
+        lr, mu, tau, decay = self.lr, self.momentum, self.dampening, self.weight_decay
+        if decay != 0:
+            grad = grad + decay * param  # g <- g + lambda * theta
+        if mu != 0:
+            buf = self.state[f"momentum_buffer/{name}"]
+            if self.step_count == 1:
+                buf[...] = grad  # b_1 = g_1
+            else:
+                buf[...] = mu * buf + (1 - tau) * grad  # b_t = mu * b_{t-1} + (1 - tau) * g_t
+            grad = grad + mu * buf if self.nesterov else buf  # g <- g + mu * b_t (Nesterov) or b_t
+        param -= lr * grad  # theta_t = theta_{t-1} - lr * g
+
+
+class Adam(Optimizer):
+    """Adam, with optional L2 weight decay added to the gradient (``torch.optim.Adam``).
+
+    Parameters
+    ----------
+    params : dict of str to ndarray
+    lr : float
+        :math:`\\gamma > 0`.
+    betas : (float, float)
+        :math:`(\\beta_1, \\beta_2)`, each in ``[0, 1)``.
+    eps : float
+        :math:`\\epsilon > 0`, added to :math:`\\sqrt{\\hat v}`.
+    weight_decay : float
+        :math:`\\lambda \\ge 0`: L2 penalty, **added to the gradient** (so it
+        is rescaled by Adam). For decoupled decay use :class:`AdamW`.
+
+    Notes
+    -----
+    At step :math:`t` (buffers ``exp_avg/<name>`` = m and
+    ``exp_avg_sq/<name>`` = v, zeros before the first step):
+
+    .. math::
+        g_t &\\leftarrow g_t + \\lambda \\theta_{t-1} \\\\
+        m_t &= \\beta_1 m_{t-1} + (1 - \\beta_1) g_t \\\\
+        v_t &= \\beta_2 v_{t-1} + (1 - \\beta_2) g_t^2 \\\\
+        \\theta_t &= \\theta_{t-1} - \\frac{\\gamma}{1 - \\beta_1^t}
+            \\frac{m_t}{\\sqrt{v_t} / \\sqrt{1 - \\beta_2^t} + \\epsilon}
+
+    The first step moves each entry by about :math:`\\gamma\\,\\mathrm{sign}(g)`
+    (exactly :math:`\\gamma |g| / (|g| + \\epsilon)`).
+
+    Examples
+    --------
+    >>> params = {"w": np.array([1.0, 1.0])}
+    >>> Adam(params, lr=0.1).step({"w": np.array([3.0, -0.5])})
+    >>> params["w"].round(6)
+    array([0.9, 1.1])
+    """
+
+    _buffers = ("exp_avg", "exp_avg_sq")
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        try:
+            beta1, beta2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+        self.betas = (_unit_interval(beta1, "betas[0]"), _unit_interval(beta2, "betas[1]"))
+        self.eps = _positive(eps, "eps")
+        self.weight_decay = _at_least(weight_decay, "weight_decay", 0.0)
+        super().__init__(params, lr)
+
+    def _settings(self):
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+    def _update(self, name, param, grad):
+        lr, (beta1, beta2), eps, decay = self.lr, self.betas, self.eps, self.weight_decay
+        exp_avg = self.state[f"exp_avg/{name}"]
+        exp_avg_sq = self.state[f"exp_avg_sq/{name}"]
+        step = float(self.step_count)
+        if decay != 0:
+            if self._decoupled:
+                param *= 1 - lr * decay  # theta <- theta * (1 - lr * lambda)  (AdamW)
+            else:
+                grad = grad + decay * param  # g <- g + lambda * theta  (Adam's L2)
+        # NOTE: m is updated as torch's lerp, m + (1 - beta1) (g - m): the same
+        # value as beta1 m + (1 - beta1) g up to rounding, and torch's rounding.
+        exp_avg += (1 - beta1) * (grad - exp_avg)  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
+        exp_avg_sq *= beta2  # v_t = beta2 * v_{t-1} + ...
+        exp_avg_sq += (1 - beta2) * grad * grad  # ... + (1 - beta2) * g^2
+        step_size = lr / (1 - beta1**step)  # lr / (1 - beta1^t)
+        denom = np.sqrt(exp_avg_sq) / (1 - beta2**step) ** 0.5 + eps  # sqrt(v_t / (1 - beta2^t)) + eps
+        param -= step_size * exp_avg / denom  # theta_t = theta_{t-1} - step_size * m_t / denom
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (``torch.optim.AdamW``).
+
+    Parameters
+    ----------
+    params : dict of str to ndarray
+    lr : float
+    betas : (float, float)
+    eps : float
+    weight_decay : float
+        :math:`\\lambda \\ge 0` (default ``1e-2``, as PyTorch): each step first
+        shrinks the parameters, :math:`\\theta \\leftarrow \\theta (1 - \\gamma\\lambda)`,
+        then takes the Adam step with the *undecayed* gradient.
+
+    Notes
+    -----
+    Same as :class:`Adam` except the decay line; with ``weight_decay=0`` the
+    two are identical.
+
+    Examples
+    --------
+    A zero gradient still shrinks the weights:
+
+    >>> params = {"w": np.array([2.0])}
+    >>> AdamW(params, lr=0.1, weight_decay=0.5).step({"w": np.array([0.0])})
+    >>> params["w"]
+    array([1.9])
+    """
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
