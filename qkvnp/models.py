@@ -1,0 +1,286 @@
+"""Small models trained by :mod:`qkvnp.train`: kv-recall and the teacher's student.
+
+Shape key: B batch, P stored key/value pairs, T sequence length, E embedding,
+K key vocabulary, V value vocabulary.
+
+A model exposes ONE flat ``params`` dict whose entries are the very arrays of
+its sub-layers (``"embed_key.weight"`` *is* ``model.embed_key.params["weight"]``),
+so an optimizer built on ``model.params`` that updates arrays in place trains
+the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
+``zero_grad()`` resets it.
+"""
+import numpy as np
+
+from . import functional as F
+from ._checks import check_same_shape, make_rng
+from .layers import Embedding, Linear, MultiHeadAttention, _layer_dtype, xavier_uniform
+
+__all__ = ["Model", "KVRecallModel", "AttentionRegressor", "VARIANTS"]
+
+# variant -> parameter used as the (query, key, value) projection; None = identity
+VARIANTS = {
+    "separate": ("W_query", "W_key", "W_value"),  # three independent matrices
+    "tied_qk": ("W_qk", "W_qk", "W_value"),  # Q = K: one matrix for both
+    "no_value": ("W_query", "W_key", None),  # value = the token itself
+    "shared": ("W_shared", "W_shared", "W_shared"),  # one matrix for all three
+}
+
+
+class Model:
+    """Flat ``params``/``grads`` over named sub-layers and the model's own arrays.
+
+    Subclasses set ``self._layers`` (prefix -> layer) and ``self._own``
+    (name -> array) and call ``self.zero_grad()`` at the end of ``__init__``.
+    """
+
+    _layers: dict
+    _own: dict
+
+    @property
+    def params(self):
+        """Flat dict ``"prefix.name" -> array``, sharing the sub-layers' arrays."""
+        flat = dict(self._own)
+        for prefix, layer in self._layers.items():
+            for name, value in layer.params.items():
+                flat[f"{prefix}.{name}"] = value
+        return flat
+
+    def zero_grad(self):
+        """Reset every gradient (the sub-layers' and the model's own) to zeros."""
+        for layer in self._layers.values():
+            layer.zero_grad()
+        self._own_grads = {name: np.zeros_like(value) for name, value in self._own.items()}
+        self.grads = dict(self._own_grads)
+        for prefix, layer in self._layers.items():
+            for name, value in layer.grads.items():
+                self.grads[f"{prefix}.{name}"] = value
+
+    def num_parameters(self):
+        """Total number of scalar parameters."""
+        return sum(p.size for p in self.params.values())
+
+    def _need_cache(self):
+        if getattr(self, "_cache", None) is None:
+            raise ValueError(
+                f"{type(self).__name__}.backward called before forward: call "
+                "forward(...) first, then backward(dout)"
+            )
+        return self._cache
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def _int_array(x, name, shape_hint):
+    x = np.asarray(x)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer token ids {shape_hint}, got dtype {x.dtype}")
+    return x
+
+
+class KVRecallModel(Model):
+    """One attention layer that looks a query key up among stored key/value pairs.
+
+    The sequence ``(k_1, v_1), ..., (k_P, v_P), q`` becomes ``P + 1`` tokens:
+    stored item ``i`` is ``embed_key[k_i] + embed_value[v_i]``, the final
+    token is ``embed_key[q] + query_marker``. The final token's query attends
+    over the ``P`` items' keys; the attended value goes through a linear
+    readout to ``V`` logits.
+
+    Parameters
+    ----------
+    num_keys, num_values : int
+        ``K`` and ``V``, vocabulary sizes.
+    dim : int
+        ``E``, size of embeddings, queries, keys and values.
+    variant : {"separate", "tied_qk", "no_value", "shared"}
+        How the projections are tied (see :data:`VARIANTS`): independent
+        ``W_query, W_key, W_value``; one ``W_qk`` for queries and keys;
+        no value projection (values are the item tokens); one ``W_shared``
+        for all three.
+    rng : numpy.random.Generator or int, optional
+    dtype : float dtype
+
+    Attributes
+    ----------
+    params : dict
+        ``embed_key.weight (K, E)``, ``embed_value.weight (V, E)``,
+        ``query_marker (E,)``, the variant's ``attention.W_* (E, E)``,
+        ``readout.W (E, V)``, ``readout.b (V,)``.
+    grads : dict
+
+    Notes
+    -----
+    Forward, for one sequence with items :math:`X \\in R^{P \\times E}` and
+    final token :math:`x_q`:
+
+    .. math:: q = x_q W_q, \\quad K = X W_k, \\quad V = X W_v, \\quad
+              a = \\mathrm{softmax}(q K^T / \\sqrt{E})\\, V, \\quad
+              \\ell = a W_r + b_r
+
+    Backward: readout backward gives :math:`\\bar a`, attention backward gives
+    :math:`\\bar q, \\bar K, \\bar V`, each projection gives
+    :math:`\\bar W = X^T \\bar Y` and :math:`\\bar X`. A tied matrix receives
+    the **sum** of the gradients of its uses (``W_qk`` gets
+    :math:`x_q^T \\bar q + X^T \\bar K`), exactly as an input used twice does.
+    The items get :math:`\\bar X = \\bar K W_k^T + \\bar V W_v^T`, which flows
+    into both embedding tables; the query token's gradient flows into
+    ``embed_key`` and ``query_marker``.
+
+    Examples
+    --------
+    >>> model = KVRecallModel(num_keys=6, num_values=4, dim=8, rng=0)
+    >>> keys, values, query = np.array([[0, 3, 5]]), np.array([[1, 1, 2]]), np.array([3])
+    >>> logits = model.forward(keys, values, query)
+    >>> logits.shape
+    (1, 4)
+    >>> model.backward(np.ones((1, 4)))
+    >>> sorted(model.grads) == sorted(model.params)
+    True
+    """
+
+    def __init__(self, num_keys, num_values, dim, variant="separate", rng=None, dtype=np.float64):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+        rng = make_rng(rng)
+        self.variant = variant
+        self.dtype = _layer_dtype(dtype)
+        self.embed_key = Embedding(num_keys, dim, rng=rng, dtype=self.dtype)
+        self.embed_value = Embedding(num_values, dim, rng=rng, dtype=self.dtype)
+        self.num_keys, self.num_values, self.dim = num_keys, num_values, dim
+        self.readout = Linear(dim, num_values, rng=rng, dtype=self.dtype)
+        self._own = {"query_marker": rng.standard_normal(dim).astype(self.dtype)}
+        self.roles = tuple(None if name is None else "attention." + name
+                           for name in VARIANTS[variant])
+        for name in dict.fromkeys(self.roles):  # each distinct matrix once, in order
+            if name is not None:
+                self._own[name] = xavier_uniform(rng, dim, dim, self.dtype)
+        self._layers = {"embed_key": self.embed_key, "embed_value": self.embed_value,
+                        "readout": self.readout}
+        self._cache = None
+        self.zero_grad()
+
+    def forward(self, keys, values, query, return_weights=False):
+        """Logits of the value stored under ``query``.
+
+        Parameters
+        ----------
+        keys, values : ndarray of int, shape (B, P)
+            The stored pairs; keys in ``[0, K)``, values in ``[0, V)``.
+        query : ndarray of int, shape (B,)
+            The key asked for.
+        return_weights : bool
+            Also return the attention weights of the query over the items.
+
+        Returns
+        -------
+        logits : ndarray, shape (B, V)
+        weights : ndarray, shape (B, P)
+            Only with ``return_weights=True``.
+        """
+        keys = _int_array(keys, "keys", "(B, P)")
+        values = _int_array(values, "values", "(B, P)")
+        query = _int_array(query, "query", "(B,)")
+        if keys.ndim != 2:
+            raise ValueError(f"keys must have shape (B, P), got shape {keys.shape}")
+        if values.shape != keys.shape:
+            raise ValueError(f"values must have the shape of keys {keys.shape}, got shape {values.shape}")
+        if query.shape != keys.shape[:1]:
+            raise ValueError(f"query must have shape {keys.shape[:1]} (B,), got shape {query.shape}")
+        P = keys.shape[1]
+        own, (role_q, role_k, role_v) = self._own, self.roles
+        tokens = np.concatenate([keys, query[:, None]], axis=1)  # (B, P) + (B, 1) -> (B, P+1)
+        key_vectors = self.embed_key.forward(tokens)  # (B, P+1) -> (B, P+1, E)
+        value_vectors = self.embed_value.forward(values)  # (B, P) -> (B, P, E)
+        items = key_vectors[:, :P] + value_vectors  # (B, P, E)
+        query_token = key_vectors[:, P:] + own["query_marker"]  # (B, 1, E)
+        q, q_cache = F.linear_forward(query_token, own[role_q])  # (B, 1, E) -> (B, 1, E)
+        k, k_cache = F.linear_forward(items, own[role_k])  # (B, P, E) -> (B, P, E)
+        if role_v is None:
+            v, v_cache = items, None  # NOTE: no value projection: values are the items
+        else:
+            v, v_cache = F.linear_forward(items, own[role_v])  # (B, P, E) -> (B, P, E)
+        attended, attention_cache = F.attention_forward(q, k, v)  # -> (B, 1, E)
+        logits = self.readout.forward(attended[:, 0])  # (B, E) -> (B, V)
+        self._cache = (q_cache, k_cache, v_cache, attention_cache, P, logits.shape)
+        if return_weights:
+            return logits, attention_cache.weights[:, 0]  # (B, 1, P) -> (B, P)
+        return logits
+
+    def backward(self, dlogits):
+        """Accumulate every parameter's gradient into ``grads``.
+
+        Parameters
+        ----------
+        dlogits : ndarray, shape (B, V)
+            Same shape as the forward output.
+
+        Returns
+        -------
+        None
+            The inputs are integer ids: they have no gradient.
+        """
+        q_cache, k_cache, v_cache, attention_cache, P, logits_shape = self._need_cache()
+        check_same_shape(dlogits, "dlogits", logits_shape)
+        role_q, role_k, role_v = self.roles
+        # reverse order of forward, one line for one line
+        dattended = self.readout.backward(dlogits)[:, None]  # (B, E) -> (B, 1, E)
+        dq, dk, dv = F.attention_backward(dattended, attention_cache)
+        if role_v is None:
+            ditems_from_value = dv
+        else:
+            ditems_from_value, dW_value, _ = F.linear_backward(dv, v_cache)
+            self._own_grads[role_v] += dW_value
+        ditems_from_key, dW_key, _ = F.linear_backward(dk, k_cache)
+        self._own_grads[role_k] += dW_key  # a tied matrix sums the gradients of its uses
+        dquery_token, dW_query, _ = F.linear_backward(dq, q_cache)
+        self._own_grads[role_q] += dW_query
+        self._own_grads["query_marker"] += dquery_token.sum(axis=(0, 1))  # (B, 1, E) -> (E,)
+        ditems = ditems_from_key + ditems_from_value  # the items feed keys and values
+        self.embed_value.backward(ditems)
+        self.embed_key.backward(np.concatenate([ditems, dquery_token], axis=1))  # -> (B, P+1, E)
+        return None
+
+
+class AttentionRegressor(Model):
+    """The teacher task's student: one :class:`~qkvnp.MultiHeadAttention`.
+
+    Parameters
+    ----------
+    embed_dim, num_heads : int
+    rng : numpy.random.Generator or int, optional
+    dtype : float dtype
+
+    Attributes
+    ----------
+    params : dict
+        ``attention.W_query``, ``attention.W_key``, ``attention.W_value``,
+        ``attention.W_out`` ``(E, E)`` and ``attention.b_*`` ``(E,)``.
+
+    Examples
+    --------
+    >>> student = AttentionRegressor(8, 2, rng=0)
+    >>> student.forward(np.ones((2, 5, 8))).shape
+    (2, 5, 8)
+    >>> sorted(student.params)[:2]
+    ['attention.W_key', 'attention.W_out']
+    """
+
+    def __init__(self, embed_dim, num_heads, rng=None, dtype=np.float64):
+        self.attention = MultiHeadAttention(embed_dim, num_heads, bias=True, rng=make_rng(rng),
+                                            dtype=dtype)
+        self.dtype = self.attention.dtype
+        self._layers = {"attention": self.attention}
+        self._own = {}
+        self._cache = None
+        self.zero_grad()
+
+    def forward(self, x, return_weights=False):
+        """Self-attention of ``x``: ``(B, T, E) -> (B, T, E)`` (and weights ``(B, H, T, T)``)."""
+        self._cache = True
+        return self.attention.forward(x, return_weights=return_weights)
+
+    def backward(self, dout):
+        """Accumulate into ``grads``; return ``dx`` ``(B, T, E)``."""
+        self._need_cache()
+        return self.attention.backward(dout)
