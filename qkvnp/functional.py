@@ -13,6 +13,7 @@ tuple holding exactly what the backward reads. The derivations are in
 This is the *reference* path: every formula is written line for line, with
 scipy's softmax, so that it reads like the math and serves as the oracle.
 """
+import math
 from collections import namedtuple
 
 import numpy as np
@@ -277,7 +278,7 @@ def _check_scale(scale, head_dim):
         # NOTE: 1/sqrt(D) with D the *head* dim: it keeps the variance of a score
         # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
         # the seeds' tutorial) flattens the softmax as heads are added.
-        return 1.0 / np.sqrt(head_dim)
+        return 1.0 / math.sqrt(head_dim)  # a Python float: np.float64 would upcast float32
     if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
