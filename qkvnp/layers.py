@@ -195,6 +195,9 @@ class SelfAttention(Layer):
         dquery, dkey, dvalue = F.attention_backward(dout, attention_cache)
         dx_value, dW_value, db_value = F.linear_backward(dvalue, value_cache)
         dx_key, dW_key, db_key = F.linear_backward(dkey, key_cache)
+        # NOTE: exactly 0, not round-off: q . b_key is the same for every key of a
+        # query's row, and softmax ignores a constant added to a row.
+        db_key = None if db_key is None else np.zeros_like(db_key)
         dx_query, dW_query, db_query = F.linear_backward(dquery, query_cache)
         for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
                            ("b_query", db_query), ("b_key", db_key), ("b_value", db_value)):
@@ -428,6 +431,7 @@ class MultiHeadAttention(Layer):
         dq = F.split_heads_backward(dq_heads, q_split)
         dvalue, dW_value, db_value = F.linear_backward(dv, v_cache)
         dkey, dW_key, db_key = F.linear_backward(dk, k_cache)
+        db_key = None if db_key is None else np.zeros_like(db_key)  # NOTE: exactly 0, see SelfAttention
         dquery, dW_query, db_query = F.linear_backward(dq, q_cache)
         for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
                            ("W_out", dW_out), ("b_query", db_query), ("b_key", db_key),
