@@ -33,6 +33,8 @@ Examples
 >>> status, "[0.4306, 1.4551]" in buffer.getvalue()
 (0, True)
 """
+import argparse
+
 import numpy as np
 
 from . import functional as F
@@ -112,8 +114,7 @@ def add_arguments(parser):
 
 
 def _precision(text):
-    import argparse
-
+    """``type=`` of ``--precision``: an int in 0..16 (float64 has ~16 digits)."""
     try:
         value = int(text)
     except ValueError:
@@ -206,8 +207,19 @@ def walkthrough(precision=4):
     -------
     int
         0 when every cross-check between two code paths agrees, 1 otherwise.
+
+    Raises
+    ------
+    TypeError
+        If ``precision`` is not an int.
+    ValueError
+        If ``precision`` is outside 0..16.
     """
-    p = _Printer(precision)
+    if isinstance(precision, (bool, np.bool_)) or not isinstance(precision, (int, np.integer)):
+        raise TypeError(f"precision must be an int in 0..16, got {type(precision).__name__}")
+    if not 0 <= precision <= 16:
+        raise ValueError(f"precision must be an int in 0..16, got {precision}")
+    p = _Printer(int(precision))
     ok = _journey_one_query(p)
     ok &= _journey_all_tokens(p)
     ok &= _numpy_example(p)

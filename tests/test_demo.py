@@ -83,6 +83,14 @@ def test_demo_rejects_a_bad_precision(bad, capsys):
     assert "--precision" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (17, ValueError), (2.0, TypeError),
+                                        (True, TypeError)])
+def test_walkthrough_rejects_a_bad_precision(bad, error):
+    """Oracle: the documented contract, an int in 0..16, named in the message."""
+    with pytest.raises(error, match="precision"):
+        demo.walkthrough(precision=bad)
+
+
 def test_demo_uses_the_issue_data():
     """Oracle: the issue's data, as copied into tests/test_seeds.py."""
     for ours, theirs in [
