@@ -58,9 +58,9 @@ __all__ = [
 
 # ---------------------------------------------------------------- seed data
 # Provenance: the seeds' "self-attention from scratch" walkthrough (the
-# six-token sentence with hand-picked 3-d embeddings and 3x2 projection
-# matrices drawn once from torch.rand under a fixed seed, printed there to 8
-# digits), as restated in issue 2 ("Reproduce the seeds' numbers", case 1).
+# six-token sentence with hand-picked 3-d embeddings and random 3x2 projection
+# matrices, printed there to 8 digits), copied from issue 2 ("Reproduce the
+# seeds' numbers", case 1), which restates them.
 # Case 3 of the issue (attention without weights) uses the same INPUTS.
 WORDS = ("Your", "journey", "starts", "with", "one", "step")
 INPUTS = np.array(
@@ -83,9 +83,10 @@ W_VALUE = np.array(
     [[0.07563531, 0.19663817], [0.31641197, 0.40174013], [0.1185683, 0.82739538]]
 )
 
-# Provenance: the seeds' plain-numpy attention example (four one-hot-like
-# integer "words" and weight matrices drawn with numpy.random.randint(3, ...)),
-# as restated in issue 2, case 2. Integer input is promoted to float64.
+# Provenance: the seeds' plain-numpy attention example (four integer "words"
+# and integer weight matrices with entries 0..2, as numpy.random.randint(3,
+# size=(3, 3)) draws them), copied from issue 2, case 2. qkvnp promotes
+# integer input to float64.
 NUMPY_WORDS = np.array([[1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 1]])
 NUMPY_W_Q = np.array([[2, 0, 2], [2, 0, 0], [2, 1, 2]])
 NUMPY_W_K = np.array([[2, 2, 2], [0, 2, 1], [0, 1, 1]])
