@@ -1,0 +1,446 @@
+"""Tiled (FlashAttention-style) attention whose memory grows linearly in length.
+
+Shape key: T query length, S key length, D head dim of queries and keys, Dv
+head dim of values, ``...`` any leading (batch, head) dims; ``bq`` and ``bk``
+the query and key block sizes.
+
+Same semantics as :func:`qkvnp.functional.attention_forward` /
+:func:`~qkvnp.functional.attention_backward` (the reference path, which is the
+oracle of ``tests/test_tiled.py``), but the ``(..., T, S)`` weights are never
+built: the forward runs an online softmax over key blocks and keeps only the
+output and the row logsumexp, and the backward recomputes the weights block by
+block. Every temporary is ``(..., bq, bk)``-sized, so for a fixed block size
+the extra memory does not grow with the sequence length.
+
+Measured (this 2-core machine, shared with other jobs, so timings are noisy;
+numpy 2.4 / OpenBLAS, default block size):
+
+- Memory at ``(B, H, L, D) = (1, 1, 16384, 64)``, float32, forward+backward:
+  peak beyond inputs, output and gradients MEM_TRACE MiB by tracemalloc,
+  MEM_RSS MiB by ``ru_maxrss`` of a fresh process minus its RSS holding
+  those arrays (target: at most 64 MiB; the dense weights alone take 1 GiB).
+- Forward+backward time, ``(1, 1, L, 64)`` float32, tiled / reference:
+  TIMES.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from ._checks import check_same_shape
+from .functional import _check_attention_inputs, _check_scale, sum_to_shape
+from .masks import prepare_mask
+
+__all__ = ["attention_forward", "attention_backward", "TiledAttentionCache", "DEFAULT_BLOCK_SIZE"]
+
+#: Default ``(block_q, block_k)``, chosen by timing forward+backward (see the
+#: module docstring); shrunk when the leading dims make a block large (see
+#: ``_BLOCK_ELEMENTS``).
+DEFAULT_BLOCK_SIZE = (256, 512)
+
+# A (..., bq, bk) block of the default size holds at most about this many
+# scores: with many (batch, head) pairs the default blocks shrink so that the
+# per-block temporaries stay around a few MiB.
+_BLOCK_ELEMENTS = 1 << 20
+_MIN_DEFAULT_BLOCK = 32
+
+TiledAttentionCache = namedtuple(
+    "TiledAttentionCache",
+    "query key value bias keep is_causal scale out lse block_q block_k live safe",
+)
+TiledAttentionCache.__doc__ = """What :func:`attention_backward` reads.
+
+query, key, value : the (cast) inputs, with their own shapes
+bias, keep : the additive and boolean parts of the user's mask (or None),
+    as given, never broadcast to ``(..., T, S)``
+is_causal, scale : as in the forward
+out : ndarray, shape (..., T, Dv), the forward output
+lse : ndarray, shape (..., T), the row logsumexp of the scores; ``+inf``
+    for fully masked rows so that the recomputed weights are ``exp(-inf) = 0``
+block_q, block_k : block sizes
+live : ndarray of bool, shape (ceil(T/bq), ceil(S/bk)), False for block
+    pairs that are entirely masked (skipped in both passes)
+safe : bool, True when no score can overflow (no clipping check needed)
+"""
+
+
+def _check_block_size(block_size, T, S, lead_size):
+    """Return ``(block_q, block_k)``, both at least 1 and at most ``T``, ``S``."""
+    if block_size is None:
+        block_q, block_k = DEFAULT_BLOCK_SIZE
+        # NOTE: with many (batch, head) pairs a block is lead_size * bq * bk
+        # scores; halve the blocks until that stays near _BLOCK_ELEMENTS.
+        while lead_size * block_q * block_k > _BLOCK_ELEMENTS and max(block_q, block_k) > _MIN_DEFAULT_BLOCK:
+            if block_k >= block_q:
+                block_k //= 2
+            else:
+                block_q //= 2
+    else:
+        pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
+        if len(pair) != 2:
+            raise ValueError(
+                f"block_size must be an int or a pair (block_q, block_k), got {block_size!r}"
+            )
+        for b in pair:
+            if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
+                raise TypeError(
+                    "block_size must be a positive int or a pair of positive ints, got "
+                    f"{block_size!r} (type {type(b).__name__})"
+                )
+            if b < 1:
+                raise ValueError(
+                    f"block_size must be a positive int or a pair of positive ints, got {block_size!r}"
+                )
+        block_q, block_k = int(pair[0]), int(pair[1])
+    return max(1, min(block_q, T)), max(1, min(block_k, S))
+
+
+def _at_least_2d(mask):
+    """View a mask with at least two dims, so that [..., rows, cols] slicing works."""
+    if mask is None or mask.ndim >= 2:
+        return mask
+    return mask.reshape((1,) * (2 - mask.ndim) + mask.shape)  # (S,) -> (1, S)
+
+
+def _mask_block(mask, i0, i1, j0, j1):
+    """Rows i0:i1 and columns j0:j1 of a broadcastable mask (size-1 dims kept)."""
+    rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
+    cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
+    return mask[..., rows, cols]  # (..., T or 1, S or 1) -> (..., bq or 1, bk or 1)
+
+
+def _live_blocks(bias, keep, is_causal, T, S, block_q, block_k):
+    """Table of the block pairs that have at least one position not masked."""
+    q_starts = range(0, T, block_q)
+    k_starts = range(0, S, block_k)
+    live = np.ones((len(q_starts), len(k_starts)), dtype=bool)  # (nq, nk)
+    for a, i0 in enumerate(q_starts):
+        i1 = min(i0 + block_q, T)
+        for b, j0 in enumerate(k_starts):
+            j1 = min(j0 + block_k, S)
+            if is_causal and j0 > i1 - 1:  # every key of the block is after every query
+                live[a, b] = False
+            elif keep is not None and not _mask_block(keep, i0, i1, j0, j1).any():
+                live[a, b] = False
+            elif bias is not None and np.isneginf(_mask_block(bias, i0, i1, j0, j1)).all():
+                live[a, b] = False
+    return live
+
+
+def _no_overflow(query, key, scale):
+    """True when no score ``scale * q . k`` can overflow the dtype.
+
+    Uses ``|q . k| <= D * max|q| * max|k|``; only when that bound comes near
+    the dtype's largest value are the blocks checked and clipped.
+    """
+    if query.size == 0 or key.size == 0:
+        return True
+    big = np.finfo(query.dtype).max
+    with np.errstate(over="ignore"):
+        amax_q = max(float(query.max()), -float(query.min()))
+        amax_k = max(float(key.max()), -float(key.min()))
+        bound = query.shape[-1] * (amax_q * scale) * amax_k
+    return bound < big / 4
+
+
+def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe, scores, causal_cache):
+    """Masked scores of one block pair, written into ``scores`` (..., bq, bk).
+
+    Same steps as the reference: scores, clip overflow, add the float mask
+    (clipped to the dtype's max), then every boolean mask sets ``-inf``.
+    """
+    np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
+    if not safe and not np.isfinite(scores).all():
+        np.nan_to_num(scores, copy=False, nan=0.0, posinf=np.finfo(scores.dtype).max,
+                      neginf=-np.finfo(scores.dtype).max)
+    if bias is not None:
+        with np.errstate(over="ignore"):
+            np.add(scores, _mask_block(bias, i0, i1, j0, j1), out=scores)
+        np.minimum(scores, np.finfo(scores.dtype).max, out=scores)  # -inf stays -inf
+    if keep is not None:
+        np.copyto(scores, -np.inf, where=~_mask_block(keep, i0, i1, j0, j1))
+    if is_causal and j1 - 1 > i0:  # the block crosses the diagonal
+        shape = (i1 - i0, j1 - j0)
+        key_ = (i0 - j0, shape)
+        above = causal_cache.get(key_)
+        if above is None:
+            # key j0 + c is after query i0 + r  <=>  c - r > i0 - j0
+            above = np.subtract.outer(np.arange(shape[0]), np.arange(shape[1])) < j0 - i0  # (bq, bk)
+            causal_cache[key_] = above
+        np.copyto(scores, -np.inf, where=above)
+    return scores
+
+
+def _workspace(size, dtype):
+    """A flat buffer; ``_view(buf, shape)`` gives contiguous views of its start."""
+    return np.empty(size, dtype=dtype)
+
+
+def _view(buf, shape):
+    return buf[: int(np.prod(shape))].reshape(shape)
+
+
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None):
+    """Scaled dot-product attention computed by blocks, without the ``(T, S)`` weights.
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., T, D)
+    key : ndarray, shape (..., S, D)
+    value : ndarray, shape (..., S, Dv)
+        Leading dims of the three broadcast against each other.
+    attn_mask : ndarray of bool or float, optional
+        Broadcastable to ``(..., T, S)``. Bool: True = may attend. Float: added
+        to the scores. Give size-1 dims where the mask does not vary (e.g. a
+        key-padding mask of shape ``(B, 1, 1, S)``): it is then sliced per
+        block and never expanded to ``(..., T, S)``.
+    is_causal : bool
+        Query ``i`` attends to keys ``0..i`` (top-left aligned). Blocks entirely
+        above the diagonal are skipped. The float mask is added first, then
+        every boolean mask removes the positions it forbids.
+    scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    block_size : int or (int, int), optional
+        ``(block_q, block_k)``; an int sets both. Defaults to
+        ``DEFAULT_BLOCK_SIZE``, halved while ``prod(...) * bq * bk`` exceeds
+        about a million scores. Clipped to ``T`` and ``S``.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, Dv)
+    cache : TiledAttentionCache
+        The inputs, ``out``, the row logsumexp ``(..., T)`` and a small table
+        of live block pairs: no array of ``(T, S)`` size except a full mask
+        the caller passed (which is referenced, not copied).
+
+    Raises
+    ------
+    ValueError
+        On mismatched dims, a mask that does not broadcast, non-finite inputs,
+        a non-positive block size.
+    TypeError
+        On a mask that is neither bool nor float, a non-integer block size.
+
+    Notes
+    -----
+    With :math:`c` the scale, the scores of query block :math:`i` and key
+    block :math:`j` are :math:`S_{ij} = (c\\,Q_i) K_j^T + M_{ij}`. The forward
+    keeps, per query row, a running max :math:`m`, a running sum :math:`\\ell`
+    and an accumulator :math:`A`, and for each live key block:
+
+    .. math:: m' = \\max(m, \\mathrm{rowmax}\\,S_{ij}), \\quad
+              \\tilde P = e^{S_{ij} - m'}, \\quad \\alpha = e^{m - m'},
+    .. math:: \\ell \\leftarrow \\alpha \\ell + \\mathrm{rowsum}\\,\\tilde P, \\quad
+              A \\leftarrow \\alpha A + \\tilde P V_j, \\quad m \\leftarrow m'
+
+    and at the end :math:`O_i = A / \\ell` and :math:`L_i = m + \\log \\ell`
+    (the row logsumexp, the only per-row statistic cached). This is exactly
+    :math:`\\mathrm{softmax}(S) V`: every :math:`\\tilde P` computed against
+    an older max is rescaled by :math:`\\alpha` when the max grows.
+
+    The backward (:func:`attention_backward`) recomputes the weights block
+    by block, :math:`P_{ij} = e^{S_{ij} - L_i}`, and with
+    :math:`\\Delta = \\mathrm{rowsum}(\\bar O \\odot O)`, which equals the
+    reference's :math:`\\mathrm{rowsum}(P \\odot \\bar P)` because
+    :math:`\\sum_j P_j (\\bar O \\cdot v_j) = \\bar O \\cdot O`:
+
+    .. math:: \\bar V_j = \\sum_i P_{ij}^T \\bar O_i, \\quad
+              \\bar P_{ij} = \\bar O_i V_j^T, \\quad
+              \\bar S_{ij} = P_{ij} \\odot (\\bar P_{ij} - \\Delta_i),
+    .. math:: \\bar Q_i = c \\sum_j \\bar S_{ij} K_j, \\quad
+              \\bar K_j = \\sum_i \\bar S_{ij}^T (c\\,Q_i)
+
+    NOTE: a fully masked row (all its scores ``-inf``) has :math:`m = -\\infty`
+    and :math:`\\ell = 0`; the running max is replaced by 0 in the exponents so
+    no ``-inf - (-inf)`` arises, its output is 0 and its logsumexp is stored as
+    ``+inf``, so the recomputed weights are 0 and no gradient flows through
+    it, as in the reference. With no keys at all (``S = 0``) every row is
+    fully masked and the output is 0.
+
+    Overflowing scores are clipped to the dtype's largest value as in the
+    reference, except that the scale is folded into the queries first, so a
+    score overflows only if its scaled value does.
+
+    Examples
+    --------
+    One key: every query returns that key's value.
+
+    >>> out, cache = attention_forward(np.ones((2, 4)), np.ones((1, 4)), np.array([[3., 5.]]))
+    >>> out
+    array([[3., 5.],
+           [3., 5.]])
+
+    It agrees with the reference path, for any block size:
+
+    >>> from qkvnp import functional
+    >>> x = np.random.default_rng(0).standard_normal((2, 7, 4))
+    >>> tiled, _ = attention_forward(x, x, x, is_causal=True, block_size=(3, 2))
+    >>> reference, _ = functional.attention_forward(x, x, x, is_causal=True)
+    >>> bool(np.allclose(tiled, reference, rtol=1e-12, atol=1e-12))
+    True
+    """
+    query, key, value, lead = _check_attention_inputs(query, key, value)
+    scale = _check_scale(scale, query.shape[-1])
+    T, D = query.shape[-2:]
+    S, Dv = value.shape[-2:]
+    dtype = query.dtype
+    # NOTE: the causal mask is applied per block (never built as (T, S)), so
+    # prepare_mask only validates and splits the user's mask.
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
+    bias, keep = _at_least_2d(bias), _at_least_2d(keep)
+    is_causal = bool(is_causal)
+    lead_size = int(np.prod(lead))
+    block_q, block_k = _check_block_size(block_size, T, S, lead_size)
+    live = _live_blocks(bias, keep, is_causal, T, S, block_q, block_k)  # (nq, nk)
+    safe = _no_overflow(query, key, scale)
+
+    q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
+    k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
+    v = np.broadcast_to(value, lead + (S, Dv))  # (..v, S, Dv) -> (..., S, Dv), a view
+    out = np.empty(lead + (T, Dv), dtype=dtype)  # (..., T, Dv)
+    lse = np.empty(lead + (T,), dtype=dtype)  # (..., T)
+    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
+    pv_buf = _workspace(lead_size * block_q * Dv, dtype)
+    causal_cache = {}
+    neg_inf = dtype.type(-np.inf)
+
+    for a, i0 in enumerate(range(0, T, block_q)):
+        i1 = min(i0 + block_q, T)
+        bq = i1 - i0
+        qs = q[..., i0:i1, :] * dtype.type(scale)  # (..., bq, D), the scale folded into Q
+        row_max = np.full(lead + (bq, 1), neg_inf, dtype=dtype)  # (..., bq, 1)
+        row_sum = np.zeros(lead + (bq, 1), dtype=dtype)  # (..., bq, 1)
+        acc = out[..., i0:i1, :]  # (..., bq, Dv), the accumulator lives in the output
+        acc[...] = 0
+        for b, j0 in enumerate(range(0, S, block_k)):
+            if not live[a, b]:
+                continue
+            j1 = min(j0 + block_k, S)
+            scores = _block_scores(
+                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, is_causal, safe,
+                _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
+            )  # (..., bq, bk)
+            new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
+            shift = new_max
+            if bias is not None or keep is not None or is_causal:
+                # NOTE: a row masked so far has max -inf: shift by 0 instead, so
+                # that no -inf - (-inf) = NaN arises (its weights are exp(-inf) = 0).
+                shift = np.where(np.isneginf(new_max), 0, new_max)  # (..., bq, 1)
+            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
+                np.subtract(scores, shift, out=scores)
+                np.exp(scores, out=scores)  # (..., bq, bk), unnormalized weights
+                rescale = np.exp(row_max - shift)  # (..., bq, 1); 0 while the row had no weight
+            row_sum *= rescale
+            row_sum += scores.sum(axis=-1, keepdims=True)
+            acc *= rescale
+            acc += np.matmul(scores, v[..., j0:j1, :], out=_view(pv_buf, lead + (bq, Dv)))  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
+            row_max = new_max
+        dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
+        np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
+        with np.errstate(divide="ignore"):
+            row_lse = row_max + np.log(row_sum)  # (..., bq, 1)
+        np.copyto(row_lse, np.inf, where=dead)
+        lse[..., i0:i1] = row_lse[..., 0]  # (..., bq, 1) -> (..., bq)
+    cache = TiledAttentionCache(
+        query, key, value, bias, keep, is_causal, scale, out, lse, block_q, block_k, live, safe
+    )
+    return out, cache
+
+
+def attention_backward(dout, cache):
+    """Backward of :func:`attention_forward`, recomputing the weights by blocks.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, Dv)
+        Same shape as the forward output (it is not broadcast).
+    cache : TiledAttentionCache
+
+    Returns
+    -------
+    dquery : ndarray, shape of ``query``
+    dkey : ndarray, shape of ``key``
+    dvalue : ndarray, shape of ``value``
+
+    Notes
+    -----
+    The equations are in :func:`attention_forward`. Loops run over key blocks
+    outside and query blocks inside, so the gradients of a key block are
+    summed in ``(..., bk, D)`` accumulators and written once; ``dquery`` is
+    accumulated in place. Temporaries are ``(..., bq, bk)``, ``(..., bq, D)``
+    and ``(..., bk, D)`` blocks, plus :math:`\\Delta` of shape ``(..., T)``.
+
+    Examples
+    --------
+    >>> from qkvnp import functional
+    >>> rng = np.random.default_rng(1)
+    >>> q, k, v, g = (rng.standard_normal(s) for s in [(5, 3), (6, 3), (6, 2), (5, 2)])
+    >>> tiled = attention_backward(g, attention_forward(q, k, v, block_size=2)[1])
+    >>> reference = functional.attention_backward(g, functional.attention_forward(q, k, v)[1])
+    >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(tiled, reference))
+    True
+    """
+    (query, key, value, bias, keep, is_causal, scale, out, lse,
+     block_q, block_k, live, safe) = cache
+    check_same_shape(dout, "dout", out.shape)
+    dtype = out.dtype
+    dout = np.asarray(dout, dtype=dtype)
+    lead = out.shape[:-2]
+    T, D = query.shape[-2:]
+    S, Dv = value.shape[-2:]
+    lead_size = int(np.prod(lead))
+
+    q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
+    k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
+    v = np.broadcast_to(value, lead + (S, Dv))  # (..v, S, Dv) -> (..., S, Dv), a view
+    delta = np.einsum("...td,...td->...t", dout, out)[..., None]  # (..., T, Dv) -> (..., T, 1)
+    lse = lse[..., None]  # (..., T) -> (..., T, 1)
+    # dquery sums over key blocks; a query broadcast over the leading dims
+    # needs a full-size accumulator, reduced at the end.
+    dq = np.zeros(lead + (T, D), dtype=dtype)  # (..., T, D)
+    dkey = np.zeros(key.shape, dtype=dtype)
+    dvalue = np.zeros(value.shape, dtype=dtype)
+
+    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
+    dweights_buf = _workspace(lead_size * block_q * block_k, dtype)
+    small_buf = _workspace(lead_size * max(block_q, block_k) * max(D, Dv), dtype)
+    qs_buf = _workspace(lead_size * block_q * D, dtype)
+    scale = dtype.type(scale)
+    causal_cache = {}
+
+    for b, j0 in enumerate(range(0, S, block_k)):
+        j1 = min(j0 + block_k, S)
+        bk = j1 - j0
+        k_block = k[..., j0:j1, :]  # (..., bk, D)
+        v_block = v[..., j0:j1, :]  # (..., bk, Dv)
+        dk_block = np.zeros(lead + (bk, D), dtype=dtype)  # (..., bk, D)
+        dv_block = np.zeros(lead + (bk, Dv), dtype=dtype)  # (..., bk, Dv)
+        for a, i0 in enumerate(range(0, T, block_q)):
+            if not live[a, b]:
+                continue
+            i1 = min(i0 + block_q, T)
+            bq = i1 - i0
+            qs = np.multiply(q[..., i0:i1, :], scale, out=_view(qs_buf, lead + (bq, D)))  # (..., bq, D), scaled Q
+            weights = _block_scores(
+                qs, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe,
+                _view(scores_buf, lead + (bq, bk)), causal_cache,
+            )  # (..., bq, bk)
+            with np.errstate(over="ignore"):
+                np.subtract(weights, lse[..., i0:i1, :], out=weights)
+            np.exp(weights, out=weights)  # (..., bq, bk), P = exp(S - L); 0 on masked rows
+            dout_block = dout[..., i0:i1, :]  # (..., bq, Dv)
+            dv_block += np.matmul(np.swapaxes(weights, -1, -2), dout_block,
+                                  out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
+            dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
+                                out=_view(dweights_buf, lead + (bq, bk)))  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
+            np.subtract(dscores, delta[..., i0:i1, :], out=dscores)
+            np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = P * (dP - Delta)
+            dq[..., i0:i1, :] += np.matmul(dscores, k_block, out=_view(small_buf, lead + (bq, D)))  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
+            dk_block += np.matmul(np.swapaxes(dscores, -1, -2), qs,
+                                  out=_view(small_buf, lead + (bk, D)))  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)
+        dkey[..., j0:j1, :] = sum_to_shape(dk_block, key.shape[:-2] + (bk, D))  # (..., bk, D) -> (..k, bk, D)
+        dvalue[..., j0:j1, :] = sum_to_shape(dv_block, value.shape[:-2] + (bk, Dv))  # (..., bk, Dv) -> (..v, bk, Dv)
+    dq *= scale
+    dquery = sum_to_shape(dq, query.shape)  # (..., T, D) -> (..q, T, D)
+    return dquery, dkey, dvalue
