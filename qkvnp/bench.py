@@ -1,0 +1,1348 @@
+"""Time qkvnp's attention paths against PyTorch on this CPU, forward and backward.
+
+Shape key: B batch, L sequence length (queries and keys alike), E embedding,
+H heads, D = E // H head dim.
+
+What runs
+---------
+For every configuration ``(B, L, E, H)`` and dtype, two workloads, each in
+two modes, ``fwd`` (the forward of a training step: qkvnp keeps its caches,
+PyTorch records the autograd graph) and ``fwd+bwd`` (that forward, then the
+backward with a fixed random upstream gradient):
+
+``layer``
+    Self-attention of ``x`` of shape (B, L, E) through
+    ``MultiHeadAttention(E, H, bias=True, impl=NAME)`` for each qkvnp
+    implementation ``reference``, ``fast``, ``tiled``, and through PyTorch's
+    ``nn.MultiheadAttention(E, H, batch_first=True)`` called with
+    ``need_weights=False``. The weights are copied across, so that all of
+    them compute the same function.
+``core``
+    The attention core alone on (B, H, L, D) inputs, no projections:
+    ``attention_forward``/``attention_backward`` of ``qkvnp.functional``
+    (reference), ``qkvnp.fast`` and ``qkvnp.tiled``, against
+    ``torch.nn.functional.scaled_dot_product_attention``.
+
+An implementation that this qkvnp does not offer (a module that does not
+import, a layer that refuses the ``impl=`` name) or that PyTorch's absence
+rules out is reported as missing; the others still run.
+
+Correctness before speed
+------------------------
+Before anything is timed, every implementation's output and gradients (of
+the input and of every weight and bias) are compared with qkvnp's reference
+path, the oracle that the test suite checks against PyTorch autograd and
+central differences. The error of an array is ``max|a - r| / max|r|``
+(relative to the array's scale); the tolerance is 1e-10 in float64 and 1e-4 in
+float32 (:data:`TOLERANCES`). An implementation that exceeds it, or returns a
+non-finite value or a wrong shape, is *refused*: its times are not reported,
+and the command exits with status 1.
+
+FLOPs
+-----
+Matmul FLOPs only, 2 per multiply-add; softmax, masking, bias adds and
+copies are not counted, and no causal mask is used.
+
+* layer forward: ``8*B*L*E*E`` for the four projections (Q, K, V and the
+  output, each ``(B*L, E) @ (E, E)``) plus ``4*B*L*L*E`` for attention;
+* core forward: ``4*B*L*L*E`` = ``2 * 2*B*H*L*L*D`` (``Q K^T`` and ``P V``);
+* forward+backward = 3 x forward: the backward of each matmul is two matmuls
+  of the same size (one per input).
+
+These are the nominal FLOPs of the dense algorithm: the tiled path's
+recomputation of ``Q K^T`` in its backward is not counted (as FlashAttention
+papers report it). Achieved GFLOP/s = counted FLOPs / median time; "% peak"
+divides it by the GEMM peak measured in the same run: ``numpy.matmul`` of two
+square matrices (n = 2048, ``out=`` given) in the same dtype, best of several.
+
+Timing
+------
+One process; within a configuration, dtype and mode the implementations run
+interleaved round by round (the starting one rotating), after a warm-up
+round, so that a change in the machine's load hits them alike. The process
+sleeps ``--pause`` seconds whenever it switches from one library to the other
+(qkvnp to PyTorch or back): idle OpenBLAS/OpenMP threads of the library just
+used spin for a while and slow the other one. PyTorch runs with
+``torch.set_num_threads(2)``; numpy's BLAS with its own default. Reported:
+median, minimum and interquartile range of ``--repeats`` timed calls (7 by
+default), and the ratio ``median(qkvnp) / median(PyTorch)`` of the same
+workload (``nn.MultiheadAttention`` for layers, ``scaled_dot_product_attention``
+for the core): below 1 means qkvnp is faster.
+
+Memory
+------
+Peak extra memory of one forward+backward, measured for every
+implementation in a fresh Python process: the inputs and weights are built,
+every library is warmed up on a tiny problem, then the kernel's peak-RSS
+counter is reset (``/proc/self/clear_refs``), and the peak resident set
+during the call minus the resident set before it is reported (it includes
+the outputs, gradients and caches that the call creates). PyTorch's
+allocations do not show in ``tracemalloc``, so the RSS number is the one that
+compares libraries; for qkvnp the ``tracemalloc`` peak of a second call is
+also recorded in the JSON output. Where ``clear_refs`` cannot be written, the
+``ru_maxrss`` delta is used instead (an underestimate when importing cost more
+than the call) and the method is named in the output.
+
+Import cost
+-----------
+``import numpy`` and ``import qkvnp`` are timed inside fresh interpreters
+(``time.perf_counter`` around the import statement, interpreter start-up
+excluded), interleaved, median of several; the output also lists every
+module outside the standard library that ``import qkvnp`` loads beyond those
+of ``import numpy`` (there should be none: scipy is imported on first use).
+
+Examples
+--------
+>>> layer_flops(Config(1, 2, 4, 2))      # 8*1*2*4*4 + 4*1*2*2*4
+320
+>>> core_flops(Config(1, 2, 4, 2), backward=True)   # 3 * 4*1*2*2*4
+192
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections import namedtuple
+
+import numpy as np
+
+__all__ = [
+    "Config",
+    "DEFAULT_CONFIGS",
+    "QUICK_CONFIGS",
+    "TOLERANCES",
+    "IMPLEMENTATIONS",
+    "ImplementationMissing",
+    "Problem",
+    "Check",
+    "layer_flops",
+    "core_flops",
+    "make_problem",
+    "make_runner",
+    "relative_error",
+    "cross_check",
+    "time_interleaved",
+    "measure_gemm_peak",
+    "measure_import_time",
+    "measure_memory",
+    "environment_info",
+    "run_benchmark",
+    "format_report",
+    "write_json",
+    "read_json",
+    "plot_results",
+    "add_arguments",
+    "run",
+    "main",
+]
+
+Config = namedtuple("Config", "batch length embed heads")
+Config.__doc__ = "One benchmark configuration (B, L, E, H)."
+
+DEFAULT_CONFIGS = (
+    Config(8, 128, 256, 8),
+    Config(4, 512, 512, 8),
+    Config(1, 2048, 512, 8),
+    Config(1, 4096, 256, 4),
+)
+QUICK_CONFIGS = (Config(8, 128, 256, 8), Config(4, 512, 512, 8))
+
+KINDS = ("layer", "core")
+MODES = ("fwd", "fwd_bwd")
+MODE_LABELS = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}
+IMPLEMENTATIONS = ("reference", "fast", "tiled", "torch")
+ORACLE = "reference"
+
+# relative error (max|a - r| / max|r|) allowed against the reference path
+TOLERANCES = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-10}
+
+# the issue's memory target for the tiled core: (B, H, L, D), float32, MiB
+TILED_MEMORY_SHAPE = (1, 1, 16384, 64)
+TILED_MEMORY_LIMIT_MIB = 64
+
+TORCH_THREADS = 2
+GEMM_SIZE = 2048
+MIB = 2.0 ** 20
+
+LAYER_PARAMS = ("W_query", "W_key", "W_value", "W_out", "b_query", "b_key", "b_value", "b_out")
+CORE_MODULES = {"reference": "qkvnp.functional", "fast": "qkvnp.fast", "tiled": "qkvnp.tiled"}
+
+
+class ImplementationMissing(Exception):
+    """This qkvnp (or this machine) does not offer the implementation."""
+
+
+Problem = namedtuple("Problem", "kind config dtype arrays")
+Problem.__doc__ = "A workload's concrete inputs: kind, Config, dtype, dict of arrays."
+
+Check = namedtuple("Check", "ok error worst tolerance")
+Check.__doc__ = "Cross-check verdict: ok, worst relative error, its array name, tolerance."
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def layer_flops(config, backward=False):
+    """Matmul FLOPs of multi-head self-attention, projections included.
+
+    Forward: ``8*B*L*E*E + 4*B*L*L*E``; with ``backward=True``, 3 x that.
+
+    Parameters
+    ----------
+    config : Config
+    backward : bool
+        Count forward+backward instead of the forward alone.
+
+    Returns
+    -------
+    int
+    """
+    B, L, E, _ = config
+    forward = 4 * 2 * B * L * E * E + 4 * B * L * L * E
+    return 3 * forward if backward else forward
+
+
+def core_flops(config, backward=False):
+    """Matmul FLOPs of the attention core: ``4*B*L*L*E`` forward, 3 x with backward.
+
+    ``Q K^T`` and ``P V`` each cost ``2*L*L*D`` per (batch, head) pair, and
+    ``H*D = E``.
+    """
+    B, L, E, _ = config
+    forward = 4 * B * L * L * E
+    return 3 * forward if backward else forward
+
+
+FLOPS = {"layer": layer_flops, "core": core_flops}
+
+
+# ---------------------------------------------------------------- problems
+
+
+def _check_config(config, name="config"):
+    try:
+        config = Config(*(int(n) for n in config))
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be four integers (B, L, E, H), got {config!r}") from None
+    if min(config) < 1:
+        raise ValueError(f"{name} must hold positive integers (B, L, E, H), got {tuple(config)}")
+    if config.embed % config.heads:
+        raise ValueError(
+            f"{name} must have E divisible by H, got E={config.embed} and H={config.heads}"
+        )
+    return config
+
+
+def _check_dtype(dtype):
+    dtype = np.dtype(dtype)
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    return dtype
+
+
+def make_problem(kind, config, dtype, seed=0):
+    """Build the inputs of one workload, reproducibly.
+
+    Parameters
+    ----------
+    kind : {"layer", "core"}
+    config : Config or tuple (B, L, E, H)
+    dtype : float32 or float64
+    seed : int
+
+    Returns
+    -------
+    Problem
+        ``layer``: ``x`` and ``dout`` of shape (B, L, E), the weights
+        ``W_*`` (E, E) (Xavier uniform) and biases ``b_*`` (E,) (small,
+        nonzero so that their gradients are checked). ``core``: ``query``,
+        ``key``, ``value`` and ``dout`` of shape (B, H, L, D). Entries are
+        standard normal unless said otherwise.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    config = _check_config(config)
+    dtype = _check_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    B, L, E, H = config
+    if kind == "layer":
+        arrays = {
+            "x": rng.standard_normal((B, L, E), dtype=dtype),
+            "dout": rng.standard_normal((B, L, E), dtype=dtype),
+        }
+        bound = np.sqrt(6.0 / (E + E))
+        for name in LAYER_PARAMS:
+            if name.startswith("W_"):
+                arrays[name] = rng.uniform(-bound, bound, (E, E)).astype(dtype)
+            else:
+                arrays[name] = (0.1 * rng.standard_normal(E)).astype(dtype)
+    else:
+        shape = (B, H, L, E // H)
+        arrays = {name: rng.standard_normal(shape, dtype=dtype)
+                  for name in ("query", "key", "value", "dout")}
+    return Problem(kind, config, dtype, arrays)
+
+
+# ---------------------------------------------------------------- runners
+# A runner owns one implementation set up on one problem. forward() and
+# forward_backward() are what is timed; result() returns the output and every
+# gradient, computed afresh, as a dict of numpy arrays for the cross-check.
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImplementationMissing(
+            "PyTorch is not installed (pip install 'qkvnp[torch]')"
+        ) from None
+    if torch.get_num_threads() != TORCH_THREADS:
+        torch.set_num_threads(TORCH_THREADS)
+    return torch
+
+
+class _QkvnpLayer:
+    library = "qkvnp"
+
+    def __init__(self, impl, problem):
+        from .layers import MultiHeadAttention
+
+        B, L, E, H = problem.config
+        try:
+            self.layer = MultiHeadAttention(E, H, bias=True, rng=0, dtype=problem.dtype, impl=impl)
+        except (ValueError, TypeError) as error:
+            if "impl" in str(error):
+                raise ImplementationMissing(f"MultiHeadAttention(impl={impl!r}): {error}") from None
+            raise
+        for name in LAYER_PARAMS:
+            np.copyto(self.layer.params[name], problem.arrays[name])
+        self.layer.zero_grad()
+        self.x = problem.arrays["x"]
+        self.dout = problem.arrays["dout"]
+
+    def forward(self):
+        return self.layer.forward(self.x)
+
+    def forward_backward(self):
+        self.layer.forward(self.x)
+        return self.layer.backward(self.dout)
+
+    def result(self):
+        self.layer.zero_grad()
+        out = self.layer.forward(self.x)
+        dx = self.layer.backward(self.dout)
+        results = {"out": out, "dx": dx}
+        results.update(("d" + name, self.layer.grads[name].copy()) for name in LAYER_PARAMS)
+        self.layer.zero_grad()
+        return results
+
+
+class _QkvnpCore:
+    library = "qkvnp"
+
+    def __init__(self, impl, problem):
+        import importlib
+
+        module_name = CORE_MODULES[impl]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ImplementationMissing(f"{module_name} does not import: {error}") from None
+        try:
+            self.attention_forward = module.attention_forward
+            self.attention_backward = module.attention_backward
+        except AttributeError as error:
+            raise ImplementationMissing(f"{module_name}: {error}") from None
+        self.query = problem.arrays["query"]
+        self.key = problem.arrays["key"]
+        self.value = problem.arrays["value"]
+        self.dout = problem.arrays["dout"]
+
+    def forward(self):
+        return self.attention_forward(self.query, self.key, self.value)[0]
+
+    def forward_backward(self):
+        out, cache = self.attention_forward(self.query, self.key, self.value)
+        return self.attention_backward(self.dout, cache)
+
+    def result(self):
+        out, cache = self.attention_forward(self.query, self.key, self.value)
+        dquery, dkey, dvalue = self.attention_backward(self.dout, cache)
+        return {"out": out, "dquery": dquery, "dkey": dkey, "dvalue": dvalue}
+
+
+class _TorchLayer:
+    library = "torch"
+
+    def __init__(self, problem):
+        torch = _import_torch()
+        B, L, E, H = problem.config
+        a = problem.arrays
+        tensor = torch.from_numpy
+        self.torch = torch
+        self.mha = torch.nn.MultiheadAttention(
+            E, H, bias=True, batch_first=True, dtype=getattr(torch, problem.dtype.name)
+        )
+        with torch.no_grad():
+            # PyTorch stores the transposes of qkvnp's x @ W weights
+            in_proj = np.concatenate([a["W_query"].T, a["W_key"].T, a["W_value"].T])  # -> (3E, E)
+            self.mha.in_proj_weight.copy_(tensor(in_proj))
+            self.mha.in_proj_bias.copy_(tensor(np.concatenate([a["b_query"], a["b_key"], a["b_value"]])))
+            self.mha.out_proj.weight.copy_(tensor(np.ascontiguousarray(a["W_out"].T)))
+            self.mha.out_proj.bias.copy_(tensor(a["b_out"]))
+        self.x = tensor(a["x"]).requires_grad_()
+        self.dout = tensor(a["dout"])
+        self.leaves = [self.x] + list(self.mha.parameters())
+
+    def forward(self):
+        # query is key is value: PyTorch takes its packed in-projection path
+        return self.mha(self.x, self.x, self.x, need_weights=False)[0]
+
+    def forward_backward(self):
+        for leaf in self.leaves:
+            leaf.grad = None
+        self.forward().backward(self.dout)
+
+    def result(self):
+        for leaf in self.leaves:
+            leaf.grad = None
+        out = self.forward()
+        out.backward(self.dout)
+        E = self.x.shape[-1]
+        weight_grad = self.mha.in_proj_weight.grad.numpy()
+        bias_grad = self.mha.in_proj_bias.grad.numpy()
+        results = {"out": out.detach().numpy(), "dx": self.x.grad.numpy()}
+        for i, name in enumerate(("query", "key", "value")):
+            results["dW_" + name] = weight_grad[i * E:(i + 1) * E].T  # (E, E) transposed back
+            results["db_" + name] = bias_grad[i * E:(i + 1) * E]
+        results["dW_out"] = self.mha.out_proj.weight.grad.numpy().T
+        results["db_out"] = self.mha.out_proj.bias.grad.numpy()
+        return results
+
+
+class _TorchCore:
+    library = "torch"
+
+    def __init__(self, problem):
+        torch = _import_torch()
+        a = problem.arrays
+        self.sdpa = torch.nn.functional.scaled_dot_product_attention
+        self.query = torch.from_numpy(a["query"]).requires_grad_()
+        self.key = torch.from_numpy(a["key"]).requires_grad_()
+        self.value = torch.from_numpy(a["value"]).requires_grad_()
+        self.dout = torch.from_numpy(a["dout"])
+
+    def forward(self):
+        return self.sdpa(self.query, self.key, self.value)
+
+    def forward_backward(self):
+        self.query.grad = self.key.grad = self.value.grad = None
+        self.forward().backward(self.dout)
+
+    def result(self):
+        self.query.grad = self.key.grad = self.value.grad = None
+        out = self.forward()
+        out.backward(self.dout)
+        return {"out": out.detach().numpy(), "dquery": self.query.grad.numpy(),
+                "dkey": self.key.grad.numpy(), "dvalue": self.value.grad.numpy()}
+
+
+def make_runner(impl, problem):
+    """Set up implementation ``impl`` on ``problem``.
+
+    Parameters
+    ----------
+    impl : {"reference", "fast", "tiled", "torch"}
+    problem : Problem
+
+    Returns
+    -------
+    runner
+        With ``library`` ("qkvnp" or "torch"), ``forward()``,
+        ``forward_backward()`` (the timed calls) and ``result()`` (output and
+        every gradient, as a dict of arrays, for the cross-check).
+
+    Raises
+    ------
+    ImplementationMissing
+        If this qkvnp does not offer ``impl`` or PyTorch is not installed.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl == "torch":
+        return _TorchLayer(problem) if problem.kind == "layer" else _TorchCore(problem)
+    if problem.kind == "layer":
+        return _QkvnpLayer(impl, problem)
+    return _QkvnpCore(impl, problem)
+
+
+# ---------------------------------------------------------------- cross-check
+
+
+def relative_error(actual, expected, scale=None):
+    """``max|actual - expected| / scale``, ``scale`` defaulting to ``max|expected|``.
+
+    Returns inf on a shape mismatch or a non-finite entry of ``actual``.
+
+    >>> relative_error(np.array([1.0, 2.01]), np.array([1.0, 2.0]))
+    0.005
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if actual.shape != expected.shape or not np.isfinite(actual).all():
+        return float("inf")
+    if scale is None:
+        scale = float(np.max(np.abs(expected), initial=0.0))
+    scale = max(scale, np.finfo(np.float64).tiny)
+    return float(np.max(np.abs(actual - expected), initial=0.0)) / scale
+
+
+def _group(name):
+    """Arrays compared on a common scale: all weight gradients, all bias gradients."""
+    return name[:3] if name.startswith(("dW_", "db_")) else name
+
+
+def cross_check(results, expected, dtype):
+    """Compare one implementation's results with the oracle's.
+
+    Parameters
+    ----------
+    results, expected : dict of str to ndarray
+        Output and gradients, from ``runner.result()``.
+    dtype : float32 or float64
+        Selects the tolerance in :data:`TOLERANCES`.
+
+    Returns
+    -------
+    Check
+        ``ok`` is False if an array is missing, has another shape, holds a
+        non-finite value, or differs by more than the tolerance.
+
+    Notes
+    -----
+    Each array's error is relative to the largest entry of its group: the
+    output, each input's gradient, the weight gradients ``dW_*`` together and
+    the bias gradients ``db_*`` together. Grouping matters for ``db_key``,
+    which is zero in exact arithmetic (softmax ignores a constant added to a
+    row of scores): its computed value is rounding noise, to be judged on the
+    scale of the other bias gradients, not on its own.
+    """
+    tolerance = TOLERANCES[_check_dtype(dtype)]
+    scales = {}
+    for name, reference in expected.items():
+        largest = float(np.max(np.abs(reference), initial=0.0))
+        scales[_group(name)] = max(scales.get(_group(name), 0.0), largest)
+    worst_name, worst = None, 0.0
+    for name, reference in expected.items():
+        error = (relative_error(results[name], reference, scales[_group(name)])
+                 if name in results else float("inf"))
+        if worst_name is None or error > worst:
+            worst_name, worst = name, error
+    return Check(bool(worst <= tolerance), worst, worst_name, tolerance)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3):
+    """Time ``runners`` round by round, the start of each round rotating.
+
+    Parameters
+    ----------
+    runners : dict of str to runner
+    mode : {"fwd", "fwd_bwd"}
+    repeats : int
+        Timed rounds.
+    warmup : int
+        Untimed rounds first.
+    pause : float
+        Seconds slept before a call whose library differs from the last one's.
+
+    Returns
+    -------
+    dict of str to list of float
+        Seconds per call, ``repeats`` per runner.
+    """
+    method = {"fwd": "forward", "fwd_bwd": "forward_backward"}[mode]
+    names = list(runners)
+    calls = {name: getattr(runners[name], method) for name in names}
+    times = {name: [] for name in names}
+    last_library = None
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            library = runners[name].library
+            if last_library is not None and library != last_library and pause > 0:
+                time.sleep(pause)
+            last_library = library
+            start = time.perf_counter()
+            result = calls[name]()
+            elapsed = time.perf_counter() - start
+            del result  # freed outside the timed region
+            if round_index >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def _timing_stats(seconds, flops, peak):
+    ms = np.asarray(seconds) * 1e3
+    median = float(np.median(ms))
+    stats = {
+        "median_ms": median,
+        "min_ms": float(ms.min()),
+        "q1_ms": float(np.percentile(ms, 25)),
+        "q3_ms": float(np.percentile(ms, 75)),
+        "times_ms": [float(t) for t in ms],
+        "flops": int(flops),
+        "gflops": flops / (median * 1e-3) / 1e9,
+    }
+    stats["percent_peak"] = 100.0 * stats["gflops"] / peak if peak else None
+    return stats
+
+
+def measure_gemm_peak(dtype, size=GEMM_SIZE, repeats=5):
+    """Best GFLOP/s of ``numpy.matmul`` on two (size, size) matrices of ``dtype``.
+
+    Counts ``2 * size**3`` FLOPs per product; writes into a preallocated
+    ``out=`` so that the number is the BLAS kernel's, not the allocator's.
+    """
+    dtype = _check_dtype(dtype)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=dtype)
+    b = rng.standard_normal((size, size), dtype=dtype)
+    out = np.empty((size, size), dtype=dtype)
+    np.matmul(a, b, out=out)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size ** 3 / best / 1e9
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _proc_status_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss():
+    """Reset the kernel's peak-RSS counter; return False where that is impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        _proc_status_kib("VmHWM")
+        return True
+    except OSError:
+        return False
+
+
+def _memory_child(spec_json):
+    """Body of the fresh process that :func:`measure_memory` starts; prints JSON."""
+    import resource
+    import tracemalloc
+
+    spec = json.loads(spec_json)
+    kind, impl, dtype = spec["kind"], spec["impl"], np.dtype(spec["dtype"])
+    config = Config(*spec["config"])
+    # warm every library up on a tiny problem: thread pools, lazy imports
+    tiny = make_runner(impl, make_problem(kind, (1, 8, 4 * config.heads, config.heads), dtype))
+    tiny.forward_backward()
+    del tiny
+    problem = make_problem(kind, config, dtype)
+    runner = make_runner(impl, problem)
+    gc.collect()
+    if _reset_peak_rss():
+        method = "rss"
+        before = _proc_status_kib("VmRSS")
+        result = runner.forward_backward()
+        peak = _proc_status_kib("VmHWM")
+    else:
+        method = "ru_maxrss"
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = runner.forward_backward()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = {"method": method, "rss_mib": (peak - before) / 1024.0, "tracemalloc_mib": None}
+    del result, runner
+    gc.collect()
+    if impl != "torch":  # PyTorch's allocations are invisible to tracemalloc
+        runner = make_runner(impl, problem)
+        tracemalloc.start()
+        result = runner.forward_backward()
+        report["tracemalloc_mib"] = tracemalloc.get_traced_memory()[1] / MIB
+        tracemalloc.stop()
+        del result
+    print(json.dumps(report))
+
+
+def measure_memory(kind, impl, config, dtype, timeout=900):
+    """Peak extra memory (MiB) of one forward+backward, in a fresh process.
+
+    Returns
+    -------
+    dict
+        ``rss_mib`` (peak RSS during the call minus RSS before it),
+        ``tracemalloc_mib`` (qkvnp only, else None), ``method``; or
+        ``error`` with the child's last error line if it failed.
+    """
+    spec = json.dumps({"kind": kind, "impl": impl, "config": list(config),
+                       "dtype": np.dtype(dtype).name})
+    code = "import sys; from qkvnp.bench import _memory_child; _memory_child(sys.argv[1])"
+    try:
+        child = subprocess.run([sys.executable, "-c", code, spec], capture_output=True,
+                               text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = child.stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {child.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------- import cost
+
+_IMPORT_SNIPPET = (
+    "import sys, time\n"
+    "start = time.perf_counter()\n"
+    "import {module}\n"
+    "elapsed = time.perf_counter() - start\n"
+    "print(elapsed)\n"
+    "print(' '.join(sorted(sys.modules)))\n"
+)
+
+
+def _import_in_fresh_process(module):
+    child = subprocess.run([sys.executable, "-c", _IMPORT_SNIPPET.format(module=module)],
+                           capture_output=True, text=True, timeout=120, check=True)
+    elapsed, modules = child.stdout.splitlines()[:2]
+    return float(elapsed), set(modules.split())
+
+
+def measure_import_time(repeats=7):
+    """Median time of ``import numpy`` and of ``import qkvnp`` in fresh interpreters.
+
+    Returns
+    -------
+    dict
+        ``numpy_ms``, ``qkvnp_ms``, ``ratio`` (qkvnp / numpy), ``repeats``,
+        ``extra_modules``: top-level packages outside the standard library
+        that ``import qkvnp`` loads and ``import numpy`` does not.
+    """
+    numpy_times, qkvnp_times = [], []
+    _import_in_fresh_process("numpy")  # warm the file cache, not timed
+    for _ in range(repeats):
+        elapsed, numpy_modules = _import_in_fresh_process("numpy")
+        numpy_times.append(elapsed)
+        elapsed, qkvnp_modules = _import_in_fresh_process("qkvnp")
+        qkvnp_times.append(elapsed)
+    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    extra = sorted({
+        name.split(".")[0] for name in qkvnp_modules - numpy_modules
+        if name.split(".")[0] not in stdlib and name.split(".")[0] not in ("qkvnp", "numpy")
+        and not name.startswith("_")
+    })
+    numpy_ms = 1e3 * float(np.median(numpy_times))
+    qkvnp_ms = 1e3 * float(np.median(qkvnp_times))
+    return {"numpy_ms": numpy_ms, "qkvnp_ms": qkvnp_ms, "ratio": qkvnp_ms / numpy_ms,
+            "repeats": repeats, "extra_modules": extra}
+
+
+# ---------------------------------------------------------------- environment
+
+
+def _openblas_runtime():
+    """Corename, config and thread count of the OpenBLAS loaded into this process."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""),
+                               ("openblas_", "64_"), ("openblas_", "")):
+            try:
+                corename = getattr(library, f"{prefix}get_corename{suffix}")
+                config = getattr(library, f"{prefix}get_config{suffix}")
+                threads = getattr(library, f"{prefix}get_num_threads{suffix}")
+            except AttributeError:
+                continue
+            corename.restype = config.restype = ctypes.c_char_p
+            threads.restype = ctypes.c_int
+            return {"library": os.path.basename(path), "corename": corename().decode(),
+                    "config": config().decode().strip(), "threads": threads()}
+    return None
+
+
+def environment_info():
+    """What makes the numbers interpretable: machine, versions, BLAS, threads, env vars."""
+    from importlib import metadata
+
+    from . import __version__
+
+    def version(package):
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    blas_build = None
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        blas_build = f"{blas.get('name')} {blas.get('version')}"
+    except Exception:  # numpy < 1.26 has no mode="dicts"; the runtime probe still works
+        pass
+    info = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "numpy": np.__version__,
+        "scipy": version("scipy"),
+        "qkvnp": __version__,
+        "torch": None,
+        "torch_threads": None,
+        "blas_build": blas_build,
+        "openblas": _openblas_runtime(),
+        "env": {name: os.environ.get(name) for name in (
+            "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+    }
+    try:
+        torch = _import_torch()
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImplementationMissing:
+        pass
+    return info
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _progress(message):
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks):
+    """Cross-check, then time, every implementation on one workload; one record each."""
+    problem = make_problem(kind, config, dtype)
+    records, runners = {}, {}
+    for impl in dict.fromkeys([ORACLE] + list(impls)):
+        record = {"kind": kind, "config": list(config), "dtype": dtype.name, "impl": impl,
+                  "library": "torch" if impl == "torch" else "qkvnp", "status": "ok",
+                  "reason": None, "check": None, "memory": None,
+                  "timed": impl in impls, "fwd": None, "fwd_bwd": None}
+        records[impl] = record
+        try:
+            runners[impl] = make_runner(impl, problem)
+        except ImplementationMissing as missing:
+            record["status"], record["reason"] = "missing", str(missing)
+        except Exception as error:  # a broken implementation must not stop the others
+            record["status"], record["reason"] = "error", f"{type(error).__name__}: {error}"
+
+    expected = None
+    if ORACLE in runners:
+        try:
+            expected = runners[ORACLE].result()
+        except Exception as error:
+            records[ORACLE]["status"] = "error"
+            records[ORACLE]["reason"] = f"{type(error).__name__}: {error}"
+            del runners[ORACLE]
+    for impl in list(runners):
+        record = records[impl]
+        if expected is None:
+            record["status"], record["reason"] = "refused", "no oracle: the reference path failed"
+            del runners[impl]
+            continue
+        try:
+            check = cross_check(runners[impl].result(), expected, dtype)
+        except Exception as error:
+            record["status"], record["reason"] = "error", f"{type(error).__name__}: {error}"
+            del runners[impl]
+            continue
+        record["check"] = {"max_rel_err": check.error, "worst": check.worst,
+                           "tolerance": check.tolerance}
+        if not check.ok:
+            record["status"] = "refused"
+            record["reason"] = (f"disagrees with the reference path: {check.worst} relative "
+                                f"error {check.error:.3g} > {check.tolerance:g}")
+            del runners[impl]
+    del expected
+
+    timed = {impl: runner for impl, runner in runners.items() if records[impl]["timed"]}
+    for mode in MODES:
+        if not timed:
+            break
+        gc.collect()
+        try:
+            times = time_interleaved(timed, mode, repeats, warmup, pause)
+        except Exception as error:
+            for impl in timed:
+                records[impl]["status"] = "error"
+                records[impl]["reason"] = f"while timing: {type(error).__name__}: {error}"
+            break
+        flops = FLOPS[kind](config, backward=(mode == "fwd_bwd"))
+        for impl, seconds in times.items():
+            records[impl][mode] = _timing_stats(seconds, flops, peaks.get(dtype.name))
+    runners.clear()
+    gc.collect()
+    return [record for impl, record in records.items() if record["timed"]]
+
+
+def _add_ratios(records):
+    """``ratio_torch`` = median(impl) / median(PyTorch) of the same workload and mode."""
+    torch_records = {(r["kind"], tuple(r["config"]), r["dtype"]): r
+                     for r in records if r["impl"] == "torch" and r["status"] == "ok"}
+    for record in records:
+        reference = torch_records.get((record["kind"], tuple(record["config"]), record["dtype"]))
+        for mode in MODES:
+            if record[mode] is None:
+                continue
+            record[mode]["ratio_torch"] = (
+                record[mode]["median_ms"] / reference[mode]["median_ms"]
+                if reference is not None and reference[mode] is not None else None
+            )
+
+
+def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=KINDS,
+                  impls=IMPLEMENTATIONS, repeats=7, warmup=1, pause=0.3, memory=True,
+                  memory_kinds=KINDS, import_repeats=7, tiled_memory=True, progress=_progress):
+    """Run the whole benchmark and return the report (a JSON-ready dict).
+
+    Parameters
+    ----------
+    configs : sequence of Config
+    dtypes : sequence of dtype names
+    kinds : sequence of {"layer", "core"}
+    impls : sequence of implementation names (see :data:`IMPLEMENTATIONS`)
+    repeats, warmup : int
+        Timed and untimed rounds per workload and mode.
+    pause : float
+        Seconds slept when switching between libraries.
+    memory : bool
+        Measure peak memory in fresh processes.
+    memory_kinds : sequence of {"layer", "core"}
+        Workloads whose memory is measured (with ``memory``).
+    import_repeats : int
+        Fresh interpreters per module for the import cost; 0 skips it.
+    tiled_memory : bool
+        Also measure the tiled core at :data:`TILED_MEMORY_SHAPE` (with ``memory``).
+    progress : callable or None
+        Receives one line of text per step.
+
+    Returns
+    -------
+    dict
+        ``environment``, ``gemm_peak_gflops`` (per dtype), ``import_time``,
+        ``records`` (one per kind, config, dtype and implementation),
+        ``tiled_memory``, ``settings``.
+    """
+    progress = progress or (lambda message: None)
+    configs = [_check_config(c) for c in configs]
+    dtypes = [_check_dtype(d) for d in dtypes]
+    for impl in impls:
+        if impl not in IMPLEMENTATIONS:
+            raise ValueError(f"impls must be chosen from {IMPLEMENTATIONS}, got {impl!r}")
+    started = time.perf_counter()
+    report = {"environment": environment_info(), "settings": {
+        "configs": [list(c) for c in configs], "dtypes": [d.name for d in dtypes],
+        "kinds": list(kinds), "impls": list(impls), "repeats": repeats, "warmup": warmup,
+        "pause_s": pause, "torch_threads": TORCH_THREADS, "gemm_size": GEMM_SIZE}}
+    progress("measuring the GEMM peak (numpy.matmul, n = %d)" % GEMM_SIZE)
+    peaks = {d.name: measure_gemm_peak(d) for d in dtypes}
+    report["gemm_peak_gflops"] = peaks
+    report["import_time"] = None
+    if import_repeats:
+        progress(f"timing import numpy / import qkvnp in {2 * import_repeats} fresh processes")
+        report["import_time"] = measure_import_time(import_repeats)
+
+    records = []
+    cases = [(k, c, d) for c in configs for d in dtypes for k in kinds]
+    for index, (kind, config, dtype) in enumerate(cases, 1):
+        progress(f"[{index}/{len(cases)}] {kind} {tuple(config)} {dtype.name}: "
+                 f"cross-check and {repeats} rounds x {len(MODES)} modes")
+        case_records = _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks)
+        for record in case_records:
+            if record["status"] != "ok":
+                progress(f"    {record['impl']}: {record['status']}: {record['reason']}")
+        records.extend(case_records)
+    _add_ratios(records)
+
+    if memory:
+        to_measure = [r for r in records if r["status"] == "ok" and r["kind"] in memory_kinds]
+        for index, record in enumerate(to_measure, 1):
+            progress(f"memory [{index}/{len(to_measure)}] {record['kind']} "
+                     f"{tuple(record['config'])} {record['dtype']} {record['impl']} (fresh process)")
+            record["memory"] = measure_memory(record["kind"], record["impl"], record["config"],
+                                              record["dtype"])
+    report["tiled_memory"] = None
+    if memory and tiled_memory and "tiled" in impls:
+        B, H, L, D = TILED_MEMORY_SHAPE
+        progress(f"memory: tiled core at (B, H, L, D) = {TILED_MEMORY_SHAPE} float32 (fresh process)")
+        measured = measure_memory("core", "tiled", Config(B, L, H * D, H), "float32")
+        if "error" not in measured:
+            outputs_mib = 4 * B * H * L * D * 4 / MIB  # out, dquery, dkey, dvalue in float32
+            measured["outputs_mib"] = outputs_mib
+            measured["beyond_outputs_mib"] = measured["rss_mib"] - outputs_mib
+            measured["limit_mib"] = TILED_MEMORY_LIMIT_MIB
+        report["tiled_memory"] = measured
+    report["records"] = records
+    report["elapsed_s"] = time.perf_counter() - started
+    return report
+
+
+# ---------------------------------------------------------------- output
+
+
+def _fmt(value, spec, width):
+    return format("-" if value is None else format(value, spec), f">{width}")
+
+
+def _mode_cells(stats):
+    if stats is None:
+        return [_fmt(None, "", w) for w in (9, 7, 7, 6, 5)]
+    return [_fmt(stats["median_ms"], ".2f", 9),
+            _fmt(stats["q3_ms"] - stats["q1_ms"], ".2f", 7),
+            _fmt(stats.get("ratio_torch"), ".2f", 7),
+            _fmt(stats["gflops"], ".0f", 6),
+            _fmt(stats["percent_peak"], ".0f", 5)]
+
+
+def _verdict(ok):
+    return "ok" if ok else "MISSED"
+
+
+def _targets(report):
+    """Lines comparing the measured ratios with the issue's targets."""
+    lines = []
+    records = [r for r in report["records"] if r["status"] == "ok"]
+    qkvnp_impls = [i for i in report["settings"]["impls"] if i not in ("torch", ORACLE)]
+
+    def ratios(kind, impl, min_length=0):
+        return [(tuple(r["config"]), r["dtype"], r["fwd_bwd"]["ratio_torch"]) for r in records
+                if r["kind"] == kind and r["impl"] == impl and r["config"][1] >= min_length
+                and r["fwd_bwd"] and r["fwd_bwd"].get("ratio_torch") is not None]
+
+    for kind, limit, min_length, label in (
+            ("layer", 0.8, 0, "MultiHeadAttention fwd+bwd <= 0.8x nn.MultiheadAttention"),
+            ("core", 1.0, 512, "core fwd+bwd <= 1.0x scaled_dot_product_attention, L >= 512")):
+        for impl in qkvnp_impls:
+            found = ratios(kind, impl, min_length)
+            if found:
+                worst = max(found, key=lambda item: item[2])
+                lines.append(f"  {label}: {impl} worst {worst[2]:.2f} at {worst[0]} {worst[1]} "
+                             f"({sum(r <= limit for _, _, r in found)}/{len(found)} within) "
+                             f"{_verdict(worst[2] <= limit)}")
+    for impl in qkvnp_impls:
+        found = [(tuple(r["config"]), r["dtype"], r["fwd_bwd"]["percent_peak"]) for r in records
+                 if r["kind"] == "layer" and r["impl"] == impl and r["config"][1] >= 512
+                 and r["fwd_bwd"] and r["fwd_bwd"]["percent_peak"] is not None]
+        if found:
+            worst = min(found, key=lambda item: item[2])
+            lines.append(f"  layer fwd+bwd >= 75% of GEMM peak, L >= 512: {impl} lowest "
+                         f"{worst[2]:.0f}% at {worst[0]} {worst[1]} {_verdict(worst[2] >= 75)}")
+    memory = {(r["impl"], tuple(r["config"]), r["dtype"]): r["memory"] for r in records
+              if r["kind"] == "layer" and r["memory"] and "rss_mib" in r["memory"]}
+    for (impl, config, dtype), measured in sorted(memory.items()):
+        torch_memory = memory.get(("torch", config, dtype))
+        if impl in qkvnp_impls and config == tuple(DEFAULT_CONFIGS[-1]) and torch_memory:
+            lines.append(f"  layer memory <= nn.MultiheadAttention at {config} {dtype}: {impl} "
+                         f"{measured['rss_mib']:.0f} MiB vs {torch_memory['rss_mib']:.0f} MiB "
+                         f"{_verdict(measured['rss_mib'] <= torch_memory['rss_mib'])}")
+    tiled = report.get("tiled_memory")
+    if tiled and "beyond_outputs_mib" in tiled:
+        lines.append(f"  tiled core {TILED_MEMORY_SHAPE} float32 fwd+bwd: "
+                     f"{tiled['beyond_outputs_mib']:.1f} MiB beyond outputs and gradients "
+                     f"({tiled['method']}; limit {tiled['limit_mib']} MiB) "
+                     f"{_verdict(tiled['beyond_outputs_mib'] <= tiled['limit_mib'])}")
+    elif tiled:
+        lines.append(f"  tiled core {TILED_MEMORY_SHAPE} memory: {tiled['error']}")
+    imports = report.get("import_time")
+    if imports:
+        lines.append(f"  import qkvnp <= 1.25x import numpy: {imports['ratio']:.2f} "
+                     f"{_verdict(imports['ratio'] <= 1.25)}")
+    return lines
+
+
+def format_report(report):
+    """The human-readable report: environment, peaks, import cost, tables, targets."""
+    env = report["environment"]
+    lines = [f"qkvnp bench, {env['date_utc']} UTC, {report.get('elapsed_s', 0):.0f} s",
+             f"machine: {env['cpu']}, {env['cores_usable']} usable cores; {env['platform']}",
+             f"versions: python {env['python']}, numpy {env['numpy']}, scipy {env['scipy']}, "
+             f"qkvnp {env['qkvnp']}, torch {env['torch'] or 'not installed'}"]
+    blas = env["openblas"]
+    blas_text = (f"{blas['library']}, core {blas['corename']}, {blas['threads']} threads "
+                 f"({blas['config']})" if blas else "runtime not identified")
+    lines.append(f"numpy BLAS: {env['blas_build'] or '?'}; {blas_text}")
+    lines.append("env: " + ", ".join(f"{k}={v if v is not None else '(unset)'}"
+                                     for k, v in env["env"].items()))
+    lines.append(f"torch threads: {env['torch_threads'] if env['torch'] else '-'}")
+    peaks = report["gemm_peak_gflops"]
+    lines.append(f"GEMM peak (numpy.matmul, n = {report['settings']['gemm_size']}, best of 5): "
+                 + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items()))
+    imports = report.get("import_time")
+    if imports:
+        extra = ", ".join(imports["extra_modules"]) or "none outside the standard library"
+        lines.append(f"import time (fresh processes, median of {imports['repeats']}): numpy "
+                     f"{imports['numpy_ms']:.1f} ms, qkvnp {imports['qkvnp_ms']:.1f} ms, "
+                     f"ratio {imports['ratio']:.2f}; loaded beyond numpy's: {extra}")
+    settings = report["settings"]
+    lines.append(f"timing: median of {settings['repeats']} interleaved rounds after "
+                 f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between libraries; "
+                 "IQR = interquartile range; x torch = median / PyTorch's median")
+    memory_method = {r["memory"].get("method") for r in report["records"]
+                     if r["memory"] and "method" in r["memory"]}
+    lines.append("memory: peak extra RSS of one fwd+bwd in a fresh process "
+                 f"({', '.join(sorted(memory_method)) or 'not measured'})")
+
+    header = (f"{'config (B,L,E,H)':<19}{'dtype':<8}{'impl':<10}"
+              f"{'fwd ms':>9}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |"
+              f"{'f+b ms':>9}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |{'MiB':>7}")
+    titles = {"layer": "MultiHeadAttention layer (PyTorch: nn.MultiheadAttention, need_weights=False)",
+              "core": "attention core on (B, H, L, D) (PyTorch: scaled_dot_product_attention)"}
+    for kind in KINDS:
+        rows = [r for r in report["records"] if r["kind"] == kind]
+        if not rows:
+            continue
+        lines += ["", titles[kind], header, "-" * len(header)]
+        for r in rows:
+            label = f"{'(' + ','.join(map(str, r['config'])) + ')':<19}{r['dtype']:<8}{r['impl']:<10}"
+            if r["status"] != "ok":
+                lines.append(f"{label}{r['status'].upper()}: {r['reason']}")
+                continue
+            memory = r["memory"]
+            mib = (_fmt(memory["rss_mib"], ".0f", 7) if memory and "rss_mib" in memory
+                   else _fmt(None, "", 7))
+            lines.append(label + "".join(_mode_cells(r["fwd"])) + " |"
+                         + "".join(_mode_cells(r["fwd_bwd"])) + " |" + mib)
+    target_lines = _targets(report)
+    if target_lines:
+        lines += ["", "targets (issue 4):"] + target_lines
+    problems = [r for r in report["records"] if r["status"] in ("refused", "error")]
+    if problems:
+        lines += ["", f"{len(problems)} implementation run(s) refused or failed: see above"]
+    return "\n".join(lines)
+
+
+def write_json(path, report):
+    """Write ``report`` to ``path`` atomically (temp file, fsync, rename), then read it back."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(report, stream, indent=1, allow_nan=False, default=_json_default)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    return read_json(path)
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def read_json(path):
+    """Read a report written by :func:`write_json` (plain JSON, no pickle)."""
+    with open(path) as stream:
+        return json.load(stream)
+
+
+def plot_results(report, path):
+    """Draw fwd+bwd time and peak memory against L (matplotlib, optional).
+
+    Returns False, after saying how to install matplotlib, when it is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib, which is not installed: pip install 'qkvnp[plot]'",
+              file=sys.stderr)
+        return False
+    records = [r for r in report["records"] if r["status"] == "ok"]
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in records)]
+    figure, axes = plt.subplots(len(kinds) or 1, 2, figsize=(12, 4.5 * max(len(kinds), 1)),
+                                squeeze=False)
+    for row, kind in zip(axes, kinds):
+        series = {}
+        for r in records:
+            if r["kind"] == kind:
+                series.setdefault((r["impl"], r["dtype"]), []).append(r)
+        for (impl, dtype), points in sorted(series.items()):
+            points.sort(key=lambda r: r["config"][1])
+            lengths = [r["config"][1] for r in points]
+            style = "-" if dtype == "float32" else "--"
+            row[0].plot(lengths, [r["fwd_bwd"]["median_ms"] for r in points], style, marker="o",
+                        label=f"{impl} {dtype}")
+            memory = [(r["config"][1], r["memory"]["rss_mib"]) for r in points
+                      if r["memory"] and "rss_mib" in r["memory"]]
+            if memory:
+                row[1].plot(*zip(*memory), style, marker="o", label=f"{impl} {dtype}")
+        row[0].set(title=f"{kind}: forward+backward time", xlabel="L", ylabel="ms",
+                   xscale="log", yscale="log")
+        row[1].set(title=f"{kind}: peak extra memory (RSS)", xlabel="L", ylabel="MiB",
+                   xscale="log", yscale="log")
+        for axis in row:
+            axis.legend(fontsize="small")
+    figure.tight_layout()
+    path = os.fspath(path)
+    extension = os.path.splitext(path)[1].lstrip(".") or "png"
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                         prefix=".bench-", suffix="." + extension)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            figure.savefig(stream, format=extension)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    finally:
+        plt.close(figure)
+    return True
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _parse_config(text):
+    try:
+        return _check_config(text.replace("(", "").replace(")", "").split(","), "--configs")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (expected B,L,E,H such as 8,128,256,8)")
+
+
+def _count(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value}")
+    return value
+
+
+def add_arguments(parser):
+    """Add the ``bench`` options to an ``argparse`` parser."""
+    parser.add_argument("--quick", action="store_true",
+                        help="reduced run (configs %s, float32, 7 rounds, layer memory only), "
+                             "under a minute" % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
+    parser.add_argument("--configs", nargs="+", type=_parse_config, metavar="B,L,E,H",
+                        help="configurations (default: %s)"
+                             % " ".join(",".join(map(str, c)) for c in DEFAULT_CONFIGS))
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "float64"),
+                        help="dtypes (default: float32 float64)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, help="workloads (default: both)")
+    parser.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS,
+                        help="implementations (default: all; the reference path always "
+                             "runs as the cross-check's oracle)")
+    parser.add_argument("--repeats", type=_count(1), help="timed rounds, median reported (default 7)")
+    parser.add_argument("--warmup", type=_count(0), default=1, help="untimed rounds first (default 1)")
+    parser.add_argument("--pause", type=_seconds, default=0.3,
+                        help="seconds slept when switching library (default 0.3)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory measurements (fresh processes)")
+    parser.add_argument("--import-repeats", type=_count(0),
+                        help="fresh interpreters per module for the import cost (default 7, "
+                             "0 skips it)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="draw time and memory against L (needs matplotlib)")
+
+
+def run(args):
+    """Run the benchmark described by parsed ``args``; return the exit status.
+
+    0 when every available implementation agreed with the reference path, 1
+    when one was refused or failed (its numbers are not reported).
+    """
+    quick = args.quick
+    configs = args.configs or (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
+    dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
+    repeats = args.repeats or 7
+    import_repeats = (args.import_repeats if args.import_repeats is not None
+                      else 5 if quick else 7)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (checked now, used at the end)
+        except ImportError:
+            print("note: --plot needs matplotlib, which is not installed: "
+                  "pip install 'qkvnp[plot]'; the benchmark runs without the plot",
+                  file=sys.stderr)
+    if repeats < 7:
+        _progress(f"note: {repeats} rounds: fewer than 7, medians are rough")
+    report = run_benchmark(
+        configs=configs, dtypes=dtypes, kinds=args.kinds or KINDS,
+        impls=args.impls or IMPLEMENTATIONS, repeats=repeats, warmup=args.warmup,
+        pause=args.pause, memory=not args.no_memory, import_repeats=import_repeats,
+        memory_kinds=("layer",) if quick else KINDS, tiled_memory=not quick,
+    )
+    if quick:
+        report["settings"]["quick"] = True
+    print(format_report(report))
+    if args.json:
+        write_json(args.json, report)
+        print(f"results written to {args.json}")
+    if args.plot and plot_results(report, args.plot):
+        print(f"plot written to {args.plot}")
+    failed = [r for r in report["records"] if r["status"] in ("refused", "error")]
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    """``python benchmarks/run.py [options]``: same as ``python -m qkvnp bench``."""
+    parser = argparse.ArgumentParser(prog="qkvnp bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
