@@ -106,6 +106,8 @@ def make_rng(rng):
     if isinstance(rng, np.random.Generator):
         return rng
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        if rng < 0:
+            raise ValueError(f"rng as an int seed must be >= 0, got {rng}")
         return np.random.default_rng(int(rng))
     raise TypeError(
         f"rng must be a numpy.random.Generator, an int seed or None, got {type(rng).__name__}"

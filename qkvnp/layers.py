@@ -44,10 +44,13 @@ def _check_impl(impl):
 
 
 def _layer_dtype(dtype):
-    dtype = compute_dtype(np.dtype(dtype))
-    if np.dtype(dtype).kind != "f":
-        raise TypeError(f"dtype must be a float dtype, got {dtype}")
-    return dtype
+    try:
+        requested = np.dtype(dtype)
+    except TypeError:
+        requested = None
+    if requested is None or requested.kind != "f" or requested.itemsize > 8:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
+    return compute_dtype(requested)
 
 
 class Layer:
