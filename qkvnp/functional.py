@@ -385,10 +385,13 @@ def attention_backward(dout, cache):
     dvalue : ndarray, shape of ``value``
     """
     query, key, value, weights, scale = cache
-    check_same_shape(dout, "dout", weights.shape[:-1] + (value.shape[-1],))
+    # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
+    lead = np.broadcast_shapes(weights.shape[:-2], value.shape[:-2])
+    check_same_shape(dout, "dout", lead + (weights.shape[-2], value.shape[-1]))
     dout = np.asarray(dout, dtype=weights.dtype)
     dvalue = np.swapaxes(weights, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
     dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
     dscores = softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
     dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
     dkey = (np.swapaxes(dscores, -1, -2) @ query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
