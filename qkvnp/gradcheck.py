@@ -205,6 +205,12 @@ def _relative_error(analytic, numeric, atol):
     return np.where(np.isnan(rel), np.inf, rel), np.where(np.isnan(abs_err), np.inf, abs_err)
 
 
+def _snapshot(evaluate):
+    """``evaluate()`` as a float64 copy: an output may be a view of the perturbed input."""
+    out = evaluate()
+    return np.array(out, dtype=np.float64) if np.asarray(out).dtype.kind == "f" else np.asarray(out)
+
+
 def _inner_difference(dout, plus, minus):
     """``<dout, plus - minus>`` in float64 (the difference first: no cancellation in a sum)."""
     plus = np.asarray(plus)
@@ -230,10 +236,10 @@ def _numeric_elementwise(array, evaluate, dout, eps):
         original = array[index].copy()
         array[index] = original + eps
         high = float(array[index])
-        plus = evaluate()
+        plus = _snapshot(evaluate)
         array[index] = original - eps
         low = float(array[index])
-        minus = evaluate()
+        minus = _snapshot(evaluate)
         array[index] = original
         step = high - low
         # NOTE: a step below the spacing of floats at x rounds to 0: no derivative.
@@ -279,10 +285,10 @@ def _check_directions(name, array, analytic, evaluate, dout, tol, rng, num_direc
         u = u / norm if norm > 0 else u
         np.copyto(array, saved + tol.eps * u, casting="unsafe")
         high = array.astype(np.float64)
-        plus = evaluate()
+        plus = _snapshot(evaluate)
         np.copyto(array, saved - tol.eps * u, casting="unsafe")
         low = array.astype(np.float64)
-        minus = evaluate()
+        minus = _snapshot(evaluate)
         np.copyto(array, saved)
         step = high - low  # ~ 2h u, as rounded in array's dtype
         analytic_values[k] = float(np.sum(analytic * step)) / (2 * tol.eps)
@@ -345,6 +351,12 @@ def _check_grad_shape(grad, name, shape):
 
 
 def _run(tensors, analytic, evaluate, dout64, mode, dtype, tol, rng, num_directions):
+    for name, array in tensors.items():
+        if not np.isfinite(array).all():
+            raise ValueError(
+                f"{name!r} contains NaN or inf: central differences need finite inputs "
+                "(express a -inf mask as a mask argument, not as a checked input)"
+            )
     rows = []
     for name, array in tensors.items():
         if mode == "elementwise":

@@ -1,0 +1,244 @@
+"""Every hand-derived gradient of qkvnp against central differences (issue 2).
+
+Oracle: central differences of ``<dout, f(x)>`` with a random upstream
+gradient ``dout`` (never all ones), computed by :mod:`qkvnp.gradcheck` in
+float64; every analytic gradient (each input of each functional op, each
+param and input of both layers) must match to a relative error <= 1e-6
+(``TOLERANCES[float64]``, absolute floor 1e-3 for entries near zero).
+Shapes, masks and options are drawn by the hypothesis strategies of
+``tests/strategies.py``.
+
+Exact zeros are asserted with ``== 0.0``, not a tolerance: the gradient of
+``b_key`` (softmax ignores the constant ``q . b_key`` added to a row), and
+every gradient through a fully masked query row (its weights are exactly 0).
+"""
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qkvnp import MultiHeadAttention, SelfAttention
+from qkvnp import functional as F
+from qkvnp.gradcheck import TOLERANCES, check_function, check_layer, check_op
+
+from strategies import (
+    attention_cases,
+    head_cases,
+    linear_cases,
+    mha_cases,
+    self_attention_cases,
+    softmax_cases,
+)
+
+# The `impl` fixture only names an implementation: safe to share across examples.
+fixture_ok = settings(suppress_health_check=[HealthCheck.too_slow,
+                                             HealthCheck.function_scoped_fixture])
+
+
+def assert_gradients_ok(report):
+    """The report certifies float64 gradients to rtol <= 1e-6; else print its table."""
+    assert report.dtype == np.float64
+    assert report.rtol <= 1e-6
+    assert report.rows, "nothing was checked"
+    assert report.ok, "\n" + report.table()
+
+
+def test_default_float64_tolerance_certifies_1e_6():
+    # The oracle of every test below is only as strict as this table entry.
+    for mode in ("elementwise", "direction"):
+        assert TOLERANCES[np.dtype(np.float64)][mode].rtol <= 1e-6
+
+
+def dead_rows(attn_mask, is_causal, shape):
+    """Bool ``shape[:-1]``: query rows with no key left, computed from the masks alone."""
+    keep = np.ones(shape, dtype=bool)
+    if attn_mask is not None:
+        keep &= (attn_mask if attn_mask.dtype == np.bool_ else attn_mask != -np.inf)
+    if is_causal:
+        keep &= np.tril(np.ones(shape[-2:], dtype=bool))
+    return ~keep.any(axis=-1)
+
+
+def randomize_biases(layer, seed):
+    """Move the (zero-initialised) biases to a generic point, so their paths matter."""
+    rng = np.random.default_rng(seed)
+    for name, param in layer.params.items():
+        if name.startswith("b_"):
+            param[...] = rng.normal(size=param.shape)
+
+
+# ---------------------------------------------------------------- functional ops
+
+
+@given(linear_cases())
+def test_linear_gradients(inputs):
+    # x @ W + b with and without bias (then backward returns db=None), any leading dims.
+    report = check_op(F.linear_forward, F.linear_backward, inputs)
+    assert [row.name for row in report.rows] == list(inputs)
+    assert_gradients_ok(report)
+
+
+@given(softmax_cases())
+def test_softmax_gradients_on_any_axis_with_fully_masked_lines(case):
+    scores, keep, axis = case
+
+    def forward(scores):
+        masked = scores if keep is None else np.where(keep, scores, -np.inf)
+        return F.softmax_forward(masked, axis=axis)
+
+    report = check_function(lambda scores: forward(scores)[0], {"scores": scores},
+                            lambda dout, scores: {"scores": F.softmax_backward(dout, forward(scores)[1])})
+    assert_gradients_ok(report)
+    if keep is not None:
+        weights, cache = forward(scores)
+        dscores = F.softmax_backward(np.random.default_rng(0).normal(size=scores.shape), cache)
+        dead = ~keep.any(axis=axis, keepdims=True)
+        # Oracle: a removed entry has weight exactly 0, so its gradient is exactly 0.
+        assert np.all(weights[~keep] == 0.0) and np.all(dscores[~keep] == 0.0)
+        assert np.all(np.where(dead, weights, 0.0) == 0.0)
+
+
+@given(attention_cases())
+def test_attention_gradients_with_masks_causal_scale_and_broadcasting(case):
+    inputs, options = case
+    report = check_op(F.attention_forward, F.attention_backward, inputs,
+                      forward_kwargs=options)
+    assert [row.name for row in report.rows] == ["query", "key", "value"]
+    assert_gradients_ok(report)
+
+
+def test_attention_gradients_when_only_value_has_leading_dims():
+    # Regression: value (2, S, Dv) against query (T, D) and key (S, D) gives an
+    # output (2, T, Dv) larger than the weights (T, S); backward used to reject
+    # the dout of the output's shape.
+    rng = np.random.default_rng(7)
+    inputs = {"query": rng.normal(size=(3, 2)), "key": rng.normal(size=(4, 2)),
+              "value": rng.normal(size=(2, 4, 5))}
+    out, _ = F.attention_forward(**inputs)
+    assert out.shape == (2, 3, 5)
+    report = check_op(F.attention_forward, F.attention_backward, inputs,
+                      forward_kwargs={"is_causal": True})
+    assert_gradients_ok(report)
+
+
+@given(attention_cases(), st.integers(0, 2**16))
+def test_attention_gradients_through_fully_masked_rows_are_exactly_zero(case, seed):
+    # Oracle: a query row with no key left has weights exactly 0, so its output
+    # row is 0.0 and the upstream gradient of that row reaches nothing: replacing
+    # it by other values leaves every gradient bit for bit unchanged.
+    inputs, options = case
+    out, cache = F.attention_forward(**inputs, **options)
+    S, Dv = inputs["value"].shape[-2:]
+    dead = dead_rows(options["attn_mask"], options["is_causal"], out.shape[:-1] + (S,))
+    assert out.shape == dead.shape + (Dv,)
+    assert np.all(out[dead] == 0.0)
+    rng = np.random.default_rng(seed)
+    dout = rng.normal(size=out.shape)
+    other = dout.copy()
+    other[dead] = rng.normal(size=other[dead].shape) * 10
+    for grad, grad_other in zip(F.attention_backward(dout, cache),
+                                F.attention_backward(other, cache)):
+        np.testing.assert_array_equal(grad, grad_other)
+    if inputs["query"].shape[:-1] == dead.shape:  # query not broadcast: rows map 1:1
+        dquery = F.attention_backward(dout, cache)[0]
+        assert np.all(dquery[dead] == 0.0)
+
+
+@given(head_cases())
+def test_split_and_merge_heads_gradients(case):
+    x, num_heads = case
+    report = check_op(F.split_heads_forward, F.split_heads_backward, {"x": x},
+                      forward_kwargs={"num_heads": num_heads})
+    assert_gradients_ok(report)
+    heads, _ = F.split_heads_forward(x, num_heads)
+    report = check_op(F.merge_heads_forward, F.merge_heads_backward, {"x": heads})
+    assert_gradients_ok(report)
+
+
+# ---------------------------------------------------------------- layers
+
+
+@fixture_ok
+@given(self_attention_cases())
+def test_self_attention_gradients(impl, case):
+    layer = SelfAttention(case["d_in"], case["d_out"], qkv_bias=case["qkv_bias"],
+                          rng=case["seed"], impl=impl)
+    randomize_biases(layer, case["seed"])
+    forward_kwargs = {"attn_mask": case["attn_mask"], "is_causal": case["is_causal"]}
+    report = check_layer(layer, case["x"], forward_kwargs=forward_kwargs)
+    expected = [f"param {name}" for name in layer.params] + ["input 0"]
+    assert [row.name for row in report.rows] == expected
+    assert_gradients_ok(report)
+    if case["qkv_bias"]:
+        # check_layer leaves the grads of its random dout in the layer.
+        assert layer.grads["b_key"].shape == (case["d_out"],)
+        assert np.all(layer.grads["b_key"] == 0.0)
+    out, weights = layer.forward(case["x"], return_weights=True, **forward_kwargs)
+    dead = dead_rows(case["attn_mask"], case["is_causal"], weights.shape)
+    assert np.all(out[dead] == 0.0)
+
+
+@fixture_ok
+@given(mha_cases())
+def test_multi_head_attention_gradients(impl, case):
+    # Self-, cross- and key-only attention; kdim/vdim; bias or not; attn_mask
+    # (T, S) or 4-D, bool or float; key padding (whole sequences padded); causal.
+    layer = MultiHeadAttention(case["embed_dim"], case["num_heads"], bias=case["bias"],
+                               kdim=case["kdim"], vdim=case["vdim"], rng=case["seed"],
+                               impl=impl)
+    randomize_biases(layer, case["seed"])
+    forward_kwargs = {name: case[name] for name in ("attn_mask", "is_causal", "key_padding_mask")}
+    report = check_layer(layer, *case["inputs"], forward_kwargs=forward_kwargs)
+    expected = [f"param {name}" for name in layer.params]
+    expected += [f"input {i}" for i in range(len(case["inputs"]))]
+    assert [row.name for row in report.rows] == expected
+    assert_gradients_ok(report)
+    if case["bias"]:
+        assert np.all(layer.grads["b_key"] == 0.0)
+
+
+@fixture_ok
+@given(mha_cases(), st.integers(0, 2**16))
+def test_multi_head_attention_fully_padded_sequence_is_exactly_zero(impl, case, seed):
+    # Oracle: a sequence whose keys are all padding attends to nothing, so its
+    # output is exactly b_out (0 without bias) and every input gradient of that
+    # sequence is exactly 0.0.
+    inputs, attn_mask = case["inputs"], case["attn_mask"]
+    if inputs[0].ndim == 2:  # unbatched: make it a batch of one
+        inputs = [x[None] for x in inputs]  # (T, E) -> (1, T, E)
+        if attn_mask is not None and attn_mask.ndim == 3:
+            attn_mask = attn_mask[None]  # (H, T, S) -> (1, H, T, S)
+    B, S = inputs[0].shape[0], inputs[-1].shape[-2]
+    padding = case["key_padding_mask"]
+    padding = np.ones((B, S), dtype=bool) if padding is None else padding.reshape(B, S).copy()
+    padding[0] = False  # sequence 0 fully padded
+    layer = MultiHeadAttention(case["embed_dim"], case["num_heads"], bias=case["bias"],
+                               kdim=case["kdim"], vdim=case["vdim"], rng=case["seed"],
+                               impl=impl)
+    randomize_biases(layer, case["seed"])
+    out = layer.forward(*inputs, attn_mask=attn_mask,
+                        is_causal=case["is_causal"], key_padding_mask=padding)
+    expected = layer.params.get("b_out", np.zeros(case["embed_dim"]))
+    assert out.shape == inputs[0].shape
+    assert np.all(out[0] == expected)
+    dinputs = layer.backward(np.random.default_rng(seed).normal(size=out.shape))
+    dinputs = dinputs if isinstance(dinputs, tuple) else (dinputs,)
+    for dx in dinputs:
+        if dx is not None:
+            assert np.all(dx[0] == 0.0)
+    if case["bias"]:
+        assert np.all(layer.grads["b_key"] == 0.0)
+
+
+@fixture_ok
+@given(mha_cases(kind="cross"))
+def test_multi_head_attention_gradients_direction_mode(impl, case):
+    # The random-direction check (<u, vjp> vs a directional difference) must
+    # certify the same gradients as the elementwise one.
+    layer = MultiHeadAttention(case["embed_dim"], case["num_heads"], bias=case["bias"],
+                               kdim=case["kdim"], vdim=case["vdim"], rng=case["seed"],
+                               impl=impl)
+    randomize_biases(layer, case["seed"])
+    forward_kwargs = {name: case[name] for name in ("attn_mask", "is_causal", "key_padding_mask")}
+    report = check_layer(layer, *case["inputs"], forward_kwargs=forward_kwargs,
+                         mode="direction", num_directions=3)
+    assert_gradients_ok(report)
