@@ -8,8 +8,8 @@ Same semantics as :func:`qkvnp.functional.attention_forward` /
 :func:`~qkvnp.functional.attention_backward` (the reference path, which is the
 oracle of ``tests/test_tiled.py``), but the ``(..., T, S)`` weights are never
 built: the forward runs an online softmax over key blocks and keeps only the
-output and the row logsumexp, and the backward recomputes the weights block by
-block. Every temporary is ``(..., bq, bk)``-sized, so for a fixed block size
+output and the row logsumexp (as row max and row sum), and the backward
+recomputes the weights block by block. Every temporary is ``(..., bq, bk)``-sized, so for a fixed block size
 the extra memory does not grow with the sequence length.
 
 Measured (this 2-core machine, shared with other jobs, so timings are noisy;
@@ -45,7 +45,7 @@ _MIN_DEFAULT_BLOCK = 32
 
 TiledAttentionCache = namedtuple(
     "TiledAttentionCache",
-    "query key value bias keep is_causal scale out lse block_q block_k live safe",
+    "query key value bias keep is_causal scale out row_max row_sum block_q block_k live safe",
 )
 TiledAttentionCache.__doc__ = """What :func:`attention_backward` reads.
 
@@ -54,8 +54,9 @@ bias, keep : the additive and boolean parts of the user's mask (or None),
     as given, never broadcast to ``(..., T, S)``
 is_causal, scale : as in the forward
 out : ndarray, shape (..., T, Dv), the forward output
-lse : ndarray, shape (..., T), the row logsumexp of the scores; ``+inf``
-    for fully masked rows so that the recomputed weights are ``exp(-inf) = 0``
+row_max, row_sum : ndarray, shape (..., T), the row logsumexp of the scores
+    in two parts, ``logsumexp = row_max + log(row_sum)``; a fully masked row
+    has ``row_max = -inf`` and ``row_sum = 0``
 block_q, block_k : block sizes
 live : ndarray of bool, shape (ceil(T/bq), ceil(S/bk)), False for block
     pairs that are entirely masked (skipped in both passes)
@@ -134,11 +135,10 @@ def _no_overflow(query, key, scale):
     """
     if query.size == 0 or key.size == 0:
         return True
-    big = np.finfo(query.dtype).max
-    with np.errstate(over="ignore"):
-        amax_q = max(float(query.max()), -float(query.min()))
-        amax_k = max(float(key.max()), -float(key.min()))
-        bound = query.shape[-1] * (amax_q * scale) * amax_k
+    big = float(np.finfo(query.dtype).max)
+    amax_q = max(float(query.max()), -float(query.min()))  # Python floats: no overflow warning
+    amax_k = max(float(key.max()), -float(key.min()))
+    bound = query.shape[-1] * (amax_q * scale) * amax_k  # may be inf
     return bound < big / 4
 
 
@@ -148,10 +148,14 @@ def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe
     Same steps as the reference: scores, clip overflow, add the float mask
     (clipped to the dtype's max), then every boolean mask sets ``-inf``.
     """
-    np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-    if not safe and not np.isfinite(scores).all():
-        np.nan_to_num(scores, copy=False, nan=0.0, posinf=np.finfo(scores.dtype).max,
-                      neginf=-np.finfo(scores.dtype).max)
+    if safe:
+        np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is clipped just below
+            np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
+        if not np.isfinite(scores).all():
+            big = np.finfo(scores.dtype).max
+            np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
     if bias is not None:
         with np.errstate(over="ignore"):
             np.add(scores, _mask_block(bias, i0, i1, j0, j1), out=scores)
@@ -208,7 +212,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     -------
     out : ndarray, shape (..., T, Dv)
     cache : TiledAttentionCache
-        The inputs, ``out``, the row logsumexp ``(..., T)`` and a small table
+        The inputs, ``out``, the row logsumexp as ``row_max`` and ``row_sum``
+        ``(..., T)`` and a small table
         of live block pairs: no array of ``(T, S)`` size except a full mask
         the caller passed (which is referenced, not copied).
 
@@ -232,13 +237,20 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     .. math:: \\ell \\leftarrow \\alpha \\ell + \\mathrm{rowsum}\\,\\tilde P, \\quad
               A \\leftarrow \\alpha A + \\tilde P V_j, \\quad m \\leftarrow m'
 
-    and at the end :math:`O_i = A / \\ell` and :math:`L_i = m + \\log \\ell`
-    (the row logsumexp, the only per-row statistic cached). This is exactly
+    and at the end :math:`O_i = A / \\ell`. This is exactly
     :math:`\\mathrm{softmax}(S) V`: every :math:`\\tilde P` computed against
-    an older max is rescaled by :math:`\\alpha` when the max grows.
+    an older max is rescaled by :math:`\\alpha` when the max grows. The only
+    per-row statistic cached is the row logsumexp :math:`m + \\log \\ell`, kept
+    as its two parts :math:`m` and :math:`\\ell`.
+
+    NOTE: not as one number :math:`L = m + \\log \\ell` as FlashAttention
+    does: when :math:`|m|` is huge (clipped scores near the dtype's max)
+    :math:`m + \\log \\ell` rounds to :math:`m` and :math:`e^{S - L}` would
+    no longer sum to 1 (two tied scores would each get weight 1), and for
+    :math:`|m| \\sim 10^4` it already costs digits against the reference.
 
     The backward (:func:`attention_backward`) recomputes the weights block
-    by block, :math:`P_{ij} = e^{S_{ij} - L_i}`, and with
+    by block, :math:`P_{ij} = e^{S_{ij} - m_i} / \\ell_i`, and with
     :math:`\\Delta = \\mathrm{rowsum}(\\bar O \\odot O)`, which equals the
     reference's :math:`\\mathrm{rowsum}(P \\odot \\bar P)` because
     :math:`\\sum_j P_j (\\bar O \\cdot v_j) = \\bar O \\cdot O`:
@@ -249,11 +261,16 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     .. math:: \\bar Q_i = c \\sum_j \\bar S_{ij} K_j, \\quad
               \\bar K_j = \\sum_i \\bar S_{ij}^T (c\\,Q_i)
 
+    where the division by :math:`\\ell_i` is applied to the rows of
+    :math:`\\bar O_i` and :math:`\\Delta_i` (``(bq, Dv)`` work) rather than to
+    each ``(bq, bk)`` block: :math:`\\bar S_{ij} = e^{S_{ij} - m_i} \\odot
+    ((\\bar O_i / \\ell_i) V_j^T - \\Delta_i / \\ell_i)`.
+
     NOTE: a fully masked row (all its scores ``-inf``) has :math:`m = -\\infty`
     and :math:`\\ell = 0`; the running max is replaced by 0 in the exponents so
-    no ``-inf - (-inf)`` arises, its output is 0 and its logsumexp is stored as
-    ``+inf``, so the recomputed weights are 0 and no gradient flows through
-    it, as in the reference. With no keys at all (``S = 0``) every row is
+    no ``-inf - (-inf)`` arises; its output is 0, its :math:`1/\\ell` is taken
+    as 0, so the recomputed weights are 0 and no gradient flows through it,
+    as in the reference. With no keys at all (``S = 0``) every row is
     fully masked and the output is 0.
 
     Overflowing scores are clipped to the dtype's largest value as in the
@@ -299,7 +316,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
     v = np.broadcast_to(value, lead + (S, Dv))  # (..v, S, Dv) -> (..., S, Dv), a view
     out = np.empty(lead + (T, Dv), dtype=dtype)  # (..., T, Dv)
-    lse = np.empty(lead + (T,), dtype=dtype)  # (..., T)
+    row_maxes = np.empty(lead + (T,), dtype=dtype)  # (..., T)
+    row_sums = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     scores_buf = _workspace(lead_size * block_q * block_k, dtype)
     pv_buf = _workspace(lead_size * block_q * Dv, dtype)
     causal_cache = {}
@@ -338,12 +356,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
             row_max = new_max
         dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
         np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
-        with np.errstate(divide="ignore"):
-            row_lse = row_max + np.log(row_sum)  # (..., bq, 1)
-        np.copyto(row_lse, np.inf, where=dead)
-        lse[..., i0:i1] = row_lse[..., 0]  # (..., bq, 1) -> (..., bq)
+        row_maxes[..., i0:i1] = row_max[..., 0]  # (..., bq, 1) -> (..., bq)
+        row_sums[..., i0:i1] = row_sum[..., 0]  # (..., bq, 1) -> (..., bq)
     cache = TiledAttentionCache(
-        query, key, value, bias, keep, is_causal, scale, out, lse, block_q, block_k, live, safe
+        query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
+        block_q, block_k, live, safe,
     )
     return out, cache
 
@@ -381,7 +398,7 @@ def attention_backward(dout, cache):
     >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(tiled, reference))
     True
     """
-    (query, key, value, bias, keep, is_causal, scale, out, lse,
+    (query, key, value, bias, keep, is_causal, scale, out, row_max, row_sum,
      block_q, block_k, live, safe) = cache
     check_same_shape(dout, "dout", out.shape)
     dtype = out.dtype
@@ -395,7 +412,12 @@ def attention_backward(dout, cache):
     k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
     v = np.broadcast_to(value, lead + (S, Dv))  # (..v, S, Dv) -> (..., S, Dv), a view
     delta = np.einsum("...td,...td->...t", dout, out)[..., None]  # (..., T, Dv) -> (..., T, 1)
-    lse = lse[..., None]  # (..., T) -> (..., T, 1)
+    # P = exp(S - m) / l: the 1/l goes into dO and Delta (per row, (..., bq, Dv))
+    # instead of a pass over each (..., bq, bk) block.
+    shift = np.where(np.isneginf(row_max), 0, row_max)[..., None]  # (..., T) -> (..., T, 1)
+    with np.errstate(divide="ignore"):
+        inv_sum = np.where(row_sum == 0, 0, 1 / row_sum)[..., None]  # (..., T) -> (..., T, 1)
+    delta *= inv_sum  # (..., T, 1)
     # dquery sums over key blocks; a query broadcast over the leading dims
     # needs a full-size accumulator, reduced at the end.
     dq = np.zeros(lead + (T, D), dtype=dtype)  # (..., T, D)
@@ -406,6 +428,7 @@ def attention_backward(dout, cache):
     dweights_buf = _workspace(lead_size * block_q * block_k, dtype)
     small_buf = _workspace(lead_size * max(block_q, block_k) * max(D, Dv), dtype)
     qs_buf = _workspace(lead_size * block_q * D, dtype)
+    dout_buf = _workspace(lead_size * block_q * Dv, dtype)
     scale = dtype.type(scale)
     causal_cache = {}
 
@@ -426,16 +449,17 @@ def attention_backward(dout, cache):
                 qs, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe,
                 _view(scores_buf, lead + (bq, bk)), causal_cache,
             )  # (..., bq, bk)
-            with np.errstate(over="ignore"):
-                np.subtract(weights, lse[..., i0:i1, :], out=weights)
-            np.exp(weights, out=weights)  # (..., bq, bk), P = exp(S - L); 0 on masked rows
-            dout_block = dout[..., i0:i1, :]  # (..., bq, Dv)
+            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
+                np.subtract(weights, shift[..., i0:i1, :], out=weights)
+            np.exp(weights, out=weights)  # (..., bq, bk), l * P = exp(S - m); 0 on masked rows
+            dout_block = np.multiply(dout[..., i0:i1, :], inv_sum[..., i0:i1, :],
+                                     out=_view(dout_buf, lead + (bq, Dv)))  # (..., bq, Dv), dO / l
             dv_block += np.matmul(np.swapaxes(weights, -1, -2), dout_block,
                                   out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
             dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
                                 out=_view(dweights_buf, lead + (bq, bk)))  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
             np.subtract(dscores, delta[..., i0:i1, :], out=dscores)
-            np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = P * (dP - Delta)
+            np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = l P * (dP - Delta) / l
             dq[..., i0:i1, :] += np.matmul(dscores, k_block, out=_view(small_buf, lead + (bq, D)))  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
             dk_block += np.matmul(np.swapaxes(dscores, -1, -2), qs,
                                   out=_view(small_buf, lead + (bk, D)))  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)

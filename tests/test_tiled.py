@@ -1,0 +1,419 @@
+"""Tests of qkvnp.tiled, the FlashAttention-style attention.
+
+Oracle: the reference path :mod:`qkvnp.functional` (itself checked against
+central differences and PyTorch), which builds the full ``(T, S)`` weights.
+The tiled path must give the same outputs and gradients for any block size,
+keep no ``(T, S)``-sized array and use memory independent of the length.
+"""
+import subprocess
+import sys
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from qkvnp import functional as F
+from qkvnp import tiled
+
+# Largest error allowed, relative to max(1, max|reference|), keyed by dtype.
+TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+
+
+def assert_close(actual, expected, name):
+    """Shape first, then values, reporting the worst index and both values."""
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    if expected.size == 0:
+        return
+    error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    scale = max(1.0, float(np.abs(expected).max()))
+    worst = np.unravel_index(np.argmax(error), error.shape)
+    tol = TOLERANCE[expected.dtype]
+    assert error[worst] <= tol * scale, (
+        f"{name}: tiled {actual[worst]!r} vs reference {expected[worst]!r} at index "
+        f"{worst}, error {error[worst]:.3g} > {tol:g} * {scale:.3g}"
+    )
+
+
+def both_paths(query, key, value, attn_mask=None, is_causal=False, scale=None,
+               block_size=None, rng=None):
+    """Run reference and tiled forward+backward with one random upstream gradient.
+
+    Warnings of the tiled path are errors (fully masked rows and overflow
+    included); the reference's own warnings are not this file's subject.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out_ref, cache_ref = F.attention_forward(query, key, value, attn_mask, is_causal, scale)
+        rng = np.random.default_rng(0) if rng is None else rng
+        dout = rng.standard_normal(out_ref.shape).astype(out_ref.dtype)
+        grads_ref = F.attention_backward(dout, cache_ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = tiled.attention_forward(
+            query, key, value, attn_mask, is_causal, scale, block_size=block_size
+        )
+        grads = tiled.attention_backward(dout, cache)
+    return (out, *grads), (out_ref, *grads_ref), cache
+
+
+def check_against_reference(*args, **kwargs):
+    results, expected, cache = both_paths(*args, **kwargs)
+    for name, a, b in zip(("out", "dquery", "dkey", "dvalue"), results, expected):
+        assert_close(a, b, name)
+    return results, cache
+
+
+def random_inputs(rng, q_shape, k_shape, v_shape, dtype=np.float64):
+    return tuple(rng.standard_normal(s).astype(dtype) for s in (q_shape, k_shape, v_shape))
+
+
+# ---------------------------------------------------------------- against the reference
+
+
+CASES = [
+    # (q_shape, k_shape, v_shape, mask kind, is_causal, block_size)
+    ((7, 4), (7, 4), (7, 3), None, False, 3),  # block divides neither T nor S
+    ((2, 10, 5), (2, 13, 5), (2, 13, 2), None, False, (4, 5)),  # T != S
+    ((2, 10, 5), (2, 13, 5), (2, 13, 2), None, True, (3, 4)),  # causal, S > T
+    ((2, 13, 5), (2, 6, 5), (2, 6, 2), None, True, (4, 4)),  # causal, T > S
+    ((2, 3, 9, 4), (2, 1, 11, 4), (11, 6), None, True, (2, 5)),  # broadcast leading dims
+    ((1, 9, 4), (3, 9, 4), (1, 9, 4), "bool", False, (2, 3)),  # query broadcast over batch
+    ((2, 9, 4), (2, 12, 4), (2, 12, 3), "bool", False, (4, 5)),  # full bool mask
+    ((2, 9, 4), (2, 12, 4), (2, 12, 3), "bool", True, (4, 5)),  # bool mask and causal
+    ((2, 9, 4), (2, 12, 4), (2, 12, 3), "float", False, (5, 3)),  # float mask with -inf
+    ((2, 9, 4), (2, 12, 4), (2, 12, 3), "float", True, (5, 3)),  # float mask and causal
+    ((2, 9, 4), (2, 12, 4), (2, 12, 3), "padding", False, (2, 5)),  # (B, 1, S) key padding
+    ((2, 9, 4), (2, 12, 4), (2, 12, 3), "rows", True, (2, 5)),  # (T, 1) mask: whole rows off
+    ((9, 4), (12, 4), (12, 3), "keys1d", False, 4),  # 1-D (S,) float mask
+    ((9, 4), (12, 4), (12, 3), "blocky", False, (3, 4)),  # whole block pairs empty
+    ((2, 16, 8), (2, 16, 8), (2, 16, 8), None, True, 16),  # one block
+    ((2, 16, 8), (2, 16, 8), (2, 16, 8), None, True, 1),  # 1x1 blocks
+    ((2, 16, 8), (2, 16, 8), (2, 16, 8), None, True, None),  # default block size
+]
+
+
+def make_mask(kind, rng, lead, T, S, dtype):
+    if kind is None:
+        return None
+    if kind == "bool":
+        mask = rng.random(lead + (T, S)) > 0.4
+        mask[..., 1, :] = False  # a fully masked row
+        return mask
+    if kind == "float":
+        mask = rng.standard_normal(lead + (T, S)).astype(dtype)
+        mask[rng.random(mask.shape) < 0.3] = -np.inf
+        mask[..., 0, :] = -np.inf  # a fully masked row
+        return mask
+    if kind == "padding":
+        mask = np.ones(lead + (1, S), dtype=bool)  # (B, 1, S)
+        mask[0, 0, S // 2:] = False
+        mask[-1, 0, :] = False  # a batch element with no valid key at all
+        return mask
+    if kind == "rows":
+        return (np.arange(T) % 3 != 1)[:, None]  # (T, 1)
+    if kind == "keys1d":
+        return np.where(np.arange(S) % 4 == 3, -np.inf, 0.0).astype(dtype)  # (S,)
+    if kind == "blocky":
+        # block-diagonal in (3, 4) tiles: off-diagonal tile pairs are empty
+        return (np.arange(T)[:, None] // 3) == (np.arange(S)[None, :] // 4)  # (T, S)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, kind, is_causal, block_size", CASES)
+def test_matches_reference(q_shape, k_shape, v_shape, kind, is_causal, block_size, dtype):
+    """Oracle: functional.attention_forward/backward on the same inputs."""
+    rng = np.random.default_rng(7)
+    query, key, value = random_inputs(rng, q_shape, k_shape, v_shape, dtype)
+    lead = np.broadcast_shapes(q_shape[:-2], k_shape[:-2], v_shape[:-2])
+    mask = make_mask(kind, rng, lead, q_shape[-2], k_shape[-2], dtype)
+    results, cache = check_against_reference(
+        query, key, value, mask, is_causal, block_size=block_size, rng=rng
+    )
+    assert cache.out is results[0]
+    if kind == "blocky":
+        assert not cache.live.all(), "the block-diagonal mask should leave empty block pairs"
+    if is_causal and q_shape[-2] > 2 * cache.block_q and k_shape[-2] > cache.block_k:
+        assert not cache.live.all(), "blocks above the diagonal should be skipped"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_configurations(seed):
+    """Oracle: the reference path, over random shapes, masks, block sizes and dtypes."""
+    rng = np.random.default_rng(1000 + seed)
+    T, S = (int(n) for n in rng.integers(1, 24, size=2))
+    D, Dv = (int(n) for n in rng.integers(1, 9, size=2))
+    lead = [(), (2,), (2, 3)][seed % 3]
+    dtype = np.float64 if seed % 4 else np.float32
+    query, key, value = random_inputs(rng, lead + (T, D), lead[1:] + (S, D), lead + (S, Dv), dtype)
+    kind = [None, "bool", "float", "padding" if lead else None, "rows", "blocky"][seed % 6]
+    mask = make_mask(kind, rng, lead, T, S, dtype)
+    block_size = (int(rng.integers(1, T + 3)), int(rng.integers(1, S + 3)))
+    scale = None if seed % 5 else float(rng.uniform(0.1, 2.0))
+    check_against_reference(
+        query, key, value, mask, bool(seed % 2), scale, block_size=block_size, rng=rng
+    )
+
+
+@st.composite
+def attention_problems(draw):
+    """Small problems with masks that have fully masked rows, and any block size."""
+    T = draw(st.integers(1, 12))
+    S = draw(st.integers(1, 12))
+    D = draw(st.integers(1, 5))
+    B = draw(st.integers(1, 3))
+    floats = st.floats(-3, 3, allow_nan=False, allow_infinity=False)
+    arrays = [
+        np.array(draw(st.lists(floats, min_size=n, max_size=n))).reshape(shape)
+        for shape in [(B, T, D), (B, S, D), (B, S, D)]
+        for n in [int(np.prod(shape))]
+    ]
+    keep = np.array(draw(st.lists(st.booleans(), min_size=T * S, max_size=T * S))).reshape(T, S)
+    dead_row = draw(st.integers(0, T - 1))
+    keep[dead_row] = False  # always at least one fully masked row
+    is_causal = draw(st.booleans())
+    block_size = (draw(st.integers(1, T + 1)), draw(st.integers(1, S + 1)))
+    return arrays, keep, is_causal, block_size
+
+
+@given(attention_problems())
+def test_hypothesis_against_reference(problem):
+    """Oracle: the reference path; masks always contain a fully masked row."""
+    (query, key, value), keep, is_causal, block_size = problem
+    check_against_reference(query, key, value, keep, is_causal, block_size=block_size)
+
+
+# ---------------------------------------------------------------- closed forms and properties
+
+
+def test_one_key_returns_its_value():
+    """Closed form: with one key every query's output is that key's value."""
+    rng = np.random.default_rng(1)
+    query, key, value = random_inputs(rng, (5, 3), (1, 3), (1, 2))
+    out, _ = tiled.attention_forward(query, key, value, block_size=2)
+    assert out.shape == (5, 2)
+    np.testing.assert_allclose(out, np.repeat(value, 5, axis=0), rtol=1e-15)
+
+
+def test_equal_scores_average_the_values():
+    """Closed form: zero queries give equal scores, so the output is the mean of V."""
+    value = np.random.default_rng(2).standard_normal((11, 3))
+    out, _ = tiled.attention_forward(np.zeros((4, 2)), np.ones((11, 2)), value, block_size=(3, 4))
+    np.testing.assert_allclose(out, np.broadcast_to(value.mean(axis=0), (4, 3)), rtol=1e-14)
+
+
+def test_fully_masked_rows_give_exact_zeros_without_warning():
+    """Definition: a query that may attend to nothing outputs 0 and passes no gradient."""
+    rng = np.random.default_rng(3)
+    query, key, value = random_inputs(rng, (2, 8, 4), (2, 8, 4), (2, 8, 3))
+    keep = rng.random((2, 8, 8)) > 0.3
+    keep[0, 2] = keep[1, 5] = keep[1, 6] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = tiled.attention_forward(query, key, value, keep, block_size=3)
+        dout = rng.standard_normal(out.shape)
+        dquery, dkey, dvalue = tiled.attention_backward(dout, cache)
+    for b, t in [(0, 2), (1, 5), (1, 6)]:
+        assert np.all(out[b, t] == 0) and np.all(dquery[b, t] == 0)
+        assert cache.row_max[b, t] == -np.inf and cache.row_sum[b, t] == 0
+    assert np.isfinite(out).all() and np.isfinite(dkey).all() and np.isfinite(dvalue).all()
+
+
+def test_no_keys_at_all_gives_zeros():
+    """Definition: with S = 0 every query attends to nothing, output and gradients 0.
+
+    (The reference path raises on S = 0, so this is checked against the definition.)
+    """
+    out, cache = tiled.attention_forward(np.ones((3, 2)), np.ones((0, 2)), np.ones((0, 4)))
+    assert out.shape == (3, 4) and np.all(out == 0)
+    dquery, dkey, dvalue = tiled.attention_backward(np.ones((3, 4)), cache)
+    assert dquery.shape == (3, 2) and np.all(dquery == 0)
+    assert dkey.shape == (0, 2) and dvalue.shape == (0, 4)
+
+
+def test_no_queries():
+    """Oracle: the reference path, T = 0 gives empty outputs and zero key gradients."""
+    rng = np.random.default_rng(4)
+    check_against_reference(*random_inputs(rng, (2, 0, 3), (2, 5, 3), (2, 5, 2)), is_causal=True)
+
+
+def test_causal_output_ignores_future_keys():
+    """Property: under a causal mask, changing keys/values after position t
+    leaves the outputs of queries 0..t unchanged."""
+    rng = np.random.default_rng(5)
+    query, key, value = random_inputs(rng, (20, 4), (20, 4), (20, 3))
+    out, _ = tiled.attention_forward(query, key, value, is_causal=True, block_size=(6, 7))
+    key2, value2 = key.copy(), value.copy()
+    key2[12:] = rng.standard_normal((8, 4))
+    value2[12:] = rng.standard_normal((8, 3))
+    out2, _ = tiled.attention_forward(query, key2, value2, is_causal=True, block_size=(6, 7))
+    np.testing.assert_array_equal(out[:12], out2[:12])
+    assert not np.allclose(out[12:], out2[12:])
+
+
+def test_permuting_keys_and_values_together():
+    """Property: attention is invariant to a joint permutation of keys and values."""
+    rng = np.random.default_rng(6)
+    query, key, value = random_inputs(rng, (7, 4), (13, 4), (13, 3))
+    perm = rng.permutation(13)
+    out, _ = tiled.attention_forward(query, key, value, block_size=4)
+    out_perm, _ = tiled.attention_forward(query, key[perm], value[perm], block_size=4)
+    np.testing.assert_allclose(out_perm, out, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(np.float64, 1e155), (np.float32, 1e20)])
+def test_huge_inputs_stay_finite(dtype, magnitude):
+    """Oracle: the reference path with scale=1 (both clip the same overflowed
+    scores); with the default scale, only finiteness (the tiled path scales Q
+    before the product, so fewer scores overflow).
+
+    dquery = dS K and dkey = dS^T Q carry a rounding error of eps * |dP| times
+    |K| or |Q| ~ magnitude, so they are compared in units of the magnitude.
+    """
+    rng = np.random.default_rng(7)
+    query, key, value = random_inputs(rng, (6, 4), (9, 4), (9, 2), dtype)
+    query *= dtype(magnitude)
+    key *= dtype(magnitude)
+    results, expected, _ = both_paths(query, key, value, is_causal=True, scale=1.0,
+                                      block_size=(4, 3))
+    assert_close(results[0], expected[0], "out")
+    assert_close(results[1] / dtype(magnitude), expected[1] / dtype(magnitude), "dquery/magnitude")
+    assert_close(results[2] / dtype(magnitude), expected[2] / dtype(magnitude), "dkey/magnitude")
+    assert_close(results[3], expected[3], "dvalue")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = tiled.attention_forward(query, key, value, block_size=(4, 3))
+        grads = tiled.attention_backward(np.ones_like(out), cache)
+    assert not cache.safe
+    assert all(np.isfinite(a).all() for a in (out, *grads))
+
+
+def test_float16_is_computed_in_float32():
+    """Oracle: the reference path, which also computes float16 in float32."""
+    rng = np.random.default_rng(8)
+    query, key, value = random_inputs(rng, (5, 4), (6, 4), (6, 4), np.float16)
+    results, _ = check_against_reference(query, key, value, block_size=2)
+    assert all(a.dtype == np.float32 for a in results)
+
+
+# ---------------------------------------------------------------- memory
+
+
+def test_cache_holds_no_scores_sized_array():
+    """The cache keeps inputs, output, the (T,) logsumexp and a block table only."""
+    rng = np.random.default_rng(9)
+    T = S = 256
+    query, key, value = random_inputs(rng, (2, T, 8), (2, S, 8), (2, S, 8))
+    padding = np.ones((2, 1, S), dtype=bool)  # broadcast (B, 1, S) mask
+    padding[1, 0, 200:] = False
+    _, cache = tiled.attention_forward(query, key, value, padding, is_causal=True, block_size=64)
+    sizes = {name: np.asarray(field).size for name, field in cache._asdict().items()
+             if isinstance(field, np.ndarray)}
+    assert max(sizes.values()) <= 2 * S * 8, sizes
+    assert all(size < T * S for size in sizes.values()), sizes
+    assert cache.row_max.shape == cache.row_sum.shape == (2, T)
+    assert cache.live.shape == (4, 4)
+
+
+def _peak_extra_bytes(L, D, block_size, is_causal):
+    """Peak traced memory of forward+backward beyond inputs, output and gradients."""
+    rng = np.random.default_rng(10)
+    query, key, value, dout = (rng.standard_normal((L, D)) for _ in range(4))
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start, _ = tracemalloc.get_traced_memory()
+        out, cache = tiled.attention_forward(query, key, value, is_causal=is_causal,
+                                             block_size=block_size)
+        grads = tiled.attention_backward(dout, cache)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    kept = out.nbytes + sum(g.nbytes for g in grads)
+    return peak - start - kept
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_memory_does_not_grow_with_length(is_causal):
+    """Oracle: a bound from the block size alone, the same at L = 1024 and 4096.
+
+    With (128, 128) blocks, D = 16, float64 the block temporaries are a few
+    hundred KiB; the per-row statistics (row max and sum, rowsum(dO * O) and
+    their transforms) are at most eight floats per row. The dense weights
+    would take 8 MiB at L = 1024 and 128 MiB at 4096.
+    """
+    D, block = 16, 128
+    per_row = 8 * 8  # bytes
+    bound = 8 * (8 * block * block + 8 * block * D) + per_row * 4096  # bytes
+    extra = {L: _peak_extra_bytes(L, D, block, is_causal) for L in (1024, 4096)}
+    assert extra[1024] <= bound and extra[4096] <= bound, (extra, bound)
+    assert extra[4096] < extra[1024] + per_row * (4096 - 1024), extra  # at most linear per row
+    assert extra[4096] < 8 * 4096 * 4096 / 50  # nowhere near the dense weights
+
+
+# ---------------------------------------------------------------- errors and defaults
+
+
+@pytest.mark.parametrize("block_size, error", [
+    (0, ValueError),  # not positive
+    ((4, -1), ValueError),  # negative block_k
+    ((4, 4, 4), ValueError),  # not a pair
+    (2.5, TypeError),  # not an int
+    (True, TypeError),  # bool is not a size
+    (("4", 4), TypeError),  # str inside the pair
+])
+def test_bad_block_size(block_size, error):
+    with pytest.raises(error, match="block_size"):
+        tiled.attention_forward(np.ones((3, 2)), np.ones((3, 2)), np.ones((3, 2)),
+                                block_size=block_size)
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((np.ones((3, 2)), np.ones((4, 3)), np.ones((4, 2))), {}),  # key head dim mismatch
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((5, 2))), {}),  # value length mismatch
+    ((np.ones((2, 3, 2)), np.ones((3, 4, 2)), np.ones((4, 2))), {}),  # leading dims
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 5), bool)}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 4), int)}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"is_causal": 1}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": -1.0}),
+    ((np.full((3, 2), np.nan), np.ones((4, 2)), np.ones((4, 2))), {}),  # NaN input
+])
+def test_same_errors_as_reference(args, kwargs):
+    """Oracle: the reference path raises the same exception with the same message."""
+    with pytest.raises((ValueError, TypeError)) as expected:
+        F.attention_forward(*args, **kwargs)
+    with pytest.raises(expected.type) as actual:
+        tiled.attention_forward(*args, **kwargs)
+    assert str(actual.value) == str(expected.value)
+
+
+def test_dout_of_wrong_shape():
+    _, cache = tiled.attention_forward(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"dout must have shape \(3, 5\).*got shape \(3, 4\)"):
+        tiled.attention_backward(np.ones((3, 4)), cache)
+
+
+def test_default_blocks_shrink_with_many_heads():
+    """The default block holds about a million scores whatever the (batch, head) count."""
+    rng = np.random.default_rng(11)
+    for lead in [(), (4, 8), (16, 16)]:
+        query, key, value = random_inputs(rng, lead + (600, 2), lead + (1100, 2), lead + (1100, 1))
+        _, cache = tiled.attention_forward(query, key, value)
+        lead_size = int(np.prod(lead))
+        assert lead_size * cache.block_q * cache.block_k <= max(
+            tiled._BLOCK_ELEMENTS, lead_size * tiled._MIN_DEFAULT_BLOCK ** 2
+        )
+        if not lead:
+            assert (cache.block_q, cache.block_k) == (
+                min(tiled.DEFAULT_BLOCK_SIZE[0], 600), min(tiled.DEFAULT_BLOCK_SIZE[1], 1100)
+            )
+
+
+def test_import_does_not_load_scipy():
+    """Fresh process: importing the tiled path costs numpy only, never scipy."""
+    code = "import sys, qkvnp.tiled; print('scipy' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
