@@ -44,7 +44,7 @@ __all__ = [
 LinearCache = namedtuple("LinearCache", "x W has_bias")
 SoftmaxCache = namedtuple("SoftmaxCache", "weights axis")
 AttentionCache = namedtuple("AttentionCache", "query key value weights scale")
-HeadsCache = namedtuple("HeadsCache", "num_heads")
+HeadsCache = namedtuple("HeadsCache", "num_heads out_shape")
 
 
 def sum_to_shape(grad, shape):
@@ -246,7 +246,10 @@ def softmax_backward(dweights, cache):
 
 def _check_attention_inputs(query, key, value):
     """Cast to a common float dtype and check the attention shapes."""
-    dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)))
+    try:
+        dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)))
+    except TypeError:
+        dtype = None  # as_float_array below names the argument that is not real
     query = as_float_array(query, "query", dtype)
     key = as_float_array(key, "key", dtype)
     value = as_float_array(value, "value", dtype)
@@ -279,7 +282,7 @@ def _check_scale(scale, head_dim):
         # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
         # the seeds' tutorial) flattens the softmax as heads are added.
         return 1.0 / math.sqrt(head_dim)  # a Python float: np.float64 would upcast float32
-    if isinstance(scale, (bool, np.bool_)) or not np.isscalar(scale):
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
     if not np.isfinite(scale) or scale <= 0:
@@ -460,16 +463,13 @@ def split_heads_forward(x, num_heads):
         raise ValueError(f"num_heads must be a positive divisor of E={E}, got {num_heads}")
     T = x.shape[-2]
     heads = x.reshape(x.shape[:-1] + (num_heads, E // num_heads))  # (..., T, E) -> (..., T, H, D)
-    return np.swapaxes(heads, -2, -3), HeadsCache(num_heads)  # (..., T, H, D) -> (..., H, T, D)
+    out = np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
+    return out, HeadsCache(num_heads, out.shape)
 
 
 def split_heads_backward(dout, cache):
     """Backward of :func:`split_heads_forward`: merge the heads of ``dout``."""
-    dout = np.asarray(dout)
-    if dout.ndim < 3 or dout.shape[-3] != cache.num_heads:
-        raise ValueError(
-            f"dout must have shape (..., {cache.num_heads}, T, D), got shape {dout.shape}"
-        )
+    check_same_shape(dout, "dout", cache.out_shape)
     return merge_heads_forward(dout)[0]
 
 
@@ -485,9 +485,11 @@ def merge_heads_forward(x):
     check_ndim(x, "x", 3, "(..., H, T, D)")
     H, T, D = x.shape[-3:]
     heads = np.swapaxes(x, -2, -3)  # (..., H, T, D) -> (..., T, H, D)
-    return heads.reshape(heads.shape[:-2] + (H * D,)), HeadsCache(H)  # -> (..., T, H*D)
+    out = heads.reshape(heads.shape[:-2] + (H * D,))  # (..., T, H, D) -> (..., T, H*D)
+    return out, HeadsCache(H, out.shape)
 
 
 def merge_heads_backward(dout, cache):
     """Backward of :func:`merge_heads_forward`: split ``dout`` into heads."""
+    check_same_shape(dout, "dout", cache.out_shape)
     return split_heads_forward(dout, cache.num_heads)[0]
