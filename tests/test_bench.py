@@ -1,0 +1,291 @@
+"""Tests of the benchmark harness (qkvnp.bench): fast, and no wall-clock assertions.
+
+Oracles: FLOPs counted independently from the list of matmuls each workload
+runs; the cross-check against known perturbations (a wrong gradient must be
+refused, rounding-level noise accepted); a JSON file read back equal to what
+was written; the command's exit status and output on a tiny configuration.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qkvnp import bench
+from qkvnp.bench import Config
+
+TINY = Config(1, 16, 16, 2)
+TINY_ARGS = ["--configs", "1,16,16,2", "--repeats", "1", "--no-memory",
+             "--import-repeats", "0", "--pause", "0"]
+
+
+def matmul_flops(shapes):
+    """2*m*k*n summed over matmuls given as (count, m, k, n)."""
+    return sum(2 * count * m * k * n for count, m, k, n in shapes)
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+@pytest.mark.parametrize("config", [
+    Config(8, 128, 256, 8),   # the issue's short-sequence configuration
+    Config(1, 4096, 256, 4),  # long sequence: the L*L terms dominate
+    Config(3, 5, 6, 3),       # odd sizes
+])
+def test_flops_match_an_explicit_list_of_matmuls(config):
+    # oracle: every matmul of the forward written out with its shape
+    B, L, E, H = config
+    D = E // H
+    projections = [(4, B * L, E, E)]          # Q, K, V and out: (B*L, E) @ (E, E)
+    core = [(B * H, L, D, L), (B * H, L, L, D)]  # Q K^T and P V per (batch, head)
+    assert bench.core_flops(config) == matmul_flops(core)
+    assert bench.layer_flops(config) == matmul_flops(projections + core)
+    # backward: each (m, k) @ (k, n) needs (m, n) @ (n, k) and (k, m) @ (m, n)
+    backward = [(c, m, n, k) for c, m, k, n in projections + core] + \
+               [(c, k, m, n) for c, m, k, n in projections + core]
+    assert bench.layer_flops(config, backward=True) == matmul_flops(projections + core + backward)
+    assert bench.core_flops(config, backward=True) == 3 * matmul_flops(core)
+
+
+def test_flops_of_the_issue_configuration_by_hand():
+    # (8, 128, 256, 8): 8*8*128*256^2 + 4*8*128^2*256
+    assert bench.layer_flops(Config(8, 128, 256, 8)) == 536_870_912 + 134_217_728
+
+
+# ---------------------------------------------------------------- cross-check
+
+
+class Perturbed:
+    """A runner that returns another runner's results with one array changed."""
+
+    library = "qkvnp"
+
+    def __init__(self, runner, name, change):
+        self.runner, self.name, self.change = runner, name, change
+
+    def forward(self):
+        return self.runner.forward()
+
+    def forward_backward(self):
+        return self.runner.forward_backward()
+
+    def result(self):
+        results = self.runner.result()
+        results[self.name] = self.change(results[self.name])
+        return results
+
+
+@pytest.mark.parametrize("kind", ["layer", "core"])
+def test_reference_agrees_with_itself(kind):
+    # oracle: the same code on the same inputs gives identical arrays
+    problem = bench.make_problem(kind, TINY, "float64")
+    runner = bench.make_runner("reference", problem)
+    check = bench.cross_check(runner.result(), runner.result(), "float64")
+    assert check.ok and check.error == 0.0
+
+
+@pytest.mark.parametrize("dtype, relative, accepted", [
+    ("float64", 1e-12, True),   # rounding-level difference
+    ("float64", 1e-8, False),   # a real error in float64
+    ("float32", 1e-6, True),    # float32 rounding
+    ("float32", 1e-3, False),   # a real error in float32
+])
+def test_cross_check_tolerance_by_dtype(dtype, relative, accepted):
+    problem = bench.make_problem("core", TINY, dtype)
+    runner = bench.make_runner("reference", problem)
+    expected = runner.result()
+    results = dict(expected)
+    results["dkey"] = expected["dkey"] * (1 + relative)
+    check = bench.cross_check(results, expected, dtype)
+    assert check.ok is accepted, check
+    assert check.worst == "dkey"
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda a: a[..., :-1], "wrong shape"),
+    (lambda a: np.where(a == a.flat[0], np.nan, a), "NaN"),
+    (lambda a: -a, "wrong sign"),
+])
+def test_cross_check_refuses_broken_arrays(change, why):
+    problem = bench.make_problem("core", TINY, "float64")
+    expected = bench.make_runner("reference", problem).result()
+    results = dict(expected, dvalue=change(expected["dvalue"]))
+    assert not bench.cross_check(results, expected, "float64").ok, why
+    del results["dvalue"]
+    assert not bench.cross_check(results, expected, "float64").ok, "missing array"
+
+
+def test_wrong_implementation_is_refused_and_not_timed(monkeypatch):
+    # a "fast" path whose dquery is 0.1% off must get no timing, and the run exits 1
+    make_runner = bench.make_runner
+
+    def with_wrong_fast(impl, problem):
+        runner = make_runner("reference" if impl == "fast" else impl, problem)
+        if impl == "fast":
+            return Perturbed(runner, "dquery", lambda a: a * 1.001)
+        return runner
+
+    monkeypatch.setattr(bench, "make_runner", with_wrong_fast)
+    records = bench._run_case("core", TINY, np.dtype("float64"), ("reference", "fast"),
+                              repeats=1, warmup=0, pause=0.0, peaks={})
+    by_impl = {r["impl"]: r for r in records}
+    assert by_impl["fast"]["status"] == "refused"
+    assert "dquery" in by_impl["fast"]["reason"]
+    assert by_impl["fast"]["fwd"] is None and by_impl["fast"]["fwd_bwd"] is None
+    assert by_impl["reference"]["status"] == "ok"
+    assert len(by_impl["reference"]["fwd_bwd"]["times_ms"]) == 1
+
+
+def test_missing_implementation_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(bench.CORE_MODULES, "fast", "qkvnp._no_such_module")
+    records = bench._run_case("core", TINY, np.dtype("float32"), ("reference", "fast"),
+                              repeats=1, warmup=0, pause=0.0, peaks={"float32": 100.0})
+    fast = next(r for r in records if r["impl"] == "fast")
+    assert fast["status"] == "missing" and "qkvnp._no_such_module" in fast["reason"]
+    problem = bench.make_problem("layer", TINY, "float32")
+    with pytest.raises(bench.ImplementationMissing):
+        bench._QkvnpLayer("no-such-impl", problem)
+
+
+@pytest.mark.parametrize("kind", ["layer", "core"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_pytorch_computes_the_same_function(torch, kind, dtype):
+    # oracle: the reference path; checks that the weights are copied across
+    # with the right transposes and that db_key (zero in exact arithmetic) is
+    # judged on the bias gradients' scale
+    problem = bench.make_problem(kind, TINY, dtype)
+    expected = bench.make_runner("reference", problem).result()
+    check = bench.cross_check(bench.make_runner("torch", problem).result(), expected, dtype)
+    assert check.ok, check
+
+
+def test_timing_interleaves_and_pauses_between_libraries(monkeypatch):
+    # oracle: a log of calls and sleeps, with a fake clock-free runner
+    log = []
+
+    class Fake:
+        def __init__(self, name, library):
+            self.name, self.library = name, library
+
+        def forward(self):
+            log.append(self.name)
+
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: log.append("sleep"))
+    runners = {"a": Fake("a", "qkvnp"), "b": Fake("b", "qkvnp"), "t": Fake("t", "torch")}
+    times = bench.time_interleaved(runners, "fwd", repeats=3, warmup=1, pause=0.5)
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "t": 3}
+    assert log == ["a", "b", "sleep", "t",                    # warm-up
+                   "sleep", "b", "sleep", "t", "sleep", "a",  # rounds rotate their start
+                   "sleep", "t", "sleep", "a", "b",
+                   "a", "b", "sleep", "t"]
+
+
+# ---------------------------------------------------------------- JSON and output
+
+
+def test_json_round_trip_is_atomic(tmp_path):
+    path = tmp_path / "results.json"
+    report = {"records": [{"impl": "fast", "fwd": {"median_ms": 1.5, "times_ms": [1.5, 2.0]},
+                           "memory": None}], "gemm_peak_gflops": {"float32": np.float64(200.0)}}
+    assert bench.write_json(path, report) == json.loads(json.dumps(report, default=float))
+    with pytest.raises(ValueError):  # NaN is not JSON: the old file must survive intact
+        bench.write_json(path, {"bad": float("nan")})
+    assert bench.read_json(path)["gemm_peak_gflops"] == {"float32": 200.0}
+    assert os.listdir(tmp_path) == ["results.json"]  # no temporary file left behind
+
+
+def test_command_on_a_tiny_config(tmp_path, capsys):
+    # oracle: exit status 0 (every implementation present agreed with the
+    # reference path), one table row per implementation, the JSON file
+    path = tmp_path / "bench.json"
+    status = bench.main(TINY_ARGS + ["--json", str(path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    report = bench.read_json(path)
+    assert report["settings"]["configs"] == [[1, 16, 16, 2]]
+    assert {(r["kind"], r["dtype"], r["impl"]) for r in report["records"]} == {
+        (k, d, i) for k in bench.KINDS for d in ("float32", "float64") for i in bench.IMPLEMENTATIONS}
+    for record in report["records"]:
+        assert record["status"] in ("ok", "missing"), record
+        if record["status"] == "ok":
+            assert len(record["fwd_bwd"]["times_ms"]) == 1
+    assert "GEMM peak" in out and "OPENBLAS_CORETYPE=" in out
+    assert out.count("(1,16,16,2)") == len(report["records"])
+
+
+def test_command_through_the_cli(capsys):
+    cli = pytest.importorskip("qkvnp.cli")
+    for module_name, _ in cli.COMMANDS.values():
+        try:
+            __import__(module_name)
+        except ImportError as error:  # another command not written yet
+            pytest.skip(f"python -m qkvnp needs {module_name}: {error}")
+    status = cli.main(["bench"] + TINY_ARGS + ["--kinds", "core", "--dtypes", "float64"])
+    assert status == 0
+    assert "attention core" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "1,16,15,2"], "E divisible by H"),
+    (["--configs", "1,16,16"], "four integers"),
+    (["--repeats", "0"], ">= 1"),
+    (["--pause", "-1"], "seconds >= 0"),
+])
+def test_bad_options_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if absent
+    assert bench.plot_results({"records": []}, tmp_path / "plot.png") is False
+    assert "pip install 'qkvnp[plot]'" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+
+
+def test_refused_rows_print_no_numbers():
+    report = {"environment": bench.environment_info(), "gemm_peak_gflops": {"float64": 100.0},
+              "settings": {"impls": ["reference", "fast"], "repeats": 7, "warmup": 1,
+                           "pause_s": 0.3, "gemm_size": 2048},
+              "import_time": None,
+              "records": [{"kind": "core", "config": [1, 16, 16, 2], "dtype": "float64",
+                           "impl": "fast", "status": "refused", "memory": None,
+                           "reason": "disagrees with the reference path", "fwd": None,
+                           "fwd_bwd": None}]}
+    row = [line for line in bench.format_report(report).splitlines() if "fast" in line][0]
+    assert "REFUSED: disagrees" in row and not any(c.isdigit() for c in row.split("fast")[1])
+
+
+# ---------------------------------------------------------------- memory and imports
+
+
+def test_memory_child_sees_the_weights_matrix():
+    # oracle: the reference core keeps the (L, L) float64 weights in its cache,
+    # 8 MiB at L = 1024, so the peak extra memory is at least that
+    measured = bench.measure_memory("core", "reference", Config(1, 1024, 16, 1), "float64")
+    assert "error" not in measured, measured
+    assert measured["rss_mib"] >= 8.0
+    assert measured["tracemalloc_mib"] >= 8.0
+
+
+def test_importing_qkvnp_and_the_bench_module_stays_light():
+    # oracle: sys.modules of a fresh interpreter (issue 4 item 4)
+    code = ("import sys, qkvnp, qkvnp.bench; "
+            "print(' '.join(m for m in ('scipy', 'torch', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == ""
+    timing = bench.measure_import_time(repeats=1)
+    assert timing["extra_modules"] == []
+    assert timing["numpy_ms"] > 0 and timing["qkvnp_ms"] > 0
+
+
+def test_benchmarks_run_py_is_the_same_command():
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "run.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "--quick" in out and "--no-memory" in out
+    assert bench.__doc__.splitlines()[0] in " ".join(out.split())  # help text rewraps lines
