@@ -13,6 +13,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from . import fast
 from . import functional as F
 from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype, make_rng
 
@@ -34,13 +35,39 @@ def _positive_int(value, name):
     return int(value)
 
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "fast", "tiled")
+
+#: ``impl="auto"`` switches from the dense fast path (:mod:`qkvnp.fast`) to
+#: the tiled path (:mod:`qkvnp.tiled`) when the key length reaches this many
+#: positions (where tiled measured faster, see ``qkvnp/fast.py``'s tests and
+#: issue 4) ...
+TILED_MIN_LENGTH = 4096
+#: ... or when the dense ``(..., H, T, S)`` softmax matrix the fast path keeps
+#: for the backward would take more than this many bytes.
+DENSE_WEIGHTS_BUDGET = 256 << 20
 
 
 def _check_impl(impl):
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return impl
+
+
+def _resolve_impl(impl, groups, T, S, dtype, return_weights):
+    """The code path one forward takes: ``impl``, with ``"auto"`` decided here.
+
+    ``"auto"`` is the fast dense path, or the tiled path from
+    :data:`TILED_MIN_LENGTH` keys on or when the dense weights of ``groups``
+    (batch x heads) ``(T, S)`` matrices exceed :data:`DENSE_WEIGHTS_BUDGET`;
+    ``return_weights=True`` keeps the dense path (the tiled path never builds
+    the weights; asked for explicitly, it falls back to the fast dense core).
+    """
+    if impl != "auto":
+        return impl
+    dense_bytes = groups * T * S * np.dtype(dtype).itemsize
+    if not return_weights and (S >= TILED_MIN_LENGTH or dense_bytes > DENSE_WEIGHTS_BUDGET):
+        return "tiled"
+    return "fast"
 
 
 def _layer_dtype(dtype):
@@ -75,6 +102,14 @@ class Layer:
         if grad is not None:
             self.grads[name] += grad
 
+    def _accumulate_fast(self, grads):
+        """Accumulate the fast path's gradients (only those of existing params)."""
+        for name, grad in grads.items():
+            if name == "b_key":
+                grad = np.zeros_like(grad)  # NOTE: exactly 0, see SelfAttention
+            if name in self.params:
+                self._accumulate(name, grad)
+
     def _need_cache(self):
         if getattr(self, "_cache", None) is None:
             raise ValueError(
@@ -102,9 +137,13 @@ class SelfAttention(Layer):
         Source of the Xavier-uniform initial weights.
     dtype : float dtype
         float32 or float64 (float16 is computed in float32).
-    impl : str
+    impl : {"auto", "reference", "fast", "tiled"}
         Which code path computes attention: ``"reference"`` (the readable
-        oracle in :mod:`qkvnp.functional`) or ``"auto"`` (the default).
+        oracle of :mod:`qkvnp.functional`, below), ``"fast"`` (:mod:`qkvnp.fast`:
+        fused projection, in-place softmax, threads), ``"tiled"``
+        (:mod:`qkvnp.tiled` core: memory linear in the length) or ``"auto"``
+        (the default: fast, or tiled for long sequences; see
+        :func:`_resolve_impl`). All give the same results up to rounding.
 
     Attributes
     ----------
@@ -172,6 +211,13 @@ class SelfAttention(Layer):
         check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
         if x.shape[-1] != self.d_in:
             raise ValueError(f"x must have shape (..., T, {self.d_in}), got shape {x.shape}")
+        T = x.shape[-2]
+        impl = _resolve_impl(self.impl, int(np.prod(x.shape[:-2])), T, T, self.dtype, return_weights)
+        if impl != "reference":
+            out, weights, self._cache = fast.mha_forward(
+                self.params, (x,), "self", 1, attn_mask, is_causal, core=impl,
+                need_weights=return_weights, out_proj=False)
+            return (out, weights) if return_weights else out
         p = self.params
         query, query_cache = F.linear_forward(x, p["W_query"], p.get("b_query"))  # (..., T, d_in) -> (..., T, d_out)
         key, key_cache = F.linear_forward(x, p["W_key"], p.get("b_key"))  # (..., T, d_in) -> (..., T, d_out)
@@ -192,6 +238,11 @@ class SelfAttention(Layer):
         -------
         dx : ndarray, shape (..., T, d_in)
         """
+        if isinstance(self._need_cache(), fast.FastLayerCache):
+            check_same_shape(dout, "dout", self._cache.out_shape)
+            grads, (dx,) = fast.mha_backward(dout, self._cache)
+            self._accumulate_fast(grads)
+            return dx
         query_cache, key_cache, value_cache, attention_cache, out_shape = self._need_cache()
         check_same_shape(dout, "dout", out_shape)
         # reverse order of forward, one line for one line
@@ -223,8 +274,8 @@ class MultiHeadAttention(Layer):
         Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
     rng : numpy.random.Generator or int, optional
     dtype : float dtype
-    impl : str
-        ``"reference"`` or ``"auto"`` (the default); see :class:`SelfAttention`.
+    impl : {"auto", "reference", "fast", "tiled"}
+        See :class:`SelfAttention`.
 
     Attributes
     ----------
@@ -391,6 +442,12 @@ class MultiHeadAttention(Layer):
         batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
         mask = self._combine_masks(attn_mask, key_padding_mask, batch, T, S)
         p, H = self.params, self.num_heads
+        impl = _resolve_impl(self.impl, int(np.prod(batch)) * H, T, S, self.dtype, return_weights)
+        if impl != "reference":
+            inputs = {"self": (query,), "key_only": (query, key), "cross": (query, key, value)}[kind]
+            out, weights, self._cache = fast.mha_forward(
+                p, inputs, kind, H, mask, is_causal, core=impl, need_weights=return_weights)
+            return (out, weights) if return_weights else out
         q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, E) -> (..., T, E)
         k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, kdim) -> (..., S, E)
         v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, vdim) -> (..., S, E)
@@ -422,6 +479,12 @@ class MultiHeadAttention(Layer):
             For cross-attention. When ``value`` was omitted (``value = key``),
             ``dkey`` is the key input's total gradient and ``dvalue`` is None.
         """
+        if isinstance(self._need_cache(), fast.FastLayerCache):
+            check_same_shape(dout, "dout", self._cache.out_shape)
+            grads, dinputs = fast.mha_backward(dout, self._cache)
+            self._accumulate_fast(grads)
+            kind = self._cache.kind
+            return dinputs[0] if kind == "self" else dinputs + (None,) * (kind == "key_only")
         (kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
          attention_cache, merge_cache, out_cache, out_shape) = self._need_cache()
         check_same_shape(dout, "dout", out_shape)

@@ -52,7 +52,7 @@ def rng():
 
 
 # Every layer test runs on each implementation the layers offer.
-LAYER_IMPLS = ["reference"]
+LAYER_IMPLS = ["reference", "fast", "tiled"]
 
 
 @pytest.fixture(params=LAYER_IMPLS)

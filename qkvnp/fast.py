@@ -1,0 +1,657 @@
+"""Fast dense attention: the math of :mod:`qkvnp.functional`, tuned for the CPU.
+
+Shape key: B batch, H heads, T query length, S key length, E embedding,
+D head dim (of queries and keys), Dv head dim of values, N = B*T rows,
+``...`` any leading (batch, head) dims, G one block of them.
+
+Same semantics as :func:`qkvnp.functional.attention_forward` (masks, causal,
+fully masked rows, validation errors), same gradients (float32 within 1e-5
+and float64 within 1e-12 relative of the reference, see ``tests/test_fast.py``),
+but written for speed. What it does differently, each measured on a 2-core
+AVX-512 machine with numpy's OpenBLAS (issue 4):
+
+- the softmax is written in place into the score buffer (max, subtract, exp,
+  sum with ``out=``; no scipy), and it is **not normalised**: the cache keeps
+  ``exp_scores = exp(S - rowmax)`` and ``inv_sum = 1 / rowsum``; the division
+  is applied to the ``(T, Dv)`` output and, in the backward, to ``(T, D)``
+  operands instead of the ``(T, S)`` matrix, which saves one pass over it;
+- the scale ``1/sqrt(D)`` is folded into Q (a ``(T, D)`` product, not ``(T, S)``);
+- the backward uses ``rowsum(P * dP) = rowsum(dO * O)`` (a ``(T, Dv)`` product)
+  and forms ``dS`` in place in one scratch buffer per thread;
+- every result is written with ``out=`` straight into its final array (which
+  may be a strided view, e.g. the heads of a ``(B, T, E)`` buffer: numpy hands
+  strided views to BLAS without copying);
+- the (batch, head) groups are split into blocks that :data:`NUM_THREADS`
+  Python threads process concurrently with BLAS pinned to one thread (ufuncs
+  and BLAS release the GIL). Never around a multi-threaded BLAS call: when
+  the BLAS thread count cannot be set (no OpenBLAS found) or there is a single
+  block, the work runs in the calling thread with BLAS's own threads.
+
+:func:`mha_forward` / :func:`mha_backward` are the matching multi-head layer
+path: one fused ``(N, E) @ (E, 3E)`` projection for self-attention, heads as
+strided views, the output written into the merged ``(..., T, E)`` layout.
+
+``import qkvnp.fast`` imports numpy only (ctypes and threads are loaded on
+first use).
+"""
+import os
+import threading
+from collections import namedtuple
+
+import numpy as np
+
+from ._checks import check_same_shape
+from .functional import _check_attention_inputs, _check_scale, sum_to_shape
+from .masks import prepare_mask
+
+__all__ = [
+    "NUM_THREADS",
+    "BLOCK_BYTES",
+    "attention_forward",
+    "attention_backward",
+    "attention_weights",
+    "mha_forward",
+    "mha_backward",
+    "blas_threads",
+    "FastAttentionCache",
+    "FastLayerCache",
+]
+
+
+def _available_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+#: Python threads used over (batch, head) blocks; 1 disables threading.
+#: Module-level setting: ``qkvnp.fast.NUM_THREADS = 1`` switches it off.
+NUM_THREADS = max(1, min(_available_cpus(), 8))
+
+#: Largest score block (bytes) one thread handles in one step: whole batches
+#: of heads at short lengths (few Python calls), one head at long lengths (a
+#: per-thread scratch of this size is what the backward allocates).
+BLOCK_BYTES = 4 << 20
+
+FastAttentionCache = namedtuple(
+    "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes"
+)
+FastAttentionCache.__doc__ = """What :func:`attention_backward` reads.
+
+query : (..., T, D) query already multiplied by ``scale``.
+key, value : (..., S, D), (..., S, Dv) broadcast to the common leading dims.
+exp_scores : (..., T, S) ``exp(S - rowmax)``, unnormalised softmax numerators
+    (0 at masked positions); the weights are ``exp_scores * inv_sum``.
+inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row.
+out : (..., T, Dv) the forward output.
+scale : float.
+shapes : the original shapes of query, key and value (for broadcast inputs).
+"""
+
+# ---------------------------------------------------------------- BLAS threads
+
+_BLAS = None  # (get, set) ctypes functions, () if not found
+_BLAS_LOCK = threading.Lock()
+
+
+def _find_openblas():
+    """The OpenBLAS thread-count functions of the library numpy links, or ()."""
+    import ctypes
+    import glob
+
+    root = os.path.dirname(np.__file__)
+    patterns = [os.path.join(root, os.pardir, "numpy.libs", "*openblas*"),  # Linux wheels
+                os.path.join(root, ".dylibs", "*openblas*"),  # macOS wheels
+                os.path.join(root, "_core", "*openblas*")]
+    try:  # numpy built against the scipy-openblas package
+        import scipy_openblas64
+
+        patterns.append(os.path.join(scipy_openblas64.get_lib_dir(), "*openblas*"))
+    except (ImportError, AttributeError):
+        pass
+    names = [(f"{prefix}get_num_threads{suffix}", f"{prefix}set_num_threads{suffix}")
+             for prefix in ("scipy_openblas_", "openblas_") for suffix in ("64_", "_64", "")]
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            try:
+                lib = ctypes.CDLL(path)  # already loaded by numpy: same handle
+            except OSError:
+                continue
+            for get_name, set_name in names:
+                get = getattr(lib, get_name, None)
+                set_ = getattr(lib, set_name, None)
+                if get is not None and set_ is not None:
+                    get.restype, get.argtypes = ctypes.c_int, []
+                    set_.restype, set_.argtypes = None, [ctypes.c_int]
+                    return get, set_
+    return ()
+
+
+def _openblas():
+    global _BLAS
+    if _BLAS is None:
+        with _BLAS_LOCK:
+            if _BLAS is None:
+                _BLAS = _find_openblas()
+    return _BLAS
+
+
+class blas_threads:
+    """Context manager: run BLAS with ``n`` threads inside, restore after.
+
+    Does nothing when numpy's OpenBLAS cannot be found (``available`` is then
+    False). Setting the count is global to the process.
+
+    >>> with blas_threads(1) as pinned:
+    ...     _ = np.ones((4, 4)) @ np.ones((4, 4))
+    """
+
+    def __init__(self, n):
+        self.n = int(n)
+        self.previous = None
+        self.available = bool(_openblas())
+
+    def __enter__(self):
+        if self.available:
+            get, set_ = _openblas()
+            self.previous = get()
+            set_(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        if self.available:
+            _openblas()[1](self.previous)
+        return False
+
+
+# ---------------------------------------------------------------- threads
+
+_POOL = None  # (pid, ThreadPoolExecutor)
+_SECTION_LOCK = threading.Lock()  # one pinned section at a time (the count is global)
+
+
+def _pool(workers):
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < workers:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="qkvnp-fast"))
+    return _POOL[1]
+
+
+def _blocks(lead, group_bytes, threads):
+    """Index tuples over the first ``k`` leading dims: one block each.
+
+    ``k`` is the fewest leading dims that give at least ``threads`` blocks of
+    at most :data:`BLOCK_BYTES` scores each (one (T, S) matrix at least).
+    """
+    k = 0
+    while k < len(lead) and (
+        int(np.prod(lead[:k])) < threads or int(np.prod(lead[k:])) * group_bytes > BLOCK_BYTES
+    ):
+        k += 1
+    return list(np.ndindex(*lead[:k]))
+
+
+def _run(task, blocks):
+    """Call ``task(part)`` on shares of ``blocks``, in threads when it pays.
+
+    Threads only when there are two blocks or more and BLAS can be pinned to
+    one thread for the duration (restored after, even on error).
+    """
+    threads = min(NUM_THREADS, len(blocks))
+    if threads < 2 or not _openblas():
+        task(blocks)
+        return
+    parts = [blocks[i::threads] for i in range(threads)]  # equal-cost blocks
+    from concurrent.futures import wait
+
+    with _SECTION_LOCK, blas_threads(1):
+        futures = [_pool(threads - 1).submit(task, part) for part in parts[1:]]
+        try:
+            task(parts[0])
+        finally:
+            wait(futures)
+        for future in futures:
+            future.result()  # re-raise a worker's error
+
+
+# ---------------------------------------------------------------- core
+
+
+def _additive_mask(bias, keep, dtype):
+    """One additive mask: ``bias`` where allowed, ``-inf`` where ``keep`` forbids."""
+    if keep is None:
+        return bias
+    return np.where(keep, 0 if bias is None else bias, -np.inf).astype(dtype, copy=False)
+
+
+def _exp_scores_careful(scores, query, key_t, mask):
+    """Recompute a block's scores the reference way; return the row max.
+
+    Used only for blocks with an overflowed score (inf, NaN) or a fully
+    masked row: overflow is clipped to the dtype's largest finite value as in
+    :func:`qkvnp.functional.attention_forward`, and a fully masked row gets
+    max 0 so that ``exp(-inf - 0) = 0``.
+    """
+    big = np.finfo(scores.dtype).max
+    np.matmul(query, key_t, out=scores)
+    np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
+    if mask is not None:
+        scores += mask
+        np.minimum(scores, big, out=scores)  # -inf stays -inf
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max[np.isneginf(row_max)] = 0  # NOTE: fully masked row -> weights 0, output 0
+    return row_max
+
+
+def _core_forward(query, key, value, mask, exp_scores, inv_sum, out):
+    """Fill ``exp_scores``, ``inv_sum`` and ``out`` (all preallocated, full leading dims).
+
+    ``query`` is already scaled; ``mask`` is None or an additive mask
+    broadcast to ``exp_scores``' shape.
+    """
+    lead = exp_scores.shape[:-2]
+    T, S = exp_scores.shape[-2:]
+
+    def task(part):
+        for idx in part:
+            scores = exp_scores[idx]  # (G, T, S)
+            q, key_t = query[idx], np.swapaxes(key[idx], -1, -2)  # (G, T, D), (G, D, S)
+            np.matmul(q, key_t, out=scores)  # (G, T, D) @ (G, D, S) -> (G, T, S)
+            if mask is not None:
+                scores += mask[idx]
+            row_max = scores.max(axis=-1, keepdims=True)  # (G, T, 1)
+            careful = not np.isfinite(row_max).all()
+            if careful:
+                row_max = _exp_scores_careful(scores, q, key_t, None if mask is None else mask[idx])
+            scores -= row_max
+            np.exp(scores, out=scores)
+            row_sum = scores.sum(axis=-1, keepdims=True)  # (G, T, S) -> (G, T, 1)
+            inv = inv_sum[idx]
+            if careful:
+                dead = row_sum == 0
+                row_sum[dead] = 1
+                np.reciprocal(row_sum, out=inv)
+                inv[dead] = 0
+            else:
+                np.reciprocal(row_sum, out=inv)
+            o = out[idx]
+            np.matmul(scores, value[idx], out=o)  # (G, T, S) @ (G, S, Dv) -> (G, T, Dv)
+            o *= inv
+
+    _run(task, _blocks(lead, T * S * exp_scores.itemsize, NUM_THREADS))
+
+
+def _core_backward(dout, cache_arrays, dquery, dkey, dvalue, dquery_scale):
+    """Write the gradients into ``dquery``, ``dkey``, ``dvalue`` (preallocated).
+
+    ``dquery`` receives ``dquery_scale * dS @ K``: pass the forward scale for
+    the gradient of the unscaled query, 1 for the gradient of the scaled one.
+    """
+    query, key, value, exp_scores, inv_sum, out = cache_arrays
+    lead = exp_scores.shape[:-2]
+    T, S = exp_scores.shape[-2:]
+
+    def task(part):
+        scratch = None
+        for idx in part:
+            weights_num, inv = exp_scores[idx], inv_sum[idx]  # (G, T, S), (G, T, 1)
+            do = dout[idx]  # (G, T, Dv)
+            delta = np.sum(do * out[idx], axis=-1, keepdims=True)  # rowsum(P * dP), (G, T, 1)
+            # dV = P^T dO = E^T (dO / rowsum)
+            np.matmul(np.swapaxes(weights_num, -1, -2), do * inv, out=dvalue[idx])  # (G, S, T) @ (G, T, Dv) -> (G, S, Dv)
+            if scratch is None or scratch.shape != weights_num.shape:
+                scratch = np.empty_like(weights_num)
+            dscores = scratch
+            np.matmul(do, np.swapaxes(value[idx], -1, -2), out=dscores)  # dP: (G, T, Dv) @ (G, Dv, S) -> (G, T, S)
+            dscores -= delta
+            dscores *= weights_num  # rowsum * dS, dS = P * (dP - delta)
+            dq = dquery[idx]
+            np.matmul(dscores, key[idx], out=dq)  # (G, T, S) @ (G, S, D) -> (G, T, D)
+            dq *= inv * dquery_scale
+            np.matmul(np.swapaxes(dscores, -1, -2), query[idx] * inv, out=dkey[idx])  # (G, S, T) @ (G, T, D) -> (G, S, D)
+
+    _run(task, _blocks(lead, T * S * exp_scores.itemsize, NUM_THREADS))
+
+
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
+    """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``, fast path.
+
+    Same arguments, semantics and errors as
+    :func:`qkvnp.functional.attention_forward`.
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., T, D)
+    key : ndarray, shape (..., S, D)
+    value : ndarray, shape (..., S, Dv)
+        Leading dims of the three broadcast against each other.
+    attn_mask : ndarray of bool or float, optional
+        Broadcastable to ``(..., T, S)``. Bool: True = may attend. Float: added.
+    is_causal : bool
+        Query ``i`` attends to keys ``0..i`` (top-left aligned), combined with
+        ``attn_mask`` as in the reference.
+    scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, Dv)
+    cache : FastAttentionCache
+        The softmax numerators and row sums rather than the weights; see
+        :func:`attention_weights`.
+
+    Raises
+    ------
+    ValueError
+        On mismatched dims, a mask that does not broadcast, non-finite inputs,
+        an empty key sequence (``S = 0``).
+    TypeError
+        On a mask that is neither bool nor float.
+
+    Notes
+    -----
+    Forward, with :math:`c` the scale and :math:`M` the additive mask
+    (``-inf`` where a boolean mask forbids):
+
+    .. math:: \\tilde Q = cQ,\\quad S = \\tilde Q K^T + M,\\quad
+              E = e^{S - \\max_{row} S},\\quad r = 1/\\mathrm{rowsum}(E),\\quad
+              O = r \\odot (E V)
+
+    Backward, with :math:`P = r \\odot E` and
+    :math:`\\delta = \\mathrm{rowsum}(P \\odot \\bar P) = \\mathrm{rowsum}(\\bar O \\odot O)`:
+
+    .. math:: \\bar V = E^T (r \\odot \\bar O),\\quad
+              G = E \\odot (\\bar O V^T - \\delta),\\quad
+              \\bar Q = c\\, r \\odot (G K),\\quad \\bar K = G^T (r \\odot \\tilde Q)
+
+    (:math:`G = \\bar S / r`, the softmax backward of the reference times the
+    row sum). A fully masked row has :math:`E = 0` and :math:`r = 0`: output
+    0 and no gradient. Scores that overflow are clipped as in the reference;
+    since the scale is applied to Q first, where exactly a product of huge
+    inputs overflows can differ from the reference (both stay finite).
+
+    Examples
+    --------
+    >>> out, cache = attention_forward(np.ones((2, 4)), np.ones((1, 4)), np.array([[3., 5.]]))
+    >>> out
+    array([[3., 5.],
+           [3., 5.]])
+    >>> [g.shape for g in attention_backward(np.ones((2, 2)), cache)]
+    [(2, 4), (1, 4), (1, 2)]
+    """
+    query, key, value, lead = _check_attention_inputs(query, key, value)
+    scale = _check_scale(scale, query.shape[-1])
+    (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
+    if S == 0:
+        raise ValueError(f"key must have at least one position (S >= 1), got shape {key.shape}")
+    dtype = query.dtype
+    bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
+    mask = _additive_mask(bias, keep, dtype)
+    if mask is not None:
+        mask = np.broadcast_to(mask, lead + (T, S))
+    scaled_query = np.empty(lead + (T, D), dtype)
+    np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
+    key_b = np.broadcast_to(key, lead + (S, D))
+    value_b = np.broadcast_to(value, lead + (S, Dv))
+    exp_scores = np.empty(lead + (T, S), dtype)
+    inv_sum = np.empty(lead + (T, 1), dtype)
+    out = np.empty(lead + (T, Dv), dtype)
+    _core_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out)
+    # NOTE: the cache keeps its own copy of out (a (T, Dv) copy): a caller
+    # editing the returned array in place must not change the gradients.
+    cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores, inv_sum, out.copy(),
+                               scale, (query.shape, key.shape, value.shape))
+    return out, cache
+
+
+def attention_backward(dout, cache):
+    """Backward of :func:`attention_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, Dv)
+        Same shape as the forward output (it is not broadcast).
+    cache : FastAttentionCache
+
+    Returns
+    -------
+    dquery, dkey, dvalue : ndarray
+        Shapes of the forward's ``query``, ``key`` and ``value``.
+    """
+    query, key, value, exp_scores, inv_sum, out, scale, shapes = cache
+    check_same_shape(dout, "dout", out.shape)
+    dout = np.asarray(dout, dtype=out.dtype)
+    dquery = np.empty(query.shape, out.dtype)
+    dkey = np.empty(key.shape, out.dtype)
+    dvalue = np.empty(value.shape, out.dtype)
+    _core_backward(dout, (query, key, value, exp_scores, inv_sum, out),
+                   dquery, dkey, dvalue, out.dtype.type(scale))
+    return (sum_to_shape(dquery, shapes[0]), sum_to_shape(dkey, shapes[1]),
+            sum_to_shape(dvalue, shapes[2]))
+
+
+def attention_weights(cache):
+    """The attention weights ``(..., T, S)`` of a forward (a new array).
+
+    >>> _, cache = attention_forward(np.zeros((1, 2)), np.zeros((2, 2)), np.ones((2, 1)))
+    >>> attention_weights(cache)
+    array([[0.5, 0.5]])
+    """
+    return cache.exp_scores * cache.inv_sum
+
+
+# ---------------------------------------------------------------- layers
+
+FastLayerCache = namedtuple(
+    "FastLayerCache",
+    "kind core rows in_shapes W_in in_names scale heads_cache merged W_out has_out_proj "
+    "out_shape",
+)
+FastLayerCache.__doc__ = """What :func:`mha_backward` reads.
+
+kind : "self", "key_only" or "cross".
+core : "fast" or "tiled".
+rows : tuple of the 2-D inputs ``(N, features)`` fed to each projection.
+in_shapes : tuple of the shapes of those inputs before flattening.
+W_in : tuple of the fused projection matrices actually used (the query part
+    already multiplied by ``scale``), one per entry of ``rows``.
+in_names : tuple, per projection, of the parameter stems it fuses
+    (``("query", "key", "value")`` for self-attention).
+scale : float folded into the query projection.
+heads_cache : the attention core's cache (fast or tiled) and the head shapes.
+merged : (N, E) attention output with heads merged (input of ``W_out``).
+W_out : (E, E) or None.
+"""
+
+
+def _heads(x2d, batch, T, H):
+    """View ``(N, H*D)`` rows as heads: ``(N, E) -> (..., H, T, D)``, no copy."""
+    E = x2d.shape[-1]
+    heads = x2d.reshape(batch + (T, H, E // H))  # (N, E) -> (..., T, H, D)
+    return np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
+
+
+def _unheads(x):
+    """Drop the head axis of a single-head layer: ``(..., 1, T, D) -> (..., T, D)``."""
+    return x[..., 0, :, :]
+
+
+def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
+                need_weights=False, out_proj=True, block_size=None):
+    """Multi-head attention layer forward on the fast path.
+
+    Parameters
+    ----------
+    params : dict
+        ``W_query, W_key, W_value`` (``(in, E)``), optional ``b_*``, and with
+        ``out_proj`` also ``W_out (E, E)`` (optional ``b_out``).
+    inputs : tuple of ndarray
+        ``(x,)`` for self-attention (``x`` is ``(..., T, in)``), ``(query, key)``
+        for ``kind="key_only"`` (value = key), ``(query, key, value)`` for cross.
+    kind : {"self", "key_only", "cross"}
+    num_heads : int
+    mask : ndarray or None
+        bool or float, broadcastable to ``(..., H, T, S)`` (or ``(..., T, S)``
+        when ``out_proj`` is False and ``num_heads == 1``).
+    is_causal : bool
+    core : {"fast", "tiled"}
+    need_weights : bool
+        Also return the weights ``(..., H, T, S)``; forces the dense core.
+    out_proj : bool
+        False for :class:`qkvnp.layers.SelfAttention` (no output projection,
+        a single head, no head axis).
+    block_size : int, optional
+        Passed to the tiled core.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, E)
+    weights : ndarray or None
+    cache : FastLayerCache
+
+    Notes
+    -----
+    Same math as the reference layers. For self-attention the three input
+    projections run as one ``(N, in) @ (in, 3E)`` product with the matrix
+    ``[c W_q, W_k, W_v]`` (``c = 1/sqrt(D)``, so the core gets Q already
+    scaled); the matrix is concatenated on every call (``in * 3E`` copies,
+    negligible next to the product), so in-place parameter updates are
+    always seen. Heads are strided views of the projection output, and the
+    core writes its output into the merged ``(N, E)`` layout.
+    """
+    p = params
+    query = inputs[0]
+    batch, T = query.shape[:-2], query.shape[-2]
+    E = p["W_query"].shape[1]
+    H = num_heads
+    D = E // H
+    scale = 1.0 / np.sqrt(D)
+    dtype = p["W_query"].dtype
+    c = dtype.type(scale)
+    has_bias = "b_query" in p
+
+    def fused(names):
+        W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, len(names)*E)
+        b = np.concatenate([p["b_" + n] for n in names]) if has_bias else None
+        if names[0] == "query":
+            W[:, :E] *= c
+            if b is not None:
+                b[:E] *= c
+        return W, b
+
+    groups = {"self": (("query", "key", "value"),),
+              "key_only": (("query",), ("key", "value")),
+              "cross": (("query",), ("key",), ("value",))}[kind]
+    rows, W_in, projected = [], [], []
+    for x, names in zip(inputs, groups):
+        x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
+        W, b = fused(names)
+        y = x2d @ W  # (N, in) @ (in, k*E) -> (N, k*E)
+        if b is not None:
+            y += b
+        rows.append(x2d)
+        W_in.append(W)
+        projected.extend(y[:, i * E:(i + 1) * E] for i in range(len(names)))  # (N, E) views
+    S = inputs[1].shape[-2] if kind != "self" else T
+    q = _heads(projected[0], batch, T, H)  # (N, E) -> (..., H, T, D)
+    k = _heads(projected[1], batch, S, H)  # (N, E) -> (..., H, S, D)
+    v = _heads(projected[2], batch, S, H)  # (N, E) -> (..., H, S, D)
+    lead = batch + (H,)
+    merged = np.empty((projected[0].shape[0], E), dtype)  # (N, E), heads merged
+    out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
+    if not out_proj:  # SelfAttention: no head axis in the mask
+        q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
+        lead = batch
+    if core == "tiled" and not need_weights:
+        from . import tiled
+
+        heads_out, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
+                                                        block_size=block_size)
+        out_heads[...] = heads_out
+        weights = None
+    else:
+        core = "fast"
+        bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
+        add = _additive_mask(bias, keep, dtype)
+        if add is not None:
+            add = np.broadcast_to(add, lead + (T, S))
+        exp_scores = np.empty(lead + (T, S), dtype)
+        inv_sum = np.empty(lead + (T, 1), dtype)
+        _core_forward(q, k, v, add, exp_scores, inv_sum, out_heads)
+        core_cache = (q, k, v, exp_scores, inv_sum, out_heads)
+        weights = exp_scores * inv_sum if need_weights else None
+    if out_proj:
+        y = merged @ p["W_out"]  # (N, E) @ (E, E) -> (N, E)
+        if "b_out" in p:
+            y += p["b_out"]
+    else:
+        y = merged.copy()  # the caller may edit its output; the cache keeps merged
+    out = y.reshape(batch + (T, E))  # (N, E) -> (..., T, E)
+    cache = FastLayerCache(kind, core, tuple(rows), tuple(x.shape for x in inputs),
+                           tuple(W_in), groups, scale,
+                           (core_cache, lead, T, S, H), merged,
+                           p["W_out"] if out_proj else None, out_proj, out.shape)
+    return out, weights, cache
+
+
+def mha_backward(dout, cache):
+    """Backward of :func:`mha_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, E)
+    cache : FastLayerCache
+
+    Returns
+    -------
+    grads : dict
+        Gradient of every parameter the forward used (``W_*``, ``b_*``).
+    dinputs : tuple of ndarray
+        Gradient of each entry of the forward's ``inputs``.
+    """
+    (kind, core, rows, in_shapes, W_in, groups, scale, heads_cache, merged, W_out, out_proj,
+     out_shape) = cache
+    core_cache, lead, T, S, H = heads_cache
+    dtype = merged.dtype
+    E = merged.shape[1]
+    batch = out_shape[:-2]
+    dy = np.asarray(dout, dtype=dtype).reshape(-1, E)  # (..., T, E) -> (N, E)
+    grads = {}
+    if out_proj:
+        grads["W_out"] = merged.T @ dy  # (E, N) @ (N, E) -> (E, E)
+        grads["b_out"] = dy.sum(axis=0)  # (N, E) -> (E,)
+        dmerged = dy @ W_out.T  # (N, E) @ (E, E) -> (N, E)
+    else:
+        dmerged = dy
+    dprojected = [np.empty((x2d.shape[0], len(names) * E), dtype)
+                  for x2d, names in zip(rows, groups)]  # (N, k*E) per projection
+    dcols = [d[:, i * E:(i + 1) * E] for d in dprojected for i in range(d.shape[1] // E)]
+    dq = _heads(dcols[0], batch, T, H)  # (N, E) -> (..., H, T, D)
+    dk = _heads(dcols[1], batch, S, H)  # (N, E) -> (..., H, S, D)
+    dv = _heads(dcols[2], batch, S, H)  # (N, E) -> (..., H, S, D)
+    dheads = _heads(dmerged, batch, T, H)  # (N, E) -> (..., H, T, D)
+    if not out_proj:
+        dq, dk, dv, dheads = _unheads(dq), _unheads(dk), _unheads(dv), _unheads(dheads)
+    if core == "tiled":
+        from . import tiled
+
+        dq_t, dk_t, dv_t = tiled.attention_backward(dheads, core_cache)
+        dq[...], dk[...], dv[...] = dq_t, dk_t, dv_t
+    else:
+        # gradient w.r.t. the *scaled* query: the scale lives in the fused W
+        _core_backward(dheads, core_cache, dq, dk, dv, dtype.type(1))
+    c = dtype.type(scale)
+    dinputs = []
+    for x2d, shape, W, names, d in zip(rows, in_shapes, W_in, groups, dprojected):
+        dW = x2d.T @ d  # (in, N) @ (N, k*E) -> (in, k*E)
+        db = d.sum(axis=0)  # (N, k*E) -> (k*E,)
+        for i, name in enumerate(names):
+            factor = c if name == "query" else 1  # W' = c W_query
+            grads["W_" + name] = dW[:, i * E:(i + 1) * E] * factor
+            grads["b_" + name] = db[i * E:(i + 1) * E] * factor
+        dx = d @ W.T  # (N, k*E) @ (k*E, in) -> (N, in)
+        dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
+    return grads, tuple(dinputs)
