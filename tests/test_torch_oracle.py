@@ -110,6 +110,7 @@ SDPA_LEADS = [
     ((2, 3), (1, 3), (1, 3)),        # keys/values shared across the batch
     ((2, 1), (2, 3), (2, 3)),        # one query set for every head
     ((3,), (2, 1), (1, 3)),          # all three broadcast, ranks differ
+    ((1, 3), (3,), (2, 1)),          # value's batch dim reaches beyond query's and key's
 ]
 
 
@@ -152,8 +153,12 @@ def torch_sdpa(torch, cfg):
     if mask is not None and is_causal:
         mask, is_causal = with_causal(mask, T, S), False  # torch refuses both at once
     torch_mask = None if mask is None else torch.tensor(mask)
+    # torch's SDPA refuses a value whose batch dims reach beyond query's: expand
+    # all three to the common batch shape first (autograd sums the copies back)
+    lead = np.broadcast_shapes(*(cfg[n].shape[:-2] for n in ("query", "key", "value")))
+    expanded = [t.expand(*lead, *t.shape[-2:]) for t in (q, k, v)]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=torch_mask, is_causal=is_causal, scale=cfg["scale"])
+        *expanded, attn_mask=torch_mask, is_causal=is_causal, scale=cfg["scale"])
     out.backward(torch.tensor(cfg["dout"]))
     # the weights, written out (SDPA does not return them): NaN on dead rows
     with torch.no_grad():
