@@ -315,7 +315,8 @@ def _resolve(mode, dtype, eps, rtol, atol, num_directions):
                                   ("atol", atol, default.atol)):
         if value is None:
             value = fallback
-        if isinstance(value, (bool, np.bool_)) or not np.isscalar(value):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(
+                value, (int, float, np.integer, np.floating)):
             raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
         value = float(value)
         if not np.isfinite(value) or value < 0 or (name == "eps" and value == 0):
