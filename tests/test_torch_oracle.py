@@ -440,7 +440,10 @@ def test_multihead_fully_masked_rows_are_zero(torch, impl):
     assert_close("mha dkey", dkey, t_key.grad, np.float64)
     with torch.no_grad():
         _, t_weights, _ = run_torch_mha(torch, theirs, cfg, need_weights=True)
-    assert np.isnan(t_weights[1].numpy()).all()  # why we compare where torch is finite
+    # torch 2.13 gives NaN here (why we compare only where torch is finite); a
+    # torch that defines these rows must define them as ours, 0
+    dead_weights = t_weights[1].numpy()
+    assert np.isnan(dead_weights).all() or (dead_weights == 0).all()
 
 
 # ------------------------------------------------------------- single-head SelfAttention
