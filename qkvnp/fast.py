@@ -254,32 +254,42 @@ def _core_forward(query, key, value, mask, exp_scores, inv_sum, out):
     """
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
+    if S == 0:  # NOTE: no key at all: every row is fully masked, output 0
+        out[...] = 0
+        inv_sum[...] = 0
+        return
 
     def task(part):
-        for idx in part:
-            scores = exp_scores[idx]  # (G, T, S)
-            q, key_t = query[idx], np.swapaxes(key[idx], -1, -2)  # (G, T, D), (G, D, S)
-            np.matmul(q, key_t, out=scores)  # (G, T, D) @ (G, D, S) -> (G, T, S)
-            if mask is not None:
-                scores += mask[idx]
-            row_max = scores.max(axis=-1, keepdims=True)  # (G, T, 1)
-            careful = not np.isfinite(row_max).all()
-            if careful:
-                row_max = _exp_scores_careful(scores, q, key_t, None if mask is None else mask[idx])
-            scores -= row_max
-            np.exp(scores, out=scores)
-            row_sum = scores.sum(axis=-1, keepdims=True)  # (G, T, S) -> (G, T, 1)
-            inv = inv_sum[idx]
-            if careful:
-                dead = row_sum == 0
-                row_sum[dead] = 1
-                np.reciprocal(row_sum, out=inv)
-                inv[dead] = 0
-            else:
-                np.reciprocal(row_sum, out=inv)
-            o = out[idx]
-            np.matmul(scores, value[idx], out=o)  # (G, T, S) @ (G, S, Dv) -> (G, T, Dv)
-            o *= inv
+        # NOTE: overflow is handled below (clipped as in the reference), so
+        # numpy's overflow warnings of the matmul and the subtraction are noise.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for idx in part:
+                _forward_block(idx)
+
+    def _forward_block(idx):
+        scores = exp_scores[idx]  # (G, T, S)
+        q, key_t = query[idx], np.swapaxes(key[idx], -1, -2)  # (G, T, D), (G, D, S)
+        np.matmul(q, key_t, out=scores)  # (G, T, D) @ (G, D, S) -> (G, T, S)
+        if mask is not None:
+            scores += mask[idx]
+        row_max = scores.max(axis=-1, keepdims=True)  # (G, T, 1)
+        careful = not np.isfinite(row_max).all()
+        if careful:
+            row_max = _exp_scores_careful(scores, q, key_t, None if mask is None else mask[idx])
+        scores -= row_max
+        np.exp(scores, out=scores)
+        row_sum = scores.sum(axis=-1, keepdims=True)  # (G, T, S) -> (G, T, 1)
+        inv = inv_sum[idx]
+        if careful:
+            dead = row_sum == 0
+            row_sum[dead] = 1
+            np.reciprocal(row_sum, out=inv)
+            inv[dead] = 0
+        else:
+            np.reciprocal(row_sum, out=inv)
+        o = out[idx]
+        np.matmul(scores, value[idx], out=o)  # (G, T, S) @ (G, S, Dv) -> (G, T, Dv)
+        o *= inv
 
     _run(task, _blocks(lead, T * S * exp_scores.itemsize, NUM_THREADS))
 
@@ -346,8 +356,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     Raises
     ------
     ValueError
-        On mismatched dims, a mask that does not broadcast, non-finite inputs,
-        an empty key sequence (``S = 0``).
+        On mismatched dims, a mask that does not broadcast, non-finite inputs.
     TypeError
         On a mask that is neither bool nor float.
 
@@ -369,7 +378,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
 
     (:math:`G = \\bar S / r`, the softmax backward of the reference times the
     row sum). A fully masked row has :math:`E = 0` and :math:`r = 0`: output
-    0 and no gradient. Scores that overflow are clipped as in the reference;
+    0 and no gradient; so does every row when there is no key at all
+    (``S = 0``, where the reference raises). Scores that overflow are clipped as in the reference;
     since the scale is applied to Q first, where exactly a product of huge
     inputs overflows can differ from the reference (both stay finite).
 
@@ -385,8 +395,6 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     query, key, value, lead = _check_attention_inputs(query, key, value)
     scale = _check_scale(scale, query.shape[-1])
     (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
-    if S == 0:
-        raise ValueError(f"key must have at least one position (S >= 1), got shape {key.shape}")
     dtype = query.dtype
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
     mask = _additive_mask(bias, keep, dtype)

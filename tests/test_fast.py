@@ -1,0 +1,431 @@
+"""The fast path (qkvnp.fast) against the reference path (qkvnp.functional).
+
+Oracle, unless a test says otherwise: the reference path, which writes every
+formula line for line (tests/test_gradients.py checks it against central
+differences). Every output and gradient of the fast path must match it within
+``TOLERANCE[dtype]`` times ``max(1, max|reference array|)`` (the convention of
+tests/test_tiled.py): relative for arrays of magnitude 1 and more, absolute
+below, because some true zeros (dquery when all scores of a row are equal,
+or with a single key) come out of both paths as different rounding noise of
+size 1e-18. Exact zeros that are part of the semantics (fully masked rows)
+have their own exact tests.
+
+The fast path processes the (batch, head) dims in blocks, in threads: tests
+force several blocks (small ``BLOCK_BYTES``) and both one and two threads, so
+the threaded code runs even on a one-core machine. Upstream gradients are
+random, never all ones.
+"""
+import subprocess
+import sys
+import warnings
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qkvnp import MultiHeadAttention, SelfAttention
+from qkvnp import fast
+from qkvnp import functional as F
+from qkvnp import layers as L
+
+from strategies import attention_cases, mha_cases, self_attention_cases
+
+# Largest error allowed, relative to max|reference|, keyed by dtype (issue 4).
+TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+
+
+def assert_close(actual, expected, name):
+    """Shape and dtype first, then values; reports the worst index and both values."""
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    if expected.size == 0:
+        return
+    error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    scale = max(1.0, float(np.abs(expected).max()))
+    worst = np.unravel_index(np.argmax(error), error.shape)
+    tol = TOLERANCE[expected.dtype]
+    assert error[worst] <= tol * scale, (
+        f"{name}: fast {actual[worst]!r} vs reference {expected[worst]!r} at index "
+        f"{worst}, error {error[worst]:.3g} > {tol:g} * {scale:.3g}"
+    )
+
+
+@contextmanager
+def blocks_and_threads(threads, block_bytes):
+    """Run the fast path with ``threads`` threads and blocks of ``block_bytes``."""
+    saved = fast.NUM_THREADS, fast.BLOCK_BYTES
+    fast.NUM_THREADS, fast.BLOCK_BYTES = threads, block_bytes
+    try:
+        yield
+    finally:
+        fast.NUM_THREADS, fast.BLOCK_BYTES = saved
+
+
+# tiny blocks: one (T, S) matrix per block, so every group is its own block
+SPLITS = [(1, 1 << 22), (2, 1), (2, 1 << 22)]
+
+
+def core_both_paths(inputs, options, dtype, seed=0):
+    """Reference and fast forward+backward with one random upstream gradient.
+
+    Warnings of the fast path are errors; the reference's are not our subject.
+    """
+    inputs = {name: np.asarray(a).astype(dtype) for name, a in inputs.items()}
+    options = dict(options)
+    if options.get("attn_mask") is not None and options["attn_mask"].dtype.kind == "f":
+        options["attn_mask"] = options["attn_mask"].astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out_ref, cache_ref = F.attention_forward(**inputs, **options)
+        dout = np.random.default_rng(seed).standard_normal(out_ref.shape).astype(out_ref.dtype)
+        expected = (out_ref, *F.attention_backward(dout, cache_ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = fast.attention_forward(**inputs, **options)
+        actual = (out, *fast.attention_backward(dout, cache))
+    return actual, expected, cache, cache_ref
+
+
+def check_core(inputs, options, dtype=np.float64, seed=0):
+    actual, expected, cache, cache_ref = core_both_paths(inputs, options, dtype, seed)
+    for name, a, b in zip(("out", "dquery", "dkey", "dvalue"), actual, expected):
+        assert_close(a, b, name)
+    weights = fast.attention_weights(cache)  # (..., T, S) over all leading dims
+    assert_close(weights, np.broadcast_to(cache_ref.weights, weights.shape), "weights")
+    return actual
+
+
+# ---------------------------------------------------------------- the core
+
+
+@given(case=attention_cases(), dtype=st.sampled_from([np.float64, np.float32]),
+       split=st.sampled_from(SPLITS))
+def test_core_matches_reference(case, dtype, split):
+    """Oracle: reference path; broadcast leading dims, bool/float masks with fully
+    masked rows, causal, custom scale, T != S, Dv != D (tests/strategies.py)."""
+    inputs, options = case
+    with blocks_and_threads(*split):
+        check_core(inputs, options, dtype)
+
+
+def random_mask(kind, rng, shape, dtype):
+    """None, bool (True = may attend), float (finite with some -inf), or both kinds."""
+    if kind == "none":
+        return None
+    keep = rng.random(shape) > 0.3
+    keep[..., 1, :] = False  # a fully masked row (when no causal/bias re-allows it)
+    if kind == "bool":
+        return keep
+    bias = rng.normal(size=shape).astype(dtype)
+    return np.where(keep, bias, -np.inf).astype(dtype)  # "float": finite + -inf entries
+
+
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, mask_shape", [
+    ((2, 3, 17, 8), (2, 3, 23, 8), (2, 3, 23, 5), (2, 3, 17, 23)),  # B, H, T != S, Dv != D
+    ((4, 9, 6), (1, 11, 6), (4, 11, 3), (9, 11)),  # key broadcast over the batch
+    ((3, 2, 7, 4), (2, 7, 4), (3, 1, 7, 4), (3, 1, 7, 7)),  # value broadcast over heads
+    ((33, 16), (40, 16), (40, 16), (33, 40)),  # no leading dims: one block
+    ((2, 4, 64, 32), (2, 4, 64, 32), (2, 4, 64, 32), (1, 4, 64, 64)),  # larger, square
+])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_core_random_configurations(q_shape, k_shape, v_shape, mask_shape, mask_kind,
+                                    is_causal, dtype):
+    """Oracle: reference path, standard normal inputs, every split of the work."""
+    rng = np.random.default_rng(hash((q_shape, mask_kind, is_causal)) % 2**32)
+    inputs = {"query": rng.normal(size=q_shape), "key": rng.normal(size=k_shape),
+              "value": rng.normal(size=v_shape)}
+    options = {"attn_mask": random_mask(mask_kind, rng, mask_shape, dtype), "is_causal": is_causal}
+    for split in SPLITS:
+        with blocks_and_threads(*split):
+            check_core(inputs, options, dtype)
+
+
+def test_fully_masked_rows_are_exact_zeros():
+    """Definition: a query with no key left has output 0 and sends no gradient
+    anywhere (exactly, not round-off), without a warning."""
+    rng = np.random.default_rng(1)
+    query, key, value = rng.normal(size=(2, 3, 5, 4)), rng.normal(size=(2, 3, 6, 4)), rng.normal(size=(2, 3, 6, 2))
+    keep = np.ones((2, 3, 5, 6), bool)
+    keep[0, 1, 2] = False
+    keep[1, :, 4] = False
+    dout = rng.normal(size=(2, 3, 5, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = fast.attention_forward(query, key, value, keep)
+        dquery, dkey, dvalue = fast.attention_backward(dout, cache)
+    assert out.shape == (2, 3, 5, 2)
+    assert np.all(out[0, 1, 2] == 0) and np.all(out[1, :, 4] == 0)
+    assert np.all(dquery[0, 1, 2] == 0) and np.all(dquery[1, :, 4] == 0)
+    # the dead rows contribute nothing to dkey/dvalue: same as dropping them from dout
+    dout_dead = dout.copy()
+    dout_dead[0, 1, 2] = dout_dead[1, :, 4] = 1e3
+    _, dkey2, dvalue2 = fast.attention_backward(dout_dead, cache)
+    assert np.array_equal(dkey, dkey2) and np.array_equal(dvalue, dvalue2)
+
+
+def test_no_keys_at_all_gives_zeros():
+    """Definition (as qkvnp.tiled; the reference raises on S = 0): every query
+    attends to nothing, so output and dquery are 0."""
+    out, cache = fast.attention_forward(np.ones((3, 2)), np.ones((0, 2)), np.ones((0, 4)))
+    assert out.shape == (3, 4) and np.all(out == 0)
+    dquery, dkey, dvalue = fast.attention_backward(np.ones((3, 4)), cache)
+    assert dquery.shape == (3, 2) and np.all(dquery == 0)
+    assert dkey.shape == (0, 2) and dvalue.shape == (0, 4)
+
+
+def test_no_queries():
+    """Oracle: reference path; T = 0 gives empty outputs and zero key gradients."""
+    rng = np.random.default_rng(4)
+    check_core({"query": rng.normal(size=(2, 0, 3)), "key": rng.normal(size=(2, 5, 3)),
+                "value": rng.normal(size=(2, 5, 2))}, {"is_causal": True})
+
+
+@pytest.mark.parametrize("dtype, factor", [(np.float32, 1e20), (np.float64, 1e200),
+                                           (np.float32, 1e4), (np.float64, 1e150)])
+def test_huge_inputs_stay_finite(dtype, factor):
+    """Oracle: softmax of huge scores tends to a one-hot row; outputs and gradients
+    stay finite, without a warning, also when the scores overflow to inf."""
+    rng = np.random.default_rng(10)
+    query = (rng.normal(size=(2, 4, 3)) * factor).astype(dtype)
+    key = (rng.normal(size=(2, 5, 3)) * factor).astype(dtype)
+    value = rng.normal(size=(2, 5, 2)).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = fast.attention_forward(query, key, value, is_causal=True)
+        grads = fast.attention_backward(rng.normal(size=out.shape).astype(dtype), cache)
+    assert out.dtype == dtype and np.isfinite(out).all()
+    weights = fast.attention_weights(cache)
+    np.testing.assert_allclose(weights.sum(-1), 1, rtol=1e-6)
+    for grad in grads:
+        assert grad.dtype == dtype and np.isfinite(grad).all()
+
+
+def test_one_key_returns_its_value():
+    """Closed form: with a single key every query's output is that key's value."""
+    value = np.array([[3.0, -5.0, 0.5]])
+    out, _ = fast.attention_forward(np.random.default_rng(0).normal(size=(4, 7, 2)),
+                                    np.ones((1, 2)), value)
+    assert out.shape == (4, 7, 3)
+    assert np.array_equal(out, np.broadcast_to(value, (4, 7, 3)))
+
+
+def test_float16_is_computed_in_float32():
+    """Oracle: reference path, which computes float16 in float32."""
+    rng = np.random.default_rng(5)
+    inputs = {name: rng.normal(size=shape).astype(np.float16)
+              for name, shape in (("query", (3, 4, 2)), ("key", (3, 5, 2)), ("value", (3, 5, 2)))}
+    actual = check_core(inputs, {}, np.float16)
+    assert all(a.dtype == np.float32 for a in actual)
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((np.ones((3, 2)), np.ones((4, 3)), np.ones((4, 2))), {}),  # key head dim mismatch
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((5, 2))), {}),  # value length mismatch
+    ((np.ones((2, 3, 2)), np.ones((3, 4, 2)), np.ones((4, 2))), {}),  # leading dims
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 5), bool)}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 4), int)}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))),
+     {"attn_mask": np.full((3, 4), np.inf)}),  # +inf in a float mask
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"is_causal": 1}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": -1.0}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": "0.5"}),
+    ((np.full((3, 2), np.nan), np.ones((4, 2)), np.ones((4, 2))), {}),  # NaN input
+    ((np.ones((3, 2), complex), np.ones((4, 2)), np.ones((4, 2))), {}),  # complex input
+    ((np.ones(2), np.ones((4, 2)), np.ones((4, 2))), {}),  # 1-D query
+])
+def test_same_errors_as_reference(args, kwargs):
+    """Oracle: the reference path raises the same exception with the same message."""
+    with pytest.raises((ValueError, TypeError)) as expected:
+        F.attention_forward(*args, **kwargs)
+    with pytest.raises(expected.type) as actual:
+        fast.attention_forward(*args, **kwargs)
+    assert str(actual.value) == str(expected.value)
+
+
+def test_dout_of_wrong_shape():
+    _, cache = fast.attention_forward(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"dout must have shape \(3, 5\).*got shape \(3, 4\)"):
+        fast.attention_backward(np.ones((3, 4)), cache)
+
+
+def test_editing_the_output_in_place_does_not_change_the_gradients():
+    """Oracle: the same backward before the caller scribbles on ``out``."""
+    rng = np.random.default_rng(6)
+    out, cache = fast.attention_forward(*(rng.normal(size=(2, 5, 3)) for _ in range(3)))
+    dout = rng.normal(size=out.shape)
+    before = fast.attention_backward(dout, cache)
+    out *= 100.0
+    after = fast.attention_backward(dout, cache)
+    for a, b in zip(after, before):
+        assert np.array_equal(a, b)
+
+
+def test_blas_thread_count_is_restored_even_on_error():
+    """The threaded section pins BLAS to one thread and must always restore it."""
+    blas = fast._openblas()
+    if not blas:
+        pytest.skip("numpy's OpenBLAS not found: fast path runs without Python threads")
+    get, _ = blas
+    before = get()
+    with blocks_and_threads(2, 1):
+        fast.attention_forward(*(np.ones((4, 3, 2)) for _ in range(3)))
+        assert get() == before
+
+        def failing(part):
+            raise RuntimeError("worker failure")
+
+        with pytest.raises(RuntimeError, match="worker failure"):
+            fast._run(failing, [(0,), (1,), (2,)])
+    assert get() == before
+
+
+def test_blocks_cover_every_group_once():
+    """Blocks are index tuples over leading dims: together they tile ``lead``."""
+    for lead in [(), (1,), (5,), (2, 3), (1, 8), (3, 1, 4)]:
+        for block_bytes in (1, 100, 1 << 30):
+            with blocks_and_threads(2, block_bytes):
+                blocks = fast._blocks(lead, 64, 2)
+            seen = np.zeros(lead, int)
+            for idx in blocks:
+                seen[idx] += 1
+            assert np.all(seen == 1), (lead, block_bytes, blocks)
+
+
+def test_import_does_not_load_scipy():
+    code = "import sys, qkvnp.fast; print('scipy' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- the layers
+
+
+def layer_pair(cls, impl="fast", **kwargs):
+    """The same layer (same seed, same params) on the reference and on ``impl``."""
+    return cls(**kwargs, impl="reference"), cls(**kwargs, impl=impl)
+
+
+def run_layer(layer, inputs, kwargs, dout):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference's own warnings are not our subject
+        out = layer.forward(*inputs, **kwargs)
+        dinputs = layer.backward(dout)
+    dinputs = dinputs if isinstance(dinputs, tuple) else (dinputs,)
+    return out, [d for d in dinputs if d is not None]
+
+
+def check_layers(reference, other, inputs, kwargs, seed=0):
+    out_ref, dinputs_ref = run_layer(reference, inputs, kwargs,
+                                     dout := np.random.default_rng(seed).standard_normal(
+                                         reference.forward(*inputs, **kwargs).shape
+                                     ).astype(reference.dtype))
+    out, dinputs = run_layer(other, inputs, kwargs, dout)
+    assert_close(out, out_ref, "out")
+    assert len(dinputs) == len(dinputs_ref)
+    for i, (a, b) in enumerate(zip(dinputs, dinputs_ref)):
+        assert_close(a, b, f"dinput{i}")
+    assert reference.grads.keys() == other.grads.keys()
+    for name in reference.grads:
+        assert_close(other.grads[name], reference.grads[name], name)
+
+
+@given(case=mha_cases(), dtype=st.sampled_from([np.float64, np.float32]))
+def test_multi_head_layer_matches_reference(case, dtype):
+    """Oracle: the reference layer; self, cross and key-only attention, masks,
+    key padding with fully padded sequences, causal, with and without bias."""
+    kw = {k: case[k] for k in ("embed_dim", "num_heads", "bias", "kdim", "vdim", "seed")}
+    kw["rng"] = kw.pop("seed")
+    reference, other = layer_pair(MultiHeadAttention, dtype=dtype, **kw)
+    inputs = [x.astype(dtype) for x in case["inputs"]]
+    mask = case["attn_mask"]
+    kwargs = {"attn_mask": mask, "is_causal": case["is_causal"],
+              "key_padding_mask": case["key_padding_mask"]}
+    with blocks_and_threads(2, 1):
+        check_layers(reference, other, inputs, kwargs)
+
+
+@given(case=self_attention_cases(), dtype=st.sampled_from([np.float64, np.float32]))
+def test_self_attention_layer_matches_reference(case, dtype):
+    """Oracle: the reference layer (single head, no output projection)."""
+    reference, other = layer_pair(SelfAttention, d_in=case["d_in"], d_out=case["d_out"],
+                                  qkv_bias=case["qkv_bias"], rng=case["seed"], dtype=dtype)
+    kwargs = {"attn_mask": case["attn_mask"], "is_causal": case["is_causal"]}
+    with blocks_and_threads(2, 1):
+        check_layers(reference, other, [case["x"].astype(dtype)], kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("kind", ["self", "key_only", "cross"])
+def test_multi_head_layer_larger_shapes(dtype, kind):
+    """Oracle: the reference layer at sizes where the blocks hold several heads
+    and both threads have work: (B, T, S, E, H) = (3, 40, 24, 32, 4), causal,
+    padding; gradients accumulate over two backward calls."""
+    rng = np.random.default_rng(7)
+    B, T, S, E, H = 3, 40, (40 if kind == "self" else 24), 32, 4
+    reference, other = layer_pair(MultiHeadAttention, embed_dim=E, num_heads=H, rng=3,
+                                  dtype=dtype, kdim=E if kind == "self" else 12,
+                                  vdim=E if kind == "self" else (12 if kind == "key_only" else 20))
+    inputs = [rng.normal(size=(B, T, E)).astype(dtype)]
+    if kind != "self":
+        inputs.append(rng.normal(size=(B, S, 12)).astype(dtype))
+    if kind == "cross":
+        inputs.append(rng.normal(size=(B, S, 20)).astype(dtype))
+    padding = rng.random((B, S)) > 0.2
+    kwargs = {"is_causal": kind == "self", "key_padding_mask": padding}
+    with blocks_and_threads(2, 1 << 14):
+        check_layers(reference, other, inputs, kwargs)
+        check_layers(reference, other, inputs, kwargs, seed=1)  # grads accumulate
+
+
+def test_in_place_parameter_updates_are_seen():
+    """Oracle: the reference layer after the same in-place SGD step; the fused
+    projection matrix is rebuilt on each call, never served stale."""
+    rng = np.random.default_rng(8)
+    reference, other = layer_pair(MultiHeadAttention, embed_dim=8, num_heads=2, rng=0)
+    x, dout = rng.normal(size=(2, 5, 8)), rng.normal(size=(2, 5, 8))
+    for layer in (reference, other):
+        layer.forward(x)
+        layer.backward(dout)
+        for name, param in layer.params.items():
+            param -= 0.5 * layer.grads[name]  # in place, as optimizers do
+    assert_close(other.forward(x), reference.forward(x), "out after the step")
+
+
+@pytest.mark.parametrize("impl", ["fast", "tiled"])
+def test_return_weights_match_reference(impl):
+    """Oracle: reference weights; the tiled path computes them densely on request."""
+    rng = np.random.default_rng(9)
+    reference, other = layer_pair(MultiHeadAttention, impl=impl, embed_dim=6, num_heads=3, rng=0)
+    x = rng.normal(size=(2, 4, 6))
+    out_ref, weights_ref = reference.forward(x, is_causal=True, return_weights=True)
+    out, weights = other.forward(x, is_causal=True, return_weights=True)
+    assert_close(out, out_ref, "out")
+    assert_close(weights, weights_ref, "weights")
+
+
+def test_auto_dispatch(monkeypatch):
+    """``impl="auto"``: fast below the length and memory thresholds, tiled above,
+    fast again when the weights are asked for."""
+    resolve = L._resolve_impl
+    assert resolve("auto", 8, 128, 128, np.float32, False) == "fast"
+    assert resolve("auto", 8, 128, L.TILED_MIN_LENGTH, np.float32, False) == "tiled"
+    big = L.DENSE_WEIGHTS_BUDGET // (4 * 128 * 128) + 1
+    assert resolve("auto", big, 128, 128, np.float32, False) == "tiled"
+    assert resolve("auto", big, 128, 128, np.float32, True) == "fast"
+    assert resolve("reference", big, 128, 128, np.float32, False) == "reference"
+    # and the layers follow it: a lowered threshold makes auto run the tiled core
+    monkeypatch.setattr(L, "TILED_MIN_LENGTH", 4)
+    mha = MultiHeadAttention(4, 2, rng=0)
+    mha.forward(np.ones((1, 5, 4)))
+    assert mha._cache.core == "tiled"
+    mha.forward(np.ones((1, 3, 4)))
+    assert mha._cache.core == "fast"
+
+
+def test_bad_impl_names_the_choices():
+    with pytest.raises(ValueError, match=r"impl must be one of .*'fast'.*got 'quick'"):
+        MultiHeadAttention(4, 2, impl="quick")
