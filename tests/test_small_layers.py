@@ -32,9 +32,10 @@ def test_linear_forward_closed_form(x_shape, bias, rng):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_gradcheck(bias, rng):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])  # tolerances from gradcheck's table
+def test_linear_gradcheck(bias, dtype, rng):
     # oracle: central differences on W, b and x
-    layer = Linear(4, 3, bias=bias, rng=1)
+    layer = Linear(4, 3, bias=bias, rng=1, dtype=dtype)
     report = check_layer(layer, rng.normal(size=(2, 5, 4)))
     assert report.ok, report.table()
     assert {row.name for row in report.rows} == (
