@@ -98,6 +98,7 @@ class Optimizer:
             if not param.flags.writeable:
                 raise ValueError(f"params[{name!r}] must be writeable: it is updated in place")
         self.params = params
+        self._layout = {name: (param.shape, param.dtype) for name, param in params.items()}
         self.lr = lr
         self.step_count = 0
         self.state = {
@@ -114,6 +115,18 @@ class Optimizer:
     @lr.setter
     def lr(self, value):
         self._lr = _positive(value, "lr")
+
+    def _check_params(self):
+        """The params dict must still hold the names, shapes and dtypes it was built with."""
+        layout = {name: (param.shape, param.dtype) for name, param in self.params.items()}
+        if layout != self._layout:
+            changed = sorted(set(layout) ^ set(self._layout)) or sorted(
+                name for name in layout if layout[name] != self._layout[name])
+            raise ValueError(
+                f"params changed since the optimizer was built (parameter {changed[0]!r}: "
+                f"expected {self._layout.get(changed[0], 'absent')}, got "
+                f"{layout.get(changed[0], 'absent')}); build a new optimizer for the new params"
+            )
 
     def _check_grads(self, grads):
         if not isinstance(grads, dict):
@@ -153,9 +166,11 @@ class Optimizer:
         Raises
         ------
         ValueError
-            If a gradient is missing, misshaped or not a parameter's; nothing
-            is updated then.
+            If a gradient is missing, misshaped or not a parameter's, or if
+            ``params`` gained, lost or reshaped a parameter since the
+            optimizer was built; nothing is updated then.
         """
+        self._check_params()
         grads = self._check_grads(grads)
         self.step_count += 1
         for name, param in self.params.items():

@@ -201,6 +201,24 @@ def test_bad_grads_are_named_and_nothing_moves(grads, error, message, rng):
         np.testing.assert_array_equal(after_state[key], before_state[key])
 
 
+def test_params_changed_after_construction_are_refused(rng):
+    # oracle: an optimizer's state is per name and shape; a new, missing or reshaped
+    # parameter is an error, not a KeyError or a silent broadcast
+    params = make_params(rng)
+    optimizer = Adam(params)
+    grads = {k: np.ones_like(v) for k, v in params.items()}
+    params["extra"] = np.zeros(2)
+    with pytest.raises(ValueError, match="params changed .*'extra'"):
+        optimizer.step({**grads, "extra": np.zeros(2)})
+    del params["extra"]
+    params["b_query"] = np.zeros(5)
+    with pytest.raises(ValueError, match=r"params changed .*'b_query': expected \(\(4,\)"):
+        optimizer.step({**grads, "b_query": np.zeros(5)})
+    params["b_query"] = np.zeros(4)  # same shape and dtype, new array: fine, updated in place
+    optimizer.step(grads)
+    assert optimizer.step_count == 1
+
+
 # ---------------------------------------------------------------- state dict
 
 
