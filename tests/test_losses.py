@@ -7,6 +7,8 @@ PyTorch autograd (``F.cross_entropy``, ``F.mse_loss``) in float64.
 """
 import contextlib
 import math
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -337,3 +339,12 @@ def test_accuracy_closed_forms():
 def test_accuracy_validates_like_the_loss():
     with pytest.raises(ValueError, match="targets must be class indices"):
         accuracy(np.zeros((2, 3)), np.array([0, 5]))
+
+
+def test_importing_losses_and_optim_costs_numpy_only():
+    # oracle: sys.modules of a fresh interpreter; scipy is imported when a loss runs
+    code = ("import sys, qkvnp.losses, qkvnp.optim; "
+            "print(sorted(m for m in ('scipy', 'torch', 'matplotlib') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]"
