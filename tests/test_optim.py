@@ -281,6 +281,19 @@ def test_resume_through_npz_is_bitwise_identical(make, rng, tmp_path):
         assert value.tobytes() == resumed.state_dict()[key].tobytes(), key
 
 
+@pytest.mark.parametrize("make", OPTIMIZERS)
+def test_step_does_not_modify_the_grads(make, rng):
+    # oracle: a copy of the grads taken before two steps
+    params = make_params(rng)
+    optimizer = make(params)
+    grads = {k: rng.normal(size=v.shape) for k, v in params.items()}
+    saved = {k: v.copy() for k, v in grads.items()}
+    optimizer.step(grads)
+    optimizer.step(grads)
+    for name in grads:
+        np.testing.assert_array_equal(grads[name], saved[name])
+
+
 def test_state_dict_returns_copies(rng):
     # oracle: writing into the exported arrays does not change the optimizer
     params = make_params(rng)
