@@ -392,8 +392,10 @@ class Adam(Optimizer):
                 param *= 1 - lr * decay  # theta <- theta * (1 - lr * lambda)  (AdamW)
             else:
                 grad = grad + decay * param  # g <- g + lambda * theta  (Adam's L2)
-        # NOTE: m is updated as torch's lerp, m + (1 - beta1) (g - m): the same
-        # value as beta1 m + (1 - beta1) g up to rounding, and torch's rounding.
+        # NOTE: m is updated as torch's lerp(m, g, 1 - beta1) for beta1 > 0.5,
+        # m + (1 - beta1) (g - m): beta1 m + (1 - beta1) g up to rounding. torch's
+        # CPU kernels fuse some of these lines (FMA), so single entries may differ
+        # from torch by an ulp; trajectories agree to ~1e-15 (tests/test_optim.py).
         exp_avg += (1 - beta1) * (grad - exp_avg)  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
         exp_avg_sq *= beta2  # v_t = beta2 * v_{t-1} + ...
         exp_avg_sq += (1 - beta2) * grad * grad  # ... + (1 - beta2) * g^2
