@@ -183,6 +183,127 @@ def _view(buf, shape):
     return buf[: int(np.prod(shape))].reshape(shape)
 
 
+_Problem = namedtuple(
+    "_Problem", "q k v bias keep is_causal safe scale block_q block_k live"
+)  # q, k, v broadcast to the common leading dims; scale of the compute dtype
+
+
+def _run_blocks(task, blocks):
+    """``task(blocks)``, or shares of ``blocks`` in threads with BLAS pinned to one.
+
+    The threading of the fast path (``qkvnp.fast.NUM_THREADS``, set it to 1 to
+    run in the calling thread only).
+    """
+    from .fast import _run
+
+    _run(task, blocks)
+
+
+def _forward_rows(problem, part, out, row_maxes, row_sums):
+    """Online softmax for the query blocks ``part`` (pairs ``(a, i0)``).
+
+    Writes rows ``i0:i0+bq`` of ``out``, ``row_maxes`` and ``row_sums``.
+    """
+    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live = problem
+    lead = out.shape[:-2]
+    T, Dv = out.shape[-2:]
+    S = k.shape[-2]
+    dtype = out.dtype
+    lead_size = int(np.prod(lead))
+    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
+    pv_buf = _workspace(lead_size * block_q * Dv, dtype)
+    causal_cache = {}
+    masked = bias is not None or keep is not None or is_causal
+    for a, i0 in part:
+        i1 = min(i0 + block_q, T)
+        bq = i1 - i0
+        qs = q[..., i0:i1, :] * scale  # (..., bq, D), the scale folded into Q
+        row_max = np.full(lead + (bq, 1), -np.inf, dtype=dtype)  # (..., bq, 1)
+        row_sum = np.zeros(lead + (bq, 1), dtype=dtype)  # (..., bq, 1)
+        acc = out[..., i0:i1, :]  # (..., bq, Dv), the accumulator lives in the output
+        acc[...] = 0
+        for b, j0 in enumerate(range(0, S, block_k)):
+            if not live[a, b]:
+                continue
+            j1 = min(j0 + block_k, S)
+            scores = _block_scores(
+                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, is_causal, safe,
+                _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
+            )  # (..., bq, bk)
+            new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
+            shift = new_max
+            if masked:
+                # NOTE: a row masked so far has max -inf: shift by 0 instead, so
+                # that no -inf - (-inf) = NaN arises (its weights are exp(-inf) = 0).
+                shift = np.where(np.isneginf(new_max), 0, new_max)  # (..., bq, 1)
+            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
+                np.subtract(scores, shift, out=scores)
+                np.exp(scores, out=scores)  # (..., bq, bk), unnormalized weights
+                rescale = np.exp(row_max - shift)  # (..., bq, 1); 0 while the row had no weight
+            row_sum *= rescale
+            row_sum += scores.sum(axis=-1, keepdims=True)
+            acc *= rescale
+            acc += np.matmul(scores, v[..., j0:j1, :], out=_view(pv_buf, lead + (bq, Dv)))  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
+            row_max = new_max
+        dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
+        np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
+        row_maxes[..., i0:i1] = row_max[..., 0]  # (..., bq, 1) -> (..., bq)
+        row_sums[..., i0:i1] = row_sum[..., 0]  # (..., bq, 1) -> (..., bq)
+
+
+def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dvalue):
+    """Gradients for the key blocks ``part`` (pairs ``(b, j0)``).
+
+    Writes rows ``j0:j0+bk`` of ``dkey`` and ``dvalue`` and adds into ``dq``
+    (full leading dims, owned by this call).
+    """
+    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live = problem
+    lead = dout.shape[:-2]
+    T, Dv = dout.shape[-2:]
+    S, D = k.shape[-2:]
+    dtype = dout.dtype
+    lead_size = int(np.prod(lead))
+    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
+    dweights_buf = _workspace(lead_size * block_q * block_k, dtype)
+    small_buf = _workspace(lead_size * max(block_q, block_k) * max(D, Dv), dtype)
+    qs_buf = _workspace(lead_size * block_q * D, dtype)
+    dout_buf = _workspace(lead_size * block_q * Dv, dtype)
+    causal_cache = {}
+    for b, j0 in part:
+        j1 = min(j0 + block_k, S)
+        bk = j1 - j0
+        k_block = k[..., j0:j1, :]  # (..., bk, D)
+        v_block = v[..., j0:j1, :]  # (..., bk, Dv)
+        dk_block = np.zeros(lead + (bk, D), dtype=dtype)  # (..., bk, D)
+        dv_block = np.zeros(lead + (bk, Dv), dtype=dtype)  # (..., bk, Dv)
+        for a, i0 in enumerate(range(0, T, block_q)):
+            if not live[a, b]:
+                continue
+            i1 = min(i0 + block_q, T)
+            bq = i1 - i0
+            qs = np.multiply(q[..., i0:i1, :], scale, out=_view(qs_buf, lead + (bq, D)))  # (..., bq, D), scaled Q
+            weights = _block_scores(
+                qs, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe,
+                _view(scores_buf, lead + (bq, bk)), causal_cache,
+            )  # (..., bq, bk)
+            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
+                np.subtract(weights, shift[..., i0:i1, :], out=weights)
+            np.exp(weights, out=weights)  # (..., bq, bk), l * P = exp(S - m); 0 on masked rows
+            dout_block = np.multiply(dout[..., i0:i1, :], inv_sum[..., i0:i1, :],
+                                     out=_view(dout_buf, lead + (bq, Dv)))  # (..., bq, Dv), dO / l
+            dv_block += np.matmul(np.swapaxes(weights, -1, -2), dout_block,
+                                  out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
+            dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
+                                out=_view(dweights_buf, lead + (bq, bk)))  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
+            np.subtract(dscores, delta[..., i0:i1, :], out=dscores)
+            np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = l P * (dP - Delta) / l
+            dq[..., i0:i1, :] += np.matmul(dscores, k_block, out=_view(small_buf, lead + (bq, D)))  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
+            dk_block += np.matmul(np.swapaxes(dscores, -1, -2), qs,
+                                  out=_view(small_buf, lead + (bk, D)))  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)
+        dkey[..., j0:j1, :] = sum_to_shape(dk_block, dkey.shape[:-2] + (bk, D))  # (..., bk, D) -> (..k, bk, D)
+        dvalue[..., j0:j1, :] = sum_to_shape(dv_block, dvalue.shape[:-2] + (bk, Dv))  # (..., bk, Dv) -> (..v, bk, Dv)
+
+
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None):
     """Scaled dot-product attention computed by blocks, without the ``(T, S)`` weights.
 
@@ -318,46 +439,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     out = np.empty(lead + (T, Dv), dtype=dtype)  # (..., T, Dv)
     row_maxes = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     row_sums = np.empty(lead + (T,), dtype=dtype)  # (..., T)
-    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
-    pv_buf = _workspace(lead_size * block_q * Dv, dtype)
-    causal_cache = {}
-    neg_inf = dtype.type(-np.inf)
-
-    for a, i0 in enumerate(range(0, T, block_q)):
-        i1 = min(i0 + block_q, T)
-        bq = i1 - i0
-        qs = q[..., i0:i1, :] * dtype.type(scale)  # (..., bq, D), the scale folded into Q
-        row_max = np.full(lead + (bq, 1), neg_inf, dtype=dtype)  # (..., bq, 1)
-        row_sum = np.zeros(lead + (bq, 1), dtype=dtype)  # (..., bq, 1)
-        acc = out[..., i0:i1, :]  # (..., bq, Dv), the accumulator lives in the output
-        acc[...] = 0
-        for b, j0 in enumerate(range(0, S, block_k)):
-            if not live[a, b]:
-                continue
-            j1 = min(j0 + block_k, S)
-            scores = _block_scores(
-                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, is_causal, safe,
-                _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
-            )  # (..., bq, bk)
-            new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
-            shift = new_max
-            if bias is not None or keep is not None or is_causal:
-                # NOTE: a row masked so far has max -inf: shift by 0 instead, so
-                # that no -inf - (-inf) = NaN arises (its weights are exp(-inf) = 0).
-                shift = np.where(np.isneginf(new_max), 0, new_max)  # (..., bq, 1)
-            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
-                np.subtract(scores, shift, out=scores)
-                np.exp(scores, out=scores)  # (..., bq, bk), unnormalized weights
-                rescale = np.exp(row_max - shift)  # (..., bq, 1); 0 while the row had no weight
-            row_sum *= rescale
-            row_sum += scores.sum(axis=-1, keepdims=True)
-            acc *= rescale
-            acc += np.matmul(scores, v[..., j0:j1, :], out=_view(pv_buf, lead + (bq, Dv)))  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
-            row_max = new_max
-        dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
-        np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
-        row_maxes[..., i0:i1] = row_max[..., 0]  # (..., bq, 1) -> (..., bq)
-        row_sums[..., i0:i1] = row_sum[..., 0]  # (..., bq, 1) -> (..., bq)
+    problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
+                       block_q, block_k, live)
+    # query blocks are independent: threads share them, each writing its own rows
+    _run_blocks(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
+                list(enumerate(range(0, T, block_q))))
     cache = TiledAttentionCache(
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
         block_q, block_k, live, safe,
@@ -423,48 +509,26 @@ def attention_backward(dout, cache):
     dq = np.zeros(lead + (T, D), dtype=dtype)  # (..., T, D)
     dkey = np.zeros(key.shape, dtype=dtype)
     dvalue = np.zeros(value.shape, dtype=dtype)
+    problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
+                       block_q, block_k, live)
+    blocks = list(enumerate(range(0, S, block_k)))
+    # NOTE: key blocks are independent but for dquery, their sum over key
+    # blocks. A thread given a share of the key blocks other than the first
+    # adds into its own dquery accumulator (one query-sized array per extra
+    # thread), summed below in a fixed order: the result does not depend on
+    # which thread finishes first.
+    partials = {}
 
-    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
-    dweights_buf = _workspace(lead_size * block_q * block_k, dtype)
-    small_buf = _workspace(lead_size * max(block_q, block_k) * max(D, Dv), dtype)
-    qs_buf = _workspace(lead_size * block_q * D, dtype)
-    dout_buf = _workspace(lead_size * block_q * Dv, dtype)
-    scale = dtype.type(scale)
-    causal_cache = {}
+    def task(part):
+        if part and part[0] != blocks[0]:
+            partials[part[0][0]] = own = np.zeros_like(dq)
+        else:
+            own = dq
+        _backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
 
-    for b, j0 in enumerate(range(0, S, block_k)):
-        j1 = min(j0 + block_k, S)
-        bk = j1 - j0
-        k_block = k[..., j0:j1, :]  # (..., bk, D)
-        v_block = v[..., j0:j1, :]  # (..., bk, Dv)
-        dk_block = np.zeros(lead + (bk, D), dtype=dtype)  # (..., bk, D)
-        dv_block = np.zeros(lead + (bk, Dv), dtype=dtype)  # (..., bk, Dv)
-        for a, i0 in enumerate(range(0, T, block_q)):
-            if not live[a, b]:
-                continue
-            i1 = min(i0 + block_q, T)
-            bq = i1 - i0
-            qs = np.multiply(q[..., i0:i1, :], scale, out=_view(qs_buf, lead + (bq, D)))  # (..., bq, D), scaled Q
-            weights = _block_scores(
-                qs, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe,
-                _view(scores_buf, lead + (bq, bk)), causal_cache,
-            )  # (..., bq, bk)
-            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
-                np.subtract(weights, shift[..., i0:i1, :], out=weights)
-            np.exp(weights, out=weights)  # (..., bq, bk), l * P = exp(S - m); 0 on masked rows
-            dout_block = np.multiply(dout[..., i0:i1, :], inv_sum[..., i0:i1, :],
-                                     out=_view(dout_buf, lead + (bq, Dv)))  # (..., bq, Dv), dO / l
-            dv_block += np.matmul(np.swapaxes(weights, -1, -2), dout_block,
-                                  out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
-            dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
-                                out=_view(dweights_buf, lead + (bq, bk)))  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
-            np.subtract(dscores, delta[..., i0:i1, :], out=dscores)
-            np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = l P * (dP - Delta) / l
-            dq[..., i0:i1, :] += np.matmul(dscores, k_block, out=_view(small_buf, lead + (bq, D)))  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
-            dk_block += np.matmul(np.swapaxes(dscores, -1, -2), qs,
-                                  out=_view(small_buf, lead + (bk, D)))  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)
-        dkey[..., j0:j1, :] = sum_to_shape(dk_block, key.shape[:-2] + (bk, D))  # (..., bk, D) -> (..k, bk, D)
-        dvalue[..., j0:j1, :] = sum_to_shape(dv_block, value.shape[:-2] + (bk, Dv))  # (..., bk, Dv) -> (..v, bk, Dv)
-    dq *= scale
+    _run_blocks(task, blocks)
+    for first in sorted(partials):
+        dq += partials.pop(first)
+    dq *= dtype.type(scale)
     dquery = sum_to_shape(dq, query.shape)  # (..., T, D) -> (..q, T, D)
     return dquery, dkey, dvalue

@@ -336,22 +336,53 @@ def _peak_extra_bytes(L, D, block_size, is_causal):
     return peak - start - kept
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_memory_does_not_grow_with_length(is_causal):
+def test_memory_does_not_grow_with_length(is_causal, threads, monkeypatch):
     """Oracle: a bound from the block size alone, the same at L = 1024 and 4096.
 
     With (128, 128) blocks, D = 16, float64 the block temporaries are a few
-    hundred KiB; the per-row statistics (row max and sum, rowsum(dO * O) and
-    their transforms) are at most eight floats per row. The dense weights
-    would take 8 MiB at L = 1024 and 128 MiB at 4096.
+    hundred KiB per thread; the per-row statistics (row max and sum,
+    rowsum(dO * O) and their transforms) are at most eight floats per row, and
+    each thread beyond the first sums dquery in its own (L, D) array. The
+    dense weights would take 8 MiB at L = 1024 and 128 MiB at 4096.
     """
+    import qkvnp.fast
+
+    monkeypatch.setattr(qkvnp.fast, "NUM_THREADS", threads)
     D, block = 16, 128
-    per_row = 8 * 8  # bytes
-    bound = 8 * (8 * block * block + 8 * block * D) + per_row * 4096  # bytes
+    per_row = 8 * 8 + (threads - 1) * 8 * D  # bytes
+    bound = threads * 8 * (8 * block * block + 8 * block * D) + per_row * 4096  # bytes
     extra = {L: _peak_extra_bytes(L, D, block, is_causal) for L in (1024, 4096)}
     assert extra[1024] <= bound and extra[4096] <= bound, (extra, bound)
     assert extra[4096] < extra[1024] + per_row * (4096 - 1024), extra  # at most linear per row
     assert extra[4096] < 8 * 4096 * 4096 / 50  # nowhere near the dense weights
+
+
+def test_threads_give_the_same_result(monkeypatch):
+    """Oracle: the single-threaded run; thread shares only change who computes
+    a block, and dquery's partial sums are added in a fixed order, so the
+    results agree to rounding and repeat bitwise."""
+    import qkvnp.fast
+
+    if not qkvnp.fast._openblas():
+        pytest.skip("numpy's OpenBLAS not found: the tiled path does not use threads")
+    rng = np.random.default_rng(12)
+    query, key, value = random_inputs(rng, (2, 50, 8), (2, 70, 8), (2, 70, 4))
+    dout = rng.standard_normal((2, 50, 4))
+    keep = rng.random((50, 70)) > 0.2
+
+    def run():
+        out, cache = tiled.attention_forward(query, key, value, keep, True, block_size=(8, 9))
+        return (out, *tiled.attention_backward(dout, cache))
+
+    monkeypatch.setattr(qkvnp.fast, "NUM_THREADS", 1)
+    single = run()
+    monkeypatch.setattr(qkvnp.fast, "NUM_THREADS", 2)
+    first, second = run(), run()
+    for name, a, b, c in zip(("out", "dquery", "dkey", "dvalue"), single, first, second):
+        assert_close(b, a, name)
+        np.testing.assert_array_equal(b, c, err_msg=f"{name} differs between two threaded runs")
 
 
 # ---------------------------------------------------------------- errors and defaults
