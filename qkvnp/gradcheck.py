@@ -800,6 +800,8 @@ def _print_sweep(problems):
         print(f"best eps for {dtype}: {SWEEP_EPS[j]:.0e} (max rel err {e[j]:.2e}; "
               f"default eps {TOLERANCES[dtype]['elementwise'].eps:g})")
     print("large eps: truncation error O(eps^2); small eps: round-off O(eps_mach / eps)")
+    if any(np.isinf(e).any() for e in errors.values()):
+        print("inf: x + eps rounds back to x for some entry (eps below the float spacing)")
     print(f"({time.perf_counter() - start:.1f} s)")
 
 

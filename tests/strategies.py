@@ -31,8 +31,8 @@ def finite_arrays(shape, bound=BOUND):
 def distinct_pair(draw, low=1, high=5):
     """Two different ints in ``[low, high]`` (e.g. ``T != S``, ``D != Dv``)."""
     first = draw(st.integers(low, high))
-    second = draw(st.integers(low, high).filter(lambda n: n != first))
-    return first, second
+    second = draw(st.integers(low, high - 1))
+    return first, second + (second >= first)  # skip ``first``: no rejection
 
 
 @st.composite
@@ -56,10 +56,13 @@ def float_masks(draw, shape):
     return bias
 
 
+MASK_KINDS = ("none", "bool", "float")
+
+
 @st.composite
-def masks(draw, shape):
-    """None, a bool mask or a float mask of ``shape``."""
-    kind = draw(st.sampled_from(["none", "bool", "float"]))
+def masks(draw, shape, kind=None):
+    """None, a bool mask or a float mask of ``shape`` (``kind`` drawn when None)."""
+    kind = kind or draw(st.sampled_from(MASK_KINDS))
     if kind == "bool":
         return draw(bool_masks(shape))
     if kind == "float":
@@ -106,13 +109,14 @@ def softmax_cases(draw):
 
 
 @st.composite
-def attention_cases(draw):
+def attention_cases(draw, mask_kind=None):
     """Inputs and options of ``attention_forward`` with broadcasting leading dims.
 
     Returns ``(inputs, options)``: ``inputs`` holds ``query (..., T, D)``,
     ``key (..., S, D)``, ``value (..., S, Dv)`` whose leading dims broadcast
     to a common ``lead`` (0 to 2 dims); ``options`` holds ``attn_mask``
-    (None, bool or float, broadcastable to ``lead + (T, S)``), ``is_causal``
+    (None, bool or float as ``mask_kind`` says, else drawn; broadcastable to
+    ``lead + (T, S)``), ``is_causal``
     and ``scale`` (None or a positive float). ``T != S`` and ``Dv != D``.
     """
     lead = tuple(draw(st.lists(st.integers(1, 2), min_size=0, max_size=2)))
@@ -126,7 +130,7 @@ def attention_cases(draw):
     lead = np.broadcast_shapes(*(a.shape[:-2] for a in inputs.values()))  # what is left
     mask_lead = draw(broadcast_to_lead(lead))
     options = {
-        "attn_mask": draw(masks(mask_lead + (T, S))),
+        "attn_mask": draw(masks(mask_lead + (T, S), mask_kind)),
         "is_causal": draw(st.booleans()),
         "scale": draw(st.one_of(st.none(), st.floats(0.1, 2.0))),
     }

@@ -13,7 +13,8 @@ Exact zeros are asserted with ``== 0.0``, not a tolerance: the gradient of
 every gradient through a fully masked query row (its weights are exactly 0).
 """
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from qkvnp import MultiHeadAttention, SelfAttention
@@ -21,6 +22,7 @@ from qkvnp import functional as F
 from qkvnp.gradcheck import TOLERANCES, check_function, check_layer, check_op
 
 from strategies import (
+    MASK_KINDS,
     attention_cases,
     head_cases,
     linear_cases,
@@ -56,6 +58,14 @@ def dead_rows(attn_mask, is_causal, shape):
     if is_causal:
         keep &= np.tril(np.ones(shape[-2:], dtype=bool))
     return ~keep.any(axis=-1)
+
+
+def mask_events(attn_mask, is_causal, scores_shape):
+    """Label the example (``--hypothesis-show-statistics``): mask kind, dead rows."""
+    kind = "none" if attn_mask is None else attn_mask.dtype.name
+    event(f"attn_mask {kind}{', causal' if is_causal else ''}")
+    if dead_rows(attn_mask, is_causal, scores_shape).any():
+        event("some query row fully masked")
 
 
 def randomize_biases(layer, seed):
@@ -97,9 +107,13 @@ def test_softmax_gradients_on_any_axis_with_fully_masked_lines(case):
         assert np.all(np.where(dead, weights, 0.0) == 0.0)
 
 
-@given(attention_cases())
-def test_attention_gradients_with_masks_causal_scale_and_broadcasting(case):
-    inputs, options = case
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)  # each kind gets the full example budget
+@given(data=st.data())
+def test_attention_gradients_with_masks_causal_scale_and_broadcasting(mask_kind, data):
+    inputs, options = data.draw(attention_cases(mask_kind), label="case")
+    out, cache = F.attention_forward(**inputs, **options)
+    mask_events(options["attn_mask"], options["is_causal"],
+                out.shape[:-1] + (inputs["key"].shape[-2],))
     report = check_op(F.attention_forward, F.attention_backward, inputs,
                       forward_kwargs=options)
     assert [row.name for row in report.rows] == ["query", "key", "value"]
@@ -177,16 +191,23 @@ def test_self_attention_gradients(impl, case):
     assert np.all(out[dead] == 0.0)
 
 
+@pytest.mark.parametrize("kind", ["self", "cross", "key_only"])  # value omitted: value = key
 @fixture_ok
-@given(mha_cases())
-def test_multi_head_attention_gradients(impl, case):
+@given(data=st.data())
+def test_multi_head_attention_gradients(impl, kind, data):
     # Self-, cross- and key-only attention; kdim/vdim; bias or not; attn_mask
     # (T, S) or 4-D, bool or float; key padding (whole sequences padded); causal.
+    case = data.draw(mha_cases(kind), label="case")
     layer = MultiHeadAttention(case["embed_dim"], case["num_heads"], bias=case["bias"],
                                kdim=case["kdim"], vdim=case["vdim"], rng=case["seed"],
                                impl=impl)
     randomize_biases(layer, case["seed"])
     forward_kwargs = {name: case[name] for name in ("attn_mask", "is_causal", "key_padding_mask")}
+    event(f"{case['kind']}-attention, bias={case['bias']}")
+    padding = case["key_padding_mask"]
+    event(f"key_padding_mask {'none' if padding is None else 'given'}")
+    if padding is not None and padding.ndim == 2 and (~padding).all(axis=-1).any():
+        event("a fully padded sequence")
     report = check_layer(layer, *case["inputs"], forward_kwargs=forward_kwargs)
     expected = [f"param {name}" for name in layer.params]
     expected += [f"input {i}" for i in range(len(case["inputs"]))]
