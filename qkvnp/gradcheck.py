@@ -588,7 +588,8 @@ def _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs):
     return tensors, evaluate, analytic
 
 
-def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, **options):
+def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, mode="elementwise",
+                dtype=np.float64, eps=None, rtol=None, atol=None, rng=None, num_directions=5):
     """Check every parameter gradient and input gradient of a layer.
 
     Parameters
@@ -608,9 +609,11 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, **options)
     wrt_inputs : bool
         Also check the input gradients returned by ``backward`` (one array,
         or a tuple whose None entries are skipped).
-    **options
-        ``mode, dtype, eps, rtol, atol, rng, num_directions`` of
-        :func:`check_function`; ``dtype`` defaults to the params' dtype.
+    mode, dtype, eps, rtol, atol, rng, num_directions
+        As in :func:`check_function`. ``dtype`` is float64 whatever the
+        layer's dtype (a float32 layer is checked through a float64 copy, to
+        certify its math); pass ``dtype=np.float32`` to check float32
+        arithmetic with the float32 tolerances.
 
     Returns
     -------
@@ -631,17 +634,8 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, **options)
     """
     if not inputs:
         raise ValueError("check_layer needs at least one input array for layer.forward")
-    if options.get("dtype") is None:
-        options["dtype"] = np.result_type(*layer.params.values()) if getattr(
-            layer, "params", None) else np.float64
-    mode = options.pop("mode", "elementwise")
-    dtype, tol, num_directions = _resolve(
-        mode, options.pop("dtype"), options.pop("eps", None), options.pop("rtol", None),
-        options.pop("atol", None), options.pop("num_directions", 5))
-    rng = make_rng(0 if options.get("rng") is None else options["rng"])
-    options.pop("rng", None)
-    if options:
-        raise TypeError(f"check_layer got unexpected options {sorted(options)}")
+    dtype, tol, num_directions = _resolve(mode, dtype, eps, rtol, atol, num_directions)
+    rng = make_rng(0 if rng is None else rng)
     tensors, evaluate, analytic = _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs)
     dout, dout64 = _draw_dout(evaluate(), dtype, rng)
     grads = analytic(dout)

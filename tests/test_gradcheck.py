@@ -144,6 +144,14 @@ def test_check_layer_restores_params_and_leaves_inputs_alone(rng):
     np.testing.assert_array_equal(x, x_before)
 
 
+def test_check_layer_certifies_a_float32_layer_in_float64_by_default(rng):
+    layer = SelfAttention(3, 2, qkv_bias=True, rng=0, dtype=np.float32)
+    report = check_layer(layer, rng.normal(size=(4, 3)))
+    assert report.dtype == FLOAT64 and report.rtol <= 1e-6
+    assert report.ok, report.table()
+    assert all(p.dtype == np.float32 for p in layer.params.values())  # layer untouched
+
+
 def test_check_layer_in_float32_uses_a_cast_copy(rng):
     layer = MultiHeadAttention(4, 2, rng=0)
     before = {name: p.copy() for name, p in layer.params.items()}
@@ -386,7 +394,7 @@ def test_bad_op_and_layer_arguments(rng):
     layer = SelfAttention(3, 2, rng=0)
     with pytest.raises(ValueError, match="at least one input array"):
         check_layer(layer)
-    with pytest.raises(TypeError, match="unexpected options \\['bogus'\\]"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         check_layer(layer, rng.normal(size=(2, 3)), bogus=1)
     with pytest.raises(ValueError, match="must not set return_weights"):
         check_layer(layer, rng.normal(size=(2, 3)), forward_kwargs={"return_weights": True})
