@@ -715,16 +715,23 @@ def _problems(args):
             return None, real
         return None, None
 
+    def random_biases(layer):
+        # NOTE: biases start at zero; check at a generic point where every path matters.
+        for name, param in layer.params.items():
+            if name.startswith("b_"):
+                param[...] = rng.normal(scale=0.5, size=param.shape)
+        return layer
+
     problems = []
     mask, padding = masks(T, T)
     if padding is not None:
         mask = padding[:, None, :]  # (B, S) -> (B, 1, S): broadcasts to (B, T, S)
     elif mask is not None:
         mask = mask[:, 0]  # (B, 1, T, S) -> (B, T, S)
-    self_attention = SelfAttention(E, d_out, qkv_bias=args.bias, rng=args.seed)
+    self_attention = random_biases(SelfAttention(E, d_out, qkv_bias=args.bias, rng=args.seed))
     problems.append((f"SelfAttention(d_in={E}, d_out={d_out}, qkv_bias={args.bias})",
                      self_attention, (x,), {"attn_mask": mask, "is_causal": args.causal}))
-    mha = MultiHeadAttention(E, H, bias=args.bias, rng=args.seed)
+    mha = random_biases(MultiHeadAttention(E, H, bias=args.bias, rng=args.seed))
     mask, padding = masks(T, S)
     kwargs = {"attn_mask": mask, "is_causal": args.causal, "key_padding_mask": padding}
     if args.kv_seq is None:
