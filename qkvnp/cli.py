@@ -5,6 +5,8 @@ Each command lives in its own module, which provides
 """
 import argparse
 import importlib
+import os
+import sys
 
 __all__ = ["main", "COMMANDS"]
 
@@ -18,8 +20,13 @@ COMMANDS = {
 }
 
 
-def build_parser():
-    """Return the top-level ``argparse`` parser with one sub-parser per command."""
+def build_parser(command=None):
+    """Return the top-level parser; only ``command``'s module is imported.
+
+    Every command gets a sub-parser (so ``--help`` lists them all), but only
+    the selected one imports its module and adds its options: a command's
+    heavy or broken imports never slow down or break another command.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m qkvnp",
         description="Q/K/V attention in pure NumPy with hand-derived gradients.",
@@ -27,14 +34,27 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
         module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
-        module.add_arguments(command)
-        command.set_defaults(_run=module.run)
+        parser_for_command = sub.add_parser(
+            name, help=help_text, description=module.__doc__.strip().splitlines()[0]
+        )
+        module.add_arguments(parser_for_command)
+        parser_for_command.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv=None):
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
-    args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # output piped into e.g. `head`, which closed early: exit quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
