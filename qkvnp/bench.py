@@ -740,7 +740,8 @@ def measure_import_time(repeats=7):
         that ``import qkvnp`` loads and ``import numpy`` does not.
     """
     numpy_times, qkvnp_times = [], []
-    _import_in_fresh_process("numpy")  # warm the file cache, not timed
+    for module in ("numpy", "qkvnp"):  # warm the file cache and .pyc files, not timed
+        _import_in_fresh_process(module)
     for _ in range(repeats):
         elapsed, numpy_modules = _import_in_fresh_process("numpy")
         numpy_times.append(elapsed)
@@ -755,6 +756,7 @@ def measure_import_time(repeats=7):
     numpy_ms = 1e3 * float(np.median(numpy_times))
     qkvnp_ms = 1e3 * float(np.median(qkvnp_times))
     return {"numpy_ms": numpy_ms, "qkvnp_ms": qkvnp_ms, "ratio": qkvnp_ms / numpy_ms,
+            "numpy_min_ms": 1e3 * min(numpy_times), "qkvnp_min_ms": 1e3 * min(qkvnp_times),
             "repeats": repeats, "extra_modules": extra}
 
 
@@ -851,7 +853,7 @@ def _progress(message):
     print(message, file=sys.stderr, flush=True)
 
 
-def _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks):
+def _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks, progress=None):
     """Cross-check, then time, every implementation on one workload; one record each."""
     problem = make_problem(kind, config, dtype)
     records, runners = {}, {}
@@ -912,6 +914,9 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks):
         flops = FLOPS[kind](config, backward=(mode == "fwd_bwd"))
         for impl, seconds in times.items():
             records[impl][mode] = _timing_stats(seconds, flops, peaks.get(dtype.name))
+        if progress:
+            progress(f"    {MODE_LABELS[mode]}: " + ", ".join(
+                f"{impl} {_ms(records[impl][mode]['median_ms'])} ms" for impl in times))
     runners.clear()
     gc.collect()
     return [record for impl, record in records.items() if record["timed"]]
@@ -934,7 +939,8 @@ def _add_ratios(records):
 
 def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=KINDS,
                   impls=IMPLEMENTATIONS, repeats=7, warmup=1, pause=0.3, memory=True,
-                  memory_kinds=KINDS, import_repeats=7, tiled_memory=True, progress=_progress):
+                  memory_kinds=KINDS, memory_configs=None, import_repeats=7, tiled_memory=True,
+                  progress=_progress):
     """Run the whole benchmark and return the report (a JSON-ready dict).
 
     Parameters
@@ -951,6 +957,8 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
         Measure peak memory in fresh processes.
     memory_kinds : sequence of {"layer", "core"}
         Workloads whose memory is measured (with ``memory``).
+    memory_configs : sequence of Config, optional
+        Configurations whose memory is measured (default: all).
     import_repeats : int
         Fresh interpreters per module for the import cost; 0 skips it.
     tiled_memory : bool
@@ -989,7 +997,8 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     for index, (kind, config, dtype) in enumerate(cases, 1):
         progress(f"[{index}/{len(cases)}] {kind} {tuple(config)} {dtype.name}: "
                  f"cross-check and {repeats} rounds x {len(MODES)} modes")
-        case_records = _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks)
+        case_records = _run_case(kind, config, dtype, impls, repeats, warmup, pause, peaks,
+                                 progress)
         for record in case_records:
             if record["status"] != "ok":
                 progress(f"    {record['impl']}: {record['status']}: {record['reason']}")
@@ -997,7 +1006,10 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     _add_ratios(records)
 
     if memory:
-        to_measure = [r for r in records if r["status"] == "ok" and r["kind"] in memory_kinds]
+        memory_configs = configs if memory_configs is None else [
+            _check_config(c) for c in memory_configs]
+        to_measure = [r for r in records if r["status"] == "ok" and r["kind"] in memory_kinds
+                      and tuple(r["config"]) in memory_configs]
         for index, record in enumerate(to_measure, 1):
             progress(f"memory [{index}/{len(to_measure)}] {record['kind']} "
                      f"{tuple(record['config'])} {record['dtype']} {record['impl']} (fresh process)")
@@ -1022,15 +1034,21 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
 # ---------------------------------------------------------------- output
 
 
+def _ms(value):
+    """Milliseconds with 3 to 4 significant digits: 1234, 123.4, 12.34, 0.123."""
+    return format(value, ".0f" if value >= 100 else ".1f" if value >= 10 else
+                  ".2f" if value >= 1 else ".3f")
+
+
 def _fmt(value, spec, width):
     return format("-" if value is None else format(value, spec), f">{width}")
 
 
 def _mode_cells(stats):
     if stats is None:
-        return [_fmt(None, "", w) for w in (9, 7, 7, 6, 5)]
-    return [_fmt(stats["median_ms"], ".2f", 9),
-            _fmt(stats["q3_ms"] - stats["q1_ms"], ".2f", 7),
+        return [_fmt(None, "", w) for w in (8, 7, 7, 6, 5)]
+    return [format(_ms(stats["median_ms"]), ">8"),
+            format(_ms(stats["q3_ms"] - stats["q1_ms"]), ">7"),
             _fmt(stats.get("ratio_torch"), ".2f", 7),
             _fmt(stats["gflops"], ".0f", 6),
             _fmt(stats["percent_peak"], ".0f", 5)]
@@ -1114,7 +1132,9 @@ def format_report(report):
         extra = ", ".join(imports["extra_modules"]) or "none outside the standard library"
         lines.append(f"import time (fresh processes, median of {imports['repeats']}): numpy "
                      f"{imports['numpy_ms']:.1f} ms, qkvnp {imports['qkvnp_ms']:.1f} ms, "
-                     f"ratio {imports['ratio']:.2f}; loaded beyond numpy's: {extra}")
+                     f"ratio {imports['ratio']:.2f} (of the minima: "
+                     f"{imports['qkvnp_min_ms'] / imports['numpy_min_ms']:.2f}); "
+                     f"loaded beyond numpy's: {extra}")
     settings = report["settings"]
     lines.append(f"timing: median of {settings['repeats']} interleaved rounds after "
                  f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between libraries; "
@@ -1122,11 +1142,12 @@ def format_report(report):
     memory_method = {r["memory"].get("method") for r in report["records"]
                      if r["memory"] and "method" in r["memory"]}
     lines.append("memory: peak extra RSS of one fwd+bwd in a fresh process "
-                 f"({', '.join(sorted(memory_method)) or 'not measured'})")
+                 f"({', '.join(sorted(memory_method)) or 'not measured'}); check: largest "
+                 "relative error against the reference path (the oracle)")
 
     header = (f"{'config (B,L,E,H)':<19}{'dtype':<8}{'impl':<10}"
-              f"{'fwd ms':>9}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |"
-              f"{'f+b ms':>9}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |{'MiB':>7}")
+              f"{'fwd ms':>8}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |"
+              f"{'f+b ms':>8}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |{'MiB':>6}{'check':>8}")
     titles = {"layer": "MultiHeadAttention layer (PyTorch: nn.MultiheadAttention, need_weights=False)",
               "core": "attention core on (B, H, L, D) (PyTorch: scaled_dot_product_attention)"}
     for kind in KINDS:
@@ -1140,10 +1161,12 @@ def format_report(report):
                 lines.append(f"{label}{r['status'].upper()}: {r['reason']}")
                 continue
             memory = r["memory"]
-            mib = (_fmt(memory["rss_mib"], ".0f", 7) if memory and "rss_mib" in memory
-                   else _fmt(None, "", 7))
+            mib = (_fmt(memory["rss_mib"], ".0f", 6) if memory and "rss_mib" in memory
+                   else _fmt(None, "", 6))
+            error = r["check"]["max_rel_err"] if r["check"] else None
+            check = "oracle" if r["impl"] == ORACLE else _fmt(error, ".0e", 8)
             lines.append(label + "".join(_mode_cells(r["fwd"])) + " |"
-                         + "".join(_mode_cells(r["fwd_bwd"])) + " |" + mib)
+                         + "".join(_mode_cells(r["fwd_bwd"])) + " |" + mib + format(check, ">8"))
     target_lines = _targets(report)
     if target_lines:
         lines += ["", "targets (issue 4):"] + target_lines
@@ -1277,8 +1300,10 @@ def _seconds(text):
 def add_arguments(parser):
     """Add the ``bench`` options to an ``argparse`` parser."""
     parser.add_argument("--quick", action="store_true",
-                        help="reduced run (configs %s, float32, 7 rounds, layer memory only), "
-                             "under a minute" % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
+                        help="reduced run, under a minute on an idle machine: configs %s, "
+                             "float32, the reference path not timed (still the oracle), "
+                             "memory of the layers at the last config only"
+                             % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
     parser.add_argument("--configs", nargs="+", type=_parse_config, metavar="B,L,E,H",
                         help="configurations (default: %s)"
                              % " ".join(",".join(map(str, c)) for c in DEFAULT_CONFIGS))
@@ -1290,8 +1315,8 @@ def add_arguments(parser):
                              "runs as the cross-check's oracle)")
     parser.add_argument("--repeats", type=_count(1), help="timed rounds, median reported (default 7)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed rounds first (default 1)")
-    parser.add_argument("--pause", type=_seconds, default=0.3,
-                        help="seconds slept when switching library (default 0.3)")
+    parser.add_argument("--pause", type=_seconds,
+                        help="seconds slept when switching library (default 0.3, quick 0.2)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory measurements (fresh processes)")
     parser.add_argument("--import-repeats", type=_count(0),
@@ -1311,6 +1336,9 @@ def run(args):
     quick = args.quick
     configs = args.configs or (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
+    # quick: the reference path runs once, as the oracle, but is not timed
+    impls = args.impls or (("fast", "tiled", "torch") if quick else IMPLEMENTATIONS)
+    pause = args.pause if args.pause is not None else 0.2 if quick else 0.3
     repeats = args.repeats or 7
     import_repeats = (args.import_repeats if args.import_repeats is not None
                       else 5 if quick else 7)
@@ -1325,9 +1353,10 @@ def run(args):
         _progress(f"note: {repeats} rounds: fewer than 7, medians are rough")
     report = run_benchmark(
         configs=configs, dtypes=dtypes, kinds=args.kinds or KINDS,
-        impls=args.impls or IMPLEMENTATIONS, repeats=repeats, warmup=args.warmup,
-        pause=args.pause, memory=not args.no_memory, import_repeats=import_repeats,
-        memory_kinds=("layer",) if quick else KINDS, tiled_memory=not quick,
+        impls=impls, repeats=repeats, warmup=args.warmup, pause=pause,
+        memory=not args.no_memory, import_repeats=import_repeats,
+        memory_kinds=("layer",) if quick else KINDS,
+        memory_configs=configs[-1:] if quick else None, tiled_memory=not quick,
     )
     if quick:
         report["settings"]["quick"] = True
@@ -1346,3 +1375,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="qkvnp bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
