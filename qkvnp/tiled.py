@@ -398,6 +398,13 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     reference, except that the scale is folded into the queries first, so a
     score overflows only if its scaled value does.
 
+    Threads: the query blocks of the forward and the key blocks of the
+    backward are shared between ``qkvnp.fast.NUM_THREADS`` Python threads
+    with BLAS pinned to one thread (set it to 1 to switch this off). Each
+    thread has its own block temporaries, and each thread beyond the first
+    sums ``dquery`` in its own query-sized array; those partial sums are added
+    in a fixed order, so results repeat bitwise for a given thread count.
+
     Examples
     --------
     One key: every query returns that key's value.

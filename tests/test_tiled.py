@@ -92,6 +92,7 @@ CASES = [
     ((2, 16, 8), (2, 16, 8), (2, 16, 8), None, True, 16),  # one block
     ((2, 16, 8), (2, 16, 8), (2, 16, 8), None, True, 1),  # 1x1 blocks
     ((2, 16, 8), (2, 16, 8), (2, 16, 8), None, True, None),  # default block size
+    ((2, 600, 16), (2, 1100, 16), (2, 1100, 8), "padding", True, None),  # several default blocks
 ]
 
 
@@ -431,7 +432,7 @@ def test_default_blocks_shrink_with_many_heads():
     """The default block holds about a million scores whatever the (batch, head) count."""
     rng = np.random.default_rng(11)
     for lead in [(), (4, 8), (16, 16)]:
-        query, key, value = random_inputs(rng, lead + (600, 2), lead + (1100, 2), lead + (1100, 1))
+        query, key, value = random_inputs(rng, lead + (300, 1), lead + (600, 1), lead + (600, 1))
         _, cache = tiled.attention_forward(query, key, value)
         lead_size = int(np.prod(lead))
         assert lead_size * cache.block_q * cache.block_k <= max(
@@ -439,7 +440,7 @@ def test_default_blocks_shrink_with_many_heads():
         )
         if not lead:
             assert (cache.block_q, cache.block_k) == (
-                min(tiled.DEFAULT_BLOCK_SIZE[0], 600), min(tiled.DEFAULT_BLOCK_SIZE[1], 1100)
+                min(tiled.DEFAULT_BLOCK_SIZE[0], 300), min(tiled.DEFAULT_BLOCK_SIZE[1], 600)
             )
 
 
