@@ -33,7 +33,7 @@ Relative errors are ``|a - n| / max(|a|, |n|, atol)``: the absolute floor
 the numeric side would otherwise give a relative error of 1. Attention has
 such a gradient: ``b_key`` adds ``q . b_key`` to *every* score of a query's
 row, and softmax ignores a constant added to a row, so the output never
-depends on ``b_key`` and its gradient is exactly zero.
+depends on ``b_key``: its gradient is zero in exact arithmetic (round-off as computed).
 
 ``import qkvnp.gradcheck`` imports numpy only; the layers are imported by the
 command line when it runs.
@@ -622,7 +622,7 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, mode="elem
 
     Examples
     --------
-    ``b_key`` has an exactly zero gradient (softmax ignores the constant
+    ``b_key`` has a zero gradient (0 in exact arithmetic, round-off as computed) (softmax ignores the constant
     ``q . b_key`` added to each row), and passes thanks to the floor ``atol``:
 
     >>> from qkvnp import MultiHeadAttention

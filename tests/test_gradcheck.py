@@ -124,11 +124,12 @@ def test_exactly_zero_gradient_passes_thanks_to_the_floor():
     report = check_layer(layer, x)
     row = report.row("param b_key")
     assert report.ok, report.table()
-    assert np.all(layer.grads["b_key"] == 0.0) and row.analytic == 0.0
+    assert np.abs(layer.grads["b_key"]).max() < 1e-14 and abs(row.analytic) < 1e-14
     assert row.numeric != 0.0 and abs(row.numeric) < 1e-9  # measured ~1e-10
     no_floor = check_layer(layer, x, atol=0.0)
     assert not no_floor.ok and not no_floor.row("param b_key").ok
-    assert no_floor.row("param b_key").max_rel_err == pytest.approx(1.0)
+    # round-off against round-off: the relative error is total, ~1
+    assert no_floor.row("param b_key").max_rel_err == pytest.approx(1.0, abs=1e-3)
     assert all(r.ok for r in no_floor.rows if r.name != "param b_key")
 
 
