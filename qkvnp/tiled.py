@@ -42,6 +42,9 @@ DEFAULT_BLOCK_SIZE = (256, 512)
 # per-block temporaries stay around a few MiB.
 _BLOCK_ELEMENTS = 1 << 20
 _MIN_DEFAULT_BLOCK = 32
+# Diagonal blocks of a causal mask are reused by their offset i0 - j0; the
+# number of offsets is bounded by (bq + bk) / gcd(bq, bk), so cap the cache.
+_CAUSAL_CACHE_SIZE = 8
 
 TiledAttentionCache = namedtuple(
     "TiledAttentionCache",
@@ -169,7 +172,8 @@ def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe
         if above is None:
             # key j0 + c is after query i0 + r  <=>  c - r > i0 - j0
             above = np.subtract.outer(np.arange(shape[0]), np.arange(shape[1])) < j0 - i0  # (bq, bk)
-            causal_cache[key_] = above
+            if len(causal_cache) < _CAUSAL_CACHE_SIZE:
+                causal_cache[key_] = above
         np.copyto(scores, -np.inf, where=above)
     return scores
 
@@ -344,7 +348,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         On mismatched dims, a mask that does not broadcast, non-finite inputs,
         a non-positive block size.
     TypeError
-        On a mask that is neither bool nor float, a non-integer block size.
+        On a mask that is neither bool nor float, a non-bool ``is_causal``, a
+        non-integer block size.
 
     Notes
     -----
