@@ -74,6 +74,12 @@ NUM_THREADS = max(1, min(_available_cpus(), 8))
 #: per-thread scratch of this size is what the backward allocates).
 BLOCK_BYTES = 4 << 20
 
+#: Rows of a block are processed in chunks of about this many score bytes
+#: (at least :data:`MIN_ROW_BLOCK` rows), so that the elementwise passes of
+#: the softmax and its backward run in cache at long sequence lengths.
+ROW_BLOCK_BYTES = 1 << 20
+MIN_ROW_BLOCK = 32
+
 FastAttentionCache = namedtuple(
     "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes"
 )
@@ -246,11 +252,53 @@ def _exp_scores_careful(scores, query, key_t, mask):
     return row_max
 
 
+def _row_chunks(G, T, S, itemsize):
+    """Row slices of a ``(G, T, S)`` block, each about :data:`ROW_BLOCK_BYTES`.
+
+    A chunk's scores stay in the CPU cache between the matmul that writes
+    them and the elementwise passes that follow.
+    """
+    rows = ROW_BLOCK_BYTES // max(1, G * S * itemsize)
+    if rows >= T:
+        return [slice(None)]
+    rows = max(rows, MIN_ROW_BLOCK)
+    return [slice(start, min(start + rows, T)) for start in range(0, T, rows)]
+
+
+def _augment(x, last, factor=None):
+    """``[x * factor | last]``: a copy of ``x`` with one more column holding ``last``."""
+    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)  # (..., L, n) -> (..., L, n + 1)
+    if factor is None:
+        out[..., :-1] = x
+    else:
+        np.multiply(x, factor, out=out[..., :-1])
+    out[..., -1:] = last
+    return out
+
+
+def _augment_t(x, last):
+    """``[x | last]^T`` laid out contiguously: ``(..., L, n) -> (..., n + 1, L)``."""
+    out = np.empty(x.shape[:-2] + (x.shape[-1] + 1, x.shape[-2]), x.dtype)  # (..., n + 1, L)
+    out[..., :-1, :] = np.swapaxes(x, -1, -2)
+    out[..., -1, :] = last
+    return out
+
+
+def _mask_row_max(mask, dtype):
+    """Largest finite entry of each row of the additive mask, 0 if none (broadcastable)."""
+    if mask is None:
+        return None
+    finite = np.where(np.isneginf(mask), -np.inf, mask)
+    row_max = finite.max(axis=-1, keepdims=True)  # (..., T, S) -> (..., T, 1)
+    row_max[np.isneginf(row_max)] = 0
+    return row_max.astype(dtype, copy=False)
+
+
 def _core_forward(query, key, value, mask, exp_scores, inv_sum, out):
     """Fill ``exp_scores``, ``inv_sum`` and ``out`` (all preallocated, full leading dims).
 
-    ``query`` is already scaled; ``mask`` is None or an additive mask
-    broadcast to ``exp_scores``' shape.
+    ``query`` is already scaled; ``mask`` is None or an additive mask whose
+    shape broadcasts to ``exp_scores``' (it is broadcast here).
     """
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
@@ -258,40 +306,79 @@ def _core_forward(query, key, value, mask, exp_scores, inv_sum, out):
         out[...] = 0
         inv_sum[...] = 0
         return
+    dtype = exp_scores.dtype
+    log2e = dtype.type(np.log2(np.e))
+    mask_max = _mask_row_max(mask, dtype)
+    if mask is not None:
+        # base-2 scores: exp(x) = exp2(x log2(e)) and exp2 is the faster ufunc
+        mask = np.broadcast_to(mask * log2e, lead + (T, S))
+        mask_max = np.broadcast_to(mask_max, lead + (T, 1))
+    # a row sum below this means the bound on the row max was too loose (the
+    # exponentials underflow): such blocks are redone with the exact max
+    smallest_sum = np.finfo(dtype).tiny ** 0.75
 
     def task(part):
         # NOTE: overflow is handled below (clipped as in the reference), so
         # numpy's overflow warnings of the matmul and the subtraction are noise.
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
             for idx in part:
-                _forward_block(idx)
-
-    def _forward_block(idx):
-        scores = exp_scores[idx]  # (G, T, S)
-        q, key_t = query[idx], np.swapaxes(key[idx], -1, -2)  # (G, T, D), (G, D, S)
-        np.matmul(q, key_t, out=scores)  # (G, T, D) @ (G, D, S) -> (G, T, S)
-        if mask is not None:
-            scores += mask[idx]
-        row_max = scores.max(axis=-1, keepdims=True)  # (G, T, 1)
-        careful = not np.isfinite(row_max).all()
-        if careful:
-            row_max = _exp_scores_careful(scores, q, key_t, None if mask is None else mask[idx])
-        scores -= row_max
-        np.exp(scores, out=scores)
-        row_sum = scores.sum(axis=-1, keepdims=True)  # (G, T, S) -> (G, T, 1)
-        inv = inv_sum[idx]
-        if careful:
-            dead = row_sum == 0
-            row_sum[dead] = 1
-            np.reciprocal(row_sum, out=inv)
-            inv[dead] = 0
-        else:
-            np.reciprocal(row_sum, out=inv)
-        o = out[idx]
-        np.matmul(scores, value[idx], out=o)  # (G, T, S) @ (G, S, Dv) -> (G, T, Dv)
-        o *= inv
+                k, v = key[idx], value[idx]  # (G, S, D), (G, S, Dv)
+                key_aug_t = _augment_t(k, 1)  # (G, S, D) -> (G, D + 1, S)
+                value_aug = _augment(v, 1)  # (G, S, Dv) -> (G, S, Dv + 1)
+                key_norm = np.sqrt(np.max(np.sum(k * k, axis=-1), axis=-1))[..., None, None]  # (G, 1, 1)
+                G = int(np.prod(exp_scores[idx].shape[:-2]))
+                for rows in _row_chunks(G, T, S, exp_scores.itemsize):
+                    block = idx + (Ellipsis, rows, slice(None))
+                    _forward_rows(exp_scores[block], query[block], k, key_aug_t, key_norm, value_aug,
+                                  None if mask is None else mask[block],
+                                  None if mask is None else mask_max[block],
+                                  inv_sum[block], out[block], smallest_sum, log2e)
 
     _run(task, _blocks(lead, T * S * exp_scores.itemsize, NUM_THREADS))
+
+
+def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
+                  smallest_sum, log2e):
+    """Forward of one block of rows: scores, softmax numerators, output.
+
+    The row max is replaced by the bound ``m = |q| max|k| + max(mask row)``
+    (Cauchy-Schwarz), known before the scores, so that ``(S - m) log2(e)``
+    comes out of one matmul, ``[q log2(e) | -m log2(e)] @ [k | 1]^T``, and
+    ``exp(S - m)`` is one ``exp2`` in place (``mask`` comes pre-multiplied by
+    ``log2(e)``); likewise ``E @ [v | 1]`` gives the output and the row sums
+    together. Rows whose bound is too loose (tiny row sum), overflowed scores
+    and fully masked rows are redone by the reference recipe
+    (:func:`_exp_scores_careful`, with ``mask / log2(e)``).
+    """
+    D = q.shape[-1]
+    bound = np.sqrt(np.sum(q * q, axis=-1, keepdims=True)) * key_norm  # (G, R, 1)
+    if mask_max is not None:
+        bound += mask_max
+    out_aug = np.empty(o.shape[:-1] + (o.shape[-1] + 1,), o.dtype)  # (G, R, Dv + 1)
+    careful = not np.isfinite(bound).all()
+    if not careful:
+        query_aug = _augment(q, -bound * log2e, log2e)  # (G, R, D) -> (G, R, D + 1)
+        np.matmul(query_aug, key_aug_t, out=scores)  # (S - m) log2 e: (G, R, D+1) @ (G, D+1, S) -> (G, R, S)
+        if mask is not None:
+            scores += mask
+        np.exp2(scores, out=scores)
+        np.matmul(scores, value_aug, out=out_aug)  # [E v | rowsum E]: (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
+        row_sum = out_aug[..., -1:]
+        careful = not (row_sum >= smallest_sum).all() or not np.isfinite(row_sum).all()
+    if careful:
+        row_max = _exp_scores_careful(scores, q, np.swapaxes(k, -1, -2),
+                                      None if mask is None else mask / log2e)
+        scores -= row_max
+        np.exp(scores, out=scores)
+        np.matmul(scores, value_aug, out=out_aug)  # (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
+        row_sum = out_aug[..., -1:]
+        dead = row_sum == 0
+        row_sum[dead] = 1
+        np.reciprocal(row_sum, out=inv)
+        inv[dead] = 0
+    else:
+        np.reciprocal(row_sum, out=inv)
+    np.multiply(out_aug[..., :-1], inv, out=o)  # (G, R, Dv)
 
 
 def _core_backward(dout, cache_arrays, dquery, dkey, dvalue, dquery_scale):
@@ -305,25 +392,54 @@ def _core_backward(dout, cache_arrays, dquery, dkey, dvalue, dquery_scale):
     T, S = exp_scores.shape[-2:]
 
     def task(part):
-        scratch = None
+        scratch = partial = None
         for idx in part:
-            weights_num, inv = exp_scores[idx], inv_sum[idx]  # (G, T, S), (G, T, 1)
-            do = dout[idx]  # (G, T, Dv)
-            delta = np.sum(do * out[idx], axis=-1, keepdims=True)  # rowsum(P * dP), (G, T, 1)
-            # dV = P^T dO = E^T (dO / rowsum)
-            np.matmul(np.swapaxes(weights_num, -1, -2), do * inv, out=dvalue[idx])  # (G, S, T) @ (G, T, Dv) -> (G, S, Dv)
-            if scratch is None or scratch.shape != weights_num.shape:
-                scratch = np.empty_like(weights_num)
-            dscores = scratch
-            np.matmul(do, np.swapaxes(value[idx], -1, -2), out=dscores)  # dP: (G, T, Dv) @ (G, Dv, S) -> (G, T, S)
-            dscores -= delta
-            dscores *= weights_num  # rowsum * dS, dS = P * (dP - delta)
-            dq = dquery[idx]
-            np.matmul(dscores, key[idx], out=dq)  # (G, T, S) @ (G, S, D) -> (G, T, D)
-            dq *= inv * dquery_scale
-            np.matmul(np.swapaxes(dscores, -1, -2), query[idx] * inv, out=dkey[idx])  # (G, S, T) @ (G, T, D) -> (G, S, D)
+            k = key[idx]  # (G, S, D)
+            value_aug_t = _augment_t(value[idx], 1)  # (G, S, Dv) -> (G, Dv + 1, S)
+            # NOTE: dK^T = Q^T dS and dV^T = dO^T P measured faster than dS^T Q
+            # and P^T dO (up to 1.5x in float64): accumulate the transposes.
+            dk_t = np.empty(np.swapaxes(dkey[idx], -1, -2).shape, k.dtype)  # (G, D, S)
+            dv_t = np.empty(np.swapaxes(dvalue[idx], -1, -2).shape, k.dtype)  # (G, Dv, S)
+            G = int(np.prod(exp_scores[idx].shape[:-2]))
+            chunks = _row_chunks(G, T, S, exp_scores.itemsize)
+            for n, rows in enumerate(chunks):
+                block = idx + (Ellipsis, rows, slice(None))
+                weights_num = exp_scores[block]  # (G, R, S)
+                R = weights_num.shape[-2]
+                if scratch is None or scratch.shape[:-2] != weights_num.shape[:-2] or scratch.shape[-2] < R:
+                    scratch = np.empty_like(weights_num)
+                if n and (partial is None or partial[0].shape != dk_t.shape or partial[1].shape != dv_t.shape):
+                    partial = np.empty_like(dk_t), np.empty_like(dv_t)
+                _backward_rows(dout[block], out[block], query[block], k, value_aug_t, weights_num,
+                               inv_sum[block], scratch[..., :R, :], dquery[block], dk_t, dv_t,
+                               dquery_scale, None if n == 0 else partial)
+            dkey[idx] = np.swapaxes(dk_t, -1, -2)  # (G, D, S) -> (G, S, D)
+            dvalue[idx] = np.swapaxes(dv_t, -1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
     _run(task, _blocks(lead, T * S * exp_scores.itemsize, NUM_THREADS))
+
+
+def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,
+                   partial):
+    """Backward of one block of rows; ``dk_t``, ``dv_t`` (transposed) are
+    written (``partial`` is None) or accumulated through ``partial`` buffers.
+
+    ``dP - delta`` comes out of one matmul: ``[dO | -delta] @ [V | 1]^T``.
+    """
+    delta = np.sum(do * o, axis=-1, keepdims=True)  # rowsum(P * dP) = rowsum(dO * O), (G, R, 1)
+    # dV^T = dO^T P = (dO / rowsum)^T E
+    dv_rows = dv_t if partial is None else partial[1]
+    np.matmul(np.swapaxes(do * inv, -1, -2), weights_num, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
+    dout_aug = _augment(do, -delta)  # (G, R, Dv) -> (G, R, Dv + 1)
+    np.matmul(dout_aug, value_aug_t, out=dscores)  # dP - delta: (G, R, Dv+1) @ (G, Dv+1, S) -> (G, R, S)
+    dscores *= weights_num  # = rowsum * dS, with dS = P * (dP - delta)
+    np.matmul(dscores, k, out=dq)  # (G, R, S) @ (G, S, D) -> (G, R, D)
+    dq *= inv * dq_scale
+    dk_rows = dk_t if partial is None else partial[0]
+    np.matmul(np.swapaxes(q * inv, -1, -2), dscores, out=dk_rows)  # (G, D, R) @ (G, R, S) -> (G, D, S)
+    if partial is not None:
+        dv_t += dv_rows
+        dk_t += dk_rows
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
@@ -398,8 +514,6 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     dtype = query.dtype
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
     mask = _additive_mask(bias, keep, dtype)
-    if mask is not None:
-        mask = np.broadcast_to(mask, lead + (T, S))
     scaled_query = np.empty(lead + (T, D), dtype)
     np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
     key_b = np.broadcast_to(key, lead + (S, D))
@@ -584,8 +698,6 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
         core = "fast"
         bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
         add = _additive_mask(bias, keep, dtype)
-        if add is not None:
-            add = np.broadcast_to(add, lead + (T, S))
         exp_scores = np.empty(lead + (T, S), dtype)
         inv_sum = np.empty(lead + (T, 1), dtype)
         _core_forward(q, k, v, add, exp_scores, inv_sum, out_heads)
