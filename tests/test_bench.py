@@ -129,7 +129,7 @@ def test_wrong_implementation_is_refused_and_not_timed(monkeypatch):
 
     monkeypatch.setattr(bench, "make_runner", with_wrong_fast)
     records = bench._run_case("core", TINY, np.dtype("float64"), ("reference", "fast"),
-                              repeats=1, warmup=0, pause=0.0, peaks={})
+                              repeats=1, warmup=0, pause=0.0)
     by_impl = {r["impl"]: r for r in records}
     assert by_impl["fast"]["status"] == "refused"
     assert "dquery" in by_impl["fast"]["reason"]
@@ -141,7 +141,7 @@ def test_wrong_implementation_is_refused_and_not_timed(monkeypatch):
 def test_missing_implementation_is_reported_not_raised(monkeypatch):
     monkeypatch.setitem(bench.CORE_MODULES, "fast", "qkvnp._no_such_module")
     records = bench._run_case("core", TINY, np.dtype("float32"), ("reference", "fast"),
-                              repeats=1, warmup=0, pause=0.0, peaks={"float32": 100.0})
+                              repeats=1, warmup=0, pause=0.0)
     fast = next(r for r in records if r["impl"] == "fast")
     assert fast["status"] == "missing" and "qkvnp._no_such_module" in fast["reason"]
     problem = bench.make_problem("layer", TINY, "float32")
@@ -244,6 +244,42 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_pa
     assert bench.plot_results({"records": []}, tmp_path / "plot.png") is False
     assert "pip install 'qkvnp[plot]'" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+def test_plot_draws_every_series_and_writes_atomically(monkeypatch, tmp_path):
+    # matplotlib is optional and absent here: a recording stand-in checks what
+    # would be drawn (oracle: one time series and one memory series per
+    # implementation and dtype, x = L) and that the file appears atomically
+    import types
+    from unittest import mock
+
+    axes = np.empty((1, 2), dtype=object)  # what subplots(1, 2, squeeze=False) returns
+    axes[0, 0], axes[0, 1] = mock.MagicMock(), mock.MagicMock()
+    figure = mock.MagicMock()
+    figure.savefig.side_effect = lambda stream, format: stream.write(b"PNG " + format.encode())
+    pyplot = types.SimpleNamespace(subplots=mock.MagicMock(return_value=(figure, axes)),
+                                   close=mock.MagicMock())
+    matplotlib = types.SimpleNamespace(use=lambda backend: None, pyplot=pyplot)
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+
+    def record(L, impl, memory):
+        return {"kind": "core", "config": [1, L, 16, 2], "dtype": "float32", "impl": impl,
+                "status": "ok", "fwd_bwd": {"median_ms": L / 100}, "memory": memory}
+
+    report = {"records": [record(512, "fast", {"rss_mib": 5.0}), record(128, "fast", {"rss_mib": 1.0}),
+                          record(128, "torch", None),
+                          dict(record(128, "tiled", None), status="missing")]}
+    path = tmp_path / "plot.png"
+    assert bench.plot_results(report, path) is True
+    assert path.read_bytes() == b"PNG png" and os.listdir(tmp_path) == ["plot.png"]
+    time_axis, memory_axis = axes[0]
+    drawn = {call.kwargs["label"]: call.args[:2] for call in time_axis.plot.call_args_list}
+    assert drawn == {"fast float32": ([128, 512], [1.28, 5.12]), "torch float32": ([128], [1.28])}
+    memory_calls = memory_axis.plot.call_args_list
+    assert [(c.kwargs["label"], c.args[:2]) for c in memory_calls] == [
+        ("fast float32", ((128, 512), (1.0, 5.0)))]
+    pyplot.close.assert_called_once_with(figure)
 
 
 def test_refused_rows_print_no_numbers():
