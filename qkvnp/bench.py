@@ -13,7 +13,8 @@ backward with a fixed random upstream gradient):
 ``layer``
     Self-attention of ``x`` of shape (B, L, E) through
     ``MultiHeadAttention(E, H, bias=True, impl=NAME)`` for each qkvnp
-    implementation ``reference``, ``fast``, ``tiled``, and through PyTorch's
+    implementation ``reference``, ``fast``, ``tiled`` and ``auto`` (the
+    layers' default, which picks fast or tiled), and through PyTorch's
     ``nn.MultiheadAttention(E, H, batch_first=True)`` called with
     ``need_weights=False``. The weights are copied across, so that all of
     them compute the same function.
@@ -155,7 +156,10 @@ QUICK_CONFIGS = (Config(8, 128, 256, 8), Config(4, 512, 512, 8))
 KINDS = ("layer", "core")
 MODES = ("fwd", "fwd_bwd")
 MODE_LABELS = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}
-IMPLEMENTATIONS = ("reference", "fast", "tiled", "torch")
+IMPLEMENTATIONS = ("reference", "fast", "tiled", "auto", "torch")
+# "auto" is the layers' default dispatch (fast or tiled); the core has none
+KIND_IMPLEMENTATIONS = {"layer": IMPLEMENTATIONS,
+                        "core": tuple(i for i in IMPLEMENTATIONS if i != "auto")}
 ORACLE = "reference"
 
 # relative error (max|a - r| / max|r|) allowed against the reference path
@@ -457,7 +461,8 @@ def make_runner(impl, problem):
 
     Parameters
     ----------
-    impl : {"reference", "fast", "tiled", "torch"}
+    impl : {"reference", "fast", "tiled", "auto", "torch"}
+        ``"auto"`` only for the layer workload.
     problem : Problem
 
     Returns
@@ -472,8 +477,9 @@ def make_runner(impl, problem):
     ImplementationMissing
         If this qkvnp does not offer ``impl`` or PyTorch is not installed.
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl not in KIND_IMPLEMENTATIONS[problem.kind]:
+        raise ValueError(f"impl must be one of {KIND_IMPLEMENTATIONS[problem.kind]} for the "
+                         f"{problem.kind} workload, got {impl!r}")
     if impl == "torch":
         return _TorchLayer(problem) if problem.kind == "layer" else _TorchCore(problem)
     if problem.kind == "layer":
@@ -856,7 +862,8 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
     """Cross-check, then time, every implementation on one workload; one record each."""
     problem = make_problem(kind, config, dtype)
     records, runners = {}, {}
-    for impl in dict.fromkeys([ORACLE] + list(impls)):
+    impls = [impl for impl in impls if impl in KIND_IMPLEMENTATIONS[kind]]
+    for impl in dict.fromkeys([ORACLE] + impls):
         record = {"kind": kind, "config": list(config), "dtype": dtype.name, "impl": impl,
                   "library": "torch" if impl == "torch" else "qkvnp", "status": "ok",
                   "reason": None, "check": None, "memory": None,
@@ -1077,7 +1084,7 @@ def _targets(report):
                 and r["fwd_bwd"] and r["fwd_bwd"].get("ratio_torch") is not None]
 
     for kind, limit, min_length, label in (
-            ("layer", 0.8, 0, "MultiHeadAttention fwd+bwd <= 0.8x nn.MultiheadAttention"),
+            ("layer", 0.8, 0, "layer fwd+bwd <= 0.8x nn.MultiheadAttention"),
             ("core", 1.0, 512, "core fwd+bwd <= 1.0x scaled_dot_product_attention, L >= 512")):
         for impl in qkvnp_impls:
             found = ratios(kind, impl, min_length)
@@ -1345,7 +1352,7 @@ def run(args):
     configs = args.configs or (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
     # quick: the reference path runs once, as the oracle, but is not timed
-    impls = args.impls or (("fast", "tiled", "torch") if quick else IMPLEMENTATIONS)
+    impls = args.impls or (("fast", "tiled", "auto", "torch") if quick else IMPLEMENTATIONS)
     pause = args.pause if args.pause is not None else 0.2 if quick else 0.3
     repeats = args.repeats or 7
     import_repeats = (args.import_repeats if args.import_repeats is not None

@@ -206,7 +206,9 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     report = bench.read_json(path)
     assert report["settings"]["configs"] == [[1, 16, 16, 2]]
     assert {(r["kind"], r["dtype"], r["impl"]) for r in report["records"]} == {
-        (k, d, i) for k in bench.KINDS for d in ("float32", "float64") for i in bench.IMPLEMENTATIONS}
+        (k, d, i) for k in bench.KINDS for d in ("float32", "float64")
+        for i in bench.KIND_IMPLEMENTATIONS[k]}
+    assert "auto" in bench.KIND_IMPLEMENTATIONS["layer"] and "auto" not in bench.KIND_IMPLEMENTATIONS["core"]
     for record in report["records"]:
         assert record["status"] in ("ok", "missing"), record
         if record["status"] == "ok":
