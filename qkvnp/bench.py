@@ -896,8 +896,9 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
             record["status"], record["reason"] = "error", f"{type(error).__name__}: {error}"
             del runners[impl]
             continue
-        record["check"] = {"max_rel_err": check.error, "worst": check.worst,
-                           "tolerance": check.tolerance}
+        # JSON has no inf: a non-finite or misshapen result is recorded as None
+        record["check"] = {"max_rel_err": check.error if np.isfinite(check.error) else None,
+                           "worst": check.worst, "tolerance": check.tolerance}
         if not check.ok:
             record["status"] = "refused"
             record["reason"] = (f"disagrees with the reference path: {check.worst} relative "

@@ -117,23 +117,26 @@ def test_cross_check_refuses_broken_arrays(change, why):
     assert not bench.cross_check(results, expected, "float64").ok, "missing array"
 
 
-def test_wrong_implementation_is_refused_and_not_timed(monkeypatch):
-    # a "fast" path whose dquery is 0.1% off must get no timing, and the run exits 1
+def test_wrong_implementation_is_refused_and_not_timed(monkeypatch, tmp_path):
+    # a "fast" path whose dquery is 0.1% off and a "tiled" one that returns
+    # NaN must get no timing, and their records must still be valid JSON
     make_runner = bench.make_runner
+    wrong = {"fast": lambda a: a * 1.001, "tiled": lambda a: a * np.nan}
 
-    def with_wrong_fast(impl, problem):
-        runner = make_runner("reference" if impl == "fast" else impl, problem)
-        if impl == "fast":
-            return Perturbed(runner, "dquery", lambda a: a * 1.001)
-        return runner
+    def with_wrong_paths(impl, problem):
+        runner = make_runner("reference" if impl in wrong else impl, problem)
+        return Perturbed(runner, "dquery", wrong[impl]) if impl in wrong else runner
 
-    monkeypatch.setattr(bench, "make_runner", with_wrong_fast)
-    records = bench._run_case("core", TINY, np.dtype("float64"), ("reference", "fast"),
+    monkeypatch.setattr(bench, "make_runner", with_wrong_paths)
+    records = bench._run_case("core", TINY, np.dtype("float64"), ("reference", "fast", "tiled"),
                               repeats=1, warmup=0, pause=0.0)
     by_impl = {r["impl"]: r for r in records}
-    assert by_impl["fast"]["status"] == "refused"
-    assert "dquery" in by_impl["fast"]["reason"]
-    assert by_impl["fast"]["fwd"] is None and by_impl["fast"]["fwd_bwd"] is None
+    for impl in wrong:
+        assert by_impl[impl]["status"] == "refused"
+        assert "dquery" in by_impl[impl]["reason"]
+        assert by_impl[impl]["fwd"] is None and by_impl[impl]["fwd_bwd"] is None
+    assert by_impl["tiled"]["check"]["max_rel_err"] is None  # inf is not JSON
+    assert bench.write_json(tmp_path / "r.json", {"records": records})["records"] == records
     assert by_impl["reference"]["status"] == "ok"
     assert len(by_impl["reference"]["fwd_bwd"]["times_ms"]) == 1
 
