@@ -294,6 +294,9 @@ class _StopFlag:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        sys.stderr.write("\nCtrl-C: stopping after this step and saving a checkpoint "
+                         "(Ctrl-C again aborts without saving)\n")
+        sys.stderr.flush()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -659,7 +662,18 @@ def plot_run(result, path, stream=None):
     """Save the loss curve and one held-out attention heat map to ``path``.
 
     matplotlib is optional (``pip install 'qkvnp[plot]'``); without it this
-    prints how to install it and returns False instead of raising.
+    prints how to install it and returns False instead of raising. The figure
+    goes through a temporary file renamed over ``path``. After ``--resume``,
+    the loss curve covers the steps of this session only (checkpoints do not
+    store the history).
+
+    Parameters
+    ----------
+    result : TrainResult
+    path : str or os.PathLike
+        Output file; its extension (png, pdf, svg) picks the format.
+    stream : file, optional
+        Where the messages go (default ``sys.stdout``).
 
     Returns
     -------
@@ -676,7 +690,7 @@ def plot_run(result, path, stream=None):
         return False
     history = result.history
     figure = Figure(figsize=(11, 4), layout="constrained")
-    loss_axes, heat_axes = figure.subplots(1, 2, width_ratios=(1, 1.2))
+    loss_axes, heat_axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": (1, 1.2)})
     if history["step"]:
         loss_axes.plot(history["step"], history["loss"], lw=0.8, alpha=0.6, label="training batch")
     if history["eval_step"]:
@@ -685,7 +699,8 @@ def plot_run(result, path, stream=None):
     loss_axes.set_xlabel("step")
     loss_axes.set_ylabel("cross-entropy" if result.config.task == "kv-recall" else "MSE")
     loss_axes.set_title(f"{result.config.task}: loss")
-    loss_axes.legend()
+    if history["step"] or history["eval_step"]:
+        loss_axes.legend()
     weights, xlabels, ylabels, title = attention_example(result)
     image = heat_axes.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     heat_axes.set_xticks(range(len(xlabels)), xlabels, rotation=90, fontsize=7)
@@ -838,6 +853,10 @@ def run(args):
     print(describe(config, build_model(config, make_streams(config.seed).init)), flush=True)
     try:
         result = train(config, resume=args.resume, save=args.save, callback=progress)
+    except KeyboardInterrupt:
+        print("aborted by a second Ctrl-C (or before training started): nothing was saved",
+              file=sys.stderr)
+        return 130
     except (FileNotFoundError, CheckpointError) as exc:
         print(f"error: {exc}; nothing was trained or written", file=sys.stderr)
         return 2
