@@ -538,6 +538,9 @@ class Progress:
         Rewrite one line with ``\\r`` (default: whether ``stream`` is a tty).
     interval : float
         Minimum seconds between two live redraws.
+    plain_interval : float
+        Without a terminal, also print a line when this many seconds passed
+        since the last one (evaluations may be far apart).
 
     Notes
     -----
@@ -545,15 +548,16 @@ class Progress:
     last line), the training accuracy, the last held-out metrics, the
     learning rate, steps per second since the (re)start, and the time left
     at that rate. Without a terminal, one line is printed per held-out
-    evaluation.
+    evaluation, and at least every ``plain_interval`` seconds.
     """
 
-    def __init__(self, stream=None, live=None, interval=0.1):
+    def __init__(self, stream=None, live=None, interval=0.1, plain_interval=10.0):
         self.stream = sys.stderr if stream is None else stream
         self.live = _isatty(self.stream) if live is None else bool(live)
         self.interval = interval
+        self.plain_interval = plain_interval
         self._started = None
-        self._last_draw = 0.0
+        self._last_draw = time.perf_counter()
         self._losses, self._accuracies = [], []
         self._heldout = None
         self._width = 0
@@ -571,7 +575,7 @@ class Progress:
         if self.live:
             if last or now - self._last_draw >= self.interval:
                 self._draw(info, now, end="\n" if last else "")
-        elif info["heldout"] is not None or last:
+        elif info["heldout"] is not None or last or now - self._last_draw >= self.plain_interval:
             self._draw(info, now, end="\n")
 
     def _draw(self, info, now, end):

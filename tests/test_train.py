@@ -133,6 +133,14 @@ def test_progress_without_a_terminal_prints_one_line_per_evaluation():
     assert "\r" not in "".join(lines)
 
 
+def test_progress_without_a_terminal_also_prints_on_a_timer():
+    stream = io.StringIO()
+    progress = Progress(stream=stream, live=False, plain_interval=0.0)
+    train(TrainConfig(steps=6, eval_every=100, num_keys=8, num_values=8, num_pairs=4, dim=8,
+                      eval_size=16), callback=progress)
+    assert len(stream.getvalue().splitlines()) == 6  # no evaluation before the last step
+
+
 def test_progress_on_a_terminal_rewrites_one_line():
     text = _run_progress(live=True)
     assert text.count("\r") == 20 and text.endswith("\n") and text.count("\n") == 1
