@@ -84,6 +84,7 @@ class TrainConfig:
     momentum : float
         SGD momentum (ignored by Adam).
     weight_decay : float
+        Default 0.01 for AdamW (decoupled, as ``torch.optim.AdamW``), 0 otherwise.
     schedule : {"cosine", "constant"}
         ``cosine``: linear warm-up over ``warmup`` steps, then cosine decay
         towards 0 at ``steps``.
@@ -106,7 +107,7 @@ class TrainConfig:
     lr: float = None
     optimizer: str = "adam"
     momentum: float = 0.9
-    weight_decay: float = 0.0
+    weight_decay: float = None
     schedule: str = "cosine"
     warmup: int = 50
     batch_size: int = 64
@@ -136,6 +137,8 @@ class TrainConfig:
         defaults = TASK_DEFAULTS[config.task]
         if config.steps is None:
             config.steps = defaults["steps"]
+        if config.weight_decay is None:
+            config.weight_decay = 0.01 if config.optimizer == "adamw" else 0.0
         if config.lr is None:
             config.lr = SGD_LR[config.task] if config.optimizer == "sgd" else defaults["lr"]
         for name in ("steps", "batch_size", "eval_size", "num_keys", "num_values", "num_pairs",
@@ -753,13 +756,13 @@ def add_arguments(parser):
     parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default=None,
                         help="default adam; sgd uses --momentum")
     parser.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")
-    parser.add_argument("--weight-decay", type=float, default=None, help="default 0")
+    parser.add_argument("--weight-decay", type=float, default=None, help="default 0.01 with adamw, else 0")
     parser.add_argument("--schedule", choices=("cosine", "constant"), default=None,
                         help="learning-rate schedule (default cosine, with --warmup steps of "
                              "linear warm-up)")
     parser.add_argument("--warmup", type=int, default=None, metavar="N", help="default 50")
     parser.add_argument("--batch-size", type=int, default=None, metavar="B", help="default 64")
-    parser.add_argument("--seed", type=int, default=None, help="default 0")
+    parser.add_argument("--seed", type=int, default=None, help="default 0.01 with adamw, else 0")
     parser.add_argument("--dtype", choices=("float64", "float32"), default=None,
                         help="default float64")
     parser.add_argument("--eval-every", type=int, default=None, metavar="N",

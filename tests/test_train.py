@@ -87,6 +87,8 @@ def test_resolved_defaults_per_task_and_optimizer():
     assert TrainConfig().resolved().lr == 5e-3
     assert TrainConfig(task="teacher").resolved().lr == 2e-2
     assert TrainConfig(optimizer="sgd").resolved().lr == 0.05
+    assert TrainConfig(optimizer="adamw").resolved().weight_decay == 0.01
+    assert TrainConfig().resolved().weight_decay == 0.0
     assert TrainConfig(steps=300).resolved().eval_every == 30
 
 
