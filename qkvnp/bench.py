@@ -555,7 +555,7 @@ def cross_check(results, expected, dtype):
 # ---------------------------------------------------------------- timing
 
 
-def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3):
+def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None):
     """Time ``runners`` round by round, the start of each round rotating.
 
     Parameters
@@ -568,6 +568,8 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3):
         Untimed rounds first.
     pause : float
         Seconds slept before a call whose library differs from the last one's.
+    progress : callable, optional
+        Told which round is running, at most every 10 seconds.
 
     Returns
     -------
@@ -579,7 +581,11 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3):
     calls = {name: getattr(runners[name], method) for name in names}
     times = {name: [] for name in names}
     last_library = None
+    last_report = time.perf_counter()
     for round_index in range(warmup + repeats):
+        if progress and time.perf_counter() - last_report > 10:
+            progress(f"      {MODE_LABELS[mode]}: round {round_index + 1} of {warmup + repeats}")
+            last_report = time.perf_counter()
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             library = runners[name].library
@@ -912,7 +918,7 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
             break
         gc.collect()
         try:
-            times = time_interleaved(timed, mode, repeats, warmup, pause)
+            times = time_interleaved(timed, mode, repeats, warmup, pause, progress)
         except Exception as error:
             for impl in timed:
                 records[impl]["status"] = "error"
