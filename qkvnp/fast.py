@@ -72,7 +72,7 @@ NUM_THREADS = max(1, min(_available_cpus(), 8))
 #: Largest score block (bytes) one thread handles in one step: whole batches
 #: of heads at short lengths (few Python calls), one head at long lengths (a
 #: per-thread scratch of this size is what the backward allocates).
-BLOCK_BYTES = 4 << 20
+BLOCK_BYTES = 1 << 20
 
 #: Rows of a block are processed in chunks of about this many score bytes
 #: (at least :data:`MIN_ROW_BLOCK` rows), so that the elementwise passes of
@@ -253,12 +253,12 @@ def _exp_scores_careful(scores, query, key_t, mask):
 
 
 def _row_chunks(G, T, S, itemsize):
-    """Row slices of a ``(G, T, S)`` block, each about :data:`ROW_BLOCK_BYTES`.
+    """Row slices of a ``(G, T, S)`` block, about :data:`ROW_BLOCK_BYTES` per group.
 
     A chunk's scores stay in the CPU cache between the matmul that writes
     them and the elementwise passes that follow.
     """
-    rows = ROW_BLOCK_BYTES // max(1, G * S * itemsize)
+    rows = ROW_BLOCK_BYTES // max(1, S * itemsize)
     if rows >= T:
         return [slice(None)]
     rows = max(rows, MIN_ROW_BLOCK)
@@ -570,7 +570,7 @@ def attention_weights(cache):
 FastLayerCache = namedtuple(
     "FastLayerCache",
     "kind core rows in_shapes W_in in_names scale heads_cache merged W_out has_out_proj "
-    "out_shape",
+    "out_shape buffers",
 )
 FastLayerCache.__doc__ = """What :func:`mha_backward` reads.
 
@@ -586,7 +586,18 @@ scale : float folded into the query projection.
 heads_cache : the attention core's cache (fast or tiled) and the head shapes.
 merged : (N, E) attention output with heads merged (input of ``W_out``).
 W_out : (E, E) or None.
+buffers : dict of the large arrays above by name, offered for reuse to the
+    next forward (``workspace=``).
 """
+
+
+def _buffer(workspace, name, shape, dtype, buffers):
+    """``workspace``'s buffer ``name`` if it has this shape and dtype, else a new one."""
+    old = None if workspace is None else workspace.buffers.get(name)
+    if old is None or old.shape != shape or old.dtype != dtype:
+        old = np.empty(shape, dtype)
+    buffers[name] = old
+    return old
 
 
 def _heads(x2d, batch, T, H):
@@ -602,7 +613,7 @@ def _unheads(x):
 
 
 def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
-                need_weights=False, out_proj=True, block_size=None):
+                need_weights=False, out_proj=True, block_size=None, workspace=None):
     """Multi-head attention layer forward on the fast path.
 
     Parameters
@@ -627,6 +638,12 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
         a single head, no head axis).
     block_size : int, optional
         Passed to the tiled core.
+    workspace : FastLayerCache, optional
+        The cache of a previous forward **that will not be used again**: its
+        large buffers (projections, softmax numerators, merged heads) are
+        overwritten when their shapes match, which saves allocating and
+        page-faulting them on every call (the layers pass their previous
+        cache, which they drop first).
 
     Returns
     -------
@@ -667,11 +684,12 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
     groups = {"self": (("query", "key", "value"),),
               "key_only": (("query",), ("key", "value")),
               "cross": (("query",), ("key",), ("value",))}[kind]
-    rows, W_in, projected = [], [], []
-    for x, names in zip(inputs, groups):
+    rows, W_in, projected, buffers = [], [], [], {}
+    for i, (x, names) in enumerate(zip(inputs, groups)):
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
         W, b = fused(names)
-        y = x2d @ W  # (N, in) @ (in, k*E) -> (N, k*E)
+        y = _buffer(workspace, f"projected{i}", (x2d.shape[0], W.shape[1]), dtype, buffers)
+        np.matmul(x2d, W, out=y)  # (N, in) @ (in, k*E) -> (N, k*E)
         if b is not None:
             y += b
         rows.append(x2d)
@@ -682,7 +700,7 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
     k = _heads(projected[1], batch, S, H)  # (N, E) -> (..., H, S, D)
     v = _heads(projected[2], batch, S, H)  # (N, E) -> (..., H, S, D)
     lead = batch + (H,)
-    merged = np.empty((projected[0].shape[0], E), dtype)  # (N, E), heads merged
+    merged = _buffer(workspace, "merged", (projected[0].shape[0], E), dtype, buffers)  # (N, E)
     out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
     if not out_proj:  # SelfAttention: no head axis in the mask
         q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
@@ -698,8 +716,8 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
         core = "fast"
         bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
         add = _additive_mask(bias, keep, dtype)
-        exp_scores = np.empty(lead + (T, S), dtype)
-        inv_sum = np.empty(lead + (T, 1), dtype)
+        exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
+        inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)
         _core_forward(q, k, v, add, exp_scores, inv_sum, out_heads)
         core_cache = (q, k, v, exp_scores, inv_sum, out_heads)
         weights = exp_scores * inv_sum if need_weights else None
@@ -713,7 +731,7 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
     cache = FastLayerCache(kind, core, tuple(rows), tuple(x.shape for x in inputs),
                            tuple(W_in), groups, scale,
                            (core_cache, lead, T, S, H), merged,
-                           p["W_out"] if out_proj else None, out_proj, out.shape)
+                           p["W_out"] if out_proj else None, out_proj, out.shape, buffers)
     return out, weights, cache
 
 
@@ -733,7 +751,7 @@ def mha_backward(dout, cache):
         Gradient of each entry of the forward's ``inputs``.
     """
     (kind, core, rows, in_shapes, W_in, groups, scale, heads_cache, merged, W_out, out_proj,
-     out_shape) = cache
+     out_shape, _) = cache
     core_cache, lead, T, S, H = heads_cache
     dtype = merged.dtype
     E = merged.shape[1]
