@@ -12,15 +12,37 @@ output and the row logsumexp (as row max and row sum), and the backward
 recomputes the weights block by block. Every temporary is ``(..., bq, bk)``-sized, so for a fixed block size
 the extra memory does not grow with the sequence length.
 
-Measured (this 2-core machine, shared with other jobs, so timings are noisy;
-numpy 2.4 / OpenBLAS, default block size):
+Measured (2-core machine shared with other jobs, load average 4-9 during the
+runs, so wall times are noisy; numpy 2.4.6 / OpenBLAS 0.3.31, 2 threads):
 
-- Memory at ``(B, H, L, D) = (1, 1, 16384, 64)``, float32, forward+backward:
-  peak beyond inputs, output and gradients MEM_TRACE MiB by tracemalloc,
-  MEM_RSS MiB by ``ru_maxrss`` of a fresh process minus its RSS holding
-  those arrays (target: at most 64 MiB; the dense weights alone take 1 GiB).
-- Forward+backward time, ``(1, 1, L, 64)`` float32, tiled / reference:
-  TIMES.
+- Memory, forward+backward at ``(B, H, L, D) = (1, 1, 16384, 64)`` float32,
+  beyond inputs, output and gradients (target at most 64 MiB; the dense
+  weights alone take 1 GiB): 7.5 MiB by tracemalloc, 6.7 MiB by ``ru_maxrss``
+  of a fresh process (1.9 and 1.2 MiB with ``qkvnp.fast.NUM_THREADS = 1``).
+- Forward+backward wall time, ms, min / median of 5-7 interleaved runs,
+  ``(1, 1, L, 64)``, default blocks, tiled vs reference vs ``qkvnp.fast``:
+
+  ======= ====== ============= ============== ==============
+  dtype   L      tiled         reference      fast
+  ======= ====== ============= ============== ==============
+  float32 1024   13 / 17       30 / 70        25 / 115
+  float32 2048   56 / 67       110 / 148      71 / 108
+  float32 4096   107 / 169     256 / 650      204 / 1021
+  float64 1024   58 / 67       121 / 217      318 / 342
+  float64 2048   74 / 159      288 / 393      62 / 662
+  float64 4096   205 / 457     1053 / 1278    311 / 3799
+  ======= ====== ============= ============== ==============
+
+  With 8 heads ``(1, 8, L, 64)`` float32: L = 256: tiled 12.5, reference
+  9.0, fast 7.6 (one block pair, so no threads); L = 1024: 117 / 200, 319 /
+  743, 100 / 170. ``(1, 4, 4096, 64)``: tiled 925 / 1558, reference 4128 /
+  4703, fast 1438 / 1667 (float32). Load-independent CPU time with one BLAS
+  thread, float32 ``(1, 1, L, 64)``: 10.0 vs 14.4 ms (L = 1024), 37 vs 54
+  (2048), 149 vs 515 (4096) for tiled vs reference, about 1.5x the time of
+  its seven GEMMs alone.
+- Block size (CPU time, one BLAS thread, L = 1024 to 4096): every (bq, bk)
+  from (256, 256) to (512, 1024) within 10% of each other; (128, 512) 10-15%
+  and (128, 128) 60% slower, (1024, 1024) 5-15% slower. Default (256, 512).
 """
 from collections import namedtuple
 
