@@ -526,7 +526,6 @@ def attention_backward(dout, cache):
     lead = out.shape[:-2]
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]
-    lead_size = int(np.prod(lead))
 
     q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
     k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
