@@ -643,7 +643,8 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
         large buffers (projections, softmax numerators, merged heads) are
         overwritten when their shapes match, which saves allocating and
         page-faulting them on every call (the layers pass their previous
-        cache, which they drop first).
+        cache, which they drop first). Input errors (``ValueError``,
+        ``TypeError``) are raised before anything is written into it.
 
     Returns
     -------
@@ -664,6 +665,7 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
     p = params
     query = inputs[0]
     batch, T = query.shape[:-2], query.shape[-2]
+    S = inputs[1].shape[-2] if kind != "self" else T
     E = p["W_query"].shape[1]
     H = num_heads
     D = E // H
@@ -671,6 +673,10 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
     dtype = p["W_query"].dtype
     c = dtype.type(scale)
     has_bias = "b_query" in p
+    lead = batch + (H,) if out_proj else batch  # SelfAttention: no head axis
+    # NOTE: every check that can refuse the input runs here, before anything
+    # is written into ``workspace``, so that a refused call leaves it intact.
+    bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
 
     def fused(names):
         W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, len(names)*E)
@@ -695,16 +701,13 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
         rows.append(x2d)
         W_in.append(W)
         projected.extend(y[:, i * E:(i + 1) * E] for i in range(len(names)))  # (N, E) views
-    S = inputs[1].shape[-2] if kind != "self" else T
     q = _heads(projected[0], batch, T, H)  # (N, E) -> (..., H, T, D)
     k = _heads(projected[1], batch, S, H)  # (N, E) -> (..., H, S, D)
     v = _heads(projected[2], batch, S, H)  # (N, E) -> (..., H, S, D)
-    lead = batch + (H,)
     merged = _buffer(workspace, "merged", (projected[0].shape[0], E), dtype, buffers)  # (N, E)
     out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
     if not out_proj:  # SelfAttention: no head axis in the mask
         q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
-        lead = batch
     if core == "tiled" and not need_weights:
         from . import tiled
 
@@ -714,7 +717,6 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
         weights = None
     else:
         core = "fast"
-        bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
         add = _additive_mask(bias, keep, dtype)
         exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
         inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)

@@ -109,6 +109,19 @@ class Layer:
         if grad is not None:
             self.grads[name] += grad
 
+    def _forward_fast(self, inputs, kind, num_heads, mask, is_causal, impl, return_weights,
+                      out_proj):
+        """Forward on :func:`qkvnp.fast.mha_forward`, reusing the previous cache's buffers."""
+        previous, self._cache = self._cache, None  # its buffers get overwritten
+        try:
+            out, weights, self._cache = fast.mha_forward(
+                self.params, inputs, kind, num_heads, mask, is_causal, core=impl,
+                need_weights=return_weights, out_proj=out_proj, workspace=_fast_cache(previous))
+        except (ValueError, TypeError):
+            self._cache = previous  # refused before any buffer was written
+            raise
+        return out, weights
+
     def _accumulate_fast(self, grads):
         """Accumulate the fast path's gradients (only those of existing params)."""
         for name, grad in grads.items():
@@ -219,10 +232,8 @@ class SelfAttention(Layer):
         T = x.shape[-2]
         impl = _resolve_impl(self.impl, int(np.prod(x.shape[:-2])), T, T, self.dtype, return_weights)
         if impl != "reference":
-            previous, self._cache = self._cache, None  # its buffers get overwritten
-            out, weights, self._cache = fast.mha_forward(
-                self.params, (x,), "self", 1, attn_mask, is_causal, core=impl,
-                need_weights=return_weights, out_proj=False, workspace=_fast_cache(previous))
+            out, weights = self._forward_fast(
+                (x,), "self", 1, attn_mask, is_causal, impl, return_weights, out_proj=False)
             return (out, weights) if return_weights else out
         p = self.params
         query, query_cache = F.linear_forward(x, p["W_query"], p.get("b_query"))  # (..., T, d_in) -> (..., T, d_out)
@@ -452,10 +463,8 @@ class MultiHeadAttention(Layer):
         impl = _resolve_impl(self.impl, int(np.prod(batch)) * H, T, S, self.dtype, return_weights)
         if impl != "reference":
             inputs = {"self": (query,), "key_only": (query, key), "cross": (query, key, value)}[kind]
-            previous, self._cache = self._cache, None  # its buffers get overwritten
-            out, weights, self._cache = fast.mha_forward(
-                p, inputs, kind, H, mask, is_causal, core=impl, need_weights=return_weights,
-                workspace=_fast_cache(previous))
+            out, weights = self._forward_fast(
+                inputs, kind, H, mask, is_causal, impl, return_weights, out_proj=True)
             return (out, weights) if return_weights else out
         q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, E) -> (..., T, E)
         k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, kdim) -> (..., S, E)
