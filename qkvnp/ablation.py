@@ -12,7 +12,8 @@ data with four projection variants:
 ``no_value``  ``W_query`` and ``W_key``, but values are the tokens themselves
 ``shared``    one matrix for all three
 
-for several seeds each and at several model widths, and prints the held-out
+for several seeds each and at several model widths (default 8 and 16, 3000
+steps per run: about 2-3 minutes on 2 cores), and prints the held-out
 accuracy (mean, spread, worst and best) per variant and width. Every run is
 :func:`qkvnp.train.train` with only ``variant``, ``dim`` and ``seed`` changed.
 
@@ -33,10 +34,16 @@ import numpy as np
 
 __all__ = ["run_ablation", "summarize", "format_table", "add_arguments", "run"]
 
-DEFAULT_DIMS = (8, 16, 64)
+# NOTE: measured defaults. At the train command's width (64) every variant
+# reaches 100% held-out accuracy in 1000 steps, so the question is only
+# interesting for narrow models; 3000 steps let them converge (at 1000 the
+# table mixes capacity with learning speed).
+DEFAULT_DIMS = (8, 16)
+DEFAULT_STEPS = 3000
 
 
-def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=None, base=None, callback=None):
+def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS, base=None,
+                 callback=None):
     """Train every (width, variant, seed) and return one row per run.
 
     Parameters
@@ -47,8 +54,8 @@ def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=None, base=Non
         Seeds ``0 .. seeds-1`` per variant and width.
     dims : sequence of int
         Model widths ``E``.
-    steps : int, optional
-        Steps per run (default: the kv-recall default of :func:`qkvnp.train.train`).
+    steps : int or None
+        Steps per run (default 3000; None: the train command's default, 1000).
     base : dict, optional
         Other :class:`qkvnp.train.TrainConfig` fields shared by every run.
     callback : callable, optional
@@ -146,10 +153,11 @@ def add_arguments(parser):
 
     parser.add_argument("--seeds", type=int, default=3, metavar="N",
                         help="seeds per variant and width (default 3)")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
-                        help="training steps per run (default: the train command's, 1000)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
+                        help=f"training steps per run (default {DEFAULT_STEPS})")
     parser.add_argument("--dims", type=_int_list, default=DEFAULT_DIMS, metavar="E,E,...",
-                        help="model widths (default 8,16,64)")
+                        help="model widths (default 8,16; at the train command's width 64 "
+                             "every variant reaches 100%%)")
     parser.add_argument("--variants", type=lambda text: tuple(text.split(",")),
                         default=tuple(VARIANTS), metavar="V,V,...",
                         help="default: " + ",".join(VARIANTS))
@@ -194,8 +202,7 @@ def run(args):
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    steps = args.steps if args.steps is not None else "default (1000)"
-    print(f"kv-recall ablation: {steps} steps per run, seeds 0..{args.seeds - 1}, "
+    print(f"kv-recall ablation: {args.steps} steps per run, seeds 0..{args.seeds - 1}, "
           f"{time.perf_counter() - started:.0f}s in total")
     for line in format_table(summarize(rows)):
         print(line)
