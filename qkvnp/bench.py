@@ -956,7 +956,7 @@ def _add_ratios(records, peaks):
 def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=KINDS,
                   impls=IMPLEMENTATIONS, repeats=7, warmup=1, pause=0.3, memory=True,
                   memory_kinds=KINDS, memory_configs=None, import_repeats=7, tiled_memory=True,
-                  progress=_progress):
+                  gemm_size=GEMM_SIZE, progress=_progress):
     """Run the whole benchmark and return the report (a JSON-ready dict).
 
     Parameters
@@ -979,6 +979,8 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
         Fresh interpreters per module for the import cost; 0 skips it.
     tiled_memory : bool
         Also measure the tiled core at :data:`TILED_MEMORY_SHAPE` (with ``memory``).
+    gemm_size : int
+        Size of the square matrices whose product measures the GEMM peak.
     progress : callable or None
         Receives one line of text per step.
 
@@ -999,11 +1001,11 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     report = {"environment": environment_info(), "settings": {
         "configs": [list(c) for c in configs], "dtypes": [d.name for d in dtypes],
         "kinds": list(kinds), "impls": list(impls), "repeats": repeats, "warmup": warmup,
-        "pause_s": pause, "torch_threads": TORCH_THREADS, "gemm_size": GEMM_SIZE}}
-    progress("measuring the GEMM peak (numpy.matmul, n = %d)" % GEMM_SIZE)
+        "pause_s": pause, "torch_threads": TORCH_THREADS, "gemm_size": gemm_size}}
+    progress(f"measuring the GEMM peak (numpy.matmul, n = {gemm_size})")
     # measured before and after the timings; the higher one is the peak (a
     # busy machine lowers it, nothing raises it)
-    peak_runs = {d.name: [measure_gemm_peak(d)] for d in dtypes}
+    peak_runs = {d.name: [measure_gemm_peak(d, gemm_size)] for d in dtypes}
     report["import_time"] = None
     if import_repeats:
         progress(f"timing import numpy / import qkvnp in {2 * import_repeats} fresh processes")
@@ -1021,7 +1023,7 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
         records.extend(case_records)
     progress("measuring the GEMM peak again")
     for dtype in dtypes:
-        peak_runs[dtype.name].append(measure_gemm_peak(dtype))
+        peak_runs[dtype.name].append(measure_gemm_peak(dtype, gemm_size))
     report["gemm_peak_runs"] = peak_runs
     report["gemm_peak_gflops"] = peaks = {name: max(runs) for name, runs in peak_runs.items()}
     _add_ratios(records, peaks)
@@ -1134,7 +1136,8 @@ def _targets(report):
 def format_report(report):
     """The human-readable report: environment, peaks, import cost, tables, targets."""
     env = report["environment"]
-    lines = [f"qkvnp bench, {env['date_utc']} UTC, {report.get('elapsed_s', 0):.0f} s",
+    quick = " (--quick: a reduced set)" if report["settings"].get("quick") else ""
+    lines = [f"qkvnp bench{quick}, {env['date_utc']} UTC, {report.get('elapsed_s', 0):.0f} s",
              f"machine: {env['cpu']}, {env['cores_usable']} usable cores; {env['platform']}",
              f"versions: python {env['python']}, numpy {env['numpy']}, scipy {env['scipy']}, "
              f"qkvnp {env['qkvnp']}, torch {env['torch'] or 'not installed'}"]
@@ -1339,6 +1342,9 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--pause", type=_seconds,
                         help="seconds slept when switching library (default 0.3, quick 0.2)")
+    parser.add_argument("--gemm-size", type=_count(16), default=GEMM_SIZE,
+                        help="n of the n x n matmul that measures the GEMM peak "
+                             f"(default {GEMM_SIZE})")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory measurements (fresh processes)")
     parser.add_argument("--import-repeats", type=_count(0),
@@ -1379,6 +1385,7 @@ def run(args):
         memory=not args.no_memory, import_repeats=import_repeats,
         memory_kinds=("layer",) if quick else KINDS,
         memory_configs=configs[-1:] if quick else None, tiled_memory=not quick,
+        gemm_size=args.gemm_size,
     )
     if quick:
         report["settings"]["quick"] = True

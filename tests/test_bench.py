@@ -18,7 +18,7 @@ from qkvnp.bench import Config
 
 TINY = Config(1, 16, 16, 2)
 TINY_ARGS = ["--configs", "1,16,16,2", "--repeats", "1", "--no-memory",
-             "--import-repeats", "0", "--pause", "0"]
+             "--import-repeats", "0", "--pause", "0", "--gemm-size", "128"]
 
 
 def matmul_flops(shapes):
