@@ -80,6 +80,12 @@ BLOCK_BYTES = 1 << 20
 ROW_BLOCK_BYTES = 1 << 20
 MIN_ROW_BLOCK = 32
 
+#: The softmax subtracts a cheap upper bound of each row max instead of the
+#: max itself; a block whose bound may exceed the max by more than this many
+#: bits (judged from :data:`PROBE_KEYS` sampled keys) takes the exact max.
+MAX_BOUND_GAP = 24
+PROBE_KEYS = 8
+
 FastAttentionCache = namedtuple(
     "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes"
 )
@@ -313,9 +319,9 @@ def _core_forward(query, key, value, mask, exp_scores, inv_sum, out):
         # base-2 scores: exp(x) = exp2(x log2(e)) and exp2 is the faster ufunc
         mask = np.broadcast_to(mask * log2e, lead + (T, S))
         mask_max = np.broadcast_to(mask_max, lead + (T, 1))
-    # a row sum below this means the bound on the row max was too loose (the
-    # exponentials underflow): such blocks are redone with the exact max
-    smallest_sum = np.finfo(dtype).tiny ** 0.75
+    # a few keys whose scores give a lower bound on each row max (key 0 is
+    # visible under a causal mask and usually under key padding)
+    probes = np.unique(np.linspace(0, S - 1, min(S, PROBE_KEYS)).astype(np.intp))
 
     def task(part):
         # NOTE: overflow is handled below (clipped as in the reference), so
@@ -332,13 +338,13 @@ def _core_forward(query, key, value, mask, exp_scores, inv_sum, out):
                     _forward_rows(exp_scores[block], query[block], k, key_aug_t, key_norm, value_aug,
                                   None if mask is None else mask[block],
                                   None if mask is None else mask_max[block],
-                                  inv_sum[block], out[block], smallest_sum, log2e)
+                                  inv_sum[block], out[block], probes, log2e)
 
     _run(task, _blocks(lead, T * S * exp_scores.itemsize, NUM_THREADS))
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
-                  smallest_sum, log2e):
+                  probes, log2e):
     """Forward of one block of rows: scores, softmax numerators, output.
 
     The row max is replaced by the bound ``m = |q| max|k| + max(mask row)``
@@ -346,25 +352,35 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     comes out of one matmul, ``[q log2(e) | -m log2(e)] @ [k | 1]^T``, and
     ``exp(S - m)`` is one ``exp2`` in place (``mask`` comes pre-multiplied by
     ``log2(e)``); likewise ``E @ [v | 1]`` gives the output and the row sums
-    together. Rows whose bound is too loose (tiny row sum), overflowed scores
-    and fully masked rows are redone by the reference recipe
-    (:func:`_exp_scores_careful`, with ``mask / log2(e)``).
+    together.
+
+    NOTE: the bound must not exceed the true row max by much: the
+    exponentials would drift into the subnormal range, where ``exp2`` and the
+    matmul were measured 100x slower. The scores of a few ``probes`` keys give
+    a lower bound on the row max; a block where bound - probe max exceeds
+    :data:`MAX_BOUND_GAP` bits, with overflowed scores or with a fully masked
+    row is redone by the reference recipe (:func:`_exp_scores_careful`,
+    with ``mask / log2(e)``), i.e. with the exact row max.
     """
-    D = q.shape[-1]
     bound = np.sqrt(np.sum(q * q, axis=-1, keepdims=True)) * key_norm  # (G, R, 1)
     if mask_max is not None:
         bound += mask_max
     out_aug = np.empty(o.shape[:-1] + (o.shape[-1] + 1,), o.dtype)  # (G, R, Dv + 1)
-    careful = not np.isfinite(bound).all()
+    bound *= log2e  # base 2 from here on
+    query_aug = _augment(q, -bound, log2e)  # (G, R, D) -> (G, R, D + 1)
+    probe_scores = query_aug[..., :-1] @ key_aug_t[..., :-1, probes]  # (G, R, D) @ (G, D, P) -> (G, R, P)
+    if mask is not None:
+        probe_scores += mask[..., probes]
+    gap = bound - probe_scores.max(axis=-1, keepdims=True)  # >= bound - row max, (G, R, 1)
+    careful = not (gap <= MAX_BOUND_GAP).all()  # also catches inf and NaN
     if not careful:
-        query_aug = _augment(q, -bound * log2e, log2e)  # (G, R, D) -> (G, R, D + 1)
         np.matmul(query_aug, key_aug_t, out=scores)  # (S - m) log2 e: (G, R, D+1) @ (G, D+1, S) -> (G, R, S)
         if mask is not None:
             scores += mask
         np.exp2(scores, out=scores)
         np.matmul(scores, value_aug, out=out_aug)  # [E v | rowsum E]: (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
         row_sum = out_aug[..., -1:]
-        careful = not (row_sum >= smallest_sum).all() or not np.isfinite(row_sum).all()
+        careful = not np.isfinite(row_sum).all()
     if careful:
         row_max = _exp_scores_careful(scores, q, np.swapaxes(k, -1, -2),
                                       None if mask is None else mask / log2e)

@@ -212,6 +212,23 @@ def test_huge_inputs_stay_finite(dtype, factor):
         assert grad.dtype == dtype and np.isfinite(grad).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("magnitude", [1.0, 3.0, 8.0])
+def test_loose_row_max_bounds_take_the_exact_path(dtype, magnitude):
+    """Oracle: reference path. With scale=1 and inputs of norm ~8*magnitude the
+    Cauchy-Schwarz bound on the row max is tens of bits above the max, so
+    blocks must switch to the exact max (else the exponentials are subnormal:
+    imprecise and 100x slower); the tiny blocks mix both kinds."""
+    rng = np.random.default_rng(11)
+    inputs = {"query": rng.normal(size=(2, 3, 24, 16)) * magnitude,
+              "key": rng.normal(size=(2, 3, 30, 16)) * magnitude,
+              "value": rng.normal(size=(2, 3, 30, 5))}
+    for split in SPLITS:
+        with blocks_and_threads(*split):
+            for is_causal in (False, True):
+                check_core(inputs, {"scale": 1.0, "is_causal": is_causal}, dtype)
+
+
 def test_one_key_returns_its_value():
     """Closed form: with a single key every query's output is that key's value
     (to a few ulps: the fast path computes it as ``(e * v) / e``)."""
