@@ -913,6 +913,7 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
     del expected
 
     timed = {impl: runner for impl, runner in runners.items() if records[impl]["timed"]}
+    runners.clear()  # an untimed oracle's caches (L x L weights) go now
     for mode in MODES:
         if not timed:
             break
@@ -930,7 +931,7 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
         if progress:
             progress(f"    {MODE_LABELS[mode]}: " + ", ".join(
                 f"{impl} {_ms(records[impl][mode]['median_ms'])} ms" for impl in times))
-    runners.clear()
+    timed.clear()
     gc.collect()
     return [record for impl, record in records.items() if record["timed"]]
 
