@@ -301,3 +301,18 @@ def test_refuses_a_checkpoint_beyond_the_requested_steps(saved):
 def test_save_into_a_missing_directory_fails_before_training(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         train(tiny(), save=tmp_path / "no" / "such" / "dir.npz")
+
+
+def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+
+    def press_twice(info):
+        if info["step"] == 3:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(steps=20), save=tmp_path / "run.npz", callback=press_twice)
+    assert not os.listdir(tmp_path)  # nothing written
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "Ctrl-C: stopping after this step" in capsys.readouterr().err
