@@ -300,6 +300,30 @@ def test_refused_rows_print_no_numbers():
     assert "REFUSED: disagrees" in row and not any(c.isdigit() for c in row.split("fast")[1])
 
 
+def test_target_lines_name_the_worst_case():
+    # oracle: hand-made ratios; one layer config at 0.9x misses the 0.8x target
+    def record(kind, config, impl, ratio, percent):
+        return {"kind": kind, "config": list(config), "dtype": "float32", "impl": impl,
+                "status": "ok", "memory": None,
+                "fwd_bwd": {"ratio_torch": ratio, "percent_peak": percent}}
+
+    report = {"settings": {"impls": ["reference", "fast", "torch"]}, "tiled_memory": None,
+              "import_time": {"ratio": 1.1},
+              "records": [record("layer", (8, 128, 256, 8), "fast", 0.7, 50.0),
+                          record("layer", (4, 512, 512, 8), "fast", 0.9, 80.0),
+                          record("core", (4, 512, 512, 8), "fast", 0.95, 60.0),
+                          record("core", (8, 128, 256, 8), "fast", 1.5, 10.0)]}
+    lines = bench._targets(report)
+    assert ("  layer fwd+bwd <= 0.8x nn.MultiheadAttention: fast worst 0.90 at (4, 512, 512, 8) "
+            "float32 (1/2 within) MISSED") in lines
+    # the core target starts at L = 512: the 1.5x at L = 128 does not count
+    assert any(line.startswith("  core fwd+bwd") and "0.95" in line and line.endswith(" ok")
+               for line in lines)
+    assert any("75% of GEMM peak" in line and "lowest 80%" in line and line.endswith(" ok")
+               for line in lines)
+    assert "  import qkvnp <= 1.25x import numpy: 1.10 ok" in lines
+
+
 # ---------------------------------------------------------------- memory and imports
 
 
