@@ -77,8 +77,8 @@ BLOCK_BYTES = 1 << 20
 #: Rows of a block are processed in chunks of about this many score bytes
 #: (at least :data:`MIN_ROW_BLOCK` rows), so that the elementwise passes of
 #: the softmax and its backward run in cache at long sequence lengths.
-ROW_BLOCK_BYTES = 1 << 20
-MIN_ROW_BLOCK = 32
+ROW_BLOCK_BYTES = 4 << 20
+MIN_ROW_BLOCK = 64
 
 #: The softmax subtracts a cheap upper bound of each row max instead of the
 #: max itself; a block whose bound may exceed the max by more than this many
