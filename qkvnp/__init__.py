@@ -8,7 +8,7 @@ time a softmax runs, and PyTorch never.
 """
 from . import functional
 from .functional import scaled_dot_product_attention, softmax
-from .layers import MultiHeadAttention, SelfAttention
+from .layers import Embedding, Linear, MultiHeadAttention, SelfAttention
 
 __version__ = "0.1.0"
 
@@ -18,5 +18,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "SelfAttention",
     "MultiHeadAttention",
+    "Linear",
+    "Embedding",
     "__version__",
 ]
