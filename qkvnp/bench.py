@@ -106,11 +106,12 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from collections import namedtuple
 
 import numpy as np
+
+from ._io import atomic_write
 
 __all__ = [
     "Config",
@@ -1205,18 +1206,8 @@ def format_report(report):
 def write_json(path, report):
     """Write ``report`` to ``path`` atomically (temp file, fsync, rename), then read it back."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".bench-", suffix=".json")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(report, stream, indent=1, allow_nan=False, default=_json_default)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    with atomic_write(path, "w") as stream:
+        json.dump(report, stream, indent=1, allow_nan=False, default=_json_default)
     return read_json(path)
 
 
@@ -1274,18 +1265,9 @@ def plot_results(report, path):
     figure.tight_layout()
     path = os.fspath(path)
     extension = os.path.splitext(path)[1].lstrip(".") or "png"
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                         prefix=".bench-", suffix="." + extension)
     try:
-        with os.fdopen(handle, "wb") as stream:
+        with atomic_write(path) as stream:
             figure.savefig(stream, format=extension)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
     finally:
         plt.close(figure)
     return True

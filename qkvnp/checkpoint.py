@@ -23,11 +23,12 @@ another format version) with a :class:`CheckpointError` naming the problem.
 """
 import json
 import os
-import tempfile
 import zipfile
 from collections import namedtuple
 
 import numpy as np
+
+from ._io import atomic_write
 
 __all__ = [
     "FORMAT_VERSION",
@@ -73,34 +74,9 @@ def write_npz_atomic(path, arrays):
         if np.asarray(value).dtype.hasobject:
             raise TypeError(f"arrays[{name!r}] has dtype object; checkpoints hold only "
                             "numeric and unicode arrays")
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
-    _fsync_directory(directory)
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
     return path
-
-
-def _fsync_directory(directory):
-    """Make the rename durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(path, params, optimizer_state, step, rng_state, config):

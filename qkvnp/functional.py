@@ -461,7 +461,6 @@ def split_heads_forward(x, num_heads):
     E = x.shape[-1]
     if not isinstance(num_heads, (int, np.integer)) or num_heads < 1 or E % num_heads:
         raise ValueError(f"num_heads must be a positive divisor of E={E}, got {num_heads}")
-    T = x.shape[-2]
     heads = x.reshape(x.shape[:-1] + (num_heads, E // num_heads))  # (..., T, E) -> (..., T, H, D)
     out = np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
     return out, HeadsCache(num_heads, out.shape)

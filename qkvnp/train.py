@@ -37,6 +37,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from ._io import atomic_write
 from .checkpoint import CheckpointError, check_params_match, load_checkpoint, save_checkpoint
 
 __all__ = [
@@ -721,20 +722,8 @@ def plot_run(result, path, stream=None):
 
 
 def _save_figure_atomic(figure, path):
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            figure.savefig(f, format=os.path.splitext(path)[1][1:] or "png", dpi=120)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
+    with atomic_write(path) as f:
+        figure.savefig(f, format=os.path.splitext(path)[1][1:] or "png", dpi=120)
 
 
 # ---------------------------------------------------------------- command line

@@ -19,11 +19,11 @@ This is a script, not a test module: pytest does not collect it (its name
 does not start with ``test_``), and importing it does not import PyTorch.
 """
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from qkvnp._io import atomic_write
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
@@ -65,17 +65,8 @@ def save_npz_atomic(path, arrays):
             raise TypeError(f"{name}: object arrays cannot be stored, got {type(value).__name__}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)
 
 
 def _causal(T, S):

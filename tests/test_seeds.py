@@ -19,7 +19,6 @@ computing both candidates and matching the printed digits):
   would not match.
 """
 import numpy as np
-import pytest
 
 import qkvnp
 from qkvnp import functional as F
