@@ -13,7 +13,7 @@ import numpy as np
 
 from . import functional as F
 from ._checks import check_same_shape, make_rng
-from .layers import Embedding, Linear, MultiHeadAttention, _layer_dtype, xavier_uniform
+from .layers import Embedding, Layer, Linear, MultiHeadAttention, _layer_dtype, xavier_uniform
 
 __all__ = ["Model", "KVRecallModel", "AttentionRegressor", "VARIANTS"]
 
@@ -26,8 +26,11 @@ VARIANTS = {
 }
 
 
-class Model:
+class Model(Layer):
     """Flat ``params``/``grads`` over named sub-layers and the model's own arrays.
+
+    A :class:`~qkvnp.layers.Layer` whose ``params`` are assembled from its
+    sub-layers' (shared arrays, not copies).
 
     Subclasses set ``self._layers`` (prefix -> layer) and ``self._own``
     (name -> array) and call ``self.zero_grad()`` at the end of ``__init__``.
@@ -54,21 +57,6 @@ class Model:
         for prefix, layer in self._layers.items():
             for name, value in layer.grads.items():
                 self.grads[f"{prefix}.{name}"] = value
-
-    def num_parameters(self):
-        """Total number of scalar parameters."""
-        return sum(p.size for p in self.params.values())
-
-    def _need_cache(self):
-        if getattr(self, "_cache", None) is None:
-            raise ValueError(
-                f"{type(self).__name__}.backward called before forward: call "
-                "forward(...) first, then backward(dout)"
-            )
-        return self._cache
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
 
 
 def _int_array(x, name, shape_hint):
