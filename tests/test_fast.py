@@ -55,10 +55,11 @@ def assert_close(actual, expected, name):
 @contextmanager
 def blocks_and_threads(threads, block_bytes, row_block_bytes=1 << 20):
     """Run the fast path with ``threads`` threads, blocks of ``block_bytes`` and
-    row chunks of ``row_block_bytes`` (at least 3 rows, so chunks have remainders)."""
-    names = ("NUM_THREADS", "BLOCK_BYTES", "ROW_BLOCK_BYTES", "MIN_ROW_BLOCK")
+    row chunks of ``row_block_bytes`` (at least 3 rows, so chunks have remainders);
+    the layers' projections are split over the threads from 2 rows on."""
+    names = ("NUM_THREADS", "BLOCK_BYTES", "ROW_BLOCK_BYTES", "MIN_ROW_BLOCK", "MIN_SPLIT")
     saved = [getattr(fast, name) for name in names]
-    for name, value in zip(names, (threads, block_bytes, row_block_bytes, 3)):
+    for name, value in zip(names, (threads, block_bytes, row_block_bytes, 3, 2)):
         setattr(fast, name, value)
     try:
         yield
@@ -307,6 +308,20 @@ def test_blas_thread_count_is_restored_even_on_error():
         with pytest.raises(RuntimeError, match="worker failure"):
             fast._run(failing, [(0,), (1,), (2,)])
     assert get() == before
+
+
+@pytest.mark.parametrize("split", ["rows", "cols"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_split_matmul(split, threads):
+    """Oracle: numpy's matmul; the pieces tile the product (odd sizes, strided operands)."""
+    rng = np.random.default_rng(12)
+    a = rng.normal(size=(7, 9)).T  # (9, 7), transposed view
+    b = rng.normal(size=(7, 11))[:, ::2]  # (7, 6), strided view
+    with blocks_and_threads(threads, 1):
+        np.testing.assert_allclose(fast._matmul(a, b, split=split), a @ b, rtol=1e-14)
+        out = np.full((9, 6), np.nan)
+        assert fast._matmul(a, b, out, split=split) is out
+        np.testing.assert_allclose(out, a @ b, rtol=1e-14)
 
 
 def test_blocks_cover_every_group_once():
