@@ -74,6 +74,8 @@ __all__ = [
     "mha_forward",
     "mha_backward",
     "blas_threads",
+    "release_buffers",
+    "RECYCLE_BYTES",
     "FastAttentionCache",
     "FastLayerCache",
 ]
@@ -121,6 +123,55 @@ out : (..., T, Dv) the forward output.
 scale : float.
 shapes : the original shapes of query, key and value (for broadcast inputs).
 """
+
+#: Freed score buffers of at least :data:`RECYCLE_MIN_BYTES` are kept, up to
+#: this many bytes in all, for the next :func:`attention_forward` of the same
+#: size: a fresh 128 MiB buffer cost 24% of a forward+backward at
+#: (B, H, L, D) = (1, 8, 2048, 64) in page faults (smaller ones are recycled by
+#: malloc anyway). 0 disables; :func:`release_buffers` frees them now.
+RECYCLE_BYTES = 512 << 20
+RECYCLE_MIN_BYTES = 16 << 20
+
+_SPARE = []  # base arrays, each free while only this list refers to it
+_SPARE_LOCK = threading.Lock()
+
+
+def _recycled_empty(shape, dtype):
+    """``np.empty(shape, dtype)``, reusing a large buffer no array refers to any more.
+
+    A buffer is free when its only references are this pool's: every numpy
+    view of it (the cache's array, any slice a caller took) refers to it.
+    """
+    import sys
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes < RECYCLE_MIN_BYTES or nbytes > RECYCLE_BYTES:
+        return np.empty(shape, dtype)
+    with _SPARE_LOCK:
+        for base in _SPARE:
+            # references: the list, this loop's name, getrefcount's argument
+            if base.nbytes == nbytes and sys.getrefcount(base) == 3:
+                return base.view(dtype).reshape(shape)
+        base = np.empty(nbytes, np.uint8)
+        _SPARE.append(base)
+        total = sum(b.nbytes for b in _SPARE)
+        for old in list(_SPARE):
+            if total <= RECYCLE_BYTES:
+                break
+            if old is not base and sys.getrefcount(old) == 3:  # list, name, argument
+                _SPARE.remove(old)
+                total -= old.nbytes
+        return base.view(dtype).reshape(shape)
+
+
+def release_buffers():
+    """Drop the recycled buffers that no array uses (see :data:`RECYCLE_BYTES`)."""
+    import sys
+
+    with _SPARE_LOCK:
+        _SPARE[:] = [b for b in _SPARE if sys.getrefcount(b) > 3]  # list, name, argument
+
 
 # ---------------------------------------------------------------- BLAS threads
 
@@ -589,7 +640,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
     key_b = np.broadcast_to(key, lead + (S, D))
     value_b = np.broadcast_to(value, lead + (S, Dv))
-    exp_scores = np.empty(lead + (T, S), dtype)
+    exp_scores = _recycled_empty(lead + (T, S), dtype)
     inv_sum = np.empty(lead + (T, 1), dtype)
     out = np.empty(lead + (T, Dv), dtype)
     _core_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out)

@@ -291,6 +291,40 @@ def test_editing_the_output_in_place_does_not_change_the_gradients():
         assert np.array_equal(a, b)
 
 
+def test_recycled_score_buffers_are_never_shared(monkeypatch):
+    """A score buffer is reused only when nothing refers to it: two live caches,
+    or a caller's slice of one, keep their own; gradients match those of
+    caches computed alone (oracle: the same call without recycling)."""
+    monkeypatch.setattr(fast, "RECYCLE_MIN_BYTES", 1)
+    monkeypatch.setattr(fast, "_SPARE", [])
+    rng = np.random.default_rng(13)
+    problems = [[rng.normal(size=(2, 6, 3)) for _ in range(3)] for _ in range(3)]
+    douts = [rng.normal(size=(2, 6, 3)) for _ in range(3)]
+    with monkeypatch.context() as alone:
+        alone.setattr(fast, "RECYCLE_BYTES", 0)
+        expected = [fast.attention_backward(d, fast.attention_forward(*p)[1])
+                    for p, d in zip(problems, douts)]
+    _, first = fast.attention_forward(*problems[0])
+    piece = first.exp_scores[1]  # a caller's view keeps the buffer busy
+    _, second = fast.attention_forward(*problems[1])
+    assert not np.shares_memory(first.exp_scores, second.exp_scores)
+    del first
+    _, third = fast.attention_forward(*problems[2])
+    assert not np.shares_memory(piece, third.exp_scores)
+    for got, want in zip(fast.attention_backward(douts[1], second), expected[1]):
+        assert np.array_equal(got, want)
+    for got, want in zip(fast.attention_backward(douts[2], third), expected[2]):
+        assert np.array_equal(got, want)
+    del piece, second, third
+    _, fourth = fast.attention_forward(*problems[0])  # now a free buffer is reused
+    assert len(fast._SPARE) == 3
+    for got, want in zip(fast.attention_backward(douts[0], fourth), expected[0]):
+        assert np.array_equal(got, want)
+    del fourth
+    fast.release_buffers()
+    assert fast._SPARE == []
+
+
 def test_blas_thread_count_is_restored_even_on_error():
     """The threaded section pins BLAS to one thread and must always restore it."""
     blas = fast._openblas()
