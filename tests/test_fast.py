@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkvnp import MultiHeadAttention, SelfAttention
@@ -68,6 +68,9 @@ def blocks_and_threads(threads, block_bytes, row_block_bytes=1 << 20):
             setattr(fast, name, value)
 
 
+# The comparisons with the reference are cheap: run more examples than the profile.
+MANY = settings(max_examples=max(100, settings().max_examples))
+
 SPLITS = [
     (1, 1 << 22),  # one thread, whole blocks
     (2, 1),  # two threads, one (T, S) matrix per block
@@ -109,6 +112,7 @@ def check_core(inputs, options, dtype=np.float64, seed=0):
 # ---------------------------------------------------------------- the core
 
 
+@MANY
 @given(case=attention_cases(), dtype=st.sampled_from([np.float64, np.float32]),
        split=st.sampled_from(SPLITS))
 def test_core_matches_reference(case, dtype, split):
@@ -408,6 +412,7 @@ def check_layers(reference, other, inputs, kwargs, seed=0):
         assert_close(other.grads[name], reference.grads[name], name)
 
 
+@MANY
 @given(case=mha_cases(), dtype=st.sampled_from([np.float64, np.float32]))
 def test_multi_head_layer_matches_reference(case, dtype):
     """Oracle: the reference layer; self, cross and key-only attention, masks,
@@ -423,6 +428,7 @@ def test_multi_head_layer_matches_reference(case, dtype):
         check_layers(reference, other, inputs, kwargs)
 
 
+@MANY
 @given(case=self_attention_cases(), dtype=st.sampled_from([np.float64, np.float32]))
 def test_self_attention_layer_matches_reference(case, dtype):
     """Oracle: the reference layer (single head, no output projection)."""
