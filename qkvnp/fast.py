@@ -116,8 +116,9 @@ FastAttentionCache.__doc__ = """What :func:`attention_backward` reads.
 
 query : (..., T, D) query already multiplied by ``scale``.
 key, value : (..., S, D), (..., S, Dv) broadcast to the common leading dims.
-exp_scores : (..., T, S) ``exp(S - rowmax)``, unnormalised softmax numerators
-    (0 at masked positions); the weights are ``exp_scores * inv_sum``.
+exp_scores : (..., T, S) ``exp(S - m)``, unnormalised softmax numerators
+    (0 at masked positions), ``m`` an upper bound of the row max (or the row
+    max itself); the weights are ``exp_scores * inv_sum``.
 inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row.
 out : (..., T, Dv) the forward output.
 scale : float.
@@ -604,8 +605,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     (``-inf`` where a boolean mask forbids):
 
     .. math:: \\tilde Q = cQ,\\quad S = \\tilde Q K^T + M,\\quad
-              E = e^{S - \\max_{row} S},\\quad r = 1/\\mathrm{rowsum}(E),\\quad
+              E = e^{S - m},\\quad r = 1/\\mathrm{rowsum}(E),\\quad
               O = r \\odot (E V)
+
+    where :math:`m \\ge \\max_{row} S` is the bound
+    :math:`|\\tilde q|\\,\\max_j |k_j| + \\max_{row} M` (or the row max itself
+    when that bound is loose; the weights do not depend on :math:`m`).
 
     Backward, with :math:`P = r \\odot E` and
     :math:`\\delta = \\mathrm{rowsum}(P \\odot \\bar P) = \\mathrm{rowsum}(\\bar O \\odot O)`:
@@ -617,9 +622,13 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     (:math:`G = \\bar S / r`, the softmax backward of the reference times the
     row sum). A fully masked row has :math:`E = 0` and :math:`r = 0`: output
     0 and no gradient; so does every row when there is no key at all
-    (``S = 0``, where the reference raises). Scores that overflow are clipped as in the reference;
-    since the scale is applied to Q first, where exactly a product of huge
-    inputs overflows can differ from the reference (both stay finite).
+    (``S = 0``, where the reference raises). Scores that overflow are clipped
+    as in the reference; since the scale is applied to Q first, where exactly
+    a product of huge inputs overflows can differ from the reference (both
+    stay finite).
+
+    Large score buffers are recycled between calls once nothing refers to
+    them (see :data:`RECYCLE_BYTES`).
 
     Examples
     --------
