@@ -266,17 +266,24 @@ def _pool(workers):
 
 
 def _blocks(lead, group_bytes, threads):
-    """Index tuples over the first ``k`` leading dims: one block each.
+    """Index tuples over the leading dims, one per block of (batch, head) groups.
 
-    ``k`` is the fewest leading dims that give at least ``threads`` blocks of
-    at most :data:`BLOCK_BYTES` scores each (one (T, S) matrix at least).
+    A block is an integer index over the first ``k - 1`` leading dims and a
+    slice of dim ``k - 1``: as many groups as fit in :data:`BLOCK_BYTES` (at
+    least one), and at least ``threads`` blocks when there are that many groups.
     """
-    k = 0
-    while k < len(lead) and (
-        int(np.prod(lead[:k])) < threads or int(np.prod(lead[k:])) * group_bytes > BLOCK_BYTES
-    ):
+    if not lead:
+        return [()]
+    k = 1
+    while k < len(lead) and int(np.prod(lead[k:])) * group_bytes > BLOCK_BYTES:
         k += 1
-    return list(np.ndindex(*lead[:k]))
+    outer, n = int(np.prod(lead[:k - 1])), lead[k - 1]
+    inner_bytes = int(np.prod(lead[k:])) * group_bytes  # one index of dim k - 1
+    per = max(1, BLOCK_BYTES // max(1, inner_bytes))
+    if outer < threads:  # split dim k - 1 finely enough to feed every thread
+        per = min(per, max(1, -(-n * outer // threads)))
+    return [index + (slice(start, min(start + per, n)),)
+            for index in np.ndindex(*lead[:k - 1]) for start in range(0, n, per)]
 
 
 def _run(task, blocks):
