@@ -92,10 +92,12 @@ def _available_cpus():
 #: Module-level setting: ``qkvnp.fast.NUM_THREADS = 1`` switches it off.
 NUM_THREADS = max(1, min(_available_cpus(), 8))
 
-#: Largest score block (bytes) one thread handles in one step: whole batches
-#: of heads at short lengths (few Python calls), one head at long lengths (a
-#: per-thread scratch of this size is what the backward allocates).
-BLOCK_BYTES = 1 << 20
+#: Largest score block (bytes) one thread handles in one step: many heads at
+#: short lengths, one head at long lengths (a per-thread scratch of up to this
+#: size is what the backward allocates). Smaller blocks stay in cache, larger
+#: ones mean fewer numpy calls, i.e. fewer GIL hand-overs between the threads;
+#: 1-4 MiB measured best (one core, and two threads, respectively).
+BLOCK_BYTES = 4 << 20
 
 #: Rows of a block are processed in chunks of about this many score bytes
 #: (at least :data:`MIN_ROW_BLOCK` rows), so that the elementwise passes of
