@@ -13,7 +13,6 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import fast
 from . import functional as F
 from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype, make_rng
 
@@ -55,9 +54,16 @@ def _check_impl(impl):
     return impl
 
 
+def _fast():
+    """:mod:`qkvnp.fast`, imported on first use (``import qkvnp`` stays light)."""
+    from . import fast
+
+    return fast
+
+
 def _fast_cache(cache):
     """``cache`` if it is a fast-path cache (whose buffers a new forward may reuse)."""
-    return cache if isinstance(cache, fast.FastLayerCache) else None
+    return cache if isinstance(cache, _fast().FastLayerCache) else None
 
 
 def _resolve_impl(impl, groups, T, S, dtype, return_weights):
@@ -114,7 +120,7 @@ class Layer:
         """Forward on :func:`qkvnp.fast.mha_forward`, reusing the previous cache's buffers."""
         previous, self._cache = self._cache, None  # its buffers get overwritten
         try:
-            out, weights, self._cache = fast.mha_forward(
+            out, weights, self._cache = _fast().mha_forward(
                 self.params, inputs, kind, num_heads, mask, is_causal, core=impl,
                 need_weights=return_weights, out_proj=out_proj, workspace=_fast_cache(previous))
         except (ValueError, TypeError):
@@ -255,9 +261,9 @@ class SelfAttention(Layer):
         -------
         dx : ndarray, shape (..., T, d_in)
         """
-        if isinstance(self._need_cache(), fast.FastLayerCache):
+        if _fast_cache(self._need_cache()) is not None:
             check_same_shape(dout, "dout", self._cache.out_shape)
-            grads, (dx,) = fast.mha_backward(dout, self._cache)
+            grads, (dx,) = _fast().mha_backward(dout, self._cache)
             self._accumulate_fast(grads)
             return dx
         query_cache, key_cache, value_cache, attention_cache, out_shape = self._need_cache()
@@ -497,9 +503,9 @@ class MultiHeadAttention(Layer):
             For cross-attention. When ``value`` was omitted (``value = key``),
             ``dkey`` is the key input's total gradient and ``dvalue`` is None.
         """
-        if isinstance(self._need_cache(), fast.FastLayerCache):
+        if _fast_cache(self._need_cache()) is not None:
             check_same_shape(dout, "dout", self._cache.out_shape)
-            grads, dinputs = fast.mha_backward(dout, self._cache)
+            grads, dinputs = _fast().mha_backward(dout, self._cache)
             self._accumulate_fast(grads)
             kind = self._cache.kind
             return dinputs[0] if kind == "self" else dinputs + (None,) * (kind == "key_only")
