@@ -43,14 +43,16 @@ buffers reused from the previous call, and the projections split over the
 same pinned threads (after a multi-threaded OpenBLAS call its idle threads
 spin and slowed what followed).
 
-Measured, one core each (CPU time, ``torch.set_num_threads(1)``, machine
-shared with other jobs), forward+backward, qkvnp / PyTorch: the layer vs
-``nn.MultiheadAttention(need_weights=False)`` 0.96-1.00 at (B, L, E, H) =
-(8, 128, 256, 8) and (4, 512, 512, 8), 1.23-1.25 at (1, 2048, 512, 8);
-the core vs ``scaled_dot_product_attention`` 1.3 (L <= 512) to 1.8
-(L = 2048). About 80% of the core's time at L >= 512 is in the six
-matmuls, which OpenBLAS runs at about 100 GFLOP/s per core: PyTorch's
-fused kernel (MKL) is faster per FLOP, which is what limits these ratios.
+Measured, one core each (CPU time, ``torch.set_num_threads(1)``, on a
+2-core machine shared with other jobs), forward+backward, qkvnp / PyTorch:
+the layer vs ``nn.MultiheadAttention(need_weights=False)`` 1.00-1.03 at
+(B, L, E, H) = (8, 128, 256, 8) and (4, 512, 512, 8), 1.13-1.34 at
+(1, 2048, 512, 8) and (1, 4096, 256, 4) (float32 and float64); the core
+alone vs ``scaled_dot_product_attention`` 1.17-1.44. 70-87% of the core's
+time is in its six matmuls, which OpenBLAS runs at 100-150 GFLOP/s per
+core; the projections take as long as PyTorch's. PyTorch's fused kernel
+(MKL micro-kernels on cache-sized tiles) does more FLOPs per second, which
+is what bounds these ratios from below on this BLAS.
 
 ``import qkvnp.fast`` imports numpy only (ctypes and threads are loaded on
 first use).
