@@ -256,16 +256,45 @@ class blas_threads:
 
 # ---------------------------------------------------------------- threads
 
-_POOL = None  # (pid, ThreadPoolExecutor)
+_POOL = None  # (pid, ThreadPoolExecutor of NUM_THREADS CPU-pinned workers)
 _SECTION_LOCK = threading.Lock()  # one pinned section at a time (the count is global)
+
+
+def _pin_worker(cpus, counter, lock):
+    """Pool initializer: pin this worker thread to the next CPU of ``cpus``.
+
+    NOTE: unpinned, a worker woken after an idle spell was often placed on the
+    CPU of the thread that woke it (Linux's wake-affine) and the two halves of
+    the work ran on one core: measured 27 ms instead of 15 ms for a layer
+    called after a 50 ms pause. Pinned workers run on their own cores.
+    """
+    with lock:
+        cpu = cpus[next(counter) % len(cpus)]
+    try:
+        os.sched_setaffinity(0, {cpu})  # 0: the calling thread
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
 
 
 def _pool(workers):
     global _POOL
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < workers:
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers != workers:
+        import itertools
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="qkvnp-fast"))
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = list(range(os.cpu_count() or 1))
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="qkvnp-fast",
+                                  initializer=_pin_worker,
+                                  initargs=(cpus, itertools.count(), threading.Lock()))
+        start = threading.Barrier(workers)
+        for future in [pool.submit(start.wait) for _ in range(workers)]:
+            future.result()  # all workers exist (and are pinned) from now on
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[1].shutdown(wait=False)  # its idle workers exit
+        _POOL = (os.getpid(), pool)
     return _POOL[1]
 
 
@@ -304,11 +333,9 @@ def _run(task, blocks):
     from concurrent.futures import wait
 
     with _SECTION_LOCK, blas_threads(1):
-        futures = [_pool(threads - 1).submit(task, part) for part in parts[1:]]
-        try:
-            task(parts[0])
-        finally:
-            wait(futures)
+        # every share goes to a (CPU-pinned) worker; the caller only waits
+        futures = [_pool(NUM_THREADS).submit(task, part) for part in parts]
+        wait(futures)
         for future in futures:
             future.result()  # re-raise a worker's error
 
