@@ -43,16 +43,18 @@ buffers reused from the previous call, and the projections split over the
 same pinned threads (after a multi-threaded OpenBLAS call its idle threads
 spin and slowed what followed).
 
-Measured, one core each (CPU time, ``torch.set_num_threads(1)``, on a
-2-core machine shared with other jobs), forward+backward, qkvnp / PyTorch:
-the layer vs ``nn.MultiheadAttention(need_weights=False)`` 1.00-1.03 at
-(B, L, E, H) = (8, 128, 256, 8) and (4, 512, 512, 8), 1.13-1.34 at
-(1, 2048, 512, 8) and (1, 4096, 256, 4) (float32 and float64); the core
-alone vs ``scaled_dot_product_attention`` 1.17-1.44. 70-87% of the core's
-time is in its six matmuls, which OpenBLAS runs at 100-150 GFLOP/s per
-core; the projections take as long as PyTorch's. PyTorch's fused kernel
-(MKL micro-kernels on cache-sized tiles) does more FLOPs per second, which
-is what bounds these ratios from below on this BLAS.
+Measured with ``python -m qkvnp bench`` (2 cores, 2 threads each, 2026-11-22,
+machine shared with other jobs; numpy's OpenBLAS GEMM peak 394 GFLOP/s
+float32, 194 float64), forward+backward, qkvnp fast / PyTorch: the layer vs
+``nn.MultiheadAttention(need_weights=False)`` 0.94 (float32) / 1.07
+(float64) at (B, L, E, H) = (8, 128, 256, 8), 1.08 / 1.11 at (4, 512, 512, 8),
+1.26 / 1.17 at (1, 2048, 512, 8), 1.33 / 1.23 at (1, 4096, 256, 4); the
+core alone vs ``scaled_dot_product_attention`` 1.23-1.46 at L >= 512. Most
+of the core's time is in its six matmuls, which OpenBLAS runs at 100-170
+GFLOP/s per core, slower on operands that have left the cache (the dense
+``(T, S)`` matrices are written once and read three times); PyTorch's fused
+kernel works on cache-sized tiles with MKL micro-kernels, which is what
+bounds these ratios from below on this BLAS.
 
 ``import qkvnp.fast`` imports numpy only (ctypes and threads are loaded on
 first use).
