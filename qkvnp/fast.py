@@ -43,13 +43,20 @@ buffers reused from the previous call, and the projections split over the
 same pinned threads (after a multi-threaded OpenBLAS call its idle threads
 spin and slowed what followed).
 
-Measured with ``python -m qkvnp bench`` (2 cores, 2 threads each, 2026-11-22,
-machine shared with other jobs; numpy's OpenBLAS GEMM peak 394 GFLOP/s
-float32, 194 float64), forward+backward, qkvnp fast / PyTorch: the layer vs
-``nn.MultiheadAttention(need_weights=False)`` 0.94 (float32) / 1.07
-(float64) at (B, L, E, H) = (8, 128, 256, 8), 1.08 / 1.11 at (4, 512, 512, 8),
-1.26 / 1.17 at (1, 2048, 512, 8), 1.33 / 1.23 at (1, 4096, 256, 4); the
-core alone vs ``scaled_dot_product_attention`` 1.23-1.46 at L >= 512. Most
+Measured on a quiet machine (2 cores, nothing else running, 2026-11-22;
+torch 2.13 and numpy's OpenBLAS, 2 threads each; one process interleaving
+the settings with PyTorch, 0.3 s pause when switching library, median of 7),
+forward+backward, qkvnp fast / PyTorch: the layer vs
+``nn.MultiheadAttention(need_weights=False)`` 0.93 (float32) / 1.08
+(float64) at (B, L, E, H) = (8, 128, 256, 8), 1.03 / 1.03 at (4, 512, 512, 8),
+1.25 / 1.12 at (1, 2048, 512, 8), 1.27 / 1.11 at (1, 4096, 256, 4) (where
+``impl="auto"`` runs the tiled path: 1.43-1.63); the core alone vs
+``scaled_dot_product_attention`` 0.89 / 0.93 at L = 128, 1.07-1.32 at
+L >= 512. The tuning constants (:data:`BLOCK_BYTES`, :data:`MIN_SPLIT`
+1-8 MiB and 32-128 within noise of each other, :data:`ROW_BLOCK_BYTES`
+8 MiB best) were re-chosen from that sweep. At small sizes the first qkvnp
+call after a pause is up to 50% slower (threads waking up), so ratios there
+move by that much with the order of the calls. Most
 of the core's time is in its six matmuls, which OpenBLAS runs at 100-170
 GFLOP/s per core, slower on operands that have left the cache (the dense
 ``(T, S)`` matrices are written once and read three times); PyTorch's fused
@@ -106,7 +113,9 @@ BLOCK_BYTES = 4 << 20
 #: Rows of a block are processed in chunks of about this many score bytes
 #: (at least :data:`MIN_ROW_BLOCK` rows), so that the elementwise passes of
 #: the softmax and its backward run in cache at long sequence lengths.
-ROW_BLOCK_BYTES = 4 << 20
+#: Quiet machine, 2 threads: 8 MiB 1-5% faster than 4 MiB at L >= 2048,
+#: 2 MiB 1-13% and 1 MiB 10% slower (issue 4 sweep, 2026-11-22).
+ROW_BLOCK_BYTES = 8 << 20
 MIN_ROW_BLOCK = 64
 
 #: The softmax subtracts a cheap upper bound of each row max instead of the

@@ -42,7 +42,15 @@ runs, so wall times are noisy; numpy 2.4.6 / OpenBLAS 0.3.31, 2 threads):
   its seven GEMMs alone.
 - Block size (CPU time, one BLAS thread, L = 1024 to 4096): every (bq, bk)
   from (256, 256) to (512, 1024) within 10% of each other; (128, 512) 10-15%
-  and (128, 128) 60% slower, (1024, 1024) 5-15% slower. Default (256, 512).
+  and (128, 128) 60% slower, (1024, 1024) 5-15% slower. Re-measured on a
+  quiet machine (2 threads, nothing else running, 2026-11-22), wall time of
+  forward+backward relative to PyTorch, ``MultiHeadAttention`` at (B, L, E,
+  H) = (1, 4096, 256, 4) (4 heads, where ``impl="auto"`` picks this path):
+  (512, 512) 1.56-1.58 (float32) and 1.43-1.51 (float64), (256, 512)
+  1.63-1.65 and 1.44-1.52, (256, 1024) 1.60-1.61 and 1.41-1.51; at 8 heads
+  and L = 2048 all within 3%. Default (512, 512). Peak extra memory of that
+  layer is the same with either block (67 / 66 MiB float32, 134 / 136
+  float64; nn.MultiheadAttention 64-66 and 127-131).
 """
 from collections import namedtuple
 
@@ -57,7 +65,7 @@ __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache", "DE
 #: Default ``(block_q, block_k)``, chosen by timing forward+backward (see the
 #: module docstring); shrunk when the leading dims make a block large (see
 #: ``_BLOCK_ELEMENTS``).
-DEFAULT_BLOCK_SIZE = (256, 512)
+DEFAULT_BLOCK_SIZE = (512, 512)
 
 # A (..., bq, bk) block of the default size holds at most about this many
 # scores: with many (batch, head) pairs the default blocks shrink so that the
