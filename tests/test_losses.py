@@ -35,8 +35,9 @@ def naive_cross_entropy(logits, targets, counted):
         if not keep:
             continue
         top = max(row)
-        log_sum = top + math.log(math.fsum(math.exp(z - top) for z in row))
-        total += log_sum - row[y]
+        # (top - z_y) + log(sum): adding top to log(sum) first would round at
+        # the magnitude of the logits and lose a near-zero loss
+        total += (top - row[y]) + math.log(math.fsum(math.exp(z - top) for z in row))
         n += 1
     return total / n if n else 0.0
 
