@@ -891,9 +891,8 @@ def mha_forward(params, inputs, kind, num_heads, mask, is_causal, core="fast",
     if core == "tiled" and not need_weights:
         from . import tiled
 
-        heads_out, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
-                                                        block_size=block_size)
-        out_heads[...] = heads_out
+        _, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
+                                                block_size=block_size, out=out_heads)
         weights = None
     else:
         core = "fast"
@@ -958,8 +957,7 @@ def mha_backward(dout, cache):
     if core == "tiled":
         from . import tiled
 
-        dq_t, dk_t, dv_t = tiled.attention_backward(dheads, core_cache)
-        dq[...], dk[...], dv[...] = dq_t, dk_t, dv_t
+        tiled.attention_backward(dheads, core_cache, grads_out=(dq, dk, dv))
     else:
         # gradient w.r.t. the *scaled* query: the scale lives in the fused W
         _core_backward(dheads, core_cache, dq, dk, dv, dtype.type(1))

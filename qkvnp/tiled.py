@@ -338,7 +338,8 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
         dvalue[..., j0:j1, :] = sum_to_shape(dv_block, dvalue.shape[:-2] + (bk, Dv))  # (..., bk, Dv) -> (..v, bk, Dv)
 
 
-def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None):
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None,
+                      out=None):
     """Scaled dot-product attention computed by blocks, without the ``(T, S)`` weights.
 
     Parameters
@@ -362,6 +363,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         ``(block_q, block_k)``; an int sets both. Defaults to
         ``DEFAULT_BLOCK_SIZE``, halved while ``prod(...) * bq * bk`` exceeds
         about a million scores. Clipped to ``T`` and ``S``.
+    out : ndarray, shape (..., T, Dv), optional
+        Array (possibly a strided view) to write the output into, of the
+        inputs' dtype; the cache then refers to it. A layer passes a view of
+        its merged-heads buffer and so saves a copy.
 
     Returns
     -------
@@ -478,7 +483,13 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
     k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
     v = np.broadcast_to(value, lead + (S, Dv))  # (..v, S, Dv) -> (..., S, Dv), a view
-    out = np.empty(lead + (T, Dv), dtype=dtype)  # (..., T, Dv)
+    if out is None:
+        out = np.empty(lead + (T, Dv), dtype=dtype)  # (..., T, Dv)
+    elif not isinstance(out, np.ndarray) or out.shape != lead + (T, Dv) or out.dtype != dtype:
+        raise ValueError(
+            f"out must be an ndarray of shape {lead + (T, Dv)} and dtype {dtype}, got "
+            f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}".rstrip()
+        )
     row_maxes = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     row_sums = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
@@ -493,7 +504,22 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     return out, cache
 
 
-def attention_backward(dout, cache):
+def _check_grads_out(grads_out, lead, inputs, dtype):
+    """Validate ``attention_backward``'s ``grads_out`` (exact shapes, no broadcasting)."""
+    if not isinstance(grads_out, (tuple, list)) or len(grads_out) != 3:
+        raise TypeError("grads_out must be a tuple (dquery, dkey, dvalue) of arrays")
+    for name, grad, x in zip(("dquery", "dkey", "dvalue"), grads_out, inputs):
+        expected = lead + x.shape[-2:]
+        if not isinstance(grad, np.ndarray) or grad.shape != expected or grad.dtype != dtype:
+            raise ValueError(
+                f"grads_out's {name} must be an ndarray of shape {expected} and dtype {dtype}, "
+                f"got {getattr(grad, 'shape', type(grad).__name__)} "
+                f"{getattr(grad, 'dtype', '')}".rstrip()
+            )
+    return grads_out
+
+
+def attention_backward(dout, cache, grads_out=None):
     """Backward of :func:`attention_forward`, recomputing the weights by blocks.
 
     Parameters
@@ -501,6 +527,12 @@ def attention_backward(dout, cache):
     dout : ndarray, shape (..., T, Dv)
         Same shape as the forward output (it is not broadcast).
     cache : TiledAttentionCache
+    grads_out : tuple of 3 ndarray, optional
+        ``(dquery, dkey, dvalue)`` to write into instead of allocating (they
+        may be strided views), with the shapes and dtype of ``query``, ``key``
+        and ``value``, which must then have ``dout``'s leading dims (no
+        broadcasting). A layer passes the slices of its fused projection
+        gradient and so saves a copy of all three.
 
     Returns
     -------
@@ -547,9 +579,14 @@ def attention_backward(dout, cache):
     delta *= inv_sum  # (..., T, 1)
     # dquery sums over key blocks; a query broadcast over the leading dims
     # needs a full-size accumulator, reduced at the end.
-    dq = np.zeros(lead + (T, D), dtype=dtype)  # (..., T, D)
-    dkey = np.zeros(key.shape, dtype=dtype)
-    dvalue = np.zeros(value.shape, dtype=dtype)
+    if grads_out is None:
+        dq = np.zeros(lead + (T, D), dtype=dtype)  # (..., T, D)
+        dkey = np.zeros(key.shape, dtype=dtype)
+        dvalue = np.zeros(value.shape, dtype=dtype)
+    else:
+        dq, dkey, dvalue = _check_grads_out(grads_out, lead, (query, key, value), dtype)
+        for grad in grads_out:
+            grad[...] = 0
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
                        block_q, block_k, live)
     blocks = list(enumerate(range(0, S, block_k)))

@@ -449,3 +449,45 @@ def test_import_does_not_load_scipy():
     code = "import sys, qkvnp.tiled; print('scipy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+def test_out_and_grads_out_write_into_strided_views():
+    """Oracle: the same call without ``out``/``grads_out`` (which allocates).
+
+    Layers pass views of their fused buffers; the results must be identical and
+    land in those views.
+    """
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 3, n, 4)) for n in (5, 6, 6))
+    dout = rng.standard_normal((2, 3, 5, 4))
+    expected_out, expected_cache = tiled.attention_forward(q, k, v, is_causal=True, block_size=2)
+    expected_grads = tiled.attention_backward(dout, expected_cache)
+
+    merged = np.full((2, 5, 3 * 4), np.nan)  # (B, T, H*D) buffer, heads as strided views
+    out_view = merged.reshape(2, 5, 3, 4).swapaxes(1, 2)  # (B, T, H, D) -> (B, H, T, D)
+    out, cache = tiled.attention_forward(q, k, v, is_causal=True, block_size=2, out=out_view)
+    assert out is out_view
+    np.testing.assert_array_equal(out_view, expected_out)
+
+    fused = np.full((2, 3, 6, 3 * 4), np.nan)  # one buffer for dquery, dkey, dvalue
+    grads_out = (fused[:, :, :5, 0:4], fused[:, :, :, 4:8], fused[:, :, :, 8:12])
+    grads = tiled.attention_backward(dout, cache, grads_out=grads_out)
+    for got, view, want in zip(grads, grads_out, expected_grads):
+        assert got is view
+        np.testing.assert_array_equal(view, want)
+
+
+def test_out_and_grads_out_of_the_wrong_shape_are_refused():
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((5, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match=r"out must be an ndarray of shape \(5, 4\) and dtype "
+                                         r"float64, got \(4, 5\) float64"):
+        tiled.attention_forward(q, k, v, out=np.empty((4, 5)))
+    _, cache = tiled.attention_forward(q, k, v)
+    with pytest.raises(ValueError, match=r"grads_out's dkey must be an ndarray of shape \(5, 4\) "
+                                         r"and dtype float64, got \(5, 4\) float32"):
+        tiled.attention_backward(q, cache, grads_out=(np.empty((5, 4)),
+                                                      np.empty((5, 4), np.float32),
+                                                      np.empty((5, 4))))
+    with pytest.raises(TypeError, match="grads_out must be a tuple"):
+        tiled.attention_backward(q, cache, grads_out=np.empty((5, 4)))
