@@ -1260,8 +1260,12 @@ def plot_results(report, path):
                    xscale="log", yscale="log")
         row[1].set(title=f"{kind}: peak extra memory (RSS)", xlabel="L", ylabel="MiB",
                    xscale="log", yscale="log")
+        if not row[1].lines:
+            row[1].text(0.5, 0.5, "memory not measured (--no-memory)", ha="center",
+                        va="center", transform=row[1].transAxes)
         for axis in row:
-            axis.legend(fontsize="small")
+            if axis.lines:
+                axis.legend(fontsize="small")
     figure.tight_layout()
     path = os.fspath(path)
     extension = os.path.splitext(path)[1].lstrip(".") or "png"
