@@ -178,6 +178,8 @@ def softmax(x, axis=-1):
     x = np.asarray(x)
     if x.dtype.kind != "f":
         x = x.astype(compute_dtype(x.dtype))
+    if x.size == 0:
+        return np.zeros_like(x)  # no entries (e.g. no keys): nothing to normalise
     dead = np.all(np.isneginf(x), axis=axis, keepdims=True)
     if not dead.any():
         return scipy_softmax(x, axis=axis)

@@ -181,7 +181,7 @@ def test_fully_masked_rows_are_exact_zeros():
 
 
 def test_no_keys_at_all_gives_zeros():
-    """Definition (as qkvnp.tiled; the reference raises on S = 0): every query
+    """Definition (as qkvnp.functional and qkvnp.tiled): every query
     attends to nothing, so output and dquery are 0."""
     out, cache = fast.attention_forward(np.ones((3, 2)), np.ones((0, 2)), np.ones((0, 4)))
     assert out.shape == (3, 4) and np.all(out == 0)

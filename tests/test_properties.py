@@ -382,3 +382,20 @@ def test_return_weights_shapes(impl):
     out, weights = multi.forward(rng.normal(size=(4, 6)), return_weights=True)  # unbatched
     assert out.shape == (4, 6) and weights.shape == (3, 4, 4)
     assert_same(weights.sum(axis=-1), np.ones((3, 4)))
+
+
+@pytest.mark.parametrize("module", ["functional", "fast", "tiled"])
+def test_no_keys_means_attending_to_nothing(module):
+    """Definition: with S = 0 every query row is fully masked (no key to attend
+    to): output 0 and zero gradients, the same on every path, no warning."""
+    import importlib
+
+    path = importlib.import_module(f"qkvnp.{module}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = path.attention_forward(np.ones((2, 3, 2)), np.ones((2, 0, 2)),
+                                            np.ones((2, 0, 4)))
+        dquery, dkey, dvalue = path.attention_backward(np.ones((2, 3, 4)), cache)
+    assert out.shape == (2, 3, 4) and not out.any()
+    assert dquery.shape == (2, 3, 2) and not dquery.any()
+    assert dkey.shape == (2, 0, 2) and dvalue.shape == (2, 0, 4)
