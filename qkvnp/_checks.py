@@ -13,6 +13,7 @@ __all__ = [
     "check_last_dim",
     "check_same_shape",
     "make_rng",
+    "check_int",
 ]
 
 
@@ -97,6 +98,19 @@ def check_same_shape(x, name, shape):
             f"{name} must have shape {tuple(shape)} (the shape of the forward "
             f"output; it is not broadcast), got shape {tuple(np.shape(x))}"
         )
+
+
+def check_int(value, name, minimum):
+    """Return ``value`` as an ``int``, refusing bools, floats and values below ``minimum``.
+
+    >>> check_int(np.int64(3), "num_heads", 1)
+    3
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def make_rng(rng):

@@ -14,7 +14,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import functional as F
-from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype, make_rng
+from ._checks import as_float_array, check_int, check_ndim, check_same_shape, compute_dtype, make_rng
 
 __all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform",
            "Linear", "Embedding", "embedding_forward", "embedding_backward", "EmbeddingCache"]
@@ -24,14 +24,6 @@ def xavier_uniform(rng, fan_in, fan_out, dtype):
     """Glorot/Xavier uniform ``(fan_in, fan_out)``: U(-a, a), a = sqrt(6/(fan_in+fan_out))."""
     bound = np.sqrt(6.0 / (fan_in + fan_out))
     return rng.uniform(-bound, bound, size=(fan_in, fan_out)).astype(dtype)
-
-
-def _positive_int(value, name):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
 
 
 IMPLS = ("auto", "reference", "fast", "tiled")
@@ -199,8 +191,8 @@ class SelfAttention(Layer):
 
     def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto"):
         self.impl = _check_impl(impl)
-        self.d_in = _positive_int(d_in, "d_in")
-        self.d_out = _positive_int(d_out, "d_out")
+        self.d_in = check_int(d_in, "d_in", 1)
+        self.d_out = check_int(d_out, "d_out", 1)
         self.dtype = _layer_dtype(dtype)
         rng = make_rng(rng)
         self.params = {
@@ -337,16 +329,16 @@ class MultiHeadAttention(Layer):
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto"):
         self.impl = _check_impl(impl)
-        self.embed_dim = _positive_int(embed_dim, "embed_dim")
-        self.num_heads = _positive_int(num_heads, "num_heads")
+        self.embed_dim = check_int(embed_dim, "embed_dim", 1)
+        self.num_heads = check_int(num_heads, "num_heads", 1)
         if self.embed_dim % self.num_heads:
             raise ValueError(
                 f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} "
                 f"and num_heads={num_heads}"
             )
         self.head_dim = self.embed_dim // self.num_heads
-        self.kdim = self.embed_dim if kdim is None else _positive_int(kdim, "kdim")
-        self.vdim = self.embed_dim if vdim is None else _positive_int(vdim, "vdim")
+        self.kdim = self.embed_dim if kdim is None else check_int(kdim, "kdim", 1)
+        self.vdim = self.embed_dim if vdim is None else check_int(vdim, "vdim", 1)
         self.dtype = _layer_dtype(dtype)
         self.bias = bool(bias)
         rng = make_rng(rng)
@@ -583,8 +575,8 @@ class Linear(Layer):
     """
 
     def __init__(self, in_features, out_features, bias=True, rng=None, dtype=np.float64):
-        self.in_features = _positive_int(in_features, "in_features")
-        self.out_features = _positive_int(out_features, "out_features")
+        self.in_features = check_int(in_features, "in_features", 1)
+        self.out_features = check_int(out_features, "out_features", 1)
         self.dtype = _layer_dtype(dtype)
         self.bias = bool(bias)
         rng = make_rng(rng)
@@ -767,8 +759,8 @@ class Embedding(Layer):
     """
 
     def __init__(self, num_embeddings, embedding_dim, rng=None, dtype=np.float64):
-        self.num_embeddings = _positive_int(num_embeddings, "num_embeddings")
-        self.embedding_dim = _positive_int(embedding_dim, "embedding_dim")
+        self.num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
+        self.embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
         self.dtype = _layer_dtype(dtype)
         rng = make_rng(rng)
         self.params = {

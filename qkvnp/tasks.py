@@ -22,7 +22,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import make_rng
+from ._checks import check_int, make_rng
 
 __all__ = [
     "Streams",
@@ -59,24 +59,9 @@ def make_streams(seed):
     >>> int(a.data.integers(1000)) == int(b.data.integers(1000))
     True
     """
-    seed = _nonnegative_int(seed, "seed")
+    seed = check_int(seed, "seed", 0)
     children = np.random.SeedSequence(seed).spawn(4)
     return Streams(*(np.random.Generator(np.random.PCG64(child)) for child in children))
-
-
-def _nonnegative_int(value, name):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
-
-
-def _positive_int(value, name):
-    value = _nonnegative_int(value, name)
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 class KVRecallTask:
@@ -106,9 +91,9 @@ class KVRecallTask:
     kind = "classification"
 
     def __init__(self, num_keys=32, num_values=32, num_pairs=8):
-        self.num_keys = _positive_int(num_keys, "num_keys")
-        self.num_values = _positive_int(num_values, "num_values")
-        self.num_pairs = _positive_int(num_pairs, "num_pairs")
+        self.num_keys = check_int(num_keys, "num_keys", 1)
+        self.num_values = check_int(num_values, "num_values", 1)
+        self.num_pairs = check_int(num_pairs, "num_pairs", 1)
         if self.num_pairs > self.num_keys:
             raise ValueError(
                 f"num_pairs must be <= num_keys={self.num_keys} (keys of a sequence are "
@@ -132,7 +117,7 @@ class KVRecallTask:
             index of the matching pair (for diagnostics and plots only).
         """
         rng = make_rng(rng)
-        B = _positive_int(batch_size, "batch_size")
+        B = check_int(batch_size, "batch_size", 1)
         P = self.num_pairs
         # distinct keys: the first P entries of a random permutation per row
         keys = np.argsort(rng.random((B, self.num_keys)), axis=1)[:, :P]  # (B, num_keys) -> (B, P)
@@ -182,7 +167,7 @@ class TeacherTask:
         from .layers import MultiHeadAttention
 
         rng = make_rng(rng)
-        self.seq_len = _positive_int(seq_len, "seq_len")
+        self.seq_len = check_int(seq_len, "seq_len", 1)
         self.teacher = MultiHeadAttention(embed_dim, num_heads, bias=True, rng=rng, dtype=dtype)
         for name in ("b_query", "b_key", "b_value", "b_out"):
             bias = self.teacher.params[name]
@@ -200,7 +185,7 @@ class TeacherTask:
             ``x`` ``(B, T, E)`` standard normal, ``target`` ``(B, T, E)``.
         """
         rng = make_rng(rng)
-        B = _positive_int(batch_size, "batch_size")
+        B = check_int(batch_size, "batch_size", 1)
         x = rng.standard_normal((B, self.seq_len, self.embed_dim)).astype(self.dtype)  # (B, T, E)
         return TeacherBatch(x, self.teacher.forward(x))
 

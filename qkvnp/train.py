@@ -37,6 +37,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from ._checks import check_int
 from ._io import atomic_write
 from .checkpoint import CheckpointError, check_params_match, load_checkpoint, save_checkpoint
 
@@ -144,12 +145,12 @@ class TrainConfig:
             config.lr = SGD_LR[config.task] if config.optimizer == "sgd" else defaults["lr"]
         for name in ("steps", "batch_size", "eval_size", "num_keys", "num_values", "num_pairs",
                      "dim", "embed_dim", "num_heads", "seq_len"):
-            _int_at_least(getattr(config, name), name, 1)
+            check_int(getattr(config, name), name, 1)
         for name in ("seed", "warmup"):
-            _int_at_least(getattr(config, name), name, 0)
+            check_int(getattr(config, name), name, 0)
         if config.eval_every is None:
             config.eval_every = max(1, config.steps // 10)
-        _int_at_least(config.eval_every, "eval_every", 1)
+        check_int(config.eval_every, "eval_every", 1)
         for name in ("lr", "momentum", "weight_decay"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -176,13 +177,6 @@ class TrainConfig:
 def _choice(value, name, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _int_at_least(value, name, low):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 TrainResult = namedtuple(

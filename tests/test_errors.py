@@ -122,10 +122,10 @@ def test_other_ops_refuse_bad_shapes():
 @pytest.mark.parametrize("fn, exc, fragments", [
     (lambda impl: qkvnp.MultiHeadAttention(6, 4, impl=impl), ValueError,
      ["embed_dim", "divisible by num_heads", "embed_dim=6", "num_heads=4"]),
-    (lambda impl: qkvnp.MultiHeadAttention(6, 0, impl=impl), ValueError, ["num_heads", "positive", "0"]),
+    (lambda impl: qkvnp.MultiHeadAttention(6, 0, impl=impl), ValueError, ["num_heads", ">= 1", "0"]),
     (lambda impl: qkvnp.MultiHeadAttention(6.0, 2, impl=impl), TypeError, ["embed_dim", "int", "float"]),
-    (lambda impl: qkvnp.MultiHeadAttention(6, 2, kdim=0, impl=impl), ValueError, ["kdim", "positive", "0"]),
-    (lambda impl: qkvnp.SelfAttention(0, 2, impl=impl), ValueError, ["d_in", "positive", "0"]),
+    (lambda impl: qkvnp.MultiHeadAttention(6, 2, kdim=0, impl=impl), ValueError, ["kdim", ">= 1", "0"]),
+    (lambda impl: qkvnp.SelfAttention(0, 2, impl=impl), ValueError, ["d_in", ">= 1", "0"]),
     (lambda impl: qkvnp.SelfAttention(3, "2", impl=impl), TypeError, ["d_out", "int", "str"]),
     # dtype must be a float dtype (an int dtype used to mean float64 silently)
     (lambda impl: qkvnp.SelfAttention(3, 2, dtype=np.int32, impl=impl), TypeError,

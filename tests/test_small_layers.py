@@ -114,7 +114,7 @@ def test_linear_errors_name_the_argument():
     layer.forward(np.zeros((2, 4)))
     with pytest.raises(ValueError, match=r"dout must have shape \(2, 3\).*got shape \(3, 2\)"):
         layer.backward(np.zeros((3, 2)))
-    with pytest.raises(ValueError, match="in_features must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="in_features must be >= 1, got 0"):
         Linear(0, 3)
     with pytest.raises(TypeError, match="out_features must be an int, got float"):
         Linear(3, 2.0)
@@ -203,5 +203,5 @@ def test_embedding_errors_name_the_argument():
         layer.backward(np.zeros((3, 2)))
     with pytest.raises(ValueError, match=r"weight must have shape \(num, dim\), got shape \(4,\)"):
         embedding_forward(np.array([0]), np.zeros(4))
-    with pytest.raises(ValueError, match="embedding_dim must be a positive int"):
+    with pytest.raises(ValueError, match="embedding_dim must be >= 1"):
         Embedding(3, 0)
