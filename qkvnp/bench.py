@@ -61,9 +61,12 @@ Timing
 One process; within a configuration, dtype and mode the implementations run
 interleaved round by round (the starting one rotating), after a warm-up
 round, so that a change in the machine's load hits them alike. The process
-sleeps ``--pause`` seconds whenever it switches from one library to the other
-(qkvnp to PyTorch or back): idle OpenBLAS/OpenMP threads of the library just
-used spin for a while and slow the other one. PyTorch runs with
+sleeps ``--pause`` seconds whenever it switches from one pool of threads to
+another: PyTorch's OpenMP threads, OpenBLAS's own threads (the qkvnp reference
+path's multi-threaded matmuls) and qkvnp's pinned worker threads (the fast and
+tiled paths, with BLAS at one thread). Idle OpenBLAS/OpenMP threads spin for
+a while after a call and slow whatever runs next on the 2 cores: without the
+pause after the reference path, the fast core measured up to 1.7x slower. PyTorch runs with
 ``torch.set_num_threads(2)``; numpy's BLAS with its own default. Reported:
 median, minimum and interquartile range of ``--repeats`` timed calls (7 by
 default), and the ratio ``median(qkvnp) / median(PyTorch)`` of the same
@@ -311,10 +314,16 @@ def _import_torch():
     return torch
 
 
+def _qkvnp_thread_pool(impl):
+    """Which threads an implementation runs on (the benchmark pauses between pools)."""
+    return "openblas" if impl == "reference" else "qkvnp-workers"
+
+
 class _QkvnpLayer:
     library = "qkvnp"
 
     def __init__(self, impl, problem):
+        self.thread_pool = _qkvnp_thread_pool(impl)
         from .layers import MultiHeadAttention
 
         B, L, E, H = problem.config
@@ -351,6 +360,7 @@ class _QkvnpCore:
     library = "qkvnp"
 
     def __init__(self, impl, problem):
+        self.thread_pool = _qkvnp_thread_pool(impl)
         import importlib
 
         module_name = CORE_MODULES[impl]
@@ -568,7 +578,8 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
     warmup : int
         Untimed rounds first.
     pause : float
-        Seconds slept before a call whose library differs from the last one's.
+        Seconds slept before a call whose pool of threads (``thread_pool``,
+        else ``library``) differs from the last one's.
     progress : callable, optional
         Told which round is running, at most every 10 seconds.
 
@@ -581,7 +592,7 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
     names = list(runners)
     calls = {name: getattr(runners[name], method) for name in names}
     times = {name: [] for name in names}
-    last_library = None
+    last_pool = None
     last_report = time.perf_counter()
     for round_index in range(warmup + repeats):
         if progress and time.perf_counter() - last_report > 10:
@@ -589,10 +600,10 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
             last_report = time.perf_counter()
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            library = runners[name].library
-            if last_library is not None and library != last_library and pause > 0:
+            pool = getattr(runners[name], "thread_pool", runners[name].library)
+            if last_pool is not None and pool != last_pool and pause > 0:
                 time.sleep(pause)
-            last_library = library
+            last_pool = pool
             start = time.perf_counter()
             result = calls[name]()
             elapsed = time.perf_counter() - start
@@ -1328,7 +1339,8 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=_count(1), help="timed rounds, median reported (default 7)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--pause", type=_seconds,
-                        help="seconds slept when switching library (default 0.3, quick 0.2)")
+                        help="seconds slept when switching between pools of threads: PyTorch's, "
+                             "OpenBLAS's, qkvnp's workers (default 0.3, quick 0.2)")
     parser.add_argument("--gemm-size", type=_count(16), default=GEMM_SIZE,
                         help="n of the n x n matmul that measures the GEMM peak "
                              f"(default {GEMM_SIZE})")

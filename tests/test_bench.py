@@ -196,6 +196,31 @@ def test_timing_interleaves_and_pauses_between_libraries(monkeypatch):
                    "a", "b", "sleep", "t"]
 
 
+def test_timing_pauses_between_thread_pools_of_one_library(monkeypatch):
+    # oracle: a log of calls and sleeps. The reference path's multi-threaded
+    # OpenBLAS and the fast path's pinned workers are both qkvnp, but the
+    # spinning BLAS threads slow the workers: a pause separates them too.
+    log = []
+
+    class Fake:
+        def __init__(self, name, library, thread_pool):
+            self.name, self.library, self.thread_pool = name, library, thread_pool
+
+        def forward(self):
+            log.append(self.name)
+
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: log.append("sleep"))
+    runners = {"reference": Fake("reference", "qkvnp", "openblas"),
+               "fast": Fake("fast", "qkvnp", "qkvnp-workers"),
+               "tiled": Fake("tiled", "qkvnp", "qkvnp-workers")}
+    bench.time_interleaved(runners, "fwd", repeats=1, warmup=0, pause=0.5)
+    assert log == ["reference", "sleep", "fast", "tiled"]
+    assert bench.make_runner("reference", bench.make_problem(
+        "core", (1, 8, 4, 2), "float64")).thread_pool == "openblas"
+    assert bench.make_runner("fast", bench.make_problem(
+        "layer", (1, 8, 4, 2), "float64")).thread_pool == "qkvnp-workers"
+
+
 # ---------------------------------------------------------------- JSON and output
 
 
