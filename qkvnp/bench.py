@@ -1175,7 +1175,7 @@ def format_report(report):
                      f"loaded beyond numpy's: {extra}")
     settings = report["settings"]
     lines.append(f"timing: median of {settings['repeats']} interleaved rounds after "
-                 f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between libraries; "
+                 f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between pools of threads; "
                  "IQR = interquartile range; x torch = median / PyTorch's median")
     memory_method = {r["memory"].get("method") for r in report["records"]
                      if r["memory"] and "method" in r["memory"]}
