@@ -5,6 +5,7 @@ Oracle: the issue's contract for errors. Each case lists the exception type
 and the message fragments it must contain (``match=`` on the first, then all
 of them): the argument's name, what was expected, what was received.
 """
+import importlib
 import re
 
 import numpy as np
@@ -212,3 +213,40 @@ def test_errors_leave_no_state_behind(impl):
     with pytest.raises(ValueError):
         layer.forward(normal(4, 5, 6), attn_mask=np.ones((9, 9), bool))
     assert layer.backward(normal(*out.shape)).shape == (2, 3, 6)
+
+
+# ---------------------------------------------------------------- fast and tiled paths
+
+
+@pytest.mark.parametrize("module", ["fast", "tiled"])
+@pytest.mark.parametrize("args, kwargs", [
+    ((np.ones((3, 2)), np.ones((4, 3)), np.ones((4, 2))), {}),  # key head dim mismatch
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((5, 2))), {}),  # value length mismatch
+    ((np.ones((2, 3, 2)), np.ones((3, 4, 2)), np.ones((4, 2))), {}),  # leading dims
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 5), bool)}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 4), int)}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))),
+     {"attn_mask": np.full((3, 4), np.inf)}),  # +inf in a float mask
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"is_causal": 1}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": -1.0}),
+    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": "0.5"}),
+    ((np.full((3, 2), np.nan), np.ones((4, 2)), np.ones((4, 2))), {}),  # NaN input
+    ((np.ones((3, 2), complex), np.ones((4, 2)), np.ones((4, 2))), {}),  # complex input
+    ((np.ones(2), np.ones((4, 2)), np.ones((4, 2))), {}),  # 1-D query
+])
+def test_fast_and_tiled_raise_the_reference_errors(module, args, kwargs):
+    """Oracle: the reference path raises the same exception with the same message."""
+    path = importlib.import_module(f"qkvnp.{module}")
+    with pytest.raises((ValueError, TypeError)) as expected:
+        F.attention_forward(*args, **kwargs)
+    with pytest.raises(expected.type) as actual:
+        path.attention_forward(*args, **kwargs)
+    assert str(actual.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("module", ["functional", "fast", "tiled"])
+def test_dout_of_another_shape_is_refused_on_every_path(module):
+    path = importlib.import_module(f"qkvnp.{module}")
+    _, cache = path.attention_forward(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"dout must have shape \(3, 5\).*got shape \(3, 4\)"):
+        path.attention_backward(np.ones((3, 4)), cache)

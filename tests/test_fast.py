@@ -253,36 +253,6 @@ def test_float16_is_computed_in_float32():
     assert all(a.dtype == np.float32 for a in actual)
 
 
-@pytest.mark.parametrize("args, kwargs", [
-    ((np.ones((3, 2)), np.ones((4, 3)), np.ones((4, 2))), {}),  # key head dim mismatch
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((5, 2))), {}),  # value length mismatch
-    ((np.ones((2, 3, 2)), np.ones((3, 4, 2)), np.ones((4, 2))), {}),  # leading dims
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 5), bool)}),
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"attn_mask": np.ones((3, 4), int)}),
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))),
-     {"attn_mask": np.full((3, 4), np.inf)}),  # +inf in a float mask
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"is_causal": 1}),
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": -1.0}),
-    ((np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 2))), {"scale": "0.5"}),
-    ((np.full((3, 2), np.nan), np.ones((4, 2)), np.ones((4, 2))), {}),  # NaN input
-    ((np.ones((3, 2), complex), np.ones((4, 2)), np.ones((4, 2))), {}),  # complex input
-    ((np.ones(2), np.ones((4, 2)), np.ones((4, 2))), {}),  # 1-D query
-])
-def test_same_errors_as_reference(args, kwargs):
-    """Oracle: the reference path raises the same exception with the same message."""
-    with pytest.raises((ValueError, TypeError)) as expected:
-        F.attention_forward(*args, **kwargs)
-    with pytest.raises(expected.type) as actual:
-        fast.attention_forward(*args, **kwargs)
-    assert str(actual.value) == str(expected.value)
-
-
-def test_dout_of_wrong_shape():
-    _, cache = fast.attention_forward(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)))
-    with pytest.raises(ValueError, match=r"dout must have shape \(3, 5\).*got shape \(3, 4\)"):
-        fast.attention_backward(np.ones((3, 4)), cache)
-
-
 def test_editing_the_output_in_place_does_not_change_the_gradients():
     """Oracle: the same backward before the caller scribbles on ``out``."""
     rng = np.random.default_rng(6)
