@@ -29,8 +29,8 @@ Two modes:
     forwards per direction whatever the tensor's size.
 
 Relative errors are ``|a - n| / max(|a|, |n|, atol)``: the absolute floor
-``atol`` lets a gradient that is exactly zero pass, where the round-off of
-the numeric side would otherwise give a relative error of 1. Attention has
+``atol`` lets a gradient that is zero pass, where the round-off of the
+numeric side would otherwise give a relative error of 1. Attention has
 such a gradient: ``b_key`` adds ``q . b_key`` to *every* score of a query's
 row, and softmax ignores a constant added to a row, so the output never
 depends on ``b_key``: its gradient is zero in exact arithmetic (round-off as computed).
@@ -433,8 +433,9 @@ def check_function(fun, inputs, vjp, *, mode="elementwise", dtype=np.float64, ep
     ``(L(x + h e_i) - L(x - h e_i)) / 2h`` and the error per entry is
     ``|g_i - n_i| / max(|g_i|, |n_i|, atol)``. In direction mode it compares
     ``<u, g>`` with ``(L(x + h u) - L(x - h u)) / 2h`` for unit vectors ``u``.
-    A gradient that is exactly zero (``b_key`` of attention: softmax ignores
-    the constant ``q . b_key`` added to a row) passes thanks to ``atol``.
+    A gradient that is zero in exact arithmetic (``b_key`` of attention:
+    softmax ignores the constant ``q . b_key`` added to a row), computed as
+    round-off on both sides, passes thanks to ``atol``.
 
     Examples
     --------
