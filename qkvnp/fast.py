@@ -60,8 +60,10 @@ move by that much with the order of the calls. Most
 of the core's time is in its six matmuls, which OpenBLAS runs at 100-170
 GFLOP/s per core, slower on operands that have left the cache (the dense
 ``(T, S)`` matrices are written once and read three times); PyTorch's fused
-kernel works on cache-sized tiles with MKL micro-kernels, which is what
-bounds these ratios from below on this BLAS.
+kernel works on cache-sized tiles, which is what bounds these ratios from
+below on this BLAS. These are a tuning sweep's numbers; the benchmark
+command's full run (``benchmarks/RESULTS.md``) gave the same picture: layer
+0.91-1.32, core 1.19-1.42 at L >= 512.
 
 ``import qkvnp.fast`` imports numpy only (ctypes and threads are loaded on
 first use).
