@@ -25,6 +25,8 @@ import numpy as np
 
 from qkvnp._io import atomic_write
 
+from oracles import load_into_torch_mha, torch_mha_param_grads
+
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 
 # name -> SDPA settings; the numpy seed is the position in this dict
@@ -160,18 +162,7 @@ def make_mha_case(torch, seed, spec):
 
     layer = torch.nn.MultiheadAttention(E, H, bias=spec["bias"], kdim=kdim, vdim=vdim,
                                         batch_first=True, dtype=torch.float64)
-    p = {n: torch.tensor(a) for n, a in params.items()}
-    with torch.no_grad():
-        if layer._qkv_same_embed_dim:
-            layer.in_proj_weight.copy_(torch.cat([p["W_query"].T, p["W_key"].T, p["W_value"].T]))
-        else:
-            layer.q_proj_weight.copy_(p["W_query"].T)
-            layer.k_proj_weight.copy_(p["W_key"].T)
-            layer.v_proj_weight.copy_(p["W_value"].T)
-        layer.out_proj.weight.copy_(p["W_out"].T)
-        if spec["bias"]:
-            layer.in_proj_bias.copy_(torch.cat([p["b_query"], p["b_key"], p["b_value"]]))
-            layer.out_proj.bias.copy_(p["b_out"])
+    load_into_torch_mha(torch, layer, params)
     query = torch.tensor(arrays["query"], requires_grad=True)
     key = torch.tensor(arrays["key"], requires_grad=True) if spec["cross"] else query
     value = torch.tensor(arrays["value"], requires_grad=True) if spec["cross"] else query
@@ -187,18 +178,7 @@ def make_mha_case(torch, seed, spec):
         arrays.update(dquery=query.grad.numpy(), dkey=key.grad.numpy(), dvalue=value.grad.numpy())
     else:
         arrays["dx"] = query.grad.numpy()
-    if layer._qkv_same_embed_dim:
-        w = layer.in_proj_weight.grad.numpy()
-        grads = {"W_query": w[:E].T, "W_key": w[E:2 * E].T, "W_value": w[2 * E:].T}
-    else:
-        grads = {"W_query": layer.q_proj_weight.grad.numpy().T,
-                 "W_key": layer.k_proj_weight.grad.numpy().T,
-                 "W_value": layer.v_proj_weight.grad.numpy().T}
-    grads["W_out"] = layer.out_proj.weight.grad.numpy().T
-    if spec["bias"]:
-        b = layer.in_proj_bias.grad.numpy()
-        grads.update(b_query=b[:E], b_key=b[E:2 * E], b_value=b[2 * E:],
-                     b_out=layer.out_proj.bias.grad.numpy())
+    grads = {n: g.numpy() for n, g in torch_mha_param_grads(layer, E).items()}
     arrays.update({f"param_{n}": a for n, a in params.items()})
     arrays.update({f"grad_{n}": np.ascontiguousarray(a) for n, a in grads.items()})
     return arrays

@@ -3,7 +3,7 @@
 Oracle, unless a test says otherwise: the reference path, which writes every
 formula line for line (tests/test_gradients.py checks it against central
 differences). Every output and gradient of the fast path must match it within
-``TOLERANCE[dtype]`` times ``max(1, max|reference array|)`` (the convention of
+``oracles.PATH_TOLERANCE[dtype]`` times ``max(1, max|reference array|)`` (the convention of
 tests/test_tiled.py): relative for arrays of magnitude 1 and more, absolute
 below, because some true zeros (dquery when all scores of a row are equal,
 or with a single key) come out of both paths as different rounding noise of
@@ -15,6 +15,7 @@ force several blocks (small ``BLOCK_BYTES``) and both one and two threads, so
 the threaded code runs even on a one-core machine. Upstream gradients are
 random, never all ones.
 """
+import functools
 import subprocess
 import sys
 import warnings
@@ -31,25 +32,10 @@ from qkvnp import functional as F
 from qkvnp import layers as L
 
 from strategies import attention_cases, mha_cases, self_attention_cases
-
-# Largest error allowed, relative to max|reference|, keyed by dtype (issue 4).
-TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+from oracles import assert_matches_reference
 
 
-def assert_close(actual, expected, name):
-    """Shape and dtype first, then values; reports the worst index and both values."""
-    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
-    if expected.size == 0:
-        return
-    error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-    scale = max(1.0, float(np.abs(expected).max()))
-    worst = np.unravel_index(np.argmax(error), error.shape)
-    tol = TOLERANCE[expected.dtype]
-    assert error[worst] <= tol * scale, (
-        f"{name}: fast {actual[worst]!r} vs reference {expected[worst]!r} at index "
-        f"{worst}, error {error[worst]:.3g} > {tol:g} * {scale:.3g}"
-    )
+assert_close = functools.partial(assert_matches_reference, path="fast")
 
 
 @contextmanager

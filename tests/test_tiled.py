@@ -5,6 +5,7 @@ central differences and PyTorch), which builds the full ``(T, S)`` weights.
 The tiled path must give the same outputs and gradients for any block size,
 keep no ``(T, S)``-sized array and use memory independent of the length.
 """
+import functools
 import subprocess
 import sys
 import tracemalloc
@@ -17,24 +18,10 @@ from hypothesis import given, strategies as st
 from qkvnp import functional as F
 from qkvnp import tiled
 
-# Largest error allowed, relative to max(1, max|reference|), keyed by dtype.
-TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+from oracles import assert_matches_reference
 
 
-def assert_close(actual, expected, name):
-    """Shape first, then values, reporting the worst index and both values."""
-    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
-    if expected.size == 0:
-        return
-    error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-    scale = max(1.0, float(np.abs(expected).max()))
-    worst = np.unravel_index(np.argmax(error), error.shape)
-    tol = TOLERANCE[expected.dtype]
-    assert error[worst] <= tol * scale, (
-        f"{name}: tiled {actual[worst]!r} vs reference {expected[worst]!r} at index "
-        f"{worst}, error {error[worst]:.3g} > {tol:g} * {scale:.3g}"
-    )
+assert_close = functools.partial(assert_matches_reference, path="tiled")
 
 
 def both_paths(query, key, value, attn_mask=None, is_causal=False, scale=None,

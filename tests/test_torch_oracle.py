@@ -28,6 +28,8 @@ import pytest
 import qkvnp
 from qkvnp import functional as F
 
+from oracles import load_into_torch_mha, torch_mha_param_grads
+
 TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 DTYPES = [np.float64, np.float32]
 
@@ -273,35 +275,8 @@ def build_mha_pair(torch, cfg, dtype, impl):
     theirs = torch.nn.MultiheadAttention(E, H, bias=cfg["bias"], kdim=cfg["kdim"],
                                          vdim=cfg["vdim"], batch_first=True,
                                          dtype=torch_dtype(torch, dtype))
-    p = {name: torch.tensor(value) for name, value in ours.params.items()}
-    with torch.no_grad():
-        if theirs._qkv_same_embed_dim:
-            theirs.in_proj_weight.copy_(torch.cat([p["W_query"].T, p["W_key"].T, p["W_value"].T]))
-        else:
-            theirs.q_proj_weight.copy_(p["W_query"].T)
-            theirs.k_proj_weight.copy_(p["W_key"].T)
-            theirs.v_proj_weight.copy_(p["W_value"].T)
-        theirs.out_proj.weight.copy_(p["W_out"].T)
-        if cfg["bias"]:
-            theirs.in_proj_bias.copy_(torch.cat([p["b_query"], p["b_key"], p["b_value"]]))
-            theirs.out_proj.bias.copy_(p["b_out"])
+    load_into_torch_mha(torch, theirs, ours.params)
     return ours, theirs
-
-
-def torch_param_grads(theirs, E):
-    """torch's parameter gradients in qkvnp's names and layout."""
-    if theirs._qkv_same_embed_dim:
-        w = theirs.in_proj_weight.grad
-        grads = {"W_query": w[:E].T, "W_key": w[E:2 * E].T, "W_value": w[2 * E:].T}
-    else:
-        grads = {"W_query": theirs.q_proj_weight.grad.T, "W_key": theirs.k_proj_weight.grad.T,
-                 "W_value": theirs.v_proj_weight.grad.T}
-    grads["W_out"] = theirs.out_proj.weight.grad.T
-    if theirs.in_proj_bias is not None:
-        b = theirs.in_proj_bias.grad
-        grads.update(b_query=b[:E], b_key=b[E:2 * E], b_value=b[2 * E:],
-                     b_out=theirs.out_proj.bias.grad)
-    return grads
 
 
 def torch_mha_masks(torch, cfg, T, S):
@@ -363,7 +338,7 @@ def test_multihead_matches_torch(torch, impl, seed, dtype):
     # need_weights=False goes through torch's SDPA: dead rows give 0, grads finite
     t_out, _, (t_query, t_key, t_value) = run_torch_mha(torch, theirs, cfg, need_weights=False)
     assert_close("mha out", out, t_out, dtype)
-    for name, theirs_grad in torch_param_grads(theirs, cfg["E"]).items():
+    for name, theirs_grad in torch_mha_param_grads(theirs, cfg["E"]).items():
         assert_close(f"mha d{name}", ours.grads[name], theirs_grad, dtype)
         assert ours.grads[name].shape == ours.params[name].shape
 
