@@ -133,10 +133,12 @@ __all__ = [
     "cross_check",
     "time_interleaved",
     "measure_gemm_peak",
+    "measure_attention_gemm_ceiling",
     "measure_import_time",
     "measure_memory",
     "environment_info",
     "run_benchmark",
+    "target_requirements",
     "format_report",
     "write_json",
     "read_json",
@@ -175,6 +177,9 @@ TILED_MEMORY_LIMIT_MIB = 64
 
 TORCH_THREADS = 2
 GEMM_SIZE = 2048
+#: One head of this (L, D) measures the BLAS ceiling on attention shapes (in cache).
+CEILING_LENGTH = 512
+CEILING_HEAD_DIM = 64
 MIB = 2.0 ** 20
 
 LAYER_PARAMS = ("W_query", "W_key", "W_value", "W_out", "b_query", "b_key", "b_value", "b_out")
@@ -648,6 +653,46 @@ def measure_gemm_peak(dtype, size=GEMM_SIZE, repeats=5):
     return 2.0 * size ** 3 / best / 1e9
 
 
+def measure_attention_gemm_ceiling(dtype, length=CEILING_LENGTH, head_dim=CEILING_HEAD_DIM,
+                                   rounds=20, repeats=5):
+    """Best GFLOP/s of ``numpy.matmul`` on the attention core's own matmul shapes.
+
+    Each of the fast path's threads (BLAS pinned to one thread inside, as in
+    :mod:`qkvnp.fast`) multiplies its own one-head operands, all in cache:
+    ``q k^T`` ``(L, D) @ (D, L)``, ``P v`` ``(L, L) @ (L, D)`` and
+    ``q^T dS`` ``(D, L) @ (L, L)``, the three shapes of the core's six
+    products, ``rounds`` times each. No softmax, no memory traffic beyond
+    the cache: a ceiling for any attention core built on these BLAS calls,
+    to read beside the square-matrix GEMM peak of :func:`measure_gemm_peak`.
+    """
+    from . import fast
+
+    dtype = _check_dtype(dtype)
+    threads = max(1, fast.NUM_THREADS)
+    rng = np.random.default_rng(0)
+    L, D = length, head_dim
+    operands = [(rng.standard_normal((L, D), dtype=dtype), rng.standard_normal((L, D), dtype=dtype),
+                 np.empty((L, L), dtype), np.empty((L, D), dtype), np.empty((D, L), dtype))
+                for _ in range(threads)]
+
+    def task(part):
+        for (index,) in part:
+            q, k, scores, out, out_t = operands[index]
+            for _ in range(rounds):
+                np.matmul(q, k.T, out=scores)  # (L, D) @ (D, L) -> (L, L), entries ~ sqrt(D)
+                np.matmul(scores, k, out=out)  # (L, L) @ (L, D) -> (L, D)
+                np.matmul(q.T, scores, out=out_t)  # (D, L) @ (L, L) -> (D, L)
+
+    blocks = [(index,) for index in range(threads)]
+    fast._run(task, blocks)  # warm-up, and starts the pinned workers
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fast._run(task, blocks)
+        best = min(best, time.perf_counter() - start)
+    return threads * rounds * 3 * 2.0 * L * L * D / best / 1e9
+
+
 # ---------------------------------------------------------------- memory
 
 
@@ -1002,7 +1047,9 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     dict
         ``environment``, ``gemm_peak_gflops`` (per dtype), ``import_time``,
         ``records`` (one per kind, config, dtype and implementation),
-        ``tiled_memory``, ``settings``.
+        ``tiled_memory``, ``settings``, ``attention_gemm_ceiling_gflops``
+        (per dtype, :func:`measure_attention_gemm_ceiling`),
+        ``target_requirements`` (see :func:`target_requirements`).
     """
     progress = progress or (lambda message: None)
     configs = [_check_config(c) for c in configs]
@@ -1019,6 +1066,7 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     # measured before and after the timings; the higher one is the peak (a
     # busy machine lowers it, nothing raises it)
     peak_runs = {d.name: [measure_gemm_peak(d, gemm_size)] for d in dtypes}
+    ceiling_runs = {d.name: [measure_attention_gemm_ceiling(d)] for d in dtypes}
     report["import_time"] = None
     if import_repeats:
         progress(f"timing import numpy / import qkvnp in {2 * import_repeats} fresh processes")
@@ -1037,8 +1085,10 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     progress("measuring the GEMM peak again")
     for dtype in dtypes:
         peak_runs[dtype.name].append(measure_gemm_peak(dtype, gemm_size))
+        ceiling_runs[dtype.name].append(measure_attention_gemm_ceiling(dtype))
     report["gemm_peak_runs"] = peak_runs
     report["gemm_peak_gflops"] = peaks = {name: max(runs) for name, runs in peak_runs.items()}
+    report["attention_gemm_ceiling_gflops"] = {name: max(runs) for name, runs in ceiling_runs.items()}
     _add_ratios(records, peaks)
 
     if memory:
@@ -1063,6 +1113,7 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
             measured["limit_mib"] = TILED_MEMORY_LIMIT_MIB
         report["tiled_memory"] = measured
     report["records"] = records
+    report["target_requirements"] = target_requirements(report)
     report["elapsed_s"] = time.perf_counter() - started
     return report
 
@@ -1094,6 +1145,13 @@ def _verdict(ok):
     return "ok" if ok else "MISSED"
 
 
+def _ceiling_note(report, dtype):
+    """`` (BLAS on attention shapes: N%)`` for ``dtype``, or "" if not measured."""
+    ceiling = (report.get("attention_gemm_ceiling_gflops") or {}).get(dtype)
+    peak = (report.get("gemm_peak_gflops") or {}).get(dtype)
+    return f" (BLAS on attention shapes: {100 * ceiling / peak:.0f}%)" if ceiling and peak else ""
+
+
 def _targets(report):
     """Lines comparing the measured ratios with the issue's targets."""
     lines = []
@@ -1122,7 +1180,8 @@ def _targets(report):
         if found:
             worst = min(found, key=lambda item: item[2])
             lines.append(f"  layer fwd+bwd >= 75% of GEMM peak, L >= 512: {impl} lowest "
-                         f"{worst[2]:.0f}% at {worst[0]} {worst[1]} {_verdict(worst[2] >= 75)}")
+                         f"{worst[2]:.0f}% at {worst[0]} {worst[1]} {_verdict(worst[2] >= 75)}"
+                         + _ceiling_note(report, worst[1]))
     memory = {(r["impl"], tuple(r["config"]), r["dtype"]): r["memory"] for r in records
               if r["kind"] == "layer" and r["memory"] and "rss_mib" in r["memory"]}
     for (impl, config, dtype), measured in sorted(memory.items()):
@@ -1146,6 +1205,48 @@ def _targets(report):
     return lines
 
 
+def target_requirements(report, kinds_limits=(("layer", 0.8), ("core", 1.0))):
+    """What each speed target asks of the machine: the share of the GEMM peak it needs.
+
+    For every configuration that PyTorch ran, the target time is ``limit x``
+    PyTorch's forward+backward median. The matmul FLOPs of that workload
+    (:func:`layer_flops`, :func:`core_flops`), run at the GEMM peak measured in
+    the same run with nothing else costing time, give a floor no
+    implementation that does these matmuls can go below on this machine. The
+    share of the peak the target needs is ``floor / target``: above 100% the
+    target is out of reach for any such implementation, above the rate the
+    BLAS reaches on the workload's own matmul shapes it is out of reach for
+    one built on BLAS calls.
+
+    Returns
+    -------
+    list of dict
+        ``kind, config, dtype, limit, torch_ms, target_ms, floor_ms, needed_percent``
+        and ``ceiling_percent`` (the attention-shape ceiling as a share of the
+        peak, None if not measured).
+    """
+    peaks = report.get("gemm_peak_gflops") or {}
+    ceilings = report.get("attention_gemm_ceiling_gflops") or {}
+    limits = dict(kinds_limits)
+    rows = []
+    for r in report["records"]:
+        if (r["impl"] != "torch" or r["status"] != "ok" or r["kind"] not in limits
+                or not r.get("fwd_bwd") or not peaks.get(r["dtype"])):
+            continue
+        config = Config(*r["config"])
+        if r["kind"] == "core" and config.length < 512:
+            continue  # the core target starts at L = 512
+        torch_ms = r["fwd_bwd"]["median_ms"]
+        target_ms = limits[r["kind"]] * torch_ms
+        floor_ms = FLOPS[r["kind"]](config, backward=True) / (peaks[r["dtype"]] * 1e6)
+        rows.append({"kind": r["kind"], "config": tuple(config), "dtype": r["dtype"],
+                     "limit": limits[r["kind"]], "torch_ms": torch_ms, "target_ms": target_ms,
+                     "floor_ms": floor_ms, "needed_percent": 100.0 * floor_ms / target_ms,
+                     "ceiling_percent": (100.0 * ceilings[r["dtype"]] / peaks[r["dtype"]]
+                                         if ceilings.get(r["dtype"]) else None)})
+    return rows
+
+
 def format_report(report):
     """The human-readable report: environment, peaks, import cost, tables, targets."""
     env = report["environment"]
@@ -1165,6 +1266,12 @@ def format_report(report):
     lines.append(f"GEMM peak (numpy.matmul, n = {report['settings']['gemm_size']}, best of 5, "
                  "before and after the timings): "
                  + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items()))
+    ceilings = report.get("attention_gemm_ceiling_gflops")
+    if ceilings:
+        lines.append(f"BLAS on attention shapes (one ({CEILING_LENGTH}, {CEILING_HEAD_DIM}) head per "
+                     "thread, in cache, the core's three matmul shapes, best of 5): "
+                     + ", ".join(f"{d} {g:.1f} GFLOP/s ({100 * g / peaks[d]:.0f}% of peak)"
+                                 for d, g in ceilings.items() if peaks.get(d)))
     imports = report.get("import_time")
     if imports:
         extra = ", ".join(imports["extra_modules"]) or "none outside the standard library"
@@ -1208,6 +1315,15 @@ def format_report(report):
     target_lines = _targets(report)
     if target_lines:
         lines += ["", "targets (issue 4):"] + target_lines
+    needs = target_requirements(report)
+    if needs:
+        lines += ["", "what the speed targets ask of this machine (fwd+bwd; floor = the matmul "
+                  "FLOPs at the GEMM peak above, nothing else costing time):"]
+        for n in needs:
+            lines.append(f"  {n['kind']:<6}{str(n['config']):<20}"
+                         f"{n['dtype']:<8} target {n['limit']:.1f} x {_ms(n['torch_ms'])} = "
+                         f"{_ms(n['target_ms'])} ms, floor {_ms(n['floor_ms'])} ms: needs "
+                         f"{n['needed_percent']:.0f}% of peak" + _ceiling_note(report, n["dtype"]))
     problems = [r for r in report["records"] if r["status"] in ("refused", "error")]
     if problems:
         lines += ["", f"{len(problems)} implementation run(s) refused or failed: see above"]

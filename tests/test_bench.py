@@ -360,6 +360,38 @@ def test_target_lines_name_the_worst_case():
     assert "  import qkvnp <= 1.25x import numpy: 1.10 ok" in lines
 
 
+def test_target_requirements_by_hand():
+    # oracle: hand arithmetic. Layer (4, 512, 512, 8) fwd+bwd matmul FLOPs:
+    # 3 * (8*B*L*E*E + 4*B*L*L*E) = 3 * (4294967296 + 2147483648) = 19327352832;
+    # at a 360 GFLOP/s peak that is 53.687 ms; the target is 0.8 x 92.3 ms = 73.84 ms,
+    # so it needs 53.687 / 73.84 = 72.7% of the peak. The core at L = 128 has no target.
+    def torch_record(kind, config, ms):
+        return {"kind": kind, "config": list(config), "dtype": "float32", "impl": "torch",
+                "status": "ok", "fwd_bwd": {"median_ms": ms}}
+
+    report = {"gemm_peak_gflops": {"float32": 360.0},
+              "attention_gemm_ceiling_gflops": {"float32": 270.0},
+              "records": [torch_record("layer", (4, 512, 512, 8), 92.3),
+                          torch_record("core", (8, 128, 256, 8), 14.6),
+                          dict(torch_record("layer", (1, 2048, 512, 8), 1.0), impl="fast")]}
+    (needs,) = bench.target_requirements(report)
+    assert needs["kind"] == "layer" and needs["config"] == (4, 512, 512, 8)
+    assert needs["target_ms"] == pytest.approx(73.84)
+    assert needs["floor_ms"] == pytest.approx(19327352832 / 360e6)
+    assert needs["needed_percent"] == pytest.approx(100 * 53.68709120 / 73.84, rel=1e-9)
+    assert needs["ceiling_percent"] == pytest.approx(75.0)
+    # without a measured peak there is nothing to compare with
+    assert bench.target_requirements(dict(report, gemm_peak_gflops={})) == []
+
+
+def test_attention_gemm_ceiling_is_a_rate():
+    # oracle: none for the value (it is a timing); the call must run the fast
+    # path's threads and return a positive finite GFLOP/s for each dtype
+    for dtype in ("float32", "float64"):
+        rate = bench.measure_attention_gemm_ceiling(dtype, length=64, head_dim=8, rounds=2, repeats=1)
+        assert np.isfinite(rate) and rate > 0
+
+
 # ---------------------------------------------------------------- memory and imports
 
 
