@@ -1,27 +1,43 @@
 """Training checkpoints: one ``.npz`` archive, written atomically, read without pickle.
 
+Shape key: N steps taken (``meta/step``), M held-out evaluations.
+
 A checkpoint holds everything a run needs to continue as if it had never
 stopped: the parameters, the optimizer's state, the step, the state of the
-generator that draws the training batches, and the run's configuration.
+generator that draws the training batches, the run's configuration, and its
+history so far (so that the loss curve of a resumed run starts at step 1).
 
 Layout of the archive (every entry a plain numeric or unicode array)::
 
-    meta/magic           "qkvnp-checkpoint"
-    meta/format_version  int64, FORMAT_VERSION
-    meta/step            int64, optimizer steps taken
-    meta/config          JSON text of the configuration
-    meta/rng_state       JSON text of ``Generator.bit_generator.state``
-    param/<name>         one array per model parameter
-    optim/<key>          one array per entry of ``optimizer.state_dict()``
+    meta/magic             "qkvnp-checkpoint"
+    meta/format_version    int64, FORMAT_VERSION
+    meta/step              int64, optimizer steps taken (N)
+    meta/config            JSON text of the configuration
+    meta/rng_state         JSON text of ``Generator.bit_generator.state``
+    param/<name>           one array per model parameter
+    optim/<key>            one array per entry of ``optimizer.state_dict()``
+    history/step           int64, shape (N,): 1, 2, ..., N
+    history/loss           float64, shape (N,): training loss of each step
+    history/accuracy       float64, shape (N,): training accuracy (NaN: none, teacher task)
+    history/lr             float64, shape (N,): learning rate of each step
+    history/eval_step      int64, shape (M,): strictly increasing, within 1..N
+    history/eval_loss      float64, shape (M,): held-out loss at those steps
+    history/eval_accuracy  float64, shape (M,): held-out accuracy (NaN: none)
 
 Writing goes to a temporary file in the destination's directory, which is
 flushed, fsync'ed and renamed over the destination (``os.replace``), so that a
 crash leaves either the old file or the new one, never half of one. Reading
 uses ``np.load(..., allow_pickle=False)`` and refuses anything unexpected
 (not a zip archive, truncated, an object array, a missing or unknown entry,
-another format version) with a :class:`CheckpointError` naming the problem.
+another format version, a history that does not fit ``meta/step``) with a
+:class:`CheckpointError` naming the problem.
+
+Format versions: 1 had no ``history/`` entries; 2 (this one) adds them.
+Version 1 files are refused, with the advice to train again (see
+:func:`load_checkpoint`).
 """
 import json
+import math
 import os
 import zipfile
 from collections import namedtuple
@@ -32,6 +48,7 @@ from ._io import atomic_write
 
 __all__ = [
     "FORMAT_VERSION",
+    "HISTORY_FIELDS",
     "CheckpointError",
     "Checkpoint",
     "save_checkpoint",
@@ -40,11 +57,18 @@ __all__ = [
     "write_npz_atomic",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = "qkvnp-checkpoint"
 _META = ("meta/magic", "meta/format_version", "meta/step", "meta/config", "meta/rng_state")
+# the training history: fields with one entry per step, then one per held-out evaluation
+_PER_STEP = ("step", "loss", "accuracy", "lr")
+_PER_EVAL = ("eval_step", "eval_loss", "eval_accuracy")
+HISTORY_FIELDS = _PER_STEP + _PER_EVAL
+_STEP_FIELDS = ("step", "eval_step")  # int64; every other field is float64
+_HISTORY = tuple("history/" + name for name in HISTORY_FIELDS)
 
-Checkpoint = namedtuple("Checkpoint", "params optimizer_state step rng_state config format_version")
+Checkpoint = namedtuple("Checkpoint",
+                        "params optimizer_state step rng_state config history format_version")
 
 
 class CheckpointError(ValueError):
@@ -79,7 +103,7 @@ def write_npz_atomic(path, arrays):
     return path
 
 
-def save_checkpoint(path, params, optimizer_state, step, rng_state, config):
+def save_checkpoint(path, params, optimizer_state, step, rng_state, config, history):
     """Save a training state to ``path`` atomically.
 
     Parameters
@@ -95,24 +119,48 @@ def save_checkpoint(path, params, optimizer_state, step, rng_state, config):
         ``generator.bit_generator.state`` of the training-batch generator.
     config : dict
         JSON-serialisable configuration of the run.
+    history : dict of str to sequence
+        The run's history from step 1, keyed by :data:`HISTORY_FIELDS`:
+        ``step`` (ints ``1 .. step``), ``loss``, ``accuracy``, ``lr`` (one
+        number per step; ``accuracy`` may hold None), ``eval_step`` (ints,
+        strictly increasing, within ``1 .. step``), ``eval_loss``,
+        ``eval_accuracy`` (one number or None per evaluation).
+        :func:`load_checkpoint` gives it back equal, None included.
 
     Returns
     -------
     str
         ``path``.
 
+    Raises
+    ------
+    ValueError
+        If ``step`` is not a non-negative int, or ``history`` lacks a key,
+        has an unknown one, or does not fit ``step`` (the rules of
+        :func:`load_checkpoint`); nothing is written then.
+    TypeError
+        If a ``history`` entry holds something other than numbers (and None
+        for the values), or an array has dtype object.
+
     Examples
     --------
     >>> import tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "run.npz")
     >>> rng = np.random.default_rng(0)
-    >>> _ = save_checkpoint(path, {"w": np.ones(2)}, {}, 3, rng.bit_generator.state, {"lr": 0.1})
+    >>> history = {"step": [1, 2, 3], "loss": [0.9, 0.5, 0.4], "accuracy": [None] * 3,
+    ...            "lr": [0.1] * 3, "eval_step": [3], "eval_loss": [0.45], "eval_accuracy": [None]}
+    >>> _ = save_checkpoint(path, {"w": np.ones(2)}, {}, 3, rng.bit_generator.state, {"lr": 0.1},
+    ...                     history)
     >>> ckpt = load_checkpoint(path)
-    >>> ckpt.step, ckpt.config, ckpt.params["w"]
-    (3, {'lr': 0.1}, array([1., 1.]))
+    >>> ckpt.step, ckpt.config, ckpt.params["w"], ckpt.history == history
+    (3, {'lr': 0.1}, array([1., 1.]), True)
     """
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
+    history_arrays = _history_arrays(history)
+    problem = _history_problem(history_arrays, int(step))
+    if problem is not None:
+        raise ValueError(f"history does not fit step={int(step)}: {problem}")
     arrays = {
         "meta/magic": np.array(MAGIC),
         "meta/format_version": np.array(FORMAT_VERSION, dtype=np.int64),
@@ -124,7 +172,80 @@ def save_checkpoint(path, params, optimizer_state, step, rng_state, config):
         arrays["param/" + name] = np.asarray(value)
     for name, value in optimizer_state.items():
         arrays["optim/" + name] = np.asarray(value)
+    arrays.update(history_arrays)
     return write_npz_atomic(path, arrays)
+
+
+def _history_arrays(history):
+    """The ``history/<field>`` arrays of a history dict (None -> NaN), or TypeError/ValueError."""
+    if not isinstance(history, dict):
+        raise TypeError(f"history must be a dict keyed by {HISTORY_FIELDS}, "
+                        f"got {type(history).__name__}")
+    missing = [name for name in HISTORY_FIELDS if name not in history]
+    unknown = sorted(set(history) - set(HISTORY_FIELDS), key=str)
+    if missing or unknown:
+        raise ValueError(f"history must have exactly the keys {HISTORY_FIELDS}; "
+                         f"missing {missing}, unexpected {unknown}")
+    arrays = {}
+    for name in HISTORY_FIELDS:
+        values = list(history[name])
+        if name in _STEP_FIELDS:
+            for value in values:
+                if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"history[{name!r}] must hold ints, got {value!r}")
+            arrays["history/" + name] = np.array(values, dtype=np.int64)
+            continue
+        # NOTE: None (no accuracy: the regression task) is stored as NaN and read back as None
+        try:
+            arrays["history/" + name] = np.array([np.nan if v is None else v for v in values],
+                                                 dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"history[{name!r}] must hold numbers or None, got "
+                            f"{values[:3]!r}...") from None
+    return arrays
+
+
+def _history_problem(arrays, step):
+    """What makes the ``history/`` arrays unfit for a checkpoint at ``step``, or None."""
+    for name in HISTORY_FIELDS:
+        value = arrays["history/" + name]
+        expected = np.dtype(np.int64 if name in _STEP_FIELDS else np.float64)
+        if value.dtype != expected or value.ndim != 1:
+            return (f"history/{name} must be a 1-D {expected} array, got dtype {value.dtype} "
+                    f"shape {value.shape}")
+    lengths = {name: len(arrays["history/" + name]) for name in _PER_STEP}
+    if set(lengths.values()) != {step}:
+        return (f"history/step, loss, accuracy and lr must hold one entry per step taken "
+                f"(meta/step = {step}), got lengths {lengths}")
+    steps = arrays["history/step"]
+    wrong = np.flatnonzero(steps != np.arange(1, step + 1))
+    if wrong.size:
+        index = int(wrong[0])
+        return (f"history/step must list every step 1, 2, ..., {step} in order, got "
+                f"{int(steps[index])} at index {index}")
+    lengths = {name: len(arrays["history/" + name]) for name in _PER_EVAL}
+    if len(set(lengths.values())) != 1:
+        return f"history/eval_step, eval_loss and eval_accuracy must have one length, got {lengths}"
+    eval_steps = arrays["history/eval_step"]
+    previous = np.concatenate([[0], eval_steps])[:-1]  # the step before each, 0 before the first
+    wrong = np.flatnonzero((eval_steps <= previous) | (eval_steps > step))
+    if wrong.size:
+        index = int(wrong[0])
+        return (f"history/eval_step must increase strictly within 1..{step} (meta/step), got "
+                f"{int(eval_steps[index])} at index {index}"
+                + (f" after {int(previous[index])}" if index else ""))
+    return None
+
+
+def _history_lists(arrays):
+    """The history dict of lists that :func:`_history_arrays` encoded (NaN -> None)."""
+    history = {}
+    for name in HISTORY_FIELDS:
+        values = arrays["history/" + name].tolist()
+        if name not in _STEP_FIELDS:
+            values = [None if math.isnan(v) else v for v in values]
+        history[name] = values
+    return history
 
 
 def _read_all(path):
@@ -175,7 +296,8 @@ def load_checkpoint(path):
     -------
     Checkpoint
         ``params`` and ``optimizer_state`` (dicts of ndarray), ``step`` (int),
-        ``rng_state`` and ``config`` (dicts), ``format_version`` (int).
+        ``rng_state`` and ``config`` (dicts), ``history`` (dict of lists, as
+        given to :func:`save_checkpoint`), ``format_version`` (int).
 
     Raises
     ------
@@ -184,7 +306,21 @@ def load_checkpoint(path):
     CheckpointError
         (a ``ValueError``) if the file is not an ``.npz``, is truncated or
         corrupt, holds an object (pickled) array, lacks an entry, has an
-        unknown entry, or is of another format version.
+        unknown entry, is of another format version, or has a history that
+        does not fit its step: ``history/step`` must be exactly ``1 .. step``
+        (so no longer than the step count, no gaps, no repeats),
+        ``history/eval_step`` strictly increasing within ``1 .. step``, the
+        arrays 1-D, int64 for the steps and float64 for the values, each
+        group of one length. The values themselves are records and are not
+        checked (NaN reads back as None).
+
+    Notes
+    -----
+    A version 1 file (written before checkpoints stored the history) is
+    refused rather than resumed with a history that would start at its step:
+    the message says to train again from step 0 with the same settings,
+    which, a run being a pure function of its settings, reaches the same
+    state, with its history.
     """
     arrays = _read_all(path)
     missing = [name for name in _META if name not in arrays]
@@ -196,13 +332,29 @@ def load_checkpoint(path):
         )
     version = _int_scalar(arrays["meta/format_version"], "meta/format_version", path)
     if version != FORMAT_VERSION:
+        if version == 1:
+            advice = (
+                "version 1 checkpoints predate the stored loss history and cannot be resumed; "
+                "train again from step 0 with the same settings and --save (a run is a pure "
+                "function of its settings, so it reaches the same state, history included)"
+            )
+        elif version > FORMAT_VERSION:
+            advice = "it was written by a newer qkvnp: resume it with that version"
+        else:
+            advice = "no qkvnp ever wrote that version"
         raise CheckpointError(
             f"{os.fspath(path)!r} has checkpoint format version {version}; this qkvnp reads "
-            f"version {FORMAT_VERSION}"
+            f"version {FORMAT_VERSION} only: {advice}"
         )
     step = _int_scalar(arrays["meta/step"], "meta/step", path)
     if step < 0:
         raise CheckpointError(f"{os.fspath(path)!r}: meta/step must be >= 0, got {step}")
+    missing = [name for name in _HISTORY if name not in arrays]
+    if missing:
+        raise CheckpointError(f"{os.fspath(path)!r}: missing history entries {missing}")
+    problem = _history_problem(arrays, step)
+    if problem is not None:
+        raise CheckpointError(f"{os.fspath(path)!r}: {problem}")
     config = _json(arrays["meta/config"], "meta/config", path)
     rng_state = _json(arrays["meta/rng_state"], "meta/rng_state", path)
     params, optimizer_state = {}, {}
@@ -221,9 +373,10 @@ def load_checkpoint(path):
                     f"got dtype {value.dtype}"
                 )
             optimizer_state[name[6:]] = value
-        elif name not in _META:
+        elif name not in _META and name not in _HISTORY:
             raise CheckpointError(f"{os.fspath(path)!r}: unexpected entry {name!r}")
-    return Checkpoint(params, optimizer_state, step, rng_state, config, version)
+    return Checkpoint(params, optimizer_state, step, rng_state, config, _history_lists(arrays),
+                      version)
 
 
 def _int_scalar(value, name, path):

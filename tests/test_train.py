@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from qkvnp.cli import main
-from qkvnp.train import (Progress, TrainConfig, attention_example, scheduled_lr, summary,
-                         train)
+from qkvnp.train import TrainConfig, scheduled_lr, train
+from qkvnp.train_report import Progress, attention_example, plot_run, summary
 
 # a smaller kv-recall than the command's default (64 keys/values, 16 pairs,
 # width 64, 1000 steps), with the same optimizer and schedule
@@ -217,13 +217,15 @@ def test_summary_of_a_teacher_run_reports_the_drop():
     assert line.startswith("held-out MSE") and f"down {drop:.3g}x" in line
 
 
-def test_plot_code_path_with_a_stand_in_matplotlib(tmp_path, monkeypatch, capsys):
-    # matplotlib is not installed here: a stand-in records the calls, and its
-    # savefig writes bytes, so the figure's assembly and atomic write still run
+@pytest.fixture
+def stand_in_matplotlib(monkeypatch):
+    """matplotlib is not installed here: a stand-in records the calls, and its
+    savefig writes bytes, so the figure's assembly and atomic write still run.
+
+    Yields ``(calls, axes)``: the formats saved, and the two axes of the figure.
+    """
     import types
     from unittest import mock
-
-    from qkvnp.train import plot_run
 
     calls, axes = [], []
 
@@ -241,6 +243,11 @@ def test_plot_code_path_with_a_stand_in_matplotlib(tmp_path, monkeypatch, capsys
     figure_module.Figure = Figure
     monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", figure_module)
+    return calls, axes
+
+
+def test_plot_code_path_with_a_stand_in_matplotlib(tmp_path, stand_in_matplotlib, capsys):
+    calls, axes = stand_in_matplotlib
     result = train(TrainConfig(steps=10, num_keys=8, num_values=8, num_pairs=4, dim=8,
                                eval_size=16))
     path = tmp_path / "out.png"
@@ -253,3 +260,25 @@ def test_plot_code_path_with_a_stand_in_matplotlib(tmp_path, monkeypatch, capsys
     heat = heat_axes.imshow.call_args[0][0]
     assert heat.shape == (1, 4)  # the query's weights over the 4 stored pairs
     np.testing.assert_allclose(heat.sum(), 1.0, rtol=1e-12)
+
+
+def test_plot_after_a_resume_shows_the_whole_run(tmp_path, stand_in_matplotlib, capsys):
+    # oracle: the checkpoint stores the history, so the curve starts at step 1, not at 11,
+    # and its values are those of the run that never stopped (with a constant learning
+    # rate: the cosine schedule depends on --steps, which the resume changes)
+    calls, axes = stand_in_matplotlib
+    path, out_png = tmp_path / "run.npz", tmp_path / "out.png"
+    argv = ["train", "--quiet", *TINY, "--eval-every", "5", "--schedule", "constant"]
+    assert main([*argv, "--steps", "10", "--save", str(path)]) == 0
+    assert main(["train", "--quiet", "--steps", "20", "--resume", str(path), "--plot",
+                 str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert "done at step 20/20: 10 steps in" in out and "plot written to" in out
+    straight = train(TrainConfig(steps=20, eval_every=5, schedule="constant", num_keys=8,
+                                 num_values=8, num_pairs=4, dim=8, eval_size=32))
+    loss_axes, _ = axes
+    (steps, losses), _ = loss_axes.plot.call_args_list[0]
+    assert list(steps) == list(range(1, 21)) and list(losses) == straight.history["loss"]
+    (eval_steps, eval_losses, _), _ = loss_axes.plot.call_args_list[1]
+    assert list(eval_steps) == [5, 10, 15, 20]
+    assert list(eval_losses) == straight.history["eval_loss"]
