@@ -9,6 +9,7 @@ import numpy as np
 __all__ = [
     "compute_dtype",
     "as_float_array",
+    "as_upstream_grad",
     "check_ndim",
     "check_last_dim",
     "check_same_shape",
@@ -17,32 +18,56 @@ __all__ = [
 ]
 
 
-def compute_dtype(*dtypes):
+def compute_dtype(*dtypes, names=None):
     """Return the floating dtype in which arrays of ``dtypes`` are computed.
 
     float32 and float64 keep their precision; integers and booleans are
     promoted to float64; float16 is computed in float32 (its 10-bit mantissa
     is too short for a softmax over long rows).
 
+    Parameters
+    ----------
+    *dtypes : dtype
+    names : sequence of str, optional
+        Argument names of ``dtypes``, one each, used in error messages.
+
+    Returns
+    -------
+    dtype
+        float32 or float64.
+
+    Raises
+    ------
+    TypeError
+        If a dtype is not real (complex, object, string...) or wider than
+        float64 (``np.longdouble`` where it is float128): the message names
+        that dtype's argument when ``names`` is given.
+
+    Examples
+    --------
     >>> compute_dtype(np.int64)
     dtype('float64')
     >>> compute_dtype(np.float16, np.float32)
     dtype('float32')
     """
     dtypes = [np.dtype(d) for d in dtypes]
-    for d in dtypes:
+    names = [None] * len(dtypes) if names is None else list(names)
+    if len(names) != len(dtypes):
+        raise ValueError(f"names must give one name per dtype ({len(dtypes)}), got {len(names)}")
+    for d, name in zip(dtypes, names):
         if d.kind not in "biuf":
-            raise TypeError(
-                f"expected real numbers (bool, int or float), got dtype {d}"
-            )
+            what = "expected" if name is None else f"{name} must hold"
+            raise TypeError(f"{what} real numbers (bool, int or float), got dtype {d}")
+    for d, name in zip(dtypes, names):
+        if d.kind == "f" and d.itemsize > 8:
+            what = "expected" if name is None else f"{name} must be"
+            raise TypeError(f"{what} float16, float32 or float64, got dtype {d}")
     floats = [d for d in dtypes if d.kind == "f"]
     if not floats:
         return np.dtype(np.float64)
     result = np.result_type(*floats)
     if result.itemsize < 4:
         return np.dtype(np.float32)
-    if result.itemsize > 8:
-        raise TypeError(f"expected float16, float32 or float64, got dtype {result}")
     return np.dtype(result)
 
 
@@ -58,6 +83,19 @@ def as_float_array(x, name, dtype=None, finite=True):
         Target dtype; by default :func:`compute_dtype` of ``x``'s dtype.
     finite : bool
         If True, NaN or inf entries raise ``ValueError``.
+
+    Returns
+    -------
+    ndarray
+        ``x`` in the target dtype (not a copy when it already has it).
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is None, not real (complex, object, string...), or, with no
+        ``dtype`` given, wider than float64 (float128).
+    ValueError
+        If ``finite`` and an entry is NaN or inf.
     """
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
@@ -66,11 +104,79 @@ def as_float_array(x, name, dtype=None, finite=True):
         raise TypeError(
             f"{name} must hold real numbers (bool, int or float), got dtype {arr.dtype}"
         )
-    target = compute_dtype(arr.dtype) if dtype is None else np.dtype(dtype)
+    target = compute_dtype(arr.dtype, names=(name,)) if dtype is None else np.dtype(dtype)
     arr = arr.astype(target, copy=False)
     if finite and not np.isfinite(arr).all():
         raise ValueError(f"{name} contains NaN or inf; expected finite values")
     return arr
+
+
+def as_upstream_grad(d, name, shape, dtype):
+    """Check an upstream gradient (``dout`` of a backward) and return it in ``dtype``.
+
+    The backward counterpart of :func:`as_float_array`: every public
+    ``backward(dout, ...)`` passes its upstream gradient through it once.
+
+    Parameters
+    ----------
+    d : array_like
+        The upstream gradient.
+    name : str
+        Argument name used in error messages (``"dout"``, ``"dweights"``).
+    shape : tuple of int
+        Exact shape required: the shape of the forward output (``d`` is not
+        broadcast to it).
+    dtype : dtype
+        The forward's compute dtype; ``d`` is cast to it (float32 for a
+        float64 forward, float128 or int for any, are accepted and cast).
+
+    Returns
+    -------
+    ndarray, shape ``shape``
+        ``d`` in ``dtype``; ``d`` itself (no copy) when it is already an
+        ndarray of that dtype.
+
+    Raises
+    ------
+    TypeError
+        If ``d`` is None or does not hold real numbers (complex, object,
+        string...).
+    ValueError
+        If ``d``'s shape is not ``shape``, or an entry is NaN or inf (after
+        the cast: a float64 value beyond float32's range counts as inf).
+
+    Notes
+    -----
+    Costs one ``np.isfinite`` pass over ``d`` (and the cast, if any): a NaN
+    upstream gradient would otherwise turn every gradient into NaN without a
+    word, and a complex one would lose its imaginary part with a mere warning.
+
+    Examples
+    --------
+    >>> as_upstream_grad([[1, 2]], "dout", (1, 2), np.float64)
+    array([[1., 2.]])
+    """
+    if d is None:
+        raise TypeError(f"{name} must be an array, got None")
+    arr = np.asarray(d)
+    check_same_shape(arr, name, shape)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must hold real numbers (bool, int or float), got dtype {arr.dtype}"
+        )
+    if arr.dtype == dtype:
+        grad = arr
+    else:
+        with np.errstate(over="ignore"):  # reported below, naming the argument
+            grad = arr.astype(dtype)
+    if not np.isfinite(grad).all():
+        if grad is not arr and np.isfinite(arr).all():  # only the cast made it inf
+            raise ValueError(
+                f"{name} has values too large for {np.dtype(dtype)} (cast from {arr.dtype}, "
+                f"they become inf); expected finite values in {np.dtype(dtype)}'s range"
+            )
+        raise ValueError(f"{name} contains NaN or inf; expected finite values")
+    return grad
 
 
 def check_ndim(x, name, min_ndim, shape_hint):

@@ -74,7 +74,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import check_same_shape
+from ._checks import as_upstream_grad
 from .functional import _check_attention_inputs, _check_scale, sum_to_shape
 from .masks import prepare_mask
 
@@ -724,10 +724,16 @@ def attention_backward(dout, cache):
     -------
     dquery, dkey, dvalue : ndarray
         Shapes of the forward's ``query``, ``key`` and ``value``.
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
     query, key, value, exp_scores, inv_sum, out, scale, shapes = cache
-    check_same_shape(dout, "dout", out.shape)
-    dout = np.asarray(dout, dtype=out.dtype)
+    dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
     dquery = np.empty(query.shape, out.dtype)
     dkey = np.empty(key.shape, out.dtype)
     dvalue = np.empty(value.shape, out.dtype)
@@ -924,6 +930,8 @@ def mha_backward(dout, cache):
     Parameters
     ----------
     dout : ndarray, shape (..., T, E)
+        Same shape as the forward output (it is not broadcast); cast to the
+        parameters' dtype.
     cache : FastLayerCache
 
     Returns
@@ -932,6 +940,15 @@ def mha_backward(dout, cache):
         Gradient of every parameter the forward used (``W_*``, ``b_*``).
     dinputs : tuple of ndarray
         Gradient of each entry of the forward's ``inputs``.
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
+        This is the only check of ``dout`` on the layers' fast path: the
+        layers pass theirs straight here.
     """
     (kind, core, rows, in_shapes, W_in, groups, scale, heads_cache, merged, W_out, out_proj,
      out_shape, _) = cache
@@ -939,7 +956,7 @@ def mha_backward(dout, cache):
     dtype = merged.dtype
     E = merged.shape[1]
     batch = out_shape[:-2]
-    dy = np.asarray(dout, dtype=dtype).reshape(-1, E)  # (..., T, E) -> (N, E)
+    dy = as_upstream_grad(dout, "dout", out_shape, dtype).reshape(-1, E)  # (..., T, E) -> (N, E)
     grads = {}
     if out_proj:
         grads["W_out"] = _matmul(merged.T, dy, split="cols")  # (E, N) @ (N, E) -> (E, E)
@@ -959,7 +976,7 @@ def mha_backward(dout, cache):
     if core == "tiled":
         from . import tiled
 
-        tiled.attention_backward(dheads, core_cache, grads_out=(dq, dk, dv))
+        tiled._attention_backward(dheads, core_cache, grads_out=(dq, dk, dv))  # dy checked above
     else:
         # gradient w.r.t. the *scaled* query: the scale lives in the fused W
         _core_backward(dheads, core_cache, dq, dk, dv, dtype.type(1))

@@ -10,6 +10,12 @@ input, with that input's shape and (compute) dtype. The cache is a small named
 tuple holding exactly what the backward reads. The derivations are in
 ``docs/derivations.md``.
 
+Every public backward checks its upstream gradient once
+(:func:`qkvnp._checks.as_upstream_grad`: exact shape, real dtype, cast to the
+compute dtype, finite) and then runs the math in a private
+``_name_backward``, which composite backwards (attention's softmax, the
+reference layers) call directly on gradients that are already checked.
+
 This is the *reference* path: every formula is written line for line, with
 scipy's softmax, so that it reads like the math and serves as the oracle.
 """
@@ -18,7 +24,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_float_array, check_ndim, check_same_shape, compute_dtype
+from ._checks import as_float_array, as_upstream_grad, check_ndim, compute_dtype
 from .masks import prepare_mask
 
 __all__ = [
@@ -44,7 +50,7 @@ __all__ = [
 LinearCache = namedtuple("LinearCache", "x W has_bias")
 SoftmaxCache = namedtuple("SoftmaxCache", "weights axis")
 AttentionCache = namedtuple("AttentionCache", "query key value weights scale")
-HeadsCache = namedtuple("HeadsCache", "num_heads out_shape")
+HeadsCache = namedtuple("HeadsCache", "num_heads out_shape dtype")
 
 
 def sum_to_shape(grad, shape):
@@ -86,7 +92,11 @@ def linear_forward(x, W, b=None):
     Raises
     ------
     ValueError
-        If ``W`` is not 2-D, ``x``'s last dim is not ``N`` or ``b`` is not ``(M,)``.
+        If ``W`` is not 2-D, ``x``'s last dim is not ``N``, ``b`` is not
+        ``(M,)``, or an input holds NaN or inf.
+    TypeError
+        If an input does not hold real numbers or is wider than float64
+        (float128); the message names it.
 
     Notes
     -----
@@ -104,7 +114,7 @@ def linear_forward(x, W, b=None):
            [2., 1.]])
     """
     W = as_float_array(W, "W")
-    dtype = compute_dtype(np.asarray(x).dtype, W.dtype)
+    dtype = compute_dtype(np.asarray(x).dtype, W.dtype, names=("x", "W"))
     x = as_float_array(x, "x", dtype)
     W = W.astype(dtype, copy=False)
     if W.ndim != 2:
@@ -137,10 +147,23 @@ def linear_backward(dout, cache):
     dx : ndarray, shape (..., N)
     dW : ndarray, shape (N, M)
     db : ndarray, shape (M,), or None when the forward had no bias
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of shape ``(..., M)`` exactly (no broadcasting) or
+        holds NaN or inf.
     """
+    x, W, _ = cache
+    dout = as_upstream_grad(dout, "dout", x.shape[:-1] + (W.shape[1],), W.dtype)
+    return _linear_backward(dout, cache)
+
+
+def _linear_backward(dout, cache):
+    """:func:`linear_backward` of a ``dout`` already checked and cast."""
     x, W, has_bias = cache
-    check_same_shape(dout, "dout", x.shape[:-1] + (W.shape[1],))
-    dout = np.asarray(dout, dtype=W.dtype)
     dx = dout @ W.T  # (..., M) -> (..., N)
     x_rows = x.reshape(-1, x.shape[-1])  # (..., N) -> (rows, N)
     dout_rows = dout.reshape(-1, dout.shape[-1])  # (..., M) -> (rows, M)
@@ -177,7 +200,7 @@ def softmax(x, axis=-1):
 
     x = np.asarray(x)
     if x.dtype.kind != "f":
-        x = x.astype(compute_dtype(x.dtype))
+        x = x.astype(compute_dtype(x.dtype, names=("x",)))
     if x.size == 0:
         return np.zeros_like(x)  # no entries (e.g. no keys): nothing to normalise
     dead = np.all(np.isneginf(x), axis=axis, keepdims=True)
@@ -235,10 +258,23 @@ def softmax_backward(dweights, cache):
     Returns
     -------
     dscores : ndarray, same shape as the weights
+
+    Raises
+    ------
+    TypeError
+        If ``dweights`` does not hold real numbers.
+    ValueError
+        If ``dweights`` does not have the weights' shape exactly or holds NaN
+        or inf.
     """
+    weights, _ = cache
+    dweights = as_upstream_grad(dweights, "dweights", weights.shape, weights.dtype)
+    return _softmax_backward(dweights, cache)
+
+
+def _softmax_backward(dweights, cache):
+    """:func:`softmax_backward` of a ``dweights`` already checked and cast."""
     weights, axis = cache
-    check_same_shape(dweights, "dweights", weights.shape)
-    dweights = np.asarray(dweights, dtype=weights.dtype)
     row_dot = np.sum(weights * dweights, axis=axis, keepdims=True)  # (..., 1)
     return weights * (dweights - row_dot)
 
@@ -249,9 +285,10 @@ def softmax_backward(dweights, cache):
 def _check_attention_inputs(query, key, value):
     """Cast to a common float dtype and check the attention shapes."""
     try:
-        dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)))
+        dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)),
+                              names=("query", "key", "value"))
     except TypeError:
-        dtype = None  # as_float_array below names the argument that is not real
+        dtype = None  # as_float_array below names the argument that is not real or is float128
     query = as_float_array(query, "query", dtype)
     key = as_float_array(key, "key", dtype)
     value = as_float_array(value, "value", dtype)
@@ -322,7 +359,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     ValueError
         On mismatched dims, a mask that does not broadcast, non-finite inputs.
     TypeError
-        On a mask that is neither bool nor float.
+        On a mask that is neither bool nor float, or an input that does not
+        hold real numbers or is wider than float64 (float128); the message
+        names the argument.
 
     Notes
     -----
@@ -388,16 +427,29 @@ def attention_backward(dout, cache):
     dquery : ndarray, shape of ``query``
     dkey : ndarray, shape of ``key``
     dvalue : ndarray, shape of ``value``
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
-    query, key, value, weights, scale = cache
+    _, _, value, weights, _ = cache
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
     lead = np.broadcast_shapes(weights.shape[:-2], value.shape[:-2])
-    check_same_shape(dout, "dout", lead + (weights.shape[-2], value.shape[-1]))
-    dout = np.asarray(dout, dtype=weights.dtype)
+    dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
+                            weights.dtype)
+    return _attention_backward(dout, cache)
+
+
+def _attention_backward(dout, cache):
+    """:func:`attention_backward` of a ``dout`` already checked and cast."""
+    query, key, value, weights, scale = cache
     dvalue = np.swapaxes(weights, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
     dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
     weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
-    dscores = softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
+    dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
     dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
     dkey = (np.swapaxes(dscores, -1, -2) @ query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
     return (
@@ -452,6 +504,13 @@ def split_heads_forward(x, num_heads):
     out : ndarray, shape (..., H, T, E // H)
     cache : HeadsCache
 
+    Raises
+    ------
+    TypeError
+        If ``x`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``x`` has fewer than 2 dims or ``num_heads`` does not divide ``E``.
+
     Examples
     --------
     >>> out, cache = split_heads_forward(np.arange(4.0).reshape(1, 4), 2)
@@ -460,17 +519,48 @@ def split_heads_forward(x, num_heads):
     """
     x = np.asarray(x)
     check_ndim(x, "x", 2, "(..., T, E)")
+    grad_dtype = _heads_grad_dtype(x)
     E = x.shape[-1]
     if not isinstance(num_heads, (int, np.integer)) or num_heads < 1 or E % num_heads:
         raise ValueError(f"num_heads must be a positive divisor of E={E}, got {num_heads}")
     heads = x.reshape(x.shape[:-1] + (num_heads, E // num_heads))  # (..., T, E) -> (..., T, H, D)
     out = np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
-    return out, HeadsCache(num_heads, out.shape)
+    return out, HeadsCache(num_heads, out.shape, grad_dtype)
+
+
+def _heads_grad_dtype(x):
+    """dtype of the gradient of a head split/merge input: ``x``'s own, if float."""
+    # NOTE: the split is a reshape: no compute dtype, a float input keeps its own.
+    return x.dtype if x.dtype.kind == "f" else compute_dtype(x.dtype, names=("x",))
 
 
 def split_heads_backward(dout, cache):
-    """Backward of :func:`split_heads_forward`: merge the heads of ``dout``."""
-    check_same_shape(dout, "dout", cache.out_shape)
+    """Backward of :func:`split_heads_forward`: merge the heads of ``dout``.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., H, T, D)
+        Same shape as the forward output.
+    cache : HeadsCache
+
+    Returns
+    -------
+    dx : ndarray, shape (..., T, H*D)
+        In the dtype of the forward's ``x`` (float64 for an integer ``x``).
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers.
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
+    """
+    dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
+    return _split_heads_backward(dout, cache)
+
+
+def _split_heads_backward(dout, cache):
+    """:func:`split_heads_backward` of a ``dout`` already checked and cast."""
     return merge_heads_forward(dout)[0]
 
 
@@ -481,16 +571,48 @@ def merge_heads_forward(x):
     -------
     out : ndarray, shape (..., T, H*D)
     cache : HeadsCache
+
+    Raises
+    ------
+    TypeError
+        If ``x`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``x`` has fewer than 3 dims.
     """
     x = np.asarray(x)
     check_ndim(x, "x", 3, "(..., H, T, D)")
+    grad_dtype = _heads_grad_dtype(x)
     H, T, D = x.shape[-3:]
     heads = np.swapaxes(x, -2, -3)  # (..., H, T, D) -> (..., T, H, D)
     out = heads.reshape(heads.shape[:-2] + (H * D,))  # (..., T, H, D) -> (..., T, H*D)
-    return out, HeadsCache(H, out.shape)
+    return out, HeadsCache(H, out.shape, grad_dtype)
 
 
 def merge_heads_backward(dout, cache):
-    """Backward of :func:`merge_heads_forward`: split ``dout`` into heads."""
-    check_same_shape(dout, "dout", cache.out_shape)
+    """Backward of :func:`merge_heads_forward`: split ``dout`` into heads.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, H*D)
+        Same shape as the forward output.
+    cache : HeadsCache
+
+    Returns
+    -------
+    dx : ndarray, shape (..., H, T, D)
+        In the dtype of the forward's ``x`` (float64 for an integer ``x``).
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers.
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
+    """
+    dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
+    return _merge_heads_backward(dout, cache)
+
+
+def _merge_heads_backward(dout, cache):
+    """:func:`merge_heads_backward` of a ``dout`` already checked and cast."""
     return split_heads_forward(dout, cache.num_heads)[0]

@@ -8,13 +8,23 @@ A layer holds ``params`` and ``grads`` (dicts with the same keys and shapes),
 ``forward`` keeps the caches its ``backward`` reads, and ``backward``
 *accumulates* into ``grads`` (like autograd engines' ``+=``) and returns the
 gradient of its inputs. ``zero_grad()`` resets the gradients.
+
+dtypes: a layer computes in its ``dtype``. ``forward`` casts its real inputs
+to it (ints, bools, float16/32/64 and float128 alike, silently: a float128
+input loses its extra precision; Embedding's indices stay integers), and
+``backward`` casts ``dout`` the same way. Both refuse non-real arrays
+(``TypeError``) and NaN or inf (``ValueError``), naming the argument; a value
+that only becomes inf in the cast (float64 1e300 into float32) is refused too.
+``backward`` checks ``dout`` once (exact shape, no broadcasting); the ops it
+then calls do not check the intermediate gradients again.
 """
 from collections import namedtuple
 
 import numpy as np
 
 from . import functional as F
-from ._checks import as_float_array, check_int, check_ndim, check_same_shape, compute_dtype, make_rng
+from ._checks import (as_float_array, as_upstream_grad, check_int, check_ndim, compute_dtype,
+                      make_rng)
 
 __all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform",
            "Linear", "Embedding", "embedding_forward", "embedding_backward", "EmbeddingCache"]
@@ -82,7 +92,7 @@ def _layer_dtype(dtype):
         requested = None
     if requested is None or requested.kind != "f" or requested.itemsize > 8:
         raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
-    return compute_dtype(requested)
+    return compute_dtype(requested, names=("dtype",))
 
 
 class Layer:
@@ -212,6 +222,7 @@ class SelfAttention(Layer):
         Parameters
         ----------
         x : ndarray, shape (..., T, d_in)
+            Cast to the layer's dtype (ints and float128 included).
         attn_mask : ndarray of bool or float, optional
             Broadcastable to ``(..., T, T)``; bool True = may attend.
         is_causal : bool
@@ -222,6 +233,14 @@ class SelfAttention(Layer):
         out : ndarray, shape (..., T, d_out)
         weights : ndarray, shape (..., T, T)
             Only with ``return_weights=True``.
+
+        Raises
+        ------
+        TypeError
+            If ``x`` does not hold real numbers, or the mask is neither bool
+            nor float.
+        ValueError
+            On a shape mismatch, or NaN or inf in ``x``.
         """
         x = as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
@@ -247,28 +266,36 @@ class SelfAttention(Layer):
         Parameters
         ----------
         dout : ndarray, shape (..., T, d_out)
-            Same shape as the forward output.
+            Same shape as the forward output (not broadcast); cast to the
+            layer's dtype.
 
         Returns
         -------
         dx : ndarray, shape (..., T, d_in)
+
+        Raises
+        ------
+        TypeError
+            If ``dout`` does not hold real numbers (complex, object...).
+        ValueError
+            If ``dout`` has another shape or holds NaN or inf, or backward is
+            called before forward.
         """
         if _fast_cache(self._need_cache()) is not None:
-            check_same_shape(dout, "dout", self._cache.out_shape)
-            grads, (dx,) = _fast().mha_backward(dout, self._cache)
+            grads, (dx,) = _fast().mha_backward(dout, self._cache)  # checks dout
             self._accumulate_fast(grads)
             return dx
         query_cache, key_cache, value_cache, attention_cache, out_shape = self._need_cache()
-        check_same_shape(dout, "dout", out_shape)
-        # reverse order of forward, one line for one line
-        dquery, dkey, dvalue = F.attention_backward(dout, attention_cache)
-        dx_value, dW_value, db_value = F.linear_backward(dvalue, value_cache)
-        dx_key, dW_key, db_key = F.linear_backward(dkey, key_cache)
+        dout = as_upstream_grad(dout, "dout", out_shape, attention_cache.weights.dtype)
+        # reverse order of forward, one line for one line (F._*: dout is checked)
+        dquery, dkey, dvalue = F._attention_backward(dout, attention_cache)
+        dx_value, dW_value, db_value = F._linear_backward(dvalue, value_cache)
+        dx_key, dW_key, db_key = F._linear_backward(dkey, key_cache)
         # NOTE: db_key is 0 in exact arithmetic (q . b_key is the same for every
         # key of a query's row, and softmax ignores a constant added to a row);
         # computed, it is round-off, ~1e-16 of the other gradients. Not forced to 0,
         # so that a gradient check still sees what the backward really computes.
-        dx_query, dW_query, db_query = F.linear_backward(dquery, query_cache)
+        dx_query, dW_query, db_query = F._linear_backward(dquery, query_cache)
         for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
                            ("b_query", db_query), ("b_key", db_key), ("b_value", db_value)):
             self._accumulate(name, grad)
@@ -436,6 +463,8 @@ class MultiHeadAttention(Layer):
         Parameters
         ----------
         query : ndarray, shape (..., T, E)
+            Like ``key`` and ``value``, cast to the layer's dtype (ints and
+            float128 included).
         key : ndarray, shape (..., S, kdim), optional
             Omitted: self-attention (``key = value = query``).
         value : ndarray, shape (..., S, vdim), optional
@@ -453,6 +482,13 @@ class MultiHeadAttention(Layer):
         out : ndarray, shape (..., T, E)
         weights : ndarray, shape (..., H, T, S)
             Only with ``return_weights=True``.
+
+        Raises
+        ------
+        TypeError
+            If an input does not hold real numbers, or a mask has the wrong dtype.
+        ValueError
+            On a shape mismatch, or NaN or inf in an input.
         """
         query, key, value, kind = self._check_inputs(query, key, value)
         batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
@@ -485,7 +521,8 @@ class MultiHeadAttention(Layer):
         Parameters
         ----------
         dout : ndarray, shape (..., T, E)
-            Same shape as the forward output.
+            Same shape as the forward output (not broadcast); cast to the
+            layer's dtype.
 
         Returns
         -------
@@ -494,27 +531,34 @@ class MultiHeadAttention(Layer):
         (dquery, dkey, dvalue) : tuple
             For cross-attention. When ``value`` was omitted (``value = key``),
             ``dkey`` is the key input's total gradient and ``dvalue`` is None.
+
+        Raises
+        ------
+        TypeError
+            If ``dout`` does not hold real numbers (complex, object...).
+        ValueError
+            If ``dout`` has another shape or holds NaN or inf, or backward is
+            called before forward.
         """
         if _fast_cache(self._need_cache()) is not None:
-            check_same_shape(dout, "dout", self._cache.out_shape)
-            grads, dinputs = _fast().mha_backward(dout, self._cache)
+            grads, dinputs = _fast().mha_backward(dout, self._cache)  # checks dout
             self._accumulate_fast(grads)
             kind = self._cache.kind
             return dinputs[0] if kind == "self" else dinputs + (None,) * (kind == "key_only")
         (kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
          attention_cache, merge_cache, out_cache, out_shape) = self._need_cache()
-        check_same_shape(dout, "dout", out_shape)
-        # reverse order of forward, one line for one line
-        dmerged, dW_out, db_out = F.linear_backward(dout, out_cache)
-        dheads = F.merge_heads_backward(dmerged, merge_cache)
-        dq_heads, dk_heads, dv_heads = F.attention_backward(dheads, attention_cache)
-        dv = F.split_heads_backward(dv_heads, v_split)
-        dk = F.split_heads_backward(dk_heads, k_split)
-        dq = F.split_heads_backward(dq_heads, q_split)
-        dvalue, dW_value, db_value = F.linear_backward(dv, v_cache)
-        dkey, dW_key, db_key = F.linear_backward(dk, k_cache)
+        dout = as_upstream_grad(dout, "dout", out_shape, out_cache.W.dtype)
+        # reverse order of forward, one line for one line (F._*: dout is checked)
+        dmerged, dW_out, db_out = F._linear_backward(dout, out_cache)
+        dheads = F._merge_heads_backward(dmerged, merge_cache)
+        dq_heads, dk_heads, dv_heads = F._attention_backward(dheads, attention_cache)
+        dv = F._split_heads_backward(dv_heads, v_split)
+        dk = F._split_heads_backward(dk_heads, k_split)
+        dq = F._split_heads_backward(dq_heads, q_split)
+        dvalue, dW_value, db_value = F._linear_backward(dv, v_cache)
+        dkey, dW_key, db_key = F._linear_backward(dk, k_cache)
         # NOTE: db_key is round-off around an exact 0, see SelfAttention.backward
-        dquery, dW_query, db_query = F.linear_backward(dq, q_cache)
+        dquery, dW_query, db_query = F._linear_backward(dq, q_cache)
         for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
                            ("W_out", dW_out), ("b_query", db_query), ("b_key", db_key),
                            ("b_value", db_value), ("b_out", db_out)):
@@ -595,10 +639,18 @@ class Linear(Layer):
         Parameters
         ----------
         x : ndarray, shape (..., in_features)
+            Cast to the layer's dtype (ints and float128 included).
 
         Returns
         -------
         out : ndarray, shape (..., out_features)
+
+        Raises
+        ------
+        TypeError
+            If ``x`` does not hold real numbers.
+        ValueError
+            On a shape mismatch, or NaN or inf in ``x``.
         """
         x = as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 1, f"(..., {self.in_features})")
@@ -616,15 +668,23 @@ class Linear(Layer):
         Parameters
         ----------
         dout : ndarray, shape (..., out_features)
-            Same shape as the forward output.
+            Same shape as the forward output (not broadcast); cast to the
+            layer's dtype.
 
         Returns
         -------
         dx : ndarray, shape (..., in_features)
+
+        Raises
+        ------
+        TypeError
+            If ``dout`` does not hold real numbers (complex, object...).
+        ValueError
+            If ``dout`` has another shape or holds NaN or inf, or backward is
+            called before forward.
         """
-        linear_cache, out_shape = self._need_cache()
-        check_same_shape(dout, "dout", out_shape)
-        dx, dW, db = F.linear_backward(dout, linear_cache)
+        linear_cache, _ = self._need_cache()
+        dx, dW, db = F.linear_backward(dout, linear_cache)  # checks dout
         self._accumulate("W", dW)
         if self.bias:
             self._accumulate("b", db)
@@ -714,10 +774,16 @@ def embedding_backward(dout, cache):
     -------
     dweight : ndarray, shape (num, dim)
         Rows never looked up are 0; repeated indices add up.
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
     indices, weight_shape, dtype = cache
-    check_same_shape(dout, "dout", indices.shape + (weight_shape[1],))
-    dout = np.asarray(dout, dtype=dtype)
+    dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
     dweight = np.zeros(weight_shape, dtype=dtype)
     np.add.at(dweight, indices.reshape(-1), dout.reshape(-1, weight_shape[1]))  # (rows, dim) -> (num, dim)
     return dweight
@@ -790,7 +856,16 @@ class Embedding(Layer):
         Parameters
         ----------
         dout : ndarray, shape (..., embedding_dim)
-            Same shape as the forward output.
+            Same shape as the forward output (not broadcast); cast to the
+            weight's dtype.
+
+        Raises
+        ------
+        TypeError
+            If ``dout`` does not hold real numbers (complex, object...).
+        ValueError
+            If ``dout`` has another shape or holds NaN or inf, or backward is
+            called before forward.
         """
         cache = self._need_cache()
         self._accumulate("weight", embedding_backward(dout, cache))

@@ -12,7 +12,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_float_array, check_ndim
+from ._checks import as_float_array, as_upstream_grad, check_ndim
 
 __all__ = [
     "mse_forward",
@@ -29,15 +29,13 @@ CrossEntropyCache = namedtuple("CrossEntropyCache", "log_probs targets counted c
 
 
 def _check_dloss(dloss, dtype):
-    """``dloss`` must be a real scalar (a Python number or a 0-d/size-1 array)."""
+    """``dloss`` as a 0-d array of ``dtype``: a finite real scalar (a number, 0-d or size-1 array)."""
     arr = np.asarray(dloss)
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"dloss must be a real number, got dtype {arr.dtype}")
     if arr.shape != () and arr.shape != (1,):
         raise ValueError(
             f"dloss must be a scalar (shape () like the loss), got shape {arr.shape}"
         )
-    return arr.reshape(()).astype(dtype)
+    return as_upstream_grad(arr.reshape(()), "dloss", (), dtype)  # real, cast, finite
 
 
 # ---------------------------------------------------------------- mse
@@ -109,6 +107,13 @@ def mse_backward(dloss, cache):
     -------
     dpred : ndarray, shape of ``pred``
         In the compute dtype.
+
+    Raises
+    ------
+    TypeError
+        If ``dloss`` is not a real number (complex, object...).
+    ValueError
+        If ``dloss`` is not a scalar, or is NaN or inf.
     """
     diff = cache.diff
     dloss = _check_dloss(dloss, diff.dtype)
@@ -262,6 +267,13 @@ def cross_entropy_backward(dloss, cache):
     dlogits : ndarray, shape (..., C)
         ``dloss * (softmax(logits) - onehot(targets)) / n`` on counted rows,
         0 on the others (all zeros when no position is counted).
+
+    Raises
+    ------
+    TypeError
+        If ``dloss`` is not a real number (complex, object...).
+    ValueError
+        If ``dloss`` is not a scalar, or is NaN or inf.
     """
     log_probs, targets, counted, count = cache
     dloss = _check_dloss(dloss, log_probs.dtype)

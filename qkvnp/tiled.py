@@ -56,7 +56,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import check_same_shape
+from ._checks import as_upstream_grad
 from .functional import _check_attention_inputs, _check_scale, sum_to_shape
 from .masks import prepare_mask
 
@@ -540,6 +540,15 @@ def attention_backward(dout, cache, grads_out=None):
     dkey : ndarray, shape of ``key``
     dvalue : ndarray, shape of ``value``
 
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...), or
+        ``grads_out`` is not a tuple of three arrays.
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf,
+        or an array of ``grads_out`` has the wrong shape or dtype.
+
     Notes
     -----
     The equations are in :func:`attention_forward`. Loops run over key blocks
@@ -558,11 +567,20 @@ def attention_backward(dout, cache, grads_out=None):
     >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(tiled, reference))
     True
     """
+    out = cache.out
+    dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
+    return _attention_backward(dout, cache, grads_out)
+
+
+def _attention_backward(dout, cache, grads_out=None):
+    """:func:`attention_backward` of a ``dout`` already checked and cast.
+
+    :func:`qkvnp.fast.mha_backward` calls it on the heads of its own checked
+    upstream gradient.
+    """
     (query, key, value, bias, keep, is_causal, scale, out, row_max, row_sum,
      block_q, block_k, live, safe) = cache
-    check_same_shape(dout, "dout", out.shape)
     dtype = out.dtype
-    dout = np.asarray(dout, dtype=dtype)
     lead = out.shape[:-2]
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]

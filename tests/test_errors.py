@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import qkvnp
-from qkvnp import functional as F
+from qkvnp import functional as F, layers, losses
 
 rng = np.random.default_rng(0)
 
@@ -250,3 +250,252 @@ def test_dout_of_another_shape_is_refused_on_every_path(module):
     _, cache = path.attention_forward(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)))
     with pytest.raises(ValueError, match=r"dout must have shape \(3, 5\).*got shape \(3, 4\)"):
         path.attention_backward(np.ones((3, 4)), cache)
+
+
+# ---------------------------------------------------------------- upstream gradients
+
+
+def _op(forward, backward, *inputs, name="dout"):
+    """A functional pair's backward on a fresh forward: (call, argument name, expected shape)."""
+    out, cache = forward(*inputs)
+    return (lambda d: backward(d, cache)), name, np.shape(out)
+
+
+def _layer(layer, *inputs):
+    """A layer's backward after one forward: (call, argument name, expected shape)."""
+    out = layer.forward(*inputs)
+    return layer.backward, "dout", out.shape
+
+
+def _path(module):
+    return importlib.import_module(f"qkvnp.{module}")
+
+
+# Every backward a user can call, but the attention layers' (below, on each impl):
+# a setup that runs the forward and returns (backward(d), argument name, shape).
+UPSTREAM_ENTRY_POINTS = {
+    "functional.linear_backward": lambda: _op(
+        F.linear_forward, F.linear_backward, normal(2, 3, 4), normal(4, 5), normal(5)),
+    "functional.softmax_backward": lambda: _op(
+        F.softmax_forward, F.softmax_backward, normal(3, 4), name="dweights"),
+    "functional.attention_backward": lambda: _op(
+        F.attention_forward, F.attention_backward, normal(2, 3, 4), normal(2, 5, 4), normal(2, 5, 2)),
+    "functional.split_heads_backward": lambda: _op(
+        F.split_heads_forward, F.split_heads_backward, normal(2, 3, 6), 2),
+    "functional.merge_heads_backward": lambda: _op(
+        F.merge_heads_forward, F.merge_heads_backward, normal(2, 2, 3, 3)),
+    "fast.attention_backward": lambda: _op(
+        _path("fast").attention_forward, _path("fast").attention_backward,
+        normal(2, 3, 4), normal(2, 5, 4), normal(2, 5, 2)),
+    "tiled.attention_backward": lambda: _op(
+        _path("tiled").attention_forward, _path("tiled").attention_backward,
+        normal(2, 3, 4), normal(2, 5, 4), normal(2, 5, 2)),
+    "layers.embedding_backward": lambda: _op(
+        layers.embedding_forward, layers.embedding_backward,
+        np.array([[1, 0, 1]]), normal(3, 4)),
+    "Linear.backward": lambda: _layer(qkvnp.Linear(4, 3, rng=0), normal(2, 5, 4)),
+    "Embedding.backward": lambda: _layer(qkvnp.Embedding(5, 4, rng=0), np.array([[1, 2, 1]])),
+    "losses.mse_backward": lambda: _op(
+        losses.mse_forward, losses.mse_backward, normal(3, 2), normal(3, 2),
+        name="dloss"),
+    "losses.cross_entropy_backward": lambda: _op(
+        losses.cross_entropy_forward, losses.cross_entropy_backward,
+        normal(3, 4), np.array([0, 3, 1]), name="dloss"),
+}
+
+# The attention layers, on each impl (the fast and tiled ones check in fast.mha_backward).
+ATTENTION_LAYER_ENTRY_POINTS = {
+    "SelfAttention": lambda impl: _layer(qkvnp.SelfAttention(6, 4, rng=0, impl=impl), normal(2, 3, 6)),
+    "MultiHeadAttention self": lambda impl: _layer(
+        qkvnp.MultiHeadAttention(6, 2, rng=0, impl=impl), normal(2, 3, 6)),
+    "MultiHeadAttention cross": lambda impl: _layer(
+        qkvnp.MultiHeadAttention(6, 2, kdim=4, vdim=5, rng=0, impl=impl),
+        normal(2, 3, 6), normal(2, 4, 4), normal(2, 4, 5)),
+}
+
+
+def _with_last(value):
+    """Finite random entries but the last one: a check of the first entry alone misses it."""
+    def make(shape):
+        d = np.array(normal(*shape))
+        d.flat[-1] = value
+        return d
+    return make
+
+
+BAD_UPSTREAM = [
+    # (make(shape) -> upstream gradient, exception, message fragments; {name} is the argument)
+    pytest.param(lambda s: np.full(s, np.nan), ValueError,
+                 ["{name} contains NaN or inf", "finite"], id="nan"),
+    pytest.param(lambda s: np.full(s, np.inf), ValueError, ["{name} contains NaN or inf"], id="+inf"),
+    pytest.param(lambda s: np.full(s, -np.inf), ValueError, ["{name} contains NaN or inf"], id="-inf"),
+    pytest.param(_with_last(np.nan), ValueError, ["{name} contains NaN or inf"], id="last-nan"),
+    pytest.param(_with_last(-np.inf), ValueError, ["{name} contains NaN or inf"], id="last--inf"),
+    # numpy would drop the imaginary part with a mere ComplexWarning
+    pytest.param(lambda s: np.array(normal(*s)) + 1j, TypeError,
+                 ["{name} must hold real numbers", "complex128"], id="complex"),
+    # numpy would fail inside a matmul with a message that names nothing
+    pytest.param(lambda s: np.full(s, 1.0, dtype=object), TypeError,
+                 ["{name} must hold real numbers", "object"], id="object"),
+    pytest.param(lambda s: np.full(s, "1"), TypeError, ["{name} must hold real numbers", "<U1"],
+                 id="str"),
+]
+
+
+def _check_refused(setup, make, exc, fragments):
+    backward, name, shape = setup
+    check(exc, lambda: backward(make(shape)), *(f.format(name=name) for f in fragments))
+
+
+@pytest.mark.parametrize("make, exc, fragments", BAD_UPSTREAM)
+@pytest.mark.parametrize("entry", sorted(UPSTREAM_ENTRY_POINTS))
+def test_backward_refuses_a_bad_upstream_gradient(entry, make, exc, fragments):
+    """Oracle: the contract of forward inputs (as_float_array), applied to the
+    upstream gradient: NaN/inf is a ValueError, a non-real dtype a TypeError,
+    both naming the argument."""
+    _check_refused(UPSTREAM_ENTRY_POINTS[entry](), make, exc, fragments)
+
+
+@pytest.mark.parametrize("make, exc, fragments", BAD_UPSTREAM)
+@pytest.mark.parametrize("entry", sorted(ATTENTION_LAYER_ENTRY_POINTS))
+def test_attention_layer_backward_refuses_a_bad_upstream_gradient(impl, entry, make, exc, fragments):
+    """Same oracle on each impl; a refused backward accumulates nothing into grads."""
+    backward, name, shape = setup = ATTENTION_LAYER_ENTRY_POINTS[entry](impl)
+    layer = backward.__self__
+    _check_refused(setup, make, exc, fragments)
+    for grad_name, grad in layer.grads.items():
+        assert not grad.any(), f"{grad_name} changed by a refused backward"
+    dx = layer.backward(normal(*shape))  # the cache is intact: a valid dout still works
+    assert all(np.isfinite(d).all() for d in (dx if isinstance(dx, tuple) else (dx,)) if d is not None)
+
+
+@pytest.fixture
+def upstream_checks(monkeypatch):
+    """Counts the calls of as_upstream_grad made from every module that uses it."""
+    from qkvnp import _checks
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return _checks.as_upstream_grad(*args, **kwargs)
+
+    for module in ("functional", "fast", "tiled", "layers", "losses"):
+        monkeypatch.setattr(_path(module), "as_upstream_grad", counting)
+    return calls
+
+
+@pytest.mark.parametrize("entry", sorted(UPSTREAM_ENTRY_POINTS))
+def test_each_backward_checks_its_upstream_gradient_once(entry, upstream_checks):
+    """Oracle: a count of the helper's calls. Once, not zero (unchecked) and not
+    again on intermediate gradients (a second pass would cost time and, on an
+    overflowed intermediate, blame the user's finite dout)."""
+    backward, name, shape = UPSTREAM_ENTRY_POINTS[entry]()
+    backward(normal(*shape))
+    assert upstream_checks == [name]
+
+
+@pytest.mark.parametrize("entry", sorted(ATTENTION_LAYER_ENTRY_POINTS))
+def test_each_attention_layer_checks_its_upstream_gradient_once(impl, entry, upstream_checks):
+    backward, name, shape = ATTENTION_LAYER_ENTRY_POINTS[entry](impl)
+    backward(normal(*shape))
+    assert upstream_checks == [name]
+
+
+def test_upstream_gradient_of_the_right_dtype_is_not_copied():
+    """The fast path relies on it: the helper hands back the very array it got."""
+    from qkvnp._checks import as_upstream_grad
+
+    for dtype in (np.float32, np.float64):
+        dout = normal(2, 3).astype(dtype)
+        assert as_upstream_grad(dout, "dout", (2, 3), dtype) is dout
+
+
+def test_a_cast_that_overflows_is_refused_naming_the_argument():
+    """float64 1e300 is finite but inf in float32: refused, not silently inf."""
+    layer = qkvnp.Linear(4, 3, rng=0, dtype=np.float32)
+    layer.forward(normal(2, 4))
+    check(ValueError, lambda: layer.backward(np.full((2, 3), 1e300)),
+          "dout has values too large for float32", "float64")
+
+
+@pytest.mark.parametrize("layer_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dout_dtype", [
+    np.float32, np.float64,  # the other float dtype is cast, as documented
+    np.float16, np.int64,  # ints and half floats too
+    np.longdouble,  # float128 (or float64 on some platforms): cast like a forward input
+])
+def test_upstream_gradients_of_another_real_dtype_are_cast(impl, layer_dtype, dout_dtype):
+    """Oracle: the same backward fed the gradient already cast to the layer dtype
+    (identical results: the check did not become stricter than documented)."""
+    rng_ = np.random.default_rng(3)
+    x = rng_.normal(size=(2, 3, 6))
+    dout = rng_.integers(-3, 4, size=(2, 3, 6)).astype(dout_dtype)  # exact in every dtype
+    results = []
+    for d in (dout, dout.astype(layer_dtype)):
+        for layer in (qkvnp.MultiHeadAttention(6, 2, rng=0, dtype=layer_dtype, impl=impl),
+                      qkvnp.SelfAttention(6, 6, rng=0, dtype=layer_dtype, impl=impl),
+                      qkvnp.Linear(6, 6, rng=0, dtype=layer_dtype)):
+            layer.forward(x)
+            dx = layer.backward(d)
+            assert dx.dtype == layer_dtype
+            results.append([dx] + [layer.grads[k] for k in sorted(layer.grads)])
+    half = len(results) // 2
+    for got, want in zip(results[:half], results[half:]):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("entry", sorted(UPSTREAM_ENTRY_POINTS))
+def test_backwards_cast_a_float32_upstream_gradient(entry):
+    """Oracle: the same backward fed the gradient already in float64."""
+    backward, _, shape = UPSTREAM_ENTRY_POINTS[entry]()
+    dout = np.array(normal(*shape)).astype(np.float32)
+    got, want = backward(dout), backward(dout.astype(np.float64))
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for a, b in zip(got, want):
+        if b is not None:
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------- float128
+
+
+LONGDOUBLE = str(np.dtype(np.longdouble))
+needs_wide_longdouble = pytest.mark.skipif(
+    np.finfo(np.longdouble).bits <= 64, reason="np.longdouble is float64 on this platform")
+
+
+def wide(*shape):
+    return normal(*shape).astype(np.longdouble)
+
+
+@needs_wide_longdouble
+@pytest.mark.parametrize("fn, name", [
+    (lambda: qkvnp.scaled_dot_product_attention(wide(2, 3), normal(2, 3), normal(2, 3)), "query"),
+    (lambda: F.attention_forward(normal(2, 3), wide(2, 3), normal(2, 3)), "key"),
+    (lambda: F.attention_forward(normal(2, 3), normal(2, 3), wide(2, 3)), "value"),
+    (lambda: F.linear_forward(wide(2, 3), normal(3, 2)), "x"),
+    (lambda: F.linear_forward(normal(2, 3), wide(3, 2)), "W"),
+    # (b is cast to the dtype of x and W, like an int b: no error)
+    (lambda: F.softmax_forward(wide(2, 3)), "scores"),
+    (lambda: layers.embedding_forward(np.array([0]), wide(2, 3)), "weight"),
+    (lambda: losses.mse_forward(wide(3), normal(3)), "pred"),
+    (lambda: losses.cross_entropy_forward(wide(2, 3), np.array([0, 1])), "logits"),
+])
+def test_float128_inputs_name_the_argument(fn, name):
+    """Oracle: the issue's wording, '<name> must be float16, float32 or float64'."""
+    check(TypeError, fn, f"{name} must be float16, float32 or float64", LONGDOUBLE)
+
+
+def test_compute_dtype_names_the_argument():
+    from qkvnp._checks import compute_dtype
+
+    check(TypeError, lambda: compute_dtype(np.float32, np.complex64, names=("a", "b")),
+          "b must hold real numbers", "complex64")
+    if np.finfo(np.longdouble).bits > 64:
+        check(TypeError, lambda: compute_dtype(np.float32, np.longdouble, names=("a", "b")),
+              "b must be float16, float32 or float64", LONGDOUBLE)
+    assert compute_dtype(np.float16, np.int64, names=("a", "b")) == np.float32
