@@ -61,12 +61,12 @@ Timing
 One process; within a configuration, dtype and mode the implementations run
 interleaved round by round (the starting one rotating), after a warm-up
 round, so that a change in the machine's load hits them alike. The process
-sleeps ``--pause`` seconds whenever it switches from one pool of threads to
-another: PyTorch's OpenMP threads, OpenBLAS's own threads (the qkvnp reference
-path's multi-threaded matmuls) and qkvnp's pinned worker threads (the fast and
-tiled paths, with BLAS at one thread). Idle OpenBLAS/OpenMP threads spin for
-a while after a call and slow whatever runs next on the 2 cores: without the
-pause after the reference path, the fast core measured up to 1.7x slower. PyTorch runs with
+sleeps ``--pause`` seconds before each call that follows another
+implementation's. Idle OpenBLAS/OpenMP threads spin for a while after a call
+and slow whatever runs next on the 2 cores: without the pause after the
+reference path (multi-threaded OpenBLAS), the fast core measured up to 1.7x
+slower, and the fast layer 1.6x slower right after the tiled layer (whose
+calls with a single block of work also run on OpenBLAS's threads). PyTorch runs with
 ``torch.set_num_threads(2)``; numpy's BLAS with its own default. Reported:
 median, minimum and interquartile range of ``--repeats`` timed calls (7 by
 default), and the ratio ``median(qkvnp) / median(PyTorch)`` of the same
@@ -319,16 +319,10 @@ def _import_torch():
     return torch
 
 
-def _qkvnp_thread_pool(impl):
-    """Which threads an implementation runs on (the benchmark pauses between pools)."""
-    return "openblas" if impl == "reference" else "qkvnp-workers"
-
-
 class _QkvnpLayer:
     library = "qkvnp"
 
     def __init__(self, impl, problem):
-        self.thread_pool = _qkvnp_thread_pool(impl)
         from .layers import MultiHeadAttention
 
         B, L, E, H = problem.config
@@ -365,7 +359,6 @@ class _QkvnpCore:
     library = "qkvnp"
 
     def __init__(self, impl, problem):
-        self.thread_pool = _qkvnp_thread_pool(impl)
         import importlib
 
         module_name = CORE_MODULES[impl]
@@ -583,8 +576,17 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
     warmup : int
         Untimed rounds first.
     pause : float
-        Seconds slept before a call whose pool of threads (``thread_pool``,
-        else ``library``) differs from the last one's.
+        Seconds slept before every call that follows another implementation's.
+
+    Notes
+    -----
+    NOTE: the pause separates every two implementations, not only two
+    libraries: threads that one leaves spinning slow the next on 2 cores.
+    OpenBLAS's own threads (the reference path; the fast and tiled paths
+    too when a call has a single block of work, e.g. the tiled core with one
+    query block) spin for about 0.05-0.1 s after a call: the fast layer at
+    (8, 128, 256, 8) float64 measured 29 ms alone, 46-50 ms right after the
+    tiled layer, 31 ms after a 0.1 s pause.
     progress : callable, optional
         Told which round is running, at most every 10 seconds.
 
@@ -597,7 +599,7 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
     names = list(runners)
     calls = {name: getattr(runners[name], method) for name in names}
     times = {name: [] for name in names}
-    last_pool = None
+    last_name = None
     last_report = time.perf_counter()
     for round_index in range(warmup + repeats):
         if progress and time.perf_counter() - last_report > 10:
@@ -605,10 +607,9 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
             last_report = time.perf_counter()
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            pool = getattr(runners[name], "thread_pool", runners[name].library)
-            if last_pool is not None and pool != last_pool and pause > 0:
+            if last_name is not None and name != last_name and pause > 0:
                 time.sleep(pause)
-            last_pool = pool
+            last_name = name
             start = time.perf_counter()
             result = calls[name]()
             elapsed = time.perf_counter() - start
@@ -1026,7 +1027,7 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     repeats, warmup : int
         Timed and untimed rounds per workload and mode.
     pause : float
-        Seconds slept when switching between libraries.
+        Seconds slept when switching from one implementation to the next.
     memory : bool
         Measure peak memory in fresh processes.
     memory_kinds : sequence of {"layer", "core"}
@@ -1282,7 +1283,7 @@ def format_report(report):
                      f"loaded beyond numpy's: {extra}")
     settings = report["settings"]
     lines.append(f"timing: median of {settings['repeats']} interleaved rounds after "
-                 f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between pools of threads; "
+                 f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between implementations; "
                  "IQR = interquartile range; x torch = median / PyTorch's median")
     memory_method = {r["memory"].get("method") for r in report["records"]
                      if r["memory"] and "method" in r["memory"]}
@@ -1455,8 +1456,9 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=_count(1), help="timed rounds, median reported (default 7)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--pause", type=_seconds,
-                        help="seconds slept when switching between pools of threads: PyTorch's, "
-                             "OpenBLAS's, qkvnp's workers (default 0.3, quick 0.2)")
+                        help="seconds slept before each call that follows another "
+                             "implementation's, while idle BLAS/OpenMP threads stop spinning "
+                             "(default 0.3, quick 0.15)")
     parser.add_argument("--gemm-size", type=_count(16), default=GEMM_SIZE,
                         help="n of the n x n matmul that measures the GEMM peak "
                              f"(default {GEMM_SIZE})")
@@ -1481,7 +1483,7 @@ def run(args):
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
     # quick: the reference path runs once, as the oracle, but is not timed
     impls = args.impls or (("fast", "tiled", "auto", "torch") if quick else IMPLEMENTATIONS)
-    pause = args.pause if args.pause is not None else 0.2 if quick else 0.3
+    pause = args.pause if args.pause is not None else 0.15 if quick else 0.3
     repeats = args.repeats or 7
     import_repeats = (args.import_repeats if args.import_repeats is not None
                       else 5 if quick else 7)
