@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from qkvnp import functional as F
-from qkvnp import tiled
+from qkvnp import fast, tiled
 
 from oracles import assert_matches_reference
 
@@ -390,8 +390,12 @@ def test_bad_block_size(block_size, error):
                                 block_size=block_size)
 
 
-def test_default_blocks_shrink_with_many_heads():
-    """The default block holds about a million scores whatever the (batch, head) count."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_default_blocks_shrink_with_many_heads(monkeypatch, threads):
+    """The default block holds about a million scores whatever the (batch, head)
+    count, and there are at least as many query blocks and key blocks as
+    threads (down to 32 rows), so that no pass runs on a single block."""
+    monkeypatch.setattr(fast, "NUM_THREADS", threads)
     rng = np.random.default_rng(11)
     for lead in [(), (4, 8), (16, 16)]:
         query, key, value = random_inputs(rng, lead + (300, 1), lead + (600, 1), lead + (600, 1))
@@ -400,10 +404,15 @@ def test_default_blocks_shrink_with_many_heads():
         assert lead_size * cache.block_q * cache.block_k <= max(
             tiled._BLOCK_ELEMENTS, lead_size * tiled._MIN_DEFAULT_BLOCK ** 2
         )
-        if not lead:
+        assert -(-300 // cache.block_q) >= threads and -(-600 // cache.block_k) >= threads
+        if not lead:  # oracle: by hand, min(default, ceil(length / threads))
             assert (cache.block_q, cache.block_k) == (
-                min(tiled.DEFAULT_BLOCK_SIZE[0], 300), min(tiled.DEFAULT_BLOCK_SIZE[1], 600)
+                min(tiled.DEFAULT_BLOCK_SIZE[0], -(-300 // threads)),
+                min(tiled.DEFAULT_BLOCK_SIZE[1], -(-600 // threads)),
             )
+    # short sequences: blocks of at least 32 rows, even if a thread gets none
+    _, cache = tiled.attention_forward(*random_inputs(rng, (40, 1), (20, 1), (20, 1)))
+    assert (cache.block_q, cache.block_k) == ((32, 20) if threads > 1 else (40, 20))
 
 
 def test_import_does_not_load_scipy():
