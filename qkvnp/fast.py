@@ -62,8 +62,9 @@ GFLOP/s per core, slower on operands that have left the cache (the dense
 ``(T, S)`` matrices are written once and read three times); PyTorch's fused
 kernel works on cache-sized tiles, which is what bounds these ratios from
 below on this BLAS. These are a tuning sweep's numbers; the benchmark
-command's full run (``benchmarks/RESULTS.md``, commit 22fbdf2) gave the same
-picture: layer 0.84-1.44, core 1.20-1.34 at L >= 512. A variant that
+command's full runs (``benchmarks/RESULTS.md``, commits 22fbdf2 and 871cd30)
+gave the same picture: layer 0.84-1.44 and 0.87-1.55, core 1.20-1.34 and
+1.19-1.39 at L >= 512. A variant that
 recomputes the scores in the backward instead of storing them measured at
 best equal (forward 17-24% faster, backward 14-44% slower), see RESULTS.md.
 
