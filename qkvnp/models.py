@@ -12,7 +12,7 @@ the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
 import numpy as np
 
 from . import functional as F
-from ._checks import check_same_shape, make_rng
+from ._checks import as_upstream_grad, make_rng
 from .layers import Embedding, Layer, Linear, MultiHeadAttention, _layer_dtype, xavier_uniform
 
 __all__ = ["Model", "KVRecallModel", "AttentionRegressor", "VARIANTS"]
@@ -207,21 +207,31 @@ class KVRecallModel(Model):
         -------
         None
             The inputs are integer ids: they have no gradient.
+
+        Raises
+        ------
+        TypeError
+            If ``dlogits`` does not hold real numbers.
+        ValueError
+            If ``dlogits`` has another shape or holds NaN or inf, or backward
+            is called before forward.
         """
         q_cache, k_cache, v_cache, attention_cache, P, logits_shape = self._need_cache()
-        check_same_shape(dlogits, "dlogits", logits_shape)
+        dlogits = as_upstream_grad(dlogits, "dlogits", logits_shape, self.dtype)
         role_q, role_k, role_v = self.roles
-        # reverse order of forward, one line for one line
+        # reverse order of forward, one line for one line; the private
+        # backwards take gradients that are already checked (those computed
+        # here from a checked dlogits), so no error blames the user's "dout"
         dattended = self.readout.backward(dlogits)[:, None]  # (B, E) -> (B, 1, E)
-        dq, dk, dv = F.attention_backward(dattended, attention_cache)
+        dq, dk, dv = F._attention_backward(dattended, attention_cache)
         if role_v is None:
             ditems_from_value = dv
         else:
-            ditems_from_value, dW_value, _ = F.linear_backward(dv, v_cache)
+            ditems_from_value, dW_value, _ = F._linear_backward(dv, v_cache)
             self._own_grads[role_v] += dW_value
-        ditems_from_key, dW_key, _ = F.linear_backward(dk, k_cache)
+        ditems_from_key, dW_key, _ = F._linear_backward(dk, k_cache)
         self._own_grads[role_k] += dW_key  # a tied matrix sums the gradients of its uses
-        dquery_token, dW_query, _ = F.linear_backward(dq, q_cache)
+        dquery_token, dW_query, _ = F._linear_backward(dq, q_cache)
         self._own_grads[role_q] += dW_query
         self._own_grads["query_marker"] += dquery_token.sum(axis=(0, 1))  # (B, 1, E) -> (E,)
         ditems = ditems_from_key + ditems_from_value  # the items feed keys and values

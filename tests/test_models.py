@@ -199,3 +199,21 @@ def test_bad_construction_and_backward_before_forward():
     model.forward(*kv_batch()[:3])
     with pytest.raises(ValueError, match=r"dlogits must have shape \(5, 5\)"):
         model.backward(np.ones((5, 1)))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (np.nan, ValueError, "dlogits contains NaN or inf"),
+    (np.inf, ValueError, "dlogits contains NaN or inf"),
+    (1j, TypeError, "dlogits must hold real numbers"),
+])
+def test_bad_dlogits_is_refused_by_name_and_leaves_grads_alone(bad, error, match):
+    # oracle: the error names the user's argument (not the "dout" of a layer
+    # inside), and nothing was accumulated before it was raised
+    model = KVRecallModel(7, 5, 6, rng=0)
+    model.forward(*kv_batch()[:3])
+    before = {name: g.copy() for name, g in model.grads.items()}
+    dlogits = np.ones((5, 5), dtype=np.result_type(type(bad), np.float64))
+    dlogits[2, 3] = bad
+    with pytest.raises(error, match=match):
+        model.backward(dlogits)
+    assert all(np.array_equal(model.grads[name], before[name]) for name in before)
