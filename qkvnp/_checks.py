@@ -10,12 +10,28 @@ __all__ = [
     "compute_dtype",
     "as_float_array",
     "as_upstream_grad",
+    "check_real_dtype",
     "check_ndim",
     "check_last_dim",
     "check_same_shape",
     "make_rng",
     "check_int",
 ]
+
+
+def check_real_dtype(dtype, name=None):
+    """Raise ``TypeError`` unless ``dtype`` holds real numbers (bool, int or float).
+
+    The message names the argument ``name`` (or says "expected" without one).
+
+    >>> check_real_dtype(np.dtype(complex), "dout")
+    Traceback (most recent call last):
+    ...
+    TypeError: dout must hold real numbers (bool, int or float), got dtype complex128
+    """
+    if np.dtype(dtype).kind not in "biuf":
+        what = "expected" if name is None else f"{name} must hold"
+        raise TypeError(f"{what} real numbers (bool, int or float), got dtype {np.dtype(dtype)}")
 
 
 def compute_dtype(*dtypes, names=None):
@@ -55,9 +71,7 @@ def compute_dtype(*dtypes, names=None):
     if len(names) != len(dtypes):
         raise ValueError(f"names must give one name per dtype ({len(dtypes)}), got {len(names)}")
     for d, name in zip(dtypes, names):
-        if d.kind not in "biuf":
-            what = "expected" if name is None else f"{name} must hold"
-            raise TypeError(f"{what} real numbers (bool, int or float), got dtype {d}")
+        check_real_dtype(d, name)
     for d, name in zip(dtypes, names):
         if d.kind == "f" and d.itemsize > 8:
             what = "expected" if name is None else f"{name} must be"
@@ -100,10 +114,7 @@ def as_float_array(x, name, dtype=None, finite=True):
     if x is None:
         raise TypeError(f"{name} must be an array, got None")
     arr = np.asarray(x)
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(
-            f"{name} must hold real numbers (bool, int or float), got dtype {arr.dtype}"
-        )
+    check_real_dtype(arr.dtype, name)
     target = compute_dtype(arr.dtype, names=(name,)) if dtype is None else np.dtype(dtype)
     arr = arr.astype(target, copy=False)
     if finite and not np.isfinite(arr).all():
@@ -160,10 +171,7 @@ def as_upstream_grad(d, name, shape, dtype):
         raise TypeError(f"{name} must be an array, got None")
     arr = np.asarray(d)
     check_same_shape(arr, name, shape)
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(
-            f"{name} must hold real numbers (bool, int or float), got dtype {arr.dtype}"
-        )
+    check_real_dtype(arr.dtype, name)
     if arr.dtype == dtype:
         grad = arr
     else:
@@ -189,12 +197,12 @@ def check_ndim(x, name, min_ndim, shape_hint):
 
 
 def check_last_dim(x, name, size, shape_hint):
-    """Raise ``ValueError`` unless the last axis of ``x`` has length ``size``."""
+    """Raise ``ValueError`` unless the last axis of ``x`` has length ``size``.
+
+    ``shape_hint`` names that size, e.g. ``"(..., T, 8)"``.
+    """
     if x.shape[-1] != size:
-        raise ValueError(
-            f"{name} must have shape {shape_hint} with last dim {size}, "
-            f"got shape {x.shape}"
-        )
+        raise ValueError(f"{name} must have shape {shape_hint}, got shape {x.shape}")
 
 
 def check_same_shape(x, name, shape):

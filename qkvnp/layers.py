@@ -23,8 +23,8 @@ from collections import namedtuple
 import numpy as np
 
 from . import functional as F
-from ._checks import (as_float_array, as_upstream_grad, check_int, check_ndim, compute_dtype,
-                      make_rng)
+from ._checks import (as_float_array, as_upstream_grad, check_int, check_last_dim, check_ndim,
+                      compute_dtype, make_rng)
 
 __all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform",
            "Linear", "Embedding", "embedding_forward", "embedding_backward", "EmbeddingCache"]
@@ -244,8 +244,7 @@ class SelfAttention(Layer):
         """
         x = as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
-        if x.shape[-1] != self.d_in:
-            raise ValueError(f"x must have shape (..., T, {self.d_in}), got shape {x.shape}")
+        check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
         T = x.shape[-2]
         impl = _resolve_impl(self.impl, int(np.prod(x.shape[:-2])), T, T, self.dtype, return_weights)
         if impl != "reference":
@@ -390,10 +389,7 @@ class MultiHeadAttention(Layer):
             raise ValueError("key must be given when value is given (value defaults to key)")
         query = as_float_array(query, "query", self.dtype)
         check_ndim(query, "query", 2, f"(..., T, {self.embed_dim})")
-        if query.shape[-1] != self.embed_dim:
-            raise ValueError(
-                f"query must have shape (..., T, {self.embed_dim}), got shape {query.shape}"
-            )
+        check_last_dim(query, "query", self.embed_dim, f"(..., T, {self.embed_dim})")
         if self_attention:
             if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
                 raise ValueError(
@@ -405,12 +401,8 @@ class MultiHeadAttention(Layer):
         key = as_float_array(key, "key", self.dtype)
         value = key if value_omitted else as_float_array(value, "value", self.dtype)
         check_ndim(key, "key", 2, f"(..., S, {self.kdim})")
-        if key.shape[-1] != self.kdim:
-            raise ValueError(f"key must have shape (..., S, {self.kdim}), got shape {key.shape}")
-        if value.shape[-1] != self.vdim:
-            raise ValueError(
-                f"value must have shape (..., S, {self.vdim}), got shape {value.shape}"
-            )
+        check_last_dim(key, "key", self.kdim, f"(..., S, {self.kdim})")
+        check_last_dim(value, "value", self.vdim, f"(..., S, {self.vdim})")
         if value.shape[:-1] != key.shape[:-1]:
             raise ValueError(
                 f"value must have shape {key.shape[:-1] + (self.vdim,)} to match key "
@@ -654,10 +646,7 @@ class Linear(Layer):
         """
         x = as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 1, f"(..., {self.in_features})")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"x must have shape (..., {self.in_features}), got shape {x.shape}"
-            )
+        check_last_dim(x, "x", self.in_features, f"(..., {self.in_features})")
         out, linear_cache = F.linear_forward(x, self.params["W"], self.params.get("b"))  # (..., N) -> (..., M)
         self._cache = (linear_cache, out.shape)
         return out
