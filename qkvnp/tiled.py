@@ -34,7 +34,8 @@ runs, so wall times are noisy; numpy 2.4.6 / OpenBLAS 0.3.31, 2 threads):
   ======= ====== ============= ============== ==============
 
   With 8 heads ``(1, 8, L, 64)`` float32: L = 256: tiled 12.5, reference
-  9.0, fast 7.6 (one block pair, so no threads); L = 1024: 117 / 200, 319 /
+  9.0, fast 7.6 (one block pair, so no threads: since then the default
+  blocks give each thread its own, see ``_check_block_size``); L = 1024: 117 / 200, 319 /
   743, 100 / 170. ``(1, 4, 4096, 64)``: tiled 925 / 1558, reference 4128 /
   4703, fast 1438 / 1667 (float32). Load-independent CPU time with one BLAS
   thread, float32 ``(1, 1, L, 64)``: 10.0 vs 14.4 ms (L = 1024), 37 vs 54
