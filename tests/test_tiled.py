@@ -341,7 +341,12 @@ def test_memory_does_not_grow_with_length(is_causal, threads, monkeypatch):
     D, block = 16, 128
     per_row = 8 * 8 + (threads - 1) * 8 * D  # bytes
     bound = threads * 8 * (8 * block * block + 8 * block * D) + per_row * 4096  # bytes
-    extra = {L: _peak_extra_bytes(L, D, block, is_causal) for L in (1024, 4096)}
+    # NOTE: with two threads the peak depends on how long their block
+    # temporaries overlap, which varies from run to run (one run in about 30
+    # saw L = 1024 peak 160 KB below its usual value and failed the growth
+    # check below): the peak of three runs is the one with full overlap.
+    extra = {L: max(_peak_extra_bytes(L, D, block, is_causal) for _ in range(3))
+             for L in (1024, 4096)}
     assert extra[1024] <= bound and extra[4096] <= bound, (extra, bound)
     assert extra[4096] < extra[1024] + per_row * (4096 - 1024), extra  # at most linear per row
     assert extra[4096] < 8 * 4096 * 4096 / 50  # nowhere near the dense weights
