@@ -8,6 +8,7 @@ time a softmax runs, and PyTorch never.
 """
 from . import functional
 from .functional import scaled_dot_product_attention, softmax
+from .kernels import get_num_threads, num_threads, set_num_threads
 from .layers import Embedding, Linear, MultiHeadAttention, SelfAttention
 
 __version__ = "0.1.0"
@@ -20,5 +21,8 @@ __all__ = [
     "MultiHeadAttention",
     "Linear",
     "Embedding",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
     "__version__",
 ]

@@ -4,6 +4,8 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument, what was
 expected and what was received, so that a user never meets an ``IndexError``
 from deep inside a matmul or a silent broadcast.
 """
+import math
+
 import numpy as np
 
 __all__ = [
@@ -16,6 +18,9 @@ __all__ = [
     "check_same_shape",
     "make_rng",
     "check_int",
+    "check_attention_inputs",
+    "check_scale",
+    "layer_dtype",
 ]
 
 
@@ -240,3 +245,65 @@ def make_rng(rng):
     raise TypeError(
         f"rng must be a numpy.random.Generator, an int seed or None, got {type(rng).__name__}"
     )
+
+
+def check_attention_inputs(query, key, value):
+    """Cast to a common float dtype and check the attention shapes."""
+    try:
+        dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)),
+                              names=("query", "key", "value"))
+    except TypeError:
+        dtype = None  # as_float_array below names the argument that is not real or is float128
+    query = as_float_array(query, "query", dtype)
+    key = as_float_array(key, "key", dtype)
+    value = as_float_array(value, "value", dtype)
+    check_ndim(query, "query", 2, "(..., T, D)")
+    check_ndim(key, "key", 2, "(..., S, D)")
+    check_ndim(value, "value", 2, "(..., S, Dv)")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key must have shape (..., S, {query.shape[-1]}) to match query's head "
+            f"dim D={query.shape[-1]}, got shape {key.shape}"
+        )
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value must have shape (..., {key.shape[-2]}, Dv) to match key's length "
+            f"S={key.shape[-2]}, got shape {value.shape}"
+        )
+    try:
+        lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            "the leading (batch, head) dims of query, key and value must broadcast, "
+            f"got query {query.shape}, key {key.shape}, value {value.shape}"
+        ) from None
+    return query, key, value, lead
+
+
+def check_scale(scale, head_dim):
+    if scale is None:
+        # NOTE: 1/sqrt(D) with D the *head* dim: it keeps the variance of a score
+        # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
+        # the seeds' tutorial) flattens the softmax as heads are added.
+        return 1.0 / math.sqrt(head_dim)  # a Python float: np.float64 would upcast float32
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return scale
+
+
+def layer_dtype(dtype):
+    """The compute dtype of a layer built with ``dtype=`` (float16 computes in float32).
+
+    >>> layer_dtype("float16")
+    dtype('float32')
+    """
+    try:
+        requested = np.dtype(dtype)
+    except TypeError:
+        requested = None
+    if requested is None or requested.kind != "f" or requested.itemsize > 8:
+        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
+    return compute_dtype(requested, names=("dtype",))

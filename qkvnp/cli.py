@@ -13,11 +13,21 @@ __all__ = ["main", "COMMANDS"]
 # command name -> (module, one-line help)
 COMMANDS = {
     "demo": ("qkvnp.demo", "walk through the seeds' attention example step by step"),
-    "gradcheck": ("qkvnp.gradcheck", "check the layers' analytic gradients numerically"),
-    "train": ("qkvnp.train", "train attention projections by gradient descent"),
-    "ablation": ("qkvnp.ablation", "why Q, K and V: train kv-recall with tied projections"),
-    "bench": ("qkvnp.bench", "time attention against PyTorch on this CPU"),
+    "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically"),
+    "train": ("qkvnp.training.loop", "train attention projections by gradient descent"),
+    "ablation": ("qkvnp.training.ablation", "why Q, K and V: train kv-recall with tied projections"),
 }
+
+
+def _program_name():
+    """``qkvnp`` when run as the console script, else ``python -m qkvnp``.
+
+    argparse's default, the basename of ``sys.argv[0]``, would print
+    ``__main__.py`` under ``python -m qkvnp`` (Pythons before 3.14).
+    """
+    script = os.path.splitext(os.path.basename(sys.argv[0] if sys.argv else ""))[0]
+    # "qkvnp.exe" / "qkvnp-script.py" are the Windows launchers' names
+    return "qkvnp" if script in ("qkvnp", "qkvnp-script") else "python -m qkvnp"
 
 
 def build_parser(command=None):
@@ -28,7 +38,7 @@ def build_parser(command=None):
     heavy or broken imports never slow down or break another command.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m qkvnp",
+        prog=_program_name(),
         description="Q/K/V attention in pure NumPy with hand-derived gradients.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -13,18 +13,19 @@ tuple holding exactly what the backward reads. The derivations are in
 Every public backward checks its upstream gradient once
 (:func:`qkvnp._checks.as_upstream_grad`: exact shape, real dtype, cast to the
 compute dtype, finite) and then runs the math in a private
-``_name_backward``, which composite backwards (attention's softmax, the
-reference layers) call directly on gradients that are already checked.
+``_name_backward``. Composite backwards (attention's softmax, the reference
+layers of :mod:`qkvnp.kernels.reference`) pass ``check=False`` for the
+gradients they computed themselves, so that ``dout`` is checked once.
 
 This is the *reference* path: every formula is written line for line, with
 scipy's softmax, so that it reads like the math and serves as the oracle.
 """
-import math
 from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_float_array, as_upstream_grad, check_ndim, compute_dtype
+from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_ndim,
+                      check_scale, compute_dtype)
 from .masks import prepare_mask
 
 __all__ = [
@@ -45,6 +46,9 @@ __all__ = [
     "SoftmaxCache",
     "AttentionCache",
     "HeadsCache",
+    "embedding_forward",
+    "embedding_backward",
+    "EmbeddingCache",
 ]
 
 LinearCache = namedtuple("LinearCache", "x W has_bias")
@@ -134,13 +138,15 @@ def linear_forward(x, W, b=None):
     return out, LinearCache(x, W, b is not None)
 
 
-def linear_backward(dout, cache):
+def linear_backward(dout, cache, check=True):
     """Backward of :func:`linear_forward`.
 
     Parameters
     ----------
     dout : ndarray, shape (..., M)
     cache : LinearCache
+    check : bool
+        False: the gradient is already checked (composite backwards).
 
     Returns
     -------
@@ -157,7 +163,8 @@ def linear_backward(dout, cache):
         holds NaN or inf.
     """
     x, W, _ = cache
-    dout = as_upstream_grad(dout, "dout", x.shape[:-1] + (W.shape[1],), W.dtype)
+    if check:
+        dout = as_upstream_grad(dout, "dout", x.shape[:-1] + (W.shape[1],), W.dtype)
     return _linear_backward(dout, cache)
 
 
@@ -204,12 +211,20 @@ def softmax(x, axis=-1):
     if x.size == 0:
         return np.zeros_like(x)  # no entries (e.g. no keys): nothing to normalise
     dead = np.all(np.isneginf(x), axis=axis, keepdims=True)
-    if not dead.any():
-        return scipy_softmax(x, axis=axis)
     # NOTE: a fully masked row has no defined softmax (0/0); we define it as
     # all zeros so that the query's output is 0 and no gradient flows through it.
-    safe = np.where(dead, 0, x)
-    return np.where(dead, 0, scipy_softmax(safe, axis=axis)).astype(x.dtype, copy=False)
+    any_dead = dead.any()
+    safe = np.where(dead, 0, x) if any_dead else x
+    # NOTE: shift each row by its max here rather than trust scipy to: scipy
+    # 1.8 computed exp(x - logsumexp(x)), which overflows for scores at the
+    # float max (three tied at finfo.max gave weights summing to 3). After the
+    # shift the row max is 0 and every scipy gives the same exp(x - max) / sum.
+    with np.errstate(over="ignore"):  # -big - big -> -inf, whose weight is 0
+        shifted = safe - np.max(safe, axis=axis, keepdims=True)
+    weights = scipy_softmax(shifted, axis=axis)
+    if any_dead:
+        weights = np.where(dead, 0, weights)
+    return weights.astype(x.dtype, copy=False)
 
 
 def softmax_forward(scores, axis=-1):
@@ -247,13 +262,15 @@ def softmax_forward(scores, axis=-1):
     return weights, SoftmaxCache(weights, axis)
 
 
-def softmax_backward(dweights, cache):
+def softmax_backward(dweights, cache, check=True):
     """Backward of :func:`softmax_forward`: ``P * (dP - sum(P * dP, axis))``.
 
     Parameters
     ----------
     dweights : ndarray, same shape as the weights
     cache : SoftmaxCache
+    check : bool
+        False: the gradient is already checked (composite backwards).
 
     Returns
     -------
@@ -268,7 +285,8 @@ def softmax_backward(dweights, cache):
         or inf.
     """
     weights, _ = cache
-    dweights = as_upstream_grad(dweights, "dweights", weights.shape, weights.dtype)
+    if check:
+        dweights = as_upstream_grad(dweights, "dweights", weights.shape, weights.dtype)
     return _softmax_backward(dweights, cache)
 
 
@@ -280,53 +298,6 @@ def _softmax_backward(dweights, cache):
 
 
 # ---------------------------------------------------------------- attention
-
-
-def _check_attention_inputs(query, key, value):
-    """Cast to a common float dtype and check the attention shapes."""
-    try:
-        dtype = compute_dtype(*(np.asarray(a).dtype for a in (query, key, value)),
-                              names=("query", "key", "value"))
-    except TypeError:
-        dtype = None  # as_float_array below names the argument that is not real or is float128
-    query = as_float_array(query, "query", dtype)
-    key = as_float_array(key, "key", dtype)
-    value = as_float_array(value, "value", dtype)
-    check_ndim(query, "query", 2, "(..., T, D)")
-    check_ndim(key, "key", 2, "(..., S, D)")
-    check_ndim(value, "value", 2, "(..., S, Dv)")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(
-            f"key must have shape (..., S, {query.shape[-1]}) to match query's head "
-            f"dim D={query.shape[-1]}, got shape {key.shape}"
-        )
-    if value.shape[-2] != key.shape[-2]:
-        raise ValueError(
-            f"value must have shape (..., {key.shape[-2]}, Dv) to match key's length "
-            f"S={key.shape[-2]}, got shape {value.shape}"
-        )
-    try:
-        lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
-    except ValueError:
-        raise ValueError(
-            "the leading (batch, head) dims of query, key and value must broadcast, "
-            f"got query {query.shape}, key {key.shape}, value {value.shape}"
-        ) from None
-    return query, key, value, lead
-
-
-def _check_scale(scale, head_dim):
-    if scale is None:
-        # NOTE: 1/sqrt(D) with D the *head* dim: it keeps the variance of a score
-        # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
-        # the seeds' tutorial) flattens the softmax as heads are added.
-        return 1.0 / math.sqrt(head_dim)  # a Python float: np.float64 would upcast float32
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive number, got {scale}")
-    return scale
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
@@ -389,8 +360,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     array([[3., 5.],
            [3., 5.]])
     """
-    query, key, value, lead = _check_attention_inputs(query, key, value)
-    scale = _check_scale(scale, query.shape[-1])
+    query, key, value, lead = check_attention_inputs(query, key, value)
+    scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)
 
@@ -413,7 +384,7 @@ def _clip_overflow(scores):
     return np.nan_to_num(scores, nan=0.0, posinf=big, neginf=-big)
 
 
-def attention_backward(dout, cache):
+def attention_backward(dout, cache, check=True):
     """Backward of :func:`attention_forward`.
 
     Parameters
@@ -421,6 +392,8 @@ def attention_backward(dout, cache):
     dout : ndarray, shape (..., T, Dv)
         Same shape as the forward output (it is not broadcast).
     cache : AttentionCache
+    check : bool
+        False: the gradient is already checked (composite backwards).
 
     Returns
     -------
@@ -438,8 +411,9 @@ def attention_backward(dout, cache):
     _, _, value, weights, _ = cache
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
     lead = np.broadcast_shapes(weights.shape[:-2], value.shape[:-2])
-    dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
-                            weights.dtype)
+    if check:
+        dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
+                                weights.dtype)
     return _attention_backward(dout, cache)
 
 
@@ -534,7 +508,7 @@ def _heads_grad_dtype(x):
     return x.dtype if x.dtype.kind == "f" else compute_dtype(x.dtype, names=("x",))
 
 
-def split_heads_backward(dout, cache):
+def split_heads_backward(dout, cache, check=True):
     """Backward of :func:`split_heads_forward`: merge the heads of ``dout``.
 
     Parameters
@@ -542,6 +516,8 @@ def split_heads_backward(dout, cache):
     dout : ndarray, shape (..., H, T, D)
         Same shape as the forward output.
     cache : HeadsCache
+    check : bool
+        False: the gradient is already checked (composite backwards).
 
     Returns
     -------
@@ -555,7 +531,8 @@ def split_heads_backward(dout, cache):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
-    dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
+    if check:
+        dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
     return _split_heads_backward(dout, cache)
 
 
@@ -588,7 +565,7 @@ def merge_heads_forward(x):
     return out, HeadsCache(H, out.shape, grad_dtype)
 
 
-def merge_heads_backward(dout, cache):
+def merge_heads_backward(dout, cache, check=True):
     """Backward of :func:`merge_heads_forward`: split ``dout`` into heads.
 
     Parameters
@@ -596,6 +573,8 @@ def merge_heads_backward(dout, cache):
     dout : ndarray, shape (..., T, H*D)
         Same shape as the forward output.
     cache : HeadsCache
+    check : bool
+        False: the gradient is already checked (composite backwards).
 
     Returns
     -------
@@ -609,10 +588,112 @@ def merge_heads_backward(dout, cache):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
-    dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
+    if check:
+        dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
     return _merge_heads_backward(dout, cache)
 
 
 def _merge_heads_backward(dout, cache):
     """:func:`merge_heads_backward` of a ``dout`` already checked and cast."""
     return split_heads_forward(dout, cache.num_heads)[0]
+
+
+# ---------------------------------------------------------------- embedding
+
+
+EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
+
+
+def _check_indices(indices, num_embeddings, name="indices"):
+    """Integer array with every entry in ``[0, num_embeddings)``."""
+    if indices is None:
+        raise TypeError(f"{name} must be an integer array, got None")
+    indices = np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must hold integer token ids (e.g. int64), got dtype {indices.dtype}"
+        )
+    bad = (indices < 0) | (indices >= num_embeddings)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be in [0, {num_embeddings}) (num_embeddings={num_embeddings}), "
+            f"got {int(indices[where])} at index {where}"
+        )
+    return indices
+
+
+def embedding_forward(indices, weight):
+    """Look up rows of ``weight``: ``out[...] = weight[indices[...]]``.
+
+    Parameters
+    ----------
+    indices : ndarray of int, shape (...)
+        Entries in ``[0, num)``; negative indices are refused (no wrap-around).
+    weight : ndarray, shape (num, dim)
+
+    Returns
+    -------
+    out : ndarray, shape (..., dim)
+    cache : EmbeddingCache
+
+    Raises
+    ------
+    TypeError
+        If ``indices`` is not an integer array.
+    ValueError
+        If ``weight`` is not 2-D or an index is out of range.
+
+    Notes
+    -----
+    Forward: :math:`Y_{\\dots} = W_{i_{\\dots}}` (a one-hot matrix times
+    :math:`W`). Backward: :math:`\\bar W_r = \\sum_{\\dots : i_{\\dots} = r}
+    \\bar Y_{\\dots}`: every occurrence of row :math:`r` adds its upstream
+    gradient (``np.add.at``, which, unlike ``dW[indices] += dout``, does not
+    drop repeated indices). The indices get no gradient.
+
+    Examples
+    --------
+    >>> out, cache = embedding_forward(np.array([2, 0, 2]), np.arange(6.0).reshape(3, 2))
+    >>> out
+    array([[4., 5.],
+           [0., 1.],
+           [4., 5.]])
+    >>> embedding_backward(np.ones((3, 2)), cache)
+    array([[1., 1.],
+           [0., 0.],
+           [2., 2.]])
+    """
+    weight = as_float_array(weight, "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
+    indices = _check_indices(indices, weight.shape[0])
+    out = weight[indices]  # (...) -> (..., dim)
+    return out, EmbeddingCache(indices, weight.shape, weight.dtype)
+
+
+def embedding_backward(dout, cache):
+    """Backward of :func:`embedding_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., dim)
+    cache : EmbeddingCache
+
+    Returns
+    -------
+    dweight : ndarray, shape (num, dim)
+        Rows never looked up are 0; repeated indices add up.
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
+    """
+    indices, weight_shape, dtype = cache
+    dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
+    dweight = np.zeros(weight_shape, dtype=dtype)
+    np.add.at(dweight, indices.reshape(-1), dout.reshape(-1, weight_shape[1]))  # (rows, dim) -> (num, dim)
+    return dweight

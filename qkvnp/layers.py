@@ -1,13 +1,17 @@
-"""Layers built from the ops of :mod:`qkvnp.functional`.
+"""Layers: parameters, gradients and the cache of the last forward.
 
 Shape key: B batch, H heads, T query length, S key length, E embedding,
 D = E // H head dim. Leading dims are optional: ``(T, E)`` works like
 ``(B, T, E)``.
 
 A layer holds ``params`` and ``grads`` (dicts with the same keys and shapes),
-``forward`` keeps the caches its ``backward`` reads, and ``backward``
+``forward`` keeps the cache its ``backward`` reads, and ``backward``
 *accumulates* into ``grads`` (like autograd engines' ``+=``) and returns the
-gradient of its inputs. ``zero_grad()`` resets the gradients.
+gradient of its inputs. ``zero_grad()`` resets the gradients. The math is
+elsewhere: the attention layers check their inputs and ask
+:mod:`qkvnp.kernels` to run the path of their ``impl`` (``last_dispatch``
+then says which path ran and why); ``Linear`` and ``Embedding`` call their
+op of :mod:`qkvnp.functional`.
 
 dtypes: a layer computes in its ``dtype``. ``forward`` casts its real inputs
 to it (ints, bools, float16/32/64 and float128 alike, silently: a float128
@@ -18,16 +22,17 @@ that only becomes inf in the cast (float64 1e300 into float32) is refused too.
 ``backward`` checks ``dout`` once (exact shape, no broadcasting); the ops it
 then calls do not check the intermediate gradients again.
 """
-from collections import namedtuple
+from abc import ABC, abstractmethod
 
 import numpy as np
 
 from . import functional as F
-from ._checks import (as_float_array, as_upstream_grad, check_int, check_last_dim, check_ndim,
-                      compute_dtype, make_rng)
+from . import kernels
+from ._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype,
+                      make_rng)
 
-__all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "xavier_uniform",
-           "Linear", "Embedding", "embedding_forward", "embedding_backward", "EmbeddingCache"]
+__all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
+           "xavier_uniform"]
 
 
 def xavier_uniform(rng, fan_in, fan_out, dtype):
@@ -36,74 +41,30 @@ def xavier_uniform(rng, fan_in, fan_out, dtype):
     return rng.uniform(-bound, bound, size=(fan_in, fan_out)).astype(dtype)
 
 
-IMPLS = ("auto", "reference", "fast", "tiled")
+class Layer(ABC):
+    """Base class of every layer: the contract a model relies on.
 
-#: ``impl="auto"`` switches from the dense fast path (:mod:`qkvnp.fast`) to
-#: the tiled path (:mod:`qkvnp.tiled`) when the key length reaches this many
-#: positions. Measured (MultiHeadAttention E=256, H=4, B=1, forward+backward,
-#: one core, CPU time, tiled / fast): L=1024 1.29 (f32) 1.22 (f64), L=2048
-#: 1.23 / 1.11, L=4096 1.10 / 0.94: from 4096 on the two cost about the same
-#: and tiled needs memory linear in L instead of the ``H L^2`` dense weights.
-TILED_MIN_LENGTH = 4096
-#: ... or when the dense ``(..., H, T, S)`` softmax matrix the fast path keeps
-#: for the backward would take more than this many bytes.
-DENSE_WEIGHTS_BUDGET = 256 << 20
-
-
-def _check_impl(impl):
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return impl
-
-
-def _fast():
-    """:mod:`qkvnp.fast`, imported on first use (``import qkvnp`` stays light)."""
-    from . import fast
-
-    return fast
-
-
-def _fast_cache(cache):
-    """``cache`` if it is a fast-path cache (whose buffers a new forward may reuse)."""
-    return cache if isinstance(cache, _fast().FastLayerCache) else None
-
-
-def _resolve_impl(impl, groups, T, S, dtype, return_weights):
-    """The code path one forward takes: ``impl``, with ``"auto"`` decided here.
-
-    ``"auto"`` is the fast dense path, or the tiled path from
-    :data:`TILED_MIN_LENGTH` keys on or when the dense weights of ``groups``
-    (batch x heads) ``(T, S)`` matrices exceed :data:`DENSE_WEIGHTS_BUDGET`;
-    ``return_weights=True`` keeps the dense path (the tiled path never builds
-    the weights; asked for explicitly, it falls back to the fast dense core).
-    """
-    if impl != "auto":
-        return impl
-    dense_bytes = groups * T * S * np.dtype(dtype).itemsize
-    if not return_weights and (S >= TILED_MIN_LENGTH or dense_bytes > DENSE_WEIGHTS_BUDGET):
-        return "tiled"
-    return "fast"
-
-
-def _layer_dtype(dtype):
-    try:
-        requested = np.dtype(dtype)
-    except TypeError:
-        requested = None
-    if requested is None or requested.kind != "f" or requested.itemsize > 8:
-        raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
-    return compute_dtype(requested, names=("dtype",))
-
-
-class Layer:
-    """Base class: ``params``/``grads`` dicts, ``zero_grad``, parameter count.
-
-    Subclasses fill ``self.params`` in ``__init__`` and call
-    ``self.zero_grad()``; ``backward`` adds into ``self.grads``.
+    A layer holds ``params`` and ``grads`` (dicts with the same keys and
+    shapes). ``forward`` keeps the cache of its last call (one cache: call
+    ``forward`` again before another ``backward``; :mod:`qkvnp.functional`'s
+    ``(out, cache)`` pairs are the way to hold several), and ``backward``
+    **adds** into ``grads`` and returns the gradient of the inputs.
+    ``zero_grad()`` resets the gradients. Subclasses fill ``self.params`` in
+    ``__init__``, call ``self.zero_grad()``, and list their constructor
+    arguments in ``_repr_fields`` for ``repr``.
     """
 
     params: dict
     grads: dict
+    _repr_fields: tuple = ()
+
+    @abstractmethod
+    def forward(self, *inputs, **options):
+        """Compute the output and keep what ``backward`` needs."""
+
+    @abstractmethod
+    def backward(self, dout):
+        """Accumulate into ``grads`` and return the gradient of the inputs."""
 
     def zero_grad(self):
         """Reset every gradient to zeros of its parameter's shape and dtype."""
@@ -113,28 +74,19 @@ class Layer:
         """Total number of scalar parameters."""
         return sum(p.size for p in self.params.values())
 
+    def _repr_items(self):
+        """``(name, value)`` of the constructor arguments ``repr`` shows."""
+        return [(name, getattr(self, name)) for name in self._repr_fields]
+
+    def __repr__(self):
+        """The constructor call, PyTorch style: ``SelfAttention(d_in=3, d_out=2, ...)``."""
+        fields = [f"{name}={np.dtype(value).name if name == 'dtype' else repr(value)}"
+                  for name, value in self._repr_items()]
+        return f"{type(self).__name__}({', '.join(fields)})"
+
     def _accumulate(self, name, grad):
         if grad is not None:
             self.grads[name] += grad
-
-    def _forward_fast(self, inputs, kind, num_heads, mask, is_causal, impl, return_weights,
-                      out_proj):
-        """Forward on :func:`qkvnp.fast.mha_forward`, reusing the previous cache's buffers."""
-        previous, self._cache = self._cache, None  # its buffers get overwritten
-        try:
-            out, weights, self._cache = _fast().mha_forward(
-                self.params, inputs, kind, num_heads, mask, is_causal, core=impl,
-                need_weights=return_weights, out_proj=out_proj, workspace=_fast_cache(previous))
-        except (ValueError, TypeError):
-            self._cache = previous  # refused before any buffer was written
-            raise
-        return out, weights
-
-    def _accumulate_fast(self, grads):
-        """Accumulate the fast path's gradients (only those of existing params)."""
-        for name, grad in grads.items():
-            if name in self.params:
-                self._accumulate(name, grad)
 
     def _need_cache(self):
         if getattr(self, "_cache", None) is None:
@@ -148,7 +100,33 @@ class Layer:
         return self.forward(*args, **kwargs)
 
 
-class SelfAttention(Layer):
+class _AttentionLayer(Layer):
+    """What both attention layers share: the path, asked of :mod:`qkvnp.kernels`."""
+
+    last_dispatch = None
+
+    def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj):
+        """Run :func:`qkvnp.kernels.layer_forward`, keep its cache and its dispatch."""
+        previous, self._cache = self._cache, None  # its buffers may be overwritten
+        try:
+            out, weights, self._cache, self.last_dispatch = kernels.layer_forward(
+                self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
+                need_weights=need_weights, out_proj=out_proj, previous=previous)
+        except (ValueError, TypeError):
+            self._cache = previous  # refused before any buffer was written
+            raise
+        return out, weights
+
+    def _kernel_backward(self, dout):
+        """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
+        grads, dinputs = kernels.layer_backward(dout, self._need_cache())  # checks dout
+        for name, grad in grads.items():
+            if name in self.params:
+                self._accumulate(name, grad)
+        return dinputs
+
+
+class SelfAttention(_AttentionLayer):
     """Single-head self-attention with trainable query, key and value projections.
 
     Parameters
@@ -165,11 +143,13 @@ class SelfAttention(Layer):
         float32 or float64 (float16 is computed in float32).
     impl : {"auto", "reference", "fast", "tiled"}
         Which code path computes attention: ``"reference"`` (the readable
-        oracle of :mod:`qkvnp.functional`, below), ``"fast"`` (:mod:`qkvnp.fast`:
-        fused projection, in-place softmax, threads), ``"tiled"``
-        (:mod:`qkvnp.tiled` core: memory linear in the length) or ``"auto"``
-        (the default: fast, or tiled for long sequences; see
-        :func:`_resolve_impl`). All give the same results up to rounding.
+        oracle, :mod:`qkvnp.kernels.reference`), ``"fast"`` (fused
+        projection, in-place softmax, threads: :mod:`qkvnp.kernels.mha` on
+        :mod:`qkvnp.kernels.fast`), ``"tiled"`` (the same on
+        :mod:`qkvnp.kernels.tiled`: memory linear in the length) or
+        ``"auto"`` (the default: fast, or tiled for long sequences; see
+        :func:`qkvnp.kernels.choose_path`). All give the same results up to
+        rounding.
 
     Attributes
     ----------
@@ -178,6 +158,8 @@ class SelfAttention(Layer):
         plus ``b_query, b_key, b_value``: ``(d_out,)`` with ``qkv_bias``.
     grads : dict
         Same keys and shapes as ``params``.
+    last_dispatch : qkvnp.kernels.Dispatch or None
+        The path the last forward ran and why (``None`` before a forward).
 
     Notes
     -----
@@ -200,10 +182,10 @@ class SelfAttention(Layer):
     """
 
     def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto"):
-        self.impl = _check_impl(impl)
+        self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
-        self.dtype = _layer_dtype(dtype)
+        self.dtype = layer_dtype(dtype)
         rng = make_rng(rng)
         self.params = {
             name: xavier_uniform(rng, self.d_in, self.d_out, self.dtype)
@@ -215,6 +197,8 @@ class SelfAttention(Layer):
         self.qkv_bias = bool(qkv_bias)
         self._cache = None
         self.zero_grad()
+
+    _repr_fields = ("d_in", "d_out", "qkv_bias", "dtype", "impl")
 
     def forward(self, x, attn_mask=None, is_causal=False, return_weights=False):
         """Attend over the tokens of ``x``.
@@ -245,19 +229,9 @@ class SelfAttention(Layer):
         x = as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
         check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
-        T = x.shape[-2]
-        impl = _resolve_impl(self.impl, int(np.prod(x.shape[:-2])), T, T, self.dtype, return_weights)
-        if impl != "reference":
-            out, weights = self._forward_fast(
-                (x,), "self", 1, attn_mask, is_causal, impl, return_weights, out_proj=False)
-            return (out, weights) if return_weights else out
-        p = self.params
-        query, query_cache = F.linear_forward(x, p["W_query"], p.get("b_query"))  # (..., T, d_in) -> (..., T, d_out)
-        key, key_cache = F.linear_forward(x, p["W_key"], p.get("b_key"))  # (..., T, d_in) -> (..., T, d_out)
-        value, value_cache = F.linear_forward(x, p["W_value"], p.get("b_value"))  # (..., T, d_in) -> (..., T, d_out)
-        out, attention_cache = F.attention_forward(query, key, value, attn_mask, is_causal)  # -> (..., T, d_out)
-        self._cache = (query_cache, key_cache, value_cache, attention_cache, out.shape)
-        return (out, attention_cache.weights) if return_weights else out
+        out, weights = self._kernel_forward((x,), "self", 1, attn_mask, is_causal,
+                                            return_weights, out_proj=False)
+        return (out, weights) if return_weights else out
 
     def backward(self, dout):
         """Accumulate parameter gradients into ``grads`` and return ``dx``.
@@ -280,28 +254,11 @@ class SelfAttention(Layer):
             If ``dout`` has another shape or holds NaN or inf, or backward is
             called before forward.
         """
-        if _fast_cache(self._need_cache()) is not None:
-            grads, (dx,) = _fast().mha_backward(dout, self._cache)  # checks dout
-            self._accumulate_fast(grads)
-            return dx
-        query_cache, key_cache, value_cache, attention_cache, out_shape = self._need_cache()
-        dout = as_upstream_grad(dout, "dout", out_shape, attention_cache.weights.dtype)
-        # reverse order of forward, one line for one line (F._*: dout is checked)
-        dquery, dkey, dvalue = F._attention_backward(dout, attention_cache)
-        dx_value, dW_value, db_value = F._linear_backward(dvalue, value_cache)
-        dx_key, dW_key, db_key = F._linear_backward(dkey, key_cache)
-        # NOTE: db_key is 0 in exact arithmetic (q . b_key is the same for every
-        # key of a query's row, and softmax ignores a constant added to a row);
-        # computed, it is round-off, ~1e-16 of the other gradients. Not forced to 0,
-        # so that a gradient check still sees what the backward really computes.
-        dx_query, dW_query, db_query = F._linear_backward(dquery, query_cache)
-        for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
-                           ("b_query", db_query), ("b_key", db_key), ("b_value", db_value)):
-            self._accumulate(name, grad)
-        return dx_query + dx_key + dx_value  # x feeds q, k and v
+        (dx,) = self._kernel_backward(dout)  # x fed query, key and value: their sum
+        return dx
 
 
-class MultiHeadAttention(Layer):
+class MultiHeadAttention(_AttentionLayer):
     """Multi-head attention with output projection (BERT, PyTorch, ``fc_out``).
 
     Parameters
@@ -328,6 +285,8 @@ class MultiHeadAttention(Layer):
         rows ``h*D:(h+1)*D`` of ``W_out``. PyTorch stores the transposes:
         ``W_query = in_proj_weight[:E].T``, ``W_out = out_proj.weight.T``.
     grads : dict
+    last_dispatch : qkvnp.kernels.Dispatch or None
+        The path the last forward ran and why (``None`` before a forward).
 
     Notes
     -----
@@ -345,6 +304,8 @@ class MultiHeadAttention(Layer):
     Examples
     --------
     >>> mha = MultiHeadAttention(8, 2, rng=0)
+    >>> mha
+    MultiHeadAttention(embed_dim=8, num_heads=2, bias=True, dtype=float64, impl='auto')
     >>> x = np.ones((3, 5, 8))
     >>> mha.forward(x, is_causal=True).shape
     (3, 5, 8)
@@ -354,7 +315,7 @@ class MultiHeadAttention(Layer):
 
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto"):
-        self.impl = _check_impl(impl)
+        self.impl = kernels.check_impl(impl)
         self.embed_dim = check_int(embed_dim, "embed_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
         if self.embed_dim % self.num_heads:
@@ -365,7 +326,7 @@ class MultiHeadAttention(Layer):
         self.head_dim = self.embed_dim // self.num_heads
         self.kdim = self.embed_dim if kdim is None else check_int(kdim, "kdim", 1)
         self.vdim = self.embed_dim if vdim is None else check_int(vdim, "vdim", 1)
-        self.dtype = _layer_dtype(dtype)
+        self.dtype = layer_dtype(dtype)
         self.bias = bool(bias)
         rng = make_rng(rng)
         E = self.embed_dim
@@ -380,6 +341,13 @@ class MultiHeadAttention(Layer):
                 self.params[name] = np.zeros(E, dtype=self.dtype)
         self._cache = None
         self.zero_grad()
+
+    _repr_fields = ("embed_dim", "num_heads", "bias", "kdim", "vdim", "dtype", "impl")
+
+    def _repr_items(self):
+        """kdim and vdim only where they differ from embed_dim (as PyTorch prints)."""
+        return [(name, value) for name, value in super()._repr_items()
+                if name not in ("kdim", "vdim") or value != self.embed_dim]
 
     # -- input checks -------------------------------------------------------
 
@@ -485,27 +453,10 @@ class MultiHeadAttention(Layer):
         query, key, value, kind = self._check_inputs(query, key, value)
         batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
         mask = self._combine_masks(attn_mask, key_padding_mask, batch, T, S)
-        p, H = self.params, self.num_heads
-        impl = _resolve_impl(self.impl, int(np.prod(batch)) * H, T, S, self.dtype, return_weights)
-        if impl != "reference":
-            inputs = {"self": (query,), "key_only": (query, key), "cross": (query, key, value)}[kind]
-            out, weights = self._forward_fast(
-                inputs, kind, H, mask, is_causal, impl, return_weights, out_proj=True)
-            return (out, weights) if return_weights else out
-        q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, E) -> (..., T, E)
-        k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, kdim) -> (..., S, E)
-        v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, vdim) -> (..., S, E)
-        q_heads, q_split = F.split_heads_forward(q, H)  # (..., T, E) -> (..., H, T, D)
-        k_heads, k_split = F.split_heads_forward(k, H)  # (..., S, E) -> (..., H, S, D)
-        v_heads, v_split = F.split_heads_forward(v, H)  # (..., S, E) -> (..., H, S, D)
-        # NOTE: the scale is 1/sqrt(head_dim). The seeds' tutorial divides by
-        # sqrt(embed_size), a known bug that over-smooths the softmax.
-        heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads, mask, is_causal)  # -> (..., H, T, D)
-        merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
-        out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, E)
-        self._cache = (kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
-                       attention_cache, merge_cache, out_cache, out.shape)
-        return (out, attention_cache.weights) if return_weights else out
+        inputs = {"self": (query,), "key_only": (query, key), "cross": (query, key, value)}[kind]
+        out, weights = self._kernel_forward(inputs, kind, self.num_heads, mask, is_causal,
+                                            return_weights, out_proj=True)
+        return (out, weights) if return_weights else out
 
     def backward(self, dout):
         """Accumulate parameter gradients into ``grads``; return input gradients.
@@ -532,34 +483,13 @@ class MultiHeadAttention(Layer):
             If ``dout`` has another shape or holds NaN or inf, or backward is
             called before forward.
         """
-        if _fast_cache(self._need_cache()) is not None:
-            grads, dinputs = _fast().mha_backward(dout, self._cache)  # checks dout
-            self._accumulate_fast(grads)
-            kind = self._cache.kind
-            return dinputs[0] if kind == "self" else dinputs + (None,) * (kind == "key_only")
-        (kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
-         attention_cache, merge_cache, out_cache, out_shape) = self._need_cache()
-        dout = as_upstream_grad(dout, "dout", out_shape, out_cache.W.dtype)
-        # reverse order of forward, one line for one line (F._*: dout is checked)
-        dmerged, dW_out, db_out = F._linear_backward(dout, out_cache)
-        dheads = F._merge_heads_backward(dmerged, merge_cache)
-        dq_heads, dk_heads, dv_heads = F._attention_backward(dheads, attention_cache)
-        dv = F._split_heads_backward(dv_heads, v_split)
-        dk = F._split_heads_backward(dk_heads, k_split)
-        dq = F._split_heads_backward(dq_heads, q_split)
-        dvalue, dW_value, db_value = F._linear_backward(dv, v_cache)
-        dkey, dW_key, db_key = F._linear_backward(dk, k_cache)
-        # NOTE: db_key is round-off around an exact 0, see SelfAttention.backward
-        dquery, dW_query, db_query = F._linear_backward(dq, q_cache)
-        for name, grad in (("W_query", dW_query), ("W_key", dW_key), ("W_value", dW_value),
-                           ("W_out", dW_out), ("b_query", db_query), ("b_key", db_key),
-                           ("b_value", db_value), ("b_out", db_out)):
-            self._accumulate(name, grad)
+        dinputs = self._kernel_backward(dout)
+        kind = self._cache.kind
         if kind == "self":
-            return dquery + dkey + dvalue  # x feeds query, key and value
+            return dinputs[0]  # the input fed query, key and value: their sum
         if kind == "key_only":
-            return dquery, dkey + dvalue, None  # key fed both key and value
-        return dquery, dkey, dvalue
+            return dinputs + (None,)  # (dquery, dkey): key fed both key and value
+        return dinputs
 
 
 # ---------------------------------------------------------------- small layers
@@ -613,7 +543,7 @@ class Linear(Layer):
     def __init__(self, in_features, out_features, bias=True, rng=None, dtype=np.float64):
         self.in_features = check_int(in_features, "in_features", 1)
         self.out_features = check_int(out_features, "out_features", 1)
-        self.dtype = _layer_dtype(dtype)
+        self.dtype = layer_dtype(dtype)
         self.bias = bool(bias)
         rng = make_rng(rng)
         bound = 1.0 / np.sqrt(self.in_features)
@@ -624,6 +554,8 @@ class Linear(Layer):
             self.params["b"] = rng.uniform(-bound, bound, size=self.out_features).astype(self.dtype)
         self._cache = None
         self.zero_grad()
+
+    _repr_fields = ("in_features", "out_features", "bias", "dtype")
 
     def forward(self, x):
         """Apply the affine map to the last axis of ``x``.
@@ -680,104 +612,6 @@ class Linear(Layer):
         return dx
 
 
-EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
-
-
-def _check_indices(indices, num_embeddings, name="indices"):
-    """Integer array with every entry in ``[0, num_embeddings)``."""
-    if indices is None:
-        raise TypeError(f"{name} must be an integer array, got None")
-    indices = np.asarray(indices)
-    if indices.dtype.kind not in "iu":
-        raise TypeError(
-            f"{name} must hold integer token ids (e.g. int64), got dtype {indices.dtype}"
-        )
-    bad = (indices < 0) | (indices >= num_embeddings)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name} must be in [0, {num_embeddings}) (num_embeddings={num_embeddings}), "
-            f"got {int(indices[where])} at index {where}"
-        )
-    return indices
-
-
-def embedding_forward(indices, weight):
-    """Look up rows of ``weight``: ``out[...] = weight[indices[...]]``.
-
-    Parameters
-    ----------
-    indices : ndarray of int, shape (...)
-        Entries in ``[0, num)``; negative indices are refused (no wrap-around).
-    weight : ndarray, shape (num, dim)
-
-    Returns
-    -------
-    out : ndarray, shape (..., dim)
-    cache : EmbeddingCache
-
-    Raises
-    ------
-    TypeError
-        If ``indices`` is not an integer array.
-    ValueError
-        If ``weight`` is not 2-D or an index is out of range.
-
-    Notes
-    -----
-    Forward: :math:`Y_{\\dots} = W_{i_{\\dots}}` (a one-hot matrix times
-    :math:`W`). Backward: :math:`\\bar W_r = \\sum_{\\dots : i_{\\dots} = r}
-    \\bar Y_{\\dots}`: every occurrence of row :math:`r` adds its upstream
-    gradient (``np.add.at``, which, unlike ``dW[indices] += dout``, does not
-    drop repeated indices). The indices get no gradient.
-
-    Examples
-    --------
-    >>> out, cache = embedding_forward(np.array([2, 0, 2]), np.arange(6.0).reshape(3, 2))
-    >>> out
-    array([[4., 5.],
-           [0., 1.],
-           [4., 5.]])
-    >>> embedding_backward(np.ones((3, 2)), cache)
-    array([[1., 1.],
-           [0., 0.],
-           [2., 2.]])
-    """
-    weight = as_float_array(weight, "weight")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
-    indices = _check_indices(indices, weight.shape[0])
-    out = weight[indices]  # (...) -> (..., dim)
-    return out, EmbeddingCache(indices, weight.shape, weight.dtype)
-
-
-def embedding_backward(dout, cache):
-    """Backward of :func:`embedding_forward`.
-
-    Parameters
-    ----------
-    dout : ndarray, shape (..., dim)
-    cache : EmbeddingCache
-
-    Returns
-    -------
-    dweight : ndarray, shape (num, dim)
-        Rows never looked up are 0; repeated indices add up.
-
-    Raises
-    ------
-    TypeError
-        If ``dout`` does not hold real numbers (complex, object...).
-    ValueError
-        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
-    """
-    indices, weight_shape, dtype = cache
-    dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
-    dweight = np.zeros(weight_shape, dtype=dtype)
-    np.add.at(dweight, indices.reshape(-1), dout.reshape(-1, weight_shape[1]))  # (rows, dim) -> (num, dim)
-    return dweight
-
-
 class Embedding(Layer):
     """Lookup table of ``num_embeddings`` trainable vectors (``nn.Embedding``).
 
@@ -799,7 +633,7 @@ class Embedding(Layer):
 
     Notes
     -----
-    See :func:`embedding_forward`. ``backward`` returns None: integer indices
+    See :func:`qkvnp.functional.embedding_forward`. ``backward`` returns None: integer indices
     are not differentiable.
 
     Examples
@@ -816,13 +650,15 @@ class Embedding(Layer):
     def __init__(self, num_embeddings, embedding_dim, rng=None, dtype=np.float64):
         self.num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
-        self.dtype = _layer_dtype(dtype)
+        self.dtype = layer_dtype(dtype)
         rng = make_rng(rng)
         self.params = {
             "weight": rng.standard_normal((self.num_embeddings, self.embedding_dim)).astype(self.dtype),
         }
         self._cache = None
         self.zero_grad()
+
+    _repr_fields = ("num_embeddings", "embedding_dim", "dtype")
 
     def forward(self, indices):
         """Return the vectors of ``indices``.
@@ -836,7 +672,7 @@ class Embedding(Layer):
         -------
         out : ndarray, shape (..., embedding_dim)
         """
-        out, self._cache = embedding_forward(indices, self.params["weight"])  # (...) -> (..., dim)
+        out, self._cache = F.embedding_forward(indices, self.params["weight"])  # (...) -> (..., dim)
         return out
 
     def backward(self, dout):
@@ -857,5 +693,5 @@ class Embedding(Layer):
             called before forward.
         """
         cache = self._need_cache()
-        self._accumulate("weight", embedding_backward(dout, cache))
+        self._accumulate("weight", F.embedding_backward(dout, cache))
         return None

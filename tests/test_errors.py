@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import qkvnp
-from qkvnp import functional as F, layers, losses
+from qkvnp import functional as F, losses
 
 rng = np.random.default_rng(0)
 
@@ -236,7 +236,7 @@ def test_errors_leave_no_state_behind(impl):
 ])
 def test_fast_and_tiled_raise_the_reference_errors(module, args, kwargs):
     """Oracle: the reference path raises the same exception with the same message."""
-    path = importlib.import_module(f"qkvnp.{module}")
+    path = _path(module)
     with pytest.raises((ValueError, TypeError)) as expected:
         F.attention_forward(*args, **kwargs)
     with pytest.raises(expected.type) as actual:
@@ -246,7 +246,7 @@ def test_fast_and_tiled_raise_the_reference_errors(module, args, kwargs):
 
 @pytest.mark.parametrize("module", ["functional", "fast", "tiled"])
 def test_dout_of_another_shape_is_refused_on_every_path(module):
-    path = importlib.import_module(f"qkvnp.{module}")
+    path = _path(module)
     _, cache = path.attention_forward(np.ones((3, 2)), np.ones((4, 2)), np.ones((4, 5)))
     with pytest.raises(ValueError, match=r"dout must have shape \(3, 5\).*got shape \(3, 4\)"):
         path.attention_backward(np.ones((3, 4)), cache)
@@ -268,7 +268,9 @@ def _layer(layer, *inputs):
 
 
 def _path(module):
-    return importlib.import_module(f"qkvnp.{module}")
+    """The module of a path or op by short name: the kernels live in qkvnp.kernels."""
+    kernel = module in ("fast", "tiled", "mha", "reference")
+    return importlib.import_module(f"qkvnp.kernels.{module}" if kernel else f"qkvnp.{module}")
 
 
 # Every backward a user can call, but the attention layers' (below, on each impl):
@@ -290,8 +292,8 @@ UPSTREAM_ENTRY_POINTS = {
     "tiled.attention_backward": lambda: _op(
         _path("tiled").attention_forward, _path("tiled").attention_backward,
         normal(2, 3, 4), normal(2, 5, 4), normal(2, 5, 2)),
-    "layers.embedding_backward": lambda: _op(
-        layers.embedding_forward, layers.embedding_backward,
+    "functional.embedding_backward": lambda: _op(
+        F.embedding_forward, F.embedding_backward,
         np.array([[1, 0, 1]]), normal(3, 4)),
     "Linear.backward": lambda: _layer(qkvnp.Linear(4, 3, rng=0), normal(2, 5, 4)),
     "Embedding.backward": lambda: _layer(qkvnp.Embedding(5, 4, rng=0), np.array([[1, 2, 1]])),
@@ -303,7 +305,7 @@ UPSTREAM_ENTRY_POINTS = {
         normal(3, 4), np.array([0, 3, 1]), name="dloss"),
 }
 
-# The attention layers, on each impl (the fast and tiled ones check in fast.mha_backward).
+# The attention layers, on each impl (the fast and tiled ones check in kernels.mha.backward).
 ATTENTION_LAYER_ENTRY_POINTS = {
     "SelfAttention": lambda impl: _layer(qkvnp.SelfAttention(6, 4, rng=0, impl=impl), normal(2, 3, 6)),
     "MultiHeadAttention self": lambda impl: _layer(
@@ -380,7 +382,7 @@ def upstream_checks(monkeypatch):
         calls.append(args[1])
         return _checks.as_upstream_grad(*args, **kwargs)
 
-    for module in ("functional", "fast", "tiled", "layers", "losses"):
+    for module in ("functional", "fast", "tiled", "mha", "reference", "losses"):
         monkeypatch.setattr(_path(module), "as_upstream_grad", counting)
     return calls
 
@@ -481,7 +483,7 @@ def wide(*shape):
     (lambda: F.linear_forward(normal(2, 3), wide(3, 2)), "W"),
     # (b is cast to the dtype of x and W, like an int b: no error)
     (lambda: F.softmax_forward(wide(2, 3)), "scores"),
-    (lambda: layers.embedding_forward(np.array([0]), wide(2, 3)), "weight"),
+    (lambda: F.embedding_forward(np.array([0]), wide(2, 3)), "weight"),
     (lambda: losses.mse_forward(wide(3), normal(3)), "pred"),
     (lambda: losses.cross_entropy_forward(wide(2, 3), np.array([0, 1])), "logits"),
 ])

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from qkvnp.gradcheck import check_layer, check_op
-from qkvnp.layers import Embedding, Linear, embedding_backward, embedding_forward
+from qkvnp.functional import embedding_backward, embedding_forward
+from qkvnp.layers import Embedding, Linear
 
 # ---------------------------------------------------------------- Linear
 

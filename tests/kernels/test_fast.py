@@ -1,17 +1,17 @@
-"""The fast path (qkvnp.fast) against the reference path (qkvnp.functional).
+"""The fast path (qkvnp.kernels.fast, qkvnp.kernels.mha) against the reference path (qkvnp.functional).
 
 Oracle, unless a test says otherwise: the reference path, which writes every
 formula line for line (tests/test_gradients.py checks it against central
 differences). Every output and gradient of the fast path must match it within
-``oracles.PATH_TOLERANCE[dtype]`` times ``max(1, max|reference array|)`` (the convention of
-tests/test_tiled.py): relative for arrays of magnitude 1 and more, absolute
+``qkvnp.kernels.PATH_TOLERANCES[dtype]`` times ``max(1, max|reference array|)`` (the convention of
+tests/kernels/test_tiled.py): relative for arrays of magnitude 1 and more, absolute
 below, because some true zeros (dquery when all scores of a row are equal,
 or with a single key) come out of both paths as different rounding noise of
 size 1e-18. Exact zeros that are part of the semantics (fully masked rows)
 have their own exact tests.
 
 The fast path processes the (batch, head) dims in blocks, in threads: tests
-force several blocks (small ``BLOCK_BYTES``) and both one and two threads, so
+force several blocks (a small ``fast_block_bytes`` setting) and both one and two threads, so
 the threaded code runs even on a one-core machine. Upstream gradients are
 random, never all ones.
 """
@@ -27,9 +27,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkvnp import MultiHeadAttention, SelfAttention
-from qkvnp import fast
 from qkvnp import functional as F
-from qkvnp import layers as L
+from qkvnp import kernels
+from qkvnp.kernels import _runtime, fast
 
 from strategies import attention_cases, mha_cases, self_attention_cases
 from oracles import assert_matches_reference
@@ -43,15 +43,10 @@ def blocks_and_threads(threads, block_bytes, row_block_bytes=1 << 20):
     """Run the fast path with ``threads`` threads, blocks of ``block_bytes`` and
     row chunks of ``row_block_bytes`` (at least 3 rows, so chunks have remainders);
     the layers' projections are split over the threads from 2 rows on."""
-    names = ("NUM_THREADS", "BLOCK_BYTES", "ROW_BLOCK_BYTES", "MIN_ROW_BLOCK", "MIN_SPLIT")
-    saved = [getattr(fast, name) for name in names]
-    for name, value in zip(names, (threads, block_bytes, row_block_bytes, 3, 2)):
-        setattr(fast, name, value)
-    try:
+    with kernels.num_threads(threads), kernels.block_sizes(
+            fast_block_bytes=block_bytes, row_block_bytes=row_block_bytes, min_row_block=3,
+            min_split=2):
         yield
-    finally:
-        for name, value in zip(names, saved):
-            setattr(fast, name, value)
 
 
 # The comparisons with the reference are cheap: run more examples than the profile.
@@ -167,7 +162,7 @@ def test_fully_masked_rows_are_exact_zeros():
 
 
 def test_no_keys_at_all_gives_zeros():
-    """Definition (as qkvnp.functional and qkvnp.tiled): every query
+    """Definition (as qkvnp.functional and qkvnp.kernels.tiled): every query
     attends to nothing, so output and dquery are 0."""
     out, cache = fast.attention_forward(np.ones((3, 2)), np.ones((0, 2)), np.ones((0, 4)))
     assert out.shape == (3, 4) and np.all(out == 0)
@@ -251,43 +246,43 @@ def test_editing_the_output_in_place_does_not_change_the_gradients():
         assert np.array_equal(a, b)
 
 
-def test_recycled_score_buffers_are_never_shared(monkeypatch):
+def test_recycled_score_buffers_are_never_shared():
     """A score buffer is reused only when nothing refers to it: two live caches,
     or a caller's slice of one, keep their own; gradients match those of
     caches computed alone (oracle: the same call without recycling)."""
-    monkeypatch.setattr(fast, "RECYCLE_MIN_BYTES", 1)
-    monkeypatch.setattr(fast, "_SPARE", [])
+    kernels.release_buffers()  # (buffers that live arrays still use stay in the pool)
+    pooled = len(_runtime._SPARE)
     rng = np.random.default_rng(13)
     problems = [[rng.normal(size=(2, 6, 3)) for _ in range(3)] for _ in range(3)]
     douts = [rng.normal(size=(2, 6, 3)) for _ in range(3)]
-    with monkeypatch.context() as alone:
-        alone.setattr(fast, "RECYCLE_BYTES", 0)
+    with kernels.block_sizes(recycle_bytes=0):
         expected = [fast.attention_backward(d, fast.attention_forward(*p)[1])
                     for p, d in zip(problems, douts)]
-    _, first = fast.attention_forward(*problems[0])
-    piece = first.exp_scores[1]  # a caller's view keeps the buffer busy
-    _, second = fast.attention_forward(*problems[1])
-    assert not np.shares_memory(first.exp_scores, second.exp_scores)
-    del first
-    _, third = fast.attention_forward(*problems[2])
-    assert not np.shares_memory(piece, third.exp_scores)
-    for got, want in zip(fast.attention_backward(douts[1], second), expected[1]):
-        assert np.array_equal(got, want)
-    for got, want in zip(fast.attention_backward(douts[2], third), expected[2]):
-        assert np.array_equal(got, want)
-    del piece, second, third
-    _, fourth = fast.attention_forward(*problems[0])  # now a free buffer is reused
-    assert len(fast._SPARE) == 3
-    for got, want in zip(fast.attention_backward(douts[0], fourth), expected[0]):
-        assert np.array_equal(got, want)
-    del fourth
-    fast.release_buffers()
-    assert fast._SPARE == []
+    with kernels.block_sizes(recycle_min_bytes=1):
+        _, first = fast.attention_forward(*problems[0])
+        piece = first.exp_scores[1]  # a caller's view keeps the buffer busy
+        _, second = fast.attention_forward(*problems[1])
+        assert not np.shares_memory(first.exp_scores, second.exp_scores)
+        del first
+        _, third = fast.attention_forward(*problems[2])
+        assert not np.shares_memory(piece, third.exp_scores)
+        for got, want in zip(fast.attention_backward(douts[1], second), expected[1]):
+            assert np.array_equal(got, want)
+        for got, want in zip(fast.attention_backward(douts[2], third), expected[2]):
+            assert np.array_equal(got, want)
+        del piece, second, third
+        _, fourth = fast.attention_forward(*problems[0])  # now a free buffer is reused
+        assert len(_runtime._SPARE) == pooled + 3
+        for got, want in zip(fast.attention_backward(douts[0], fourth), expected[0]):
+            assert np.array_equal(got, want)
+        del fourth
+    kernels.release_buffers()
+    assert len(_runtime._SPARE) == pooled
 
 
 def test_blas_thread_count_is_restored_even_on_error():
     """The threaded section pins BLAS to one thread and must always restore it."""
-    blas = fast._openblas()
+    blas = _runtime.openblas_thread_functions()
     if not blas:
         pytest.skip("numpy's OpenBLAS not found: fast path runs without Python threads")
     get, _ = blas
@@ -300,7 +295,7 @@ def test_blas_thread_count_is_restored_even_on_error():
             raise RuntimeError("worker failure")
 
         with pytest.raises(RuntimeError, match="worker failure"):
-            fast._run(failing, [(0,), (1,), (2,)])
+            _runtime.run(failing, [(0,), (1,), (2,)])
     assert get() == before
 
 
@@ -312,9 +307,9 @@ def test_split_matmul(split, threads):
     a = rng.normal(size=(7, 9)).T  # (9, 7), transposed view
     b = rng.normal(size=(7, 11))[:, ::2]  # (7, 6), strided view
     with blocks_and_threads(threads, 1):
-        np.testing.assert_allclose(fast._matmul(a, b, split=split), a @ b, rtol=1e-14)
+        np.testing.assert_allclose(_runtime.matmul(a, b, split=split), a @ b, rtol=1e-14)
         out = np.full((9, 6), np.nan)
-        assert fast._matmul(a, b, out, split=split) is out
+        assert _runtime.matmul(a, b, out, split=split) is out
         np.testing.assert_allclose(out, a @ b, rtol=1e-14)
 
 
@@ -323,7 +318,7 @@ def test_blocks_cover_every_group_once():
     for lead in [(), (1,), (5,), (2, 3), (1, 8), (3, 1, 4)]:
         for block_bytes in (1, 100, 1 << 30):
             with blocks_and_threads(2, block_bytes):
-                blocks = fast._blocks(lead, 64, 2)
+                blocks = _runtime.blocks(lead, 64, 2)
             seen = np.zeros(lead, int)
             for idx in blocks:
                 seen[idx] += 1
@@ -331,7 +326,7 @@ def test_blocks_cover_every_group_once():
 
 
 def test_import_does_not_load_scipy():
-    code = "import sys, qkvnp.fast; print('scipy' in sys.modules)"
+    code = "import sys, qkvnp.kernels.fast; print('scipy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -444,23 +439,26 @@ def test_return_weights_match_reference(impl):
     assert_close(weights, weights_ref, "weights")
 
 
-def test_auto_dispatch(monkeypatch):
+def test_auto_dispatch():
     """``impl="auto"``: fast below the length and memory thresholds, tiled above,
     fast again when the weights are asked for."""
-    resolve = L._resolve_impl
+    def resolve(*args):
+        return kernels.choose_path(*args).path
+
+    sizes = kernels.get_block_sizes()
     assert resolve("auto", 8, 128, 128, np.float32, False) == "fast"
-    assert resolve("auto", 8, 128, L.TILED_MIN_LENGTH, np.float32, False) == "tiled"
-    big = L.DENSE_WEIGHTS_BUDGET // (4 * 128 * 128) + 1
+    assert resolve("auto", 8, 128, sizes["tiled_min_length"], np.float32, False) == "tiled"
+    big = sizes["dense_weights_budget"] // (4 * 128 * 128) + 1
     assert resolve("auto", big, 128, 128, np.float32, False) == "tiled"
     assert resolve("auto", big, 128, 128, np.float32, True) == "fast"
     assert resolve("reference", big, 128, 128, np.float32, False) == "reference"
     # and the layers follow it: a lowered threshold makes auto run the tiled core
-    monkeypatch.setattr(L, "TILED_MIN_LENGTH", 4)
-    mha = MultiHeadAttention(4, 2, rng=0)
-    mha.forward(np.ones((1, 5, 4)))
-    assert mha._cache.core == "tiled"
-    mha.forward(np.ones((1, 3, 4)))
-    assert mha._cache.core == "fast"
+    with kernels.block_sizes(tiled_min_length=4):
+        mha = MultiHeadAttention(4, 2, rng=0)
+        mha.forward(np.ones((1, 5, 4)))
+        assert mha._cache.path == "tiled"
+        mha.forward(np.ones((1, 3, 4)))
+        assert mha._cache.path == "fast"
 
 
 def test_bad_impl_names_the_choices():

@@ -2,8 +2,8 @@
 
 Shape key: P stored key/value pairs, T sequence length, H heads.
 
-:func:`qkvnp.train.train` prints nothing; ``python -m qkvnp train``
-(:func:`qkvnp.train.run`) passes it a :class:`Progress` callback, prints
+:func:`qkvnp.training.loop.train` prints nothing; ``python -m qkvnp train``
+(:func:`qkvnp.training.loop.run`) passes it a :class:`Progress` callback, prints
 :func:`describe` before and :func:`summary` after the run, and calls
 :func:`plot_run` for ``--plot``. matplotlib is optional and imported only
 by :func:`plot_run`.
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ._io import atomic_write
+from .._io import atomic_write
 
 __all__ = ["Progress", "describe", "summary", "attention_example", "plot_run"]
 
@@ -28,7 +28,7 @@ def describe(config, model):
 
     Parameters
     ----------
-    config : qkvnp.train.TrainConfig
+    config : qkvnp.training.loop.TrainConfig
         Resolved.
     model : KVRecallModel or AttentionRegressor
         Only its parameter count is read.
@@ -54,7 +54,7 @@ def summary(result):
 
     Parameters
     ----------
-    result : qkvnp.train.TrainResult
+    result : qkvnp.training.loop.TrainResult
 
     Returns
     -------
@@ -100,7 +100,7 @@ def _format_duration(seconds):
 
 
 class Progress:
-    """Progress of :func:`qkvnp.train.train`: a live line on a terminal, plain lines otherwise.
+    """Progress of :func:`qkvnp.training.loop.train`: a live line on a terminal, plain lines otherwise.
 
     Parameters
     ----------
@@ -202,7 +202,7 @@ def attention_example(result, index=0):
 
     Parameters
     ----------
-    result : qkvnp.train.TrainResult
+    result : qkvnp.training.loop.TrainResult
     index : int
         Which held-out sequence (of a regenerated held-out set).
 
@@ -244,7 +244,7 @@ def plot_run(result, path, stream=None):
 
     Parameters
     ----------
-    result : qkvnp.train.TrainResult
+    result : qkvnp.training.loop.TrainResult
     path : str or os.PathLike
         Output file; its extension (png, pdf, svg) picks the format.
     stream : file, optional

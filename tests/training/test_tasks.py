@@ -7,7 +7,7 @@ value stored at the queried key); the teacher's output recomputed by its layer.
 import numpy as np
 import pytest
 
-from qkvnp.tasks import KVRecallTask, TeacherTask, make_streams
+from qkvnp.training.tasks import KVRecallTask, TeacherTask, make_streams
 
 
 def test_same_seed_same_batches_other_seed_other_batches():

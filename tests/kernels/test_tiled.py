@@ -1,4 +1,4 @@
-"""Tests of qkvnp.tiled, the FlashAttention-style attention.
+"""Tests of qkvnp.kernels.tiled, the FlashAttention-style attention.
 
 Oracle: the reference path :mod:`qkvnp.functional` (itself checked against
 central differences and PyTorch), which builds the full ``(T, S)`` weights.
@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from qkvnp import functional as F
-from qkvnp import fast, tiled
+from qkvnp import kernels
+from qkvnp.kernels import _runtime, tiled
 
 from oracles import assert_matches_reference
 
@@ -213,7 +214,7 @@ def test_fully_masked_rows_give_exact_zeros_without_warning():
 def test_no_keys_at_all_gives_zeros():
     """Definition: with S = 0 every query attends to nothing, output and gradients 0.
 
-    (The same definition as the reference path and qkvnp.fast.)
+    (The same definition as the reference path and qkvnp.kernels.fast.)
     """
     out, cache = tiled.attention_forward(np.ones((3, 2)), np.ones((0, 2)), np.ones((0, 4)))
     assert out.shape == (3, 4) and np.all(out == 0)
@@ -326,7 +327,7 @@ def _peak_extra_bytes(L, D, block_size, is_causal):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_memory_does_not_grow_with_length(is_causal, threads, monkeypatch):
+def test_memory_does_not_grow_with_length(is_causal, threads):
     """Oracle: a bound from the block size alone, the same at L = 1024 and 4096.
 
     With (128, 128) blocks, D = 16, float64 the block temporaries are a few
@@ -335,9 +336,6 @@ def test_memory_does_not_grow_with_length(is_causal, threads, monkeypatch):
     each thread beyond the first sums dquery in its own (L, D) array. The
     dense weights would take 8 MiB at L = 1024 and 128 MiB at 4096.
     """
-    import qkvnp.fast
-
-    monkeypatch.setattr(qkvnp.fast, "NUM_THREADS", threads)
     D, block = 16, 128
     per_row = 8 * 8 + (threads - 1) * 8 * D  # bytes
     bound = threads * 8 * (8 * block * block + 8 * block * D) + per_row * 4096  # bytes
@@ -345,20 +343,19 @@ def test_memory_does_not_grow_with_length(is_causal, threads, monkeypatch):
     # temporaries overlap, which varies from run to run (one run in about 30
     # saw L = 1024 peak 160 KB below its usual value and failed the growth
     # check below): the peak of three runs is the one with full overlap.
-    extra = {L: max(_peak_extra_bytes(L, D, block, is_causal) for _ in range(3))
-             for L in (1024, 4096)}
+    with kernels.num_threads(threads):
+        extra = {L: max(_peak_extra_bytes(L, D, block, is_causal) for _ in range(3))
+                 for L in (1024, 4096)}
     assert extra[1024] <= bound and extra[4096] <= bound, (extra, bound)
     assert extra[4096] < extra[1024] + per_row * (4096 - 1024), extra  # at most linear per row
     assert extra[4096] < 8 * 4096 * 4096 / 50  # nowhere near the dense weights
 
 
-def test_threads_give_the_same_result(monkeypatch):
+def test_threads_give_the_same_result():
     """Oracle: the single-threaded run; thread shares only change who computes
     a block, and dquery's partial sums are added in a fixed order, so the
     results agree to rounding and repeat bitwise."""
-    import qkvnp.fast
-
-    if not qkvnp.fast._openblas():
+    if not _runtime.openblas_thread_functions():
         pytest.skip("numpy's OpenBLAS not found: the tiled path does not use threads")
     rng = np.random.default_rng(12)
     query, key, value = random_inputs(rng, (2, 50, 8), (2, 70, 8), (2, 70, 4))
@@ -369,10 +366,10 @@ def test_threads_give_the_same_result(monkeypatch):
         out, cache = tiled.attention_forward(query, key, value, keep, True, block_size=(8, 9))
         return (out, *tiled.attention_backward(dout, cache))
 
-    monkeypatch.setattr(qkvnp.fast, "NUM_THREADS", 1)
-    single = run()
-    monkeypatch.setattr(qkvnp.fast, "NUM_THREADS", 2)
-    first, second = run(), run()
+    with kernels.num_threads(1):
+        single = run()
+    with kernels.num_threads(2):
+        first, second = run(), run()
     for name, a, b, c in zip(("out", "dquery", "dkey", "dvalue"), single, first, second):
         assert_close(b, a, name)
         np.testing.assert_array_equal(b, c, err_msg=f"{name} differs between two threaded runs")
@@ -396,11 +393,16 @@ def test_bad_block_size(block_size, error):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_default_blocks_shrink_with_many_heads(monkeypatch, threads):
+def test_default_blocks_shrink_with_many_heads(threads):
     """The default block holds about a million scores whatever the (batch, head)
     count, and there are at least as many query blocks and key blocks as
     threads (down to 32 rows), so that no pass runs on a single block."""
-    monkeypatch.setattr(fast, "NUM_THREADS", threads)
+    with kernels.num_threads(threads):
+        _check_default_blocks(threads)
+
+
+def _check_default_blocks(threads):
+    default_block = kernels.get_block_sizes()["tiled_block"]
     rng = np.random.default_rng(11)
     for lead in [(), (4, 8), (16, 16)]:
         query, key, value = random_inputs(rng, lead + (300, 1), lead + (600, 1), lead + (600, 1))
@@ -412,8 +414,8 @@ def test_default_blocks_shrink_with_many_heads(monkeypatch, threads):
         assert -(-300 // cache.block_q) >= threads and -(-600 // cache.block_k) >= threads
         if not lead:  # oracle: by hand, min(default, ceil(length / threads))
             assert (cache.block_q, cache.block_k) == (
-                min(tiled.DEFAULT_BLOCK_SIZE[0], -(-300 // threads)),
-                min(tiled.DEFAULT_BLOCK_SIZE[1], -(-600 // threads)),
+                min(default_block[0], -(-300 // threads)),
+                min(default_block[1], -(-600 // threads)),
             )
     # short sequences: blocks of at least 32 rows, even if a thread gets none
     _, cache = tiled.attention_forward(*random_inputs(rng, (40, 1), (20, 1), (20, 1)))
@@ -422,7 +424,7 @@ def test_default_blocks_shrink_with_many_heads(monkeypatch, threads):
 
 def test_import_does_not_load_scipy():
     """Fresh process: importing the tiled path costs numpy only, never scipy."""
-    code = "import sys, qkvnp.tiled; print('scipy' in sys.modules)"
+    code = "import sys, qkvnp.kernels.tiled; print('scipy' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
 

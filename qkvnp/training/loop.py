@@ -16,13 +16,13 @@ The library entry point is :func:`train` (``train(TrainConfig(...))``), which
 returns a :class:`TrainResult` and prints nothing unless given a callback.
 
 Determinism: a run is a pure function of its configuration. Every random
-draw comes from :func:`qkvnp.tasks.make_streams` (``seed``), and a checkpoint
+draw comes from :func:`qkvnp.training.tasks.make_streams` (``seed``), and a checkpoint
 stores the parameters, the optimizer state, the step, the state of the
 training-batch generator and the history so far, so that a run interrupted
 and resumed ends with parameters bitwise equal to those of a run that never
 stopped, and with the same history.
 
-The command's progress line, summary and plot live in :mod:`qkvnp.train_report`.
+The command's progress line, summary and plot live in :mod:`qkvnp.training.report`.
 
 Ctrl-C stops the run at the end of the current step, saves a checkpoint
 (to ``--save``, or to a default path that is printed) and exits with 130;
@@ -40,7 +40,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import check_int
+from .._checks import check_int
 from .checkpoint import (HISTORY_FIELDS, CheckpointError, check_params_match, load_checkpoint,
                          save_checkpoint)
 
@@ -99,7 +99,7 @@ class TrainConfig:
     eval_size : int
         Number of held-out sequences.
     num_keys, num_values, num_pairs, dim, variant
-        kv-recall task and model (see :class:`qkvnp.models.KVRecallModel`).
+        kv-recall task and model (see :class:`qkvnp.training.models.KVRecallModel`).
     embed_dim, num_heads, seq_len
         teacher task and student.
     """
@@ -225,7 +225,7 @@ def build_model(config, rng):
 
 def build_optimizer(config, params):
     """The optimizer of ``config`` over ``params`` (updated in place)."""
-    from .optim import SGD, Adam, AdamW
+    from ..optim import SGD, Adam, AdamW
 
     if config.optimizer == "sgd":
         return SGD(params, config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
@@ -258,7 +258,7 @@ def _forward(model, batch, return_weights=False):
 
 def _loss(task, out, batch):
     """``(loss, accuracy or None, dout)`` of ``out`` against ``batch.target``."""
-    from .losses import (accuracy, cross_entropy_backward, cross_entropy_forward, mse_backward,
+    from ..losses import (accuracy, cross_entropy_backward, cross_entropy_forward, mse_backward,
                          mse_forward)
 
     if task.kind == "classification":
@@ -311,16 +311,14 @@ class _StopFlag:
 
 
 def _blas_single_thread():
-    """Pin BLAS to one thread during training (when qkvnp.fast can find OpenBLAS).
+    """Pin BLAS to one thread during training (when numpy's OpenBLAS can be found).
 
     NOTE: the matrices of these small models are tiny; with several BLAS
     threads, each call pays for waking (and, on a busy machine, waiting for)
     the others: measured 6x slower on a loaded 2-core machine.
     """
-    try:
-        from .fast import blas_threads
-    except ImportError:  # pragma: no cover - qkvnp.fast is part of the package
-        return contextlib.nullcontext()
+    from ..kernels import blas_threads
+
     return blas_threads(1)
 
 
@@ -426,7 +424,7 @@ def train(config, *, resume=None, save=None, callback=None):
         Called after every step as ``callback(info)`` with a dict ``step,
         steps, loss, accuracy, lr, heldout`` (``heldout`` is the metrics
         dict on evaluation steps, else None) and ``start_step``. The CLI's
-        :class:`qkvnp.train_report.Progress` is one.
+        :class:`qkvnp.training.report.Progress` is one.
 
     Returns
     -------
@@ -437,7 +435,7 @@ def train(config, *, resume=None, save=None, callback=None):
     CheckpointError
         (a ``ValueError``) if ``resume`` is unreadable or belongs to another
         run (configuration, parameter names, shapes or dtypes); nothing is
-        trained or written then. :func:`qkvnp.checkpoint.load_checkpoint`
+        trained or written then. :func:`qkvnp.training.checkpoint.load_checkpoint`
         lists what makes a file unreadable.
     FileNotFoundError
         If ``resume`` does not exist, or the directory of ``save`` does not.
@@ -586,7 +584,7 @@ def config_from_args(args, base=None):
 def run(args):
     """Run ``python -m qkvnp train`` with the parsed ``args``; return the exit code."""
     from .tasks import make_streams
-    from .train_report import Progress, describe, plot_run, summary
+    from .report import Progress, describe, plot_run, summary
 
     base = None
     if args.resume is not None:

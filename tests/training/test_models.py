@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from qkvnp.gradcheck import check_layer
-from qkvnp.models import VARIANTS, AttentionRegressor, KVRecallModel
+from qkvnp.training.models import VARIANTS, AttentionRegressor, KVRecallModel
 from qkvnp.optim import SGD
-from qkvnp.tasks import KVRecallTask
+from qkvnp.training.tasks import KVRecallTask
 
 
 class FixedBatch:

@@ -12,61 +12,23 @@ output and the row logsumexp (as row max and row sum), and the backward
 recomputes the weights block by block. Every temporary is ``(..., bq, bk)``-sized, so for a fixed block size
 the extra memory does not grow with the sequence length.
 
-Measured (2-core machine shared with other jobs, load average 4-9 during the
-runs, so wall times are noisy; numpy 2.4.6 / OpenBLAS 0.3.31, 2 threads):
-
-- Memory, forward+backward at ``(B, H, L, D) = (1, 1, 16384, 64)`` float32,
-  beyond inputs, output and gradients (target at most 64 MiB; the dense
-  weights alone take 1 GiB): 7.5 MiB by tracemalloc, 6.7 MiB by ``ru_maxrss``
-  of a fresh process (1.9 and 1.2 MiB with ``qkvnp.fast.NUM_THREADS = 1``).
-- Forward+backward wall time, ms, min / median of 5-7 interleaved runs,
-  ``(1, 1, L, 64)``, default blocks, tiled vs reference vs ``qkvnp.fast``:
-
-  ======= ====== ============= ============== ==============
-  dtype   L      tiled         reference      fast
-  ======= ====== ============= ============== ==============
-  float32 1024   13 / 17       30 / 70        25 / 115
-  float32 2048   56 / 67       110 / 148      71 / 108
-  float32 4096   107 / 169     256 / 650      204 / 1021
-  float64 1024   58 / 67       121 / 217      318 / 342
-  float64 2048   74 / 159      288 / 393      62 / 662
-  float64 4096   205 / 457     1053 / 1278    311 / 3799
-  ======= ====== ============= ============== ==============
-
-  With 8 heads ``(1, 8, L, 64)`` float32: L = 256: tiled 12.5, reference
-  9.0, fast 7.6 (one block pair, so no threads: since then the default
-  blocks give each thread its own, see ``_check_block_size``); L = 1024: 117 / 200, 319 /
-  743, 100 / 170. ``(1, 4, 4096, 64)``: tiled 925 / 1558, reference 4128 /
-  4703, fast 1438 / 1667 (float32). Load-independent CPU time with one BLAS
-  thread, float32 ``(1, 1, L, 64)``: 10.0 vs 14.4 ms (L = 1024), 37 vs 54
-  (2048), 149 vs 515 (4096) for tiled vs reference, about 1.5x the time of
-  its seven GEMMs alone.
-- Block size (CPU time, one BLAS thread, L = 1024 to 4096): every (bq, bk)
-  from (256, 256) to (512, 1024) within 10% of each other; (128, 512) 10-15%
-  and (128, 128) 60% slower, (1024, 1024) 5-15% slower. Re-measured on a
-  quiet machine (2 threads, nothing else running, 2026-11-22), wall time of
-  forward+backward relative to PyTorch, ``MultiHeadAttention`` at (B, L, E,
-  H) = (1, 4096, 256, 4) (4 heads, where ``impl="auto"`` picks this path):
-  (512, 512) 1.56-1.58 (float32) and 1.43-1.51 (float64), (256, 512)
-  1.63-1.65 and 1.44-1.52, (256, 1024) 1.60-1.61 and 1.41-1.51; at 8 heads
-  and L = 2048 all within 3%. Default (512, 512). Peak extra memory of that
-  layer is the same with either block (67 / 66 MiB float32, 134 / 136
-  float64; nn.MultiheadAttention 64-66 and 127-131).
+The ``(..., bq, bk)`` blocks are shared among the worker threads of
+:mod:`qkvnp.kernels._runtime` (``qkvnp.set_num_threads``): query blocks in
+the forward, key blocks in the backward. Its default block size is the
+``tiled_block`` setting (``qkvnp.kernels.set_block_sizes``). Measurements
+(memory, wall time against the reference and the fast core, the block-size
+sweep): ``benchmarks/RESULTS.md``.
 """
 from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_upstream_grad
-from .functional import _check_attention_inputs, _check_scale, sum_to_shape
-from .masks import prepare_mask
+from .._checks import as_upstream_grad, check_attention_inputs, check_scale
+from ..functional import sum_to_shape
+from ..masks import prepare_mask
+from ._runtime import get_block_sizes, get_num_threads, run
 
-__all__ = ["attention_forward", "attention_backward", "TiledAttentionCache", "DEFAULT_BLOCK_SIZE"]
-
-#: Default ``(block_q, block_k)``, chosen by timing forward+backward (see the
-#: module docstring); shrunk when the leading dims make a block large (see
-#: ``_BLOCK_ELEMENTS``).
-DEFAULT_BLOCK_SIZE = (512, 512)
+__all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
 
 # A (..., bq, bk) block of the default size holds at most about this many
 # scores: with many (batch, head) pairs the default blocks shrink so that the
@@ -101,7 +63,7 @@ safe : bool, True when no score can overflow (no clipping check needed)
 def _check_block_size(block_size, T, S, lead_size):
     """Return ``(block_q, block_k)``, both at least 1 and at most ``T``, ``S``."""
     if block_size is None:
-        block_q, block_k = DEFAULT_BLOCK_SIZE
+        block_q, block_k = get_block_sizes()["tiled_block"]
         # NOTE: with many (batch, head) pairs a block is lead_size * bq * bk
         # scores; halve the blocks until that stays near _BLOCK_ELEMENTS.
         while lead_size * block_q * block_k > _BLOCK_ELEMENTS and max(block_q, block_k) > _MIN_DEFAULT_BLOCK:
@@ -115,9 +77,7 @@ def _check_block_size(block_size, T, S, lead_size):
         # whose idle threads then spin and slow whatever runs next: give every
         # thread a block. Measured at (B, H, L, D) = (8, 8, 128, 32), 2 threads:
         # 23 -> 8.3 ms (float32) and 48 -> 12.5 ms (float64), forward+backward.
-        from . import fast
-
-        threads = max(1, fast.NUM_THREADS)
+        threads = get_num_threads()
         block_q = min(block_q, max(_MIN_DEFAULT_BLOCK, -(-T // threads)))
         block_k = min(block_k, max(_MIN_DEFAULT_BLOCK, -(-S // threads)))
     else:
@@ -232,17 +192,6 @@ def _view(buf, shape):
 _Problem = namedtuple(
     "_Problem", "q k v bias keep is_causal safe scale block_q block_k live"
 )  # q, k, v broadcast to the common leading dims; scale of the compute dtype
-
-
-def _run_blocks(task, blocks):
-    """``task(blocks)``, or shares of ``blocks`` in threads with BLAS pinned to one.
-
-    The threading of the fast path (``qkvnp.fast.NUM_THREADS``, set it to 1 to
-    run in the calling thread only).
-    """
-    from .fast import _run
-
-    _run(task, blocks)
 
 
 def _forward_rows(problem, part, out, row_maxes, row_sums):
@@ -373,10 +322,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         Defaults to ``1 / sqrt(D)``.
     block_size : int or (int, int), optional
         ``(block_q, block_k)``; an int sets both. Defaults to
-        ``DEFAULT_BLOCK_SIZE``, halved while ``prod(...) * bq * bk`` exceeds
+        the ``tiled_block`` setting, halved while ``prod(...) * bq * bk`` exceeds
         about a million scores, and at most ``ceil(T / threads)`` by
         ``ceil(S / threads)`` (but not below 32) so that every one of
-        ``qkvnp.fast.NUM_THREADS`` threads gets a block. Clipped to ``T`` and
+        ``qkvnp.get_num_threads()`` threads gets a block. Clipped to ``T`` and
         ``S``.
     out : ndarray, shape (..., T, Dv), optional
         Array (possibly a strided view) to write the output into, of the
@@ -454,8 +403,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     score overflows only if its scaled value does.
 
     Threads: the query blocks of the forward and the key blocks of the
-    backward are shared between ``qkvnp.fast.NUM_THREADS`` Python threads
-    with BLAS pinned to one thread (set it to 1 to switch this off). Each
+    backward are shared between ``qkvnp.get_num_threads()`` Python threads
+    with BLAS pinned to one thread (``qkvnp.set_num_threads(1)`` switches
+    this off). Each
     thread has its own block temporaries, and each thread beyond the first
     sums ``dquery`` in its own query-sized array; those partial sums are added
     in a fixed order, so results repeat bitwise for a given thread count.
@@ -478,8 +428,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     >>> bool(np.allclose(tiled, reference, rtol=1e-12, atol=1e-12))
     True
     """
-    query, key, value, lead = _check_attention_inputs(query, key, value)
-    scale = _check_scale(scale, query.shape[-1])
+    query, key, value, lead = check_attention_inputs(query, key, value)
+    scale = check_scale(scale, query.shape[-1])
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]
     dtype = query.dtype
@@ -510,7 +460,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
                        block_q, block_k, live)
     # query blocks are independent: threads share them, each writing its own rows
-    _run_blocks(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
+    run(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
                 list(enumerate(range(0, T, block_q))))
     cache = TiledAttentionCache(
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
@@ -534,7 +484,7 @@ def _check_grads_out(grads_out, lead, inputs, dtype):
     return grads_out
 
 
-def attention_backward(dout, cache, grads_out=None):
+def attention_backward(dout, cache, grads_out=None, check=True):
     """Backward of :func:`attention_forward`, recomputing the weights by blocks.
 
     Parameters
@@ -583,16 +533,13 @@ def attention_backward(dout, cache, grads_out=None):
     True
     """
     out = cache.out
-    dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
+    if check:
+        dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
     return _attention_backward(dout, cache, grads_out)
 
 
 def _attention_backward(dout, cache, grads_out=None):
-    """:func:`attention_backward` of a ``dout`` already checked and cast.
-
-    :func:`qkvnp.fast.mha_backward` calls it on the heads of its own checked
-    upstream gradient.
-    """
+    """:func:`attention_backward` of a ``dout`` already checked and cast."""
     (query, key, value, bias, keep, is_causal, scale, out, row_max, row_sum,
      block_q, block_k, live, safe) = cache
     dtype = out.dtype
@@ -637,7 +584,7 @@ def _attention_backward(dout, cache, grads_out=None):
             own = dq
         _backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
 
-    _run_blocks(task, blocks)
+    run(task, blocks)
     for first in sorted(partials):
         dq += partials.pop(first)
     dq *= dtype.type(scale)

@@ -22,7 +22,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import check_int, make_rng
+from .._checks import check_int, make_rng
 
 __all__ = [
     "Streams",
@@ -164,7 +164,7 @@ class TeacherTask:
     kind = "regression"
 
     def __init__(self, embed_dim=16, num_heads=2, seq_len=8, rng=None, dtype=np.float64):
-        from .layers import MultiHeadAttention
+        from ..layers import MultiHeadAttention
 
         rng = make_rng(rng)
         self.seq_len = check_int(seq_len, "seq_len", 1)

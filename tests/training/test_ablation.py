@@ -1,14 +1,14 @@
 """The Q/K/V ablation: runs, summary statistics, table and command line.
 
 Oracles: numpy's mean/std(ddof=1)/min/max of hand-written accuracies; each
-ablation run equals a direct :func:`qkvnp.train.train` with the same settings.
+ablation run equals a direct :func:`qkvnp.training.loop.train` with the same settings.
 """
 import numpy as np
 import pytest
 
-from qkvnp.ablation import format_table, run_ablation, summarize
+from qkvnp.training.ablation import format_table, run_ablation, summarize
 from qkvnp.cli import main
-from qkvnp.train import TrainConfig, train
+from qkvnp.training.loop import TrainConfig, train
 
 TINY = dict(num_keys=8, num_values=8, num_pairs=4, eval_size=16)
 

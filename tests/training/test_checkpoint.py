@@ -14,10 +14,10 @@ import signal
 import numpy as np
 import pytest
 
-from qkvnp.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint,
+from qkvnp.training.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint,
                               save_checkpoint, write_npz_atomic)
 from qkvnp.cli import main
-from qkvnp.train import TrainConfig, train
+from qkvnp.training.loop import TrainConfig, train
 
 TINY = dict(num_keys=8, num_values=8, num_pairs=4, dim=8, batch_size=16, eval_size=32)
 
@@ -183,7 +183,7 @@ def test_ctrl_c_without_save_writes_the_default_path(tmp_path, monkeypatch):
 
 
 def test_cli_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch, capsys):
-    import qkvnp.train_report as report_module
+    import qkvnp.training.report as report_module
 
     class PressCtrlC(report_module.Progress):
         def __call__(self, info):

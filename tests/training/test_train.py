@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from qkvnp.cli import main
-from qkvnp.train import TrainConfig, scheduled_lr, train
-from qkvnp.train_report import Progress, attention_example, plot_run, summary
+from qkvnp.training.loop import TrainConfig, scheduled_lr, train
+from qkvnp.training.report import Progress, attention_example, plot_run, summary
 
 # a smaller kv-recall than the command's default (64 keys/values, 16 pairs,
 # width 64, 1000 steps), with the same optimizer and schedule

@@ -44,7 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._io import atomic_write
+from .._io import atomic_write
 
 __all__ = [
     "FORMAT_VERSION",

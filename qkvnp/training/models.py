@@ -1,4 +1,4 @@
-"""Small models trained by :mod:`qkvnp.train`: kv-recall and the teacher's student.
+"""Small models trained by :mod:`qkvnp.training.loop`: kv-recall and the teacher's student.
 
 Shape key: B batch, P stored key/value pairs, T sequence length, E embedding,
 K key vocabulary, V value vocabulary.
@@ -11,9 +11,9 @@ the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
 """
 import numpy as np
 
-from . import functional as F
-from ._checks import as_upstream_grad, make_rng
-from .layers import Embedding, Layer, Linear, MultiHeadAttention, _layer_dtype, xavier_uniform
+from .. import functional as F
+from .._checks import as_upstream_grad, layer_dtype, make_rng
+from ..layers import Embedding, Layer, Linear, MultiHeadAttention, xavier_uniform
 
 __all__ = ["Model", "KVRecallModel", "AttentionRegressor", "VARIANTS"]
 
@@ -132,7 +132,7 @@ class KVRecallModel(Model):
             raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
         rng = make_rng(rng)
         self.variant = variant
-        self.dtype = _layer_dtype(dtype)
+        self.dtype = layer_dtype(dtype)
         self.embed_key = Embedding(num_keys, dim, rng=rng, dtype=self.dtype)
         self.embed_value = Embedding(num_values, dim, rng=rng, dtype=self.dtype)
         self.num_keys, self.num_values, self.dim = num_keys, num_values, dim

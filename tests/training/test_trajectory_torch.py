@@ -4,7 +4,7 @@ Oracle: the kv-recall model rebuilt from torch ops (embedding lookups,
 matmuls, softmax, ``F.cross_entropy``), differentiated by torch autograd and
 updated by ``torch.optim``, starting from the same initial weights and fed
 the same batches. In float64 the loss of every one of 100 steps agrees with
-the loss :func:`qkvnp.train.train` records to a relative 1e-9, for SGD with
+the loss :func:`qkvnp.training.loop.train` records to a relative 1e-9, for SGD with
 momentum and for Adam; the final parameters agree too.
 """
 import math
@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from qkvnp.tasks import make_streams
-from qkvnp.train import TrainConfig, build_model, build_task, train
+from qkvnp.training.tasks import make_streams
+from qkvnp.training.loop import TrainConfig, build_model, build_task, train
 
 STEPS = 100
 CONFIG = dict(num_keys=16, num_values=16, num_pairs=6, dim=16, batch_size=32, steps=STEPS,
@@ -21,7 +21,7 @@ CONFIG = dict(num_keys=16, num_values=16, num_pairs=6, dim=16, batch_size=32, st
 
 
 def torch_kv_recall_logits(torch, weights, roles, batch, dim):
-    """The forward of :class:`qkvnp.models.KVRecallModel`, in torch ops."""
+    """The forward of :class:`qkvnp.training.models.KVRecallModel`, in torch ops."""
     keys, values, query = (torch.from_numpy(a) for a in (batch.keys, batch.values, batch.query))
     P = keys.shape[1]
     tokens = torch.cat([keys, query[:, None]], dim=1)  # (B, P+1)

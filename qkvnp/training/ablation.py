@@ -4,7 +4,7 @@ Shape key: P stored pairs, E model width (``dim``).
 
 The seeds ask: "why do we need key, value and query; could I use only one of
 them?". This command answers by experiment. The same
-:class:`~qkvnp.models.KVRecallModel` is trained on the same ``kv-recall``
+:class:`~qkvnp.training.models.KVRecallModel` is trained on the same ``kv-recall``
 data with four projection variants:
 
 ``separate``  independent ``W_query``, ``W_key``, ``W_value`` (the standard layer)
@@ -15,7 +15,7 @@ data with four projection variants:
 for several seeds each and at several model widths (default 8 and 16, 3000
 steps per run: about 2-3 minutes on 2 cores), and prints the held-out
 accuracy (mean, spread, worst and best) per variant and width. Every run is
-:func:`qkvnp.train.train` with only ``variant``, ``dim`` and ``seed`` changed.
+:func:`qkvnp.training.loop.train` with only ``variant``, ``dim`` and ``seed`` changed.
 
 Examples
 --------
@@ -49,7 +49,7 @@ def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS,
     Parameters
     ----------
     variants : sequence of str, optional
-        Default: all of :data:`qkvnp.models.VARIANTS`.
+        Default: all of :data:`qkvnp.training.models.VARIANTS`.
     seeds : int
         Seeds ``0 .. seeds-1`` per variant and width.
     dims : sequence of int
@@ -57,7 +57,7 @@ def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS,
     steps : int or None
         Steps per run (default 3000; None: the train command's default, 1000).
     base : dict, optional
-        Other :class:`qkvnp.train.TrainConfig` fields shared by every run.
+        Other :class:`qkvnp.training.loop.TrainConfig` fields shared by every run.
     callback : callable, optional
         Called with each row as it completes.
 
@@ -67,7 +67,7 @@ def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS,
         ``variant, dim, seed, accuracy, loss, parameters, seconds``.
     """
     from .models import VARIANTS
-    from .train import TrainConfig, train
+    from .loop import TrainConfig, train
 
     variants = tuple(VARIANTS) if variants is None else tuple(variants)
     for variant in variants:

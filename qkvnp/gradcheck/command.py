@@ -1,0 +1,154 @@
+"""``python -m qkvnp gradcheck``: check both attention layers' gradients numerically.
+
+Builds :class:`qkvnp.SelfAttention` and :class:`qkvnp.MultiHeadAttention`
+with the options' shapes and masks, runs :func:`qkvnp.gradcheck.check_layer`
+on each and prints the tables (exit status 1 on a failure), or with
+``--sweep-eps`` the error against the central-difference step
+(:func:`qkvnp.gradcheck.sweep_eps`).
+"""
+import time
+
+import numpy as np
+
+from .checker import MODES, SWEEP_EPS, TOLERANCES, check_layer, sweep_eps
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser):
+    """Add the ``gradcheck`` command's options to an ``argparse`` parser."""
+    import argparse
+
+    parser.add_argument("--batch", type=int, default=2, help="batch size B (default 2)")
+    parser.add_argument("--seq", type=int, default=4, help="query length T (default 4)")
+    parser.add_argument("--kv-seq", type=int, default=None,
+                        help="key/value length S: cross-attention for MultiHeadAttention")
+    parser.add_argument("--embed", type=int, default=6, help="embedding size E (default 6)")
+    parser.add_argument("--heads", type=int, default=2, help="heads H, must divide E (default 2)")
+    parser.add_argument("--d-out", type=int, default=4, help="SelfAttention output size (default 4)")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    parser.add_argument("--mask", choices=("none", "bool", "float", "padding"), default="none",
+                        help="attention mask: random bool (with a fully masked row), random "
+                             "float (with -inf entries) or key padding (one sequence fully padded)")
+    parser.add_argument("--causal", action="store_true", help="causal (top-left aligned) mask")
+    parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
+                        help="projection biases (default: on)")
+    parser.add_argument("--eps", type=float, default=None,
+                        help="central-difference step (default: from TOLERANCES by dtype)")
+    parser.add_argument("--mode", choices=MODES, default="elementwise")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep-eps", action="store_true",
+                        help="print the max relative error over eps = 1e-1 .. 1e-10 for "
+                             "float64 and float32 instead of checking")
+
+
+def _positive(args, name):
+    value = getattr(args, name)
+    if value is None or value < 1:
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
+    return value
+
+
+def _problems(args):
+    """Build both layers, their inputs and forward kwargs from the CLI options.
+
+    Returns a list of ``(title, layer, inputs, forward_kwargs)`` in float64.
+    """
+    from ..layers import MultiHeadAttention, SelfAttention
+
+    B, T, E, H = (_positive(args, n) for n in ("batch", "seq", "embed", "heads"))
+    d_out = _positive(args, "d_out")
+    S = T if args.kv_seq is None else _positive(args, "kv_seq")
+    if E % H:
+        raise ValueError(f"--heads must divide --embed, got embed={E} and heads={H}")
+    rng = np.random.default_rng(args.seed)
+    x = rng.normal(size=(B, T, E))
+
+    def masks(T, S):
+        """attn_mask (or None) of shape (B, 1, T, S) and a key padding mask (B, S)."""
+        if args.mask == "bool":
+            keep = rng.random((B, 1, T, S)) < 0.7
+            keep[..., 0] = True  # every row keeps a key ...
+            keep[0, 0, -1, :] = False  # ... except one fully masked row
+            return keep, None
+        if args.mask == "float":
+            bias = rng.normal(size=(B, 1, T, S))
+            bias[rng.random((B, 1, T, S)) < 0.2] = -np.inf
+            return bias, None
+        if args.mask == "padding":
+            real = np.ones((B, S), dtype=bool)
+            real[0, -1] = False  # one padded key ...
+            real[-1, :] = False  # ... and, with B > 1, one fully padded sequence
+            if B == 1:
+                real[0, 0] = True
+            return None, real
+        return None, None
+
+    def random_biases(layer):
+        # NOTE: biases start at zero; check at a generic point where every path matters.
+        for name, param in layer.params.items():
+            if name.startswith("b_"):
+                param[...] = rng.normal(scale=0.5, size=param.shape)
+        return layer
+
+    problems = []
+    mask, padding = masks(T, T)
+    if padding is not None:
+        mask = padding[:, None, :]  # (B, S) -> (B, 1, S): broadcasts to (B, T, S)
+    elif mask is not None:
+        mask = mask[:, 0]  # (B, 1, T, S) -> (B, T, S)
+    self_attention = random_biases(SelfAttention(E, d_out, qkv_bias=args.bias, rng=args.seed))
+    problems.append((f"SelfAttention(d_in={E}, d_out={d_out}, qkv_bias={args.bias})",
+                     self_attention, (x,), {"attn_mask": mask, "is_causal": args.causal}))
+    mha = random_biases(MultiHeadAttention(E, H, bias=args.bias, rng=args.seed))
+    mask, padding = masks(T, S)
+    kwargs = {"attn_mask": mask, "is_causal": args.causal, "key_padding_mask": padding}
+    if args.kv_seq is None:
+        problems.append((f"MultiHeadAttention(embed_dim={E}, num_heads={H}, bias={args.bias}),"
+                         " self-attention", mha, (x,), kwargs))
+    else:
+        key, value = rng.normal(size=(B, S, E)), rng.normal(size=(B, S, E))
+        problems.append((f"MultiHeadAttention(embed_dim={E}, num_heads={H}, bias={args.bias}),"
+                         f" cross-attention T={T}, S={S}", mha, (x, key, value), kwargs))
+    return problems
+
+
+def _print_sweep(problems):
+    print("max relative error of central differences vs the float64 analytic gradient")
+    print("(every param and input of: " + "; ".join(p[0] for p in problems) + ")")
+    start = time.perf_counter()
+    errors = sweep_eps(problems)
+    print(f"{'eps':>8}  " + "  ".join(f"{str(d):>10}" for d in errors))
+    for j, eps in enumerate(SWEEP_EPS):
+        print(f"{eps:>8.0e}  " + "  ".join(f"{e[j]:>10.2e}" for e in errors.values()))
+    for dtype, e in errors.items():
+        j = int(np.argmin(e))
+        print(f"best eps for {dtype}: {SWEEP_EPS[j]:.0e} (max rel err {e[j]:.2e}; "
+              f"default eps {TOLERANCES[dtype]['elementwise'].eps:g})")
+    print("large eps: truncation error O(eps^2); small eps: round-off O(eps_mach / eps)")
+    if any(np.isinf(e).any() for e in errors.values()):
+        print("inf: x + eps rounds back to x for some entry (eps below the float spacing)")
+    print(f"({time.perf_counter() - start:.1f} s)")
+
+
+def run(args):
+    """Run the ``gradcheck`` command; return 0 if every gradient is right, else 1."""
+    try:
+        problems = _problems(args)
+    except (ValueError, TypeError) as error:
+        print(f"gradcheck: error: {error}")
+        return 2
+    if args.sweep_eps:
+        _print_sweep(problems)
+        return 0
+    dtype = np.dtype(args.dtype)
+    all_ok = True
+    for title, layer, inputs, forward_kwargs in problems:
+        report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs, mode=args.mode,
+                             dtype=dtype, eps=args.eps, rng=args.seed)
+        print(title)
+        print(report.table())
+        print()
+        all_ok &= report.ok
+    print("all gradients OK" if all_ok else "GRADIENT CHECK FAILED")
+    return 0 if all_ok else 1

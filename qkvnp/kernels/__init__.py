@@ -1,0 +1,209 @@
+"""The attention kernels, and the one place that picks which one runs.
+
+Shape key: B batch (any leading dims), H heads, T query length, S key length,
+E embedding, D head dim.
+
+Three paths compute the same layers, up to rounding (:data:`PATH_TOLERANCES`):
+
+=============  ============================================================
+``reference``  :mod:`qkvnp.kernels.reference`: the ops of
+               :mod:`qkvnp.functional` line for line; the oracle.
+``fast``       :mod:`qkvnp.kernels.mha` on the dense core of
+               :mod:`qkvnp.kernels.fast`: fused projections, in-place
+               softmax, worker threads.
+``tiled``      :mod:`qkvnp.kernels.mha` on the core of
+               :mod:`qkvnp.kernels.tiled`: FlashAttention-style blocks,
+               memory linear in length, never the ``(T, S)`` weights.
+=============  ============================================================
+
+A layer asks :func:`layer_forward` to run its ``impl`` and gets back, whatever
+the path, ``(out, weights, cache, dispatch)``; :func:`layer_backward` takes
+the cache back. :func:`choose_path` is the only code that decides a path:
+``impl="auto"`` and the fallback of a request a path cannot serve (weights
+from the tiled path) both happen there, and its :class:`Dispatch` says why,
+as PyTorch's ``why_not_fast_path`` does. Layers keep the last one as
+``layer.last_dispatch``.
+
+The runtime settings (worker threads, block sizes) are
+:func:`set_num_threads`, :func:`set_block_sizes` and their kin from
+:mod:`qkvnp.kernels._runtime`.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from . import mha, reference
+from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block_sizes,
+                       get_num_threads, num_threads, release_buffers, set_block_sizes,
+                       set_num_threads)
+
+__all__ = [
+    "IMPLS",
+    "PATH_TOLERANCES",
+    "Dispatch",
+    "check_impl",
+    "choose_path",
+    "layer_forward",
+    "layer_backward",
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "set_block_sizes",
+    "get_block_sizes",
+    "block_sizes",
+    "BLOCK_SIZE_DEFAULTS",
+    "blas_threads",
+    "release_buffers",
+]
+
+#: What a layer's ``impl=`` may be.
+IMPLS = ("auto", "reference", "fast", "tiled")
+
+#: Largest error of the fast and tiled paths against the reference, relative to
+#: ``max(1, max|reference|)``, by dtype: the tests and the benchmark both check
+#: every path against this table.
+PATH_TOLERANCES = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}
+
+Dispatch = namedtuple("Dispatch", "impl path reason")
+Dispatch.__doc__ = """The path one forward ran, and why.
+
+impl : the layer's ``impl`` ("auto", "reference", "fast" or "tiled").
+path : the path that ran ("reference", "fast" or "tiled").
+reason : one sentence, e.g. ``"auto: 4096 keys >= tiled_min_length 4096"``.
+"""
+
+
+def check_impl(impl):
+    """Return ``impl`` if it is one of :data:`IMPLS`, else raise ``ValueError``."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _mib(nbytes):
+    return f"{nbytes / (1 << 20):.3g} MiB"
+
+
+def choose_path(impl, groups, T, S, dtype, need_weights=False):
+    """The path a forward takes, and why: the only place a path is decided.
+
+    Parameters
+    ----------
+    impl : {"auto", "reference", "fast", "tiled"}
+    groups : int
+        Number of ``(T, S)`` score matrices (batch size times heads).
+    T, S : int
+        Query and key lengths.
+    dtype : numpy dtype
+        The compute dtype (for the size of the dense weights).
+    need_weights : bool
+        The caller wants the ``(..., T, S)`` weights back.
+
+    Returns
+    -------
+    Dispatch
+
+    Notes
+    -----
+    ``"auto"`` runs the fast dense path, or the tiled path from
+    ``tiled_min_length`` keys on, or when the dense weights of ``groups``
+    ``(T, S)`` matrices would exceed ``dense_weights_budget`` bytes (both
+    :func:`set_block_sizes` settings). Weights requested keep the dense path:
+    the tiled path never builds them, so ``impl="tiled"`` with weights falls
+    back to the fast core, and says so.
+
+    Examples
+    --------
+    >>> choose_path("auto", groups=8, T=16, S=16, dtype=np.float32).path
+    'fast'
+    >>> choose_path("tiled", 8, 16, 16, np.float32, need_weights=True).reason
+    'tiled cannot return the attention weights (it never builds them): fell back to the fast core'
+    """
+    impl = check_impl(impl)
+    if impl == "reference":
+        return Dispatch(impl, "reference", "impl='reference' requested")
+    if impl == "tiled":
+        if need_weights:
+            return Dispatch(impl, "fast", "tiled cannot return the attention weights (it never "
+                                          "builds them): fell back to the fast core")
+        return Dispatch(impl, "tiled", "impl='tiled' requested")
+    if impl == "fast":
+        return Dispatch(impl, "fast", "impl='fast' requested")
+    sizes = get_block_sizes()
+    min_length, budget = sizes["tiled_min_length"], sizes["dense_weights_budget"]
+    dense_bytes = groups * T * S * np.dtype(dtype).itemsize
+    if need_weights:
+        return Dispatch(impl, "fast", "auto: weights requested, which only the dense fast "
+                                      "core builds")
+    if S >= min_length:
+        return Dispatch(impl, "tiled", f"auto: {S} keys >= tiled_min_length {min_length}")
+    if dense_bytes > budget:
+        return Dispatch(impl, "tiled", f"auto: dense weights of {_mib(dense_bytes)} > "
+                                       f"dense_weights_budget {_mib(budget)}")
+    return Dispatch(impl, "fast", f"auto: {S} keys < tiled_min_length {min_length} and dense "
+                                  f"weights of {_mib(dense_bytes)} within dense_weights_budget")
+
+
+def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
+                  need_weights=False, out_proj=True, previous=None):
+    """Run an attention layer's forward on the path :func:`choose_path` picks.
+
+    Parameters
+    ----------
+    params : dict
+        The layer's parameters (``W_query, W_key, W_value``, optional
+        ``b_*``, and with ``out_proj`` ``W_out`` and optional ``b_out``).
+    inputs : tuple of ndarray
+        ``(x,)`` for ``kind="self"``, ``(query, key)`` for ``"key_only"``
+        (value = key), ``(query, key, value)`` for ``"cross"``; already cast
+        to the parameters' dtype and shape-checked by the layer.
+    kind : {"self", "key_only", "cross"}
+    num_heads : int
+    mask : ndarray or None
+        bool (True = may attend) or float (added to the scores).
+    is_causal : bool
+    impl : {"auto", "reference", "fast", "tiled"}
+    need_weights : bool
+        Also return the attention weights.
+    out_proj : bool
+        False for :class:`qkvnp.SelfAttention` (one head, no head axis, no
+        output projection).
+    previous : cache, optional
+        The cache of the layer's previous forward, **which will not be used
+        again**: the fast and tiled paths reuse its large buffers.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, E)
+    weights : ndarray or None
+    cache : ReferenceLayerCache or FusedLayerCache
+        For :func:`layer_backward`.
+    dispatch : Dispatch
+    """
+    T, S = inputs[0].shape[-2], inputs[-1].shape[-2]
+    groups = int(np.prod(inputs[0].shape[:-2])) * (num_heads if out_proj else 1)
+    dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights)
+    if dispatch.path == "reference":
+        out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,
+                                                need_weights=need_weights, out_proj=out_proj)
+    else:
+        workspace = previous if isinstance(previous, mha.FusedLayerCache) else None
+        out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,
+                                          path=dispatch.path, need_weights=need_weights,
+                                          out_proj=out_proj, workspace=workspace)
+    return out, weights, cache, dispatch
+
+
+def layer_backward(dout, cache):
+    """Backward of :func:`layer_forward` on the path its forward ran.
+
+    Returns
+    -------
+    grads : dict
+        Gradient of each parameter the forward used.
+    dinputs : tuple of ndarray
+        Gradient of each entry of the forward's ``inputs``.
+    """
+    if isinstance(cache, reference.ReferenceLayerCache):
+        return reference.backward(dout, cache)
+    return mha.backward(dout, cache)

@@ -1,0 +1,540 @@
+"""The kernels' runtime: worker threads, BLAS thread control, the score-buffer
+pool, and the settings that tune them.
+
+Shape key: ``lead`` the leading (batch, head) dims of an attention problem,
+G one block of them.
+
+Settings, not globals to patch (the model is ``torch.set_num_threads``):
+
+- :func:`set_num_threads` / :func:`get_num_threads` / :func:`num_threads`
+  (a context manager): the worker threads the fast and tiled kernels split
+  their (batch, head) blocks over. BLAS inside the workers runs on one thread.
+  The default is the environment variable ``QKVNP_NUM_THREADS``, read at the
+  first kernel call (not at import), else the CPUs this process may use (at
+  most 8). 1 runs every kernel in the calling thread.
+- :func:`set_block_sizes` / :func:`get_block_sizes` / :func:`block_sizes`:
+  the sizes that cut the work into blocks and the thresholds of ``impl="auto"``
+  (see :data:`BLOCK_SIZE_DEFAULTS` for each one and why it has its value).
+
+Settings are global to the process, as PyTorch's are. ``import`` of this
+module costs numpy only: ctypes, the thread pool and the BLAS probe are
+loaded at first use. Measurements behind the defaults: ``benchmarks/RESULTS.md``.
+"""
+import contextlib
+import os
+import threading
+
+import numpy as np
+
+from .._checks import check_int
+
+__all__ = [
+    "set_num_threads",
+    "get_num_threads",
+    "num_threads",
+    "set_block_sizes",
+    "get_block_sizes",
+    "block_sizes",
+    "BLOCK_SIZE_DEFAULTS",
+    "blas_threads",
+    "openblas_thread_functions",
+    "openblas_info",
+    "release_buffers",
+    "recycled_empty",
+    "blocks",
+    "run",
+    "matmul",
+]
+
+ENV_NUM_THREADS = "QKVNP_NUM_THREADS"
+
+#: Default of every block-size setting (bytes, rows or positions).
+BLOCK_SIZE_DEFAULTS = {
+    # Largest score block (bytes) one worker handles in one step of the fast
+    # core: many heads at short lengths, one head at long lengths. Smaller
+    # blocks stay in cache, larger ones mean fewer numpy calls (fewer GIL
+    # hand-overs between the threads); 1-4 MiB measured best.
+    "fast_block_bytes": 4 << 20,
+    # The fast core processes a block's rows in chunks of about this many
+    # score bytes (at least ``min_row_block`` rows), so that the softmax's
+    # elementwise passes run in cache at long lengths: 8 MiB measured 1-5%
+    # faster than 4 MiB at L >= 2048, 1-2 MiB 10-13% slower.
+    "row_block_bytes": 8 << 20,
+    "min_row_block": 64,
+    # Fewest rows (or columns) per thread for which a projection matmul splits.
+    "min_split": 64,
+    # Default (block_q, block_k) of the tiled core, shrunk with many
+    # (batch, head) pairs and to give every thread a block (tiled.py).
+    "tiled_block": (512, 512),
+    # Freed score buffers of at least recycle_min_bytes are kept, up to
+    # recycle_bytes in all, for the next forward of the same size: a fresh
+    # 128 MiB buffer cost 24% of a forward+backward at (1, 8, 2048, 64) in
+    # page faults. recycle_bytes = 0 disables.
+    "recycle_bytes": 512 << 20,
+    "recycle_min_bytes": 16 << 20,
+    # impl="auto" takes the tiled path from this many keys on (from 4096 the
+    # two cost about the same and tiled needs memory linear in L) ...
+    "tiled_min_length": 4096,
+    # ... or when the dense (..., H, T, S) weights would take more bytes than this.
+    "dense_weights_budget": 256 << 20,
+}
+_MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
+            "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
+            "dense_weights_budget": 0}
+
+_SIZES = dict(BLOCK_SIZE_DEFAULTS)
+_NUM_THREADS = None  # None until set or first read (then from the environment)
+_SETTINGS_LOCK = threading.Lock()
+
+
+def _available_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _default_num_threads():
+    text = os.environ.get(ENV_NUM_THREADS, "").strip()
+    if not text:
+        return max(1, min(_available_cpus(), 8))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"environment variable {ENV_NUM_THREADS} must be a positive integer, got {text!r}"
+        )
+    return value
+
+
+def get_num_threads():
+    """The number of worker threads the kernels use (see :func:`set_num_threads`).
+
+    >>> get_num_threads() >= 1
+    True
+    """
+    global _NUM_THREADS
+    if _NUM_THREADS is None:
+        with _SETTINGS_LOCK:
+            if _NUM_THREADS is None:
+                _NUM_THREADS = _default_num_threads()
+    return _NUM_THREADS
+
+
+def set_num_threads(n):
+    """Set the number of worker threads of the fast and tiled kernels.
+
+    Parameters
+    ----------
+    n : int
+        At least 1; 1 runs every kernel in the calling thread (with BLAS's
+        own threads). BLAS inside the workers stays at one thread.
+
+    Raises
+    ------
+    TypeError
+        If ``n`` is not an int (bools refused).
+    ValueError
+        If ``n < 1``.
+
+    Examples
+    --------
+    >>> previous = get_num_threads()
+    >>> set_num_threads(1); get_num_threads()
+    1
+    >>> set_num_threads(previous)
+    """
+    global _NUM_THREADS
+    _NUM_THREADS = check_int(n, "n", 1)
+
+
+@contextlib.contextmanager
+def num_threads(n):
+    """Context manager: :func:`set_num_threads` ``(n)`` inside, restored after.
+
+    >>> with num_threads(1):
+    ...     get_num_threads()
+    1
+    """
+    previous = get_num_threads()
+    set_num_threads(n)
+    try:
+        yield
+    finally:
+        set_num_threads(previous)
+
+
+def get_block_sizes():
+    """A copy of the block-size settings, by name (see :data:`BLOCK_SIZE_DEFAULTS`).
+
+    >>> get_block_sizes()["tiled_block"]
+    (512, 512)
+    """
+    return dict(_SIZES)
+
+
+def _checked_sizes(sizes):
+    checked = {}
+    for name, value in sizes.items():
+        if name not in BLOCK_SIZE_DEFAULTS:
+            raise ValueError(
+                f"unknown block-size setting {name!r}; the settings are "
+                f"{', '.join(BLOCK_SIZE_DEFAULTS)}"
+            )
+        if name == "tiled_block":
+            pair = value if isinstance(value, (tuple, list)) else (value, value)
+            if len(pair) != 2:
+                raise ValueError(f"tiled_block must be an int or a pair of ints, got {value!r}")
+            checked[name] = (check_int(pair[0], "tiled_block", 1), check_int(pair[1], "tiled_block", 1))
+        else:
+            checked[name] = check_int(value, name, _MINIMUM[name])
+    return checked
+
+
+def set_block_sizes(**sizes):
+    """Set block-size settings by name; the others keep their values.
+
+    Parameters
+    ----------
+    **sizes : int, or (int, int) for ``tiled_block``
+        Any of :data:`BLOCK_SIZE_DEFAULTS`' names. ``None`` is not a value:
+        pass the default from :data:`BLOCK_SIZE_DEFAULTS` to restore one.
+
+    Raises
+    ------
+    ValueError
+        On an unknown name (all names are checked before any is set) or a
+        value below its minimum.
+    TypeError
+        On a value that is not an int.
+
+    Examples
+    --------
+    >>> set_block_sizes(min_split=32)
+    >>> get_block_sizes()["min_split"]
+    32
+    >>> set_block_sizes(min_split=BLOCK_SIZE_DEFAULTS["min_split"])
+    """
+    checked = _checked_sizes(sizes)
+    with _SETTINGS_LOCK:
+        _SIZES.update(checked)
+
+
+@contextlib.contextmanager
+def block_sizes(**sizes):
+    """Context manager: :func:`set_block_sizes` inside, the previous values after.
+
+    >>> with block_sizes(tiled_block=64):
+    ...     get_block_sizes()["tiled_block"]
+    (64, 64)
+    """
+    checked = _checked_sizes(sizes)
+    previous = {name: _SIZES[name] for name in checked}
+    set_block_sizes(**checked)
+    try:
+        yield
+    finally:
+        set_block_sizes(**previous)
+
+
+# ---------------------------------------------------------------- score buffers
+
+_SPARE = []  # base arrays, each free while only this list refers to it
+_SPARE_LOCK = threading.Lock()
+
+
+def recycled_empty(shape, dtype):
+    """``np.empty(shape, dtype)``, reusing a large buffer no array refers to any more.
+
+    A buffer is free when its only references are this pool's: every numpy
+    view of it (the cache's array, any slice a caller took) refers to it.
+    """
+    import sys
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    limit = _SIZES["recycle_bytes"]
+    if nbytes < _SIZES["recycle_min_bytes"] or nbytes > limit:
+        return np.empty(shape, dtype)
+    with _SPARE_LOCK:
+        for base in _SPARE:
+            # references: the list, this loop's name, getrefcount's argument
+            if base.nbytes == nbytes and sys.getrefcount(base) == 3:
+                return base.view(dtype).reshape(shape)
+        base = np.empty(nbytes, np.uint8)
+        _SPARE.append(base)
+        total = sum(b.nbytes for b in _SPARE)
+        for old in list(_SPARE):
+            if total <= limit:
+                break
+            if old is not base and sys.getrefcount(old) == 3:  # list, name, argument
+                _SPARE.remove(old)
+                total -= old.nbytes
+        return base.view(dtype).reshape(shape)
+
+
+def release_buffers():
+    """Drop the recycled score buffers that no array uses (setting ``recycle_bytes``)."""
+    import sys
+
+    with _SPARE_LOCK:
+        _SPARE[:] = [b for b in _SPARE if sys.getrefcount(b) > 3]  # list, name, argument
+
+
+# ---------------------------------------------------------------- BLAS threads
+
+_BLAS = None  # (get, set) ctypes functions, () if not found
+_BLAS_LOCK = threading.Lock()
+
+
+def _find_openblas():
+    """The OpenBLAS thread-count functions of the library numpy links, or ()."""
+    import ctypes
+
+    found = _openblas_library()
+    if not found:
+        return ()
+    _, lib, prefix, suffix = found
+    get = getattr(lib, f"{prefix}get_num_threads{suffix}")
+    set_ = getattr(lib, f"{prefix}set_num_threads{suffix}")
+    get.restype, get.argtypes = ctypes.c_int, []
+    set_.restype, set_.argtypes = None, [ctypes.c_int]
+    return get, set_
+
+
+def _openblas_library():
+    """``(path, library, prefix, suffix)`` of the OpenBLAS numpy links, or ().
+
+    The one search of the package: the library beside numpy's wheel or
+    through ``scipy_openblas64``, with every symbol naming scheme OpenBLAS
+    builds use (``{prefix}get_num_threads{suffix}``).
+    """
+    import ctypes
+    import glob
+
+    root = os.path.dirname(np.__file__)
+    patterns = [os.path.join(root, os.pardir, "numpy.libs", "*openblas*"),  # Linux wheels
+                os.path.join(root, ".dylibs", "*openblas*"),  # macOS wheels
+                os.path.join(root, "_core", "*openblas*")]
+    try:  # numpy built against the scipy-openblas package
+        import scipy_openblas64
+
+        patterns.append(os.path.join(scipy_openblas64.get_lib_dir(), "*openblas*"))
+    except (ImportError, AttributeError):
+        pass
+    schemes = [(prefix, suffix) for prefix in ("scipy_openblas_", "openblas_")
+               for suffix in ("64_", "_64", "")]
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            try:
+                lib = ctypes.CDLL(path)  # already loaded by numpy: same handle
+            except OSError:
+                continue
+            for prefix, suffix in schemes:
+                if (hasattr(lib, f"{prefix}get_num_threads{suffix}")
+                        and hasattr(lib, f"{prefix}set_num_threads{suffix}")):
+                    return path, lib, prefix, suffix
+    return ()
+
+
+def openblas_thread_functions():
+    """OpenBLAS's ``(get_num_threads, set_num_threads)`` for numpy's BLAS, or ``()``.
+
+    The one probe of the package (the benchmark reports it too): the library
+    numpy links, found beside numpy's wheel or through ``scipy_openblas64``,
+    with every symbol naming scheme OpenBLAS builds use.
+    """
+    global _BLAS
+    if _BLAS is None:
+        with _BLAS_LOCK:
+            if _BLAS is None:
+                _BLAS = _find_openblas()
+    return _BLAS
+
+
+class blas_threads:
+    """Context manager: run BLAS with ``n`` threads inside, restore after.
+
+    Does nothing when numpy's OpenBLAS cannot be found (``available`` is then
+    False). Setting the count is global to the process.
+
+    >>> with blas_threads(1) as pinned:
+    ...     _ = np.ones((4, 4)) @ np.ones((4, 4))
+    """
+
+    def __init__(self, n):
+        self.n = int(n)
+        self.previous = None
+        self.available = bool(openblas_thread_functions())
+
+    def __enter__(self):
+        if self.available:
+            get, set_ = openblas_thread_functions()
+            self.previous = get()
+            set_(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        if self.available:
+            openblas_thread_functions()[1](self.previous)
+        return False
+
+
+# ---------------------------------------------------------------- threads
+
+_POOL = None  # (pid, ThreadPoolExecutor of get_num_threads() CPU-pinned workers)
+_SECTION_LOCK = threading.Lock()  # one pinned section at a time (the count is global)
+
+
+def _pin_worker(cpus, counter, lock):
+    """Pool initializer: pin this worker thread to the next CPU of ``cpus``.
+
+    NOTE: unpinned, a worker woken after an idle spell was often placed on the
+    CPU of the thread that woke it (Linux's wake-affine) and the two halves of
+    the work ran on one core: measured 27 ms instead of 15 ms for a layer
+    called after a 50 ms pause. Pinned workers run on their own cores.
+    """
+    with lock:
+        cpu = cpus[next(counter) % len(cpus)]
+    try:
+        os.sched_setaffinity(0, {cpu})  # 0: the calling thread
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
+
+
+def _pool(workers):
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers != workers:
+        import itertools
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = list(range(os.cpu_count() or 1))
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="qkvnp-kernels",
+                                  initializer=_pin_worker,
+                                  initargs=(cpus, itertools.count(), threading.Lock()))
+        start = threading.Barrier(workers)
+        for future in [pool.submit(start.wait) for _ in range(workers)]:
+            future.result()  # all workers exist (and are pinned) from now on
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[1].shutdown(wait=False)  # its idle workers exit
+        _POOL = (os.getpid(), pool)
+    return _POOL[1]
+
+
+def blocks(lead, group_bytes, threads):
+    """Index tuples over the leading dims, one per block of (batch, head) groups.
+
+    A block is an integer index over the first ``k - 1`` leading dims and a
+    slice of dim ``k - 1``: as many groups as fit in the ``fast_block_bytes`` setting (at
+    least one), and at least ``threads`` blocks when there are that many groups.
+    """
+    if not lead:
+        return [()]
+    block_bytes = _SIZES["fast_block_bytes"]
+    k = 1
+    while k < len(lead) and int(np.prod(lead[k:])) * group_bytes > block_bytes:
+        k += 1
+    outer, n = int(np.prod(lead[:k - 1])), lead[k - 1]
+    inner_bytes = int(np.prod(lead[k:])) * group_bytes  # one index of dim k - 1
+    per = max(1, block_bytes // max(1, inner_bytes))
+    if outer < threads:  # split dim k - 1 finely enough to feed every thread
+        per = min(per, max(1, -(-n * outer // threads)))
+    return [index + (slice(start, min(start + per, n)),)
+            for index in np.ndindex(*lead[:k - 1]) for start in range(0, n, per)]
+
+
+def run(task, work):
+    """Call ``task(part)`` on shares of the list ``work``, in threads when it pays.
+
+    Threads only when there are two blocks or more and BLAS can be pinned to
+    one thread for the duration (restored after, even on error).
+    """
+    workers = get_num_threads()
+    threads = min(workers, len(work))
+    if threads < 2 or not openblas_thread_functions():
+        task(work)
+        return
+    parts = [work[i::threads] for i in range(threads)]  # equal-cost blocks
+    from concurrent.futures import wait
+
+    with _SECTION_LOCK, blas_threads(1):
+        # every share goes to a (CPU-pinned) worker; the caller only waits
+        futures = [_pool(workers).submit(task, part) for part in parts]
+        wait(futures)
+        for future in futures:
+            future.result()  # re-raise a worker's error
+
+
+def matmul(a, b, out=None, split="rows"):
+    """``a @ b`` for 2-D operands, split over the threads of :func:`run`.
+
+    The layer's projections run this way, with BLAS pinned to one thread like
+    the attention core, rather than on OpenBLAS's own threads: after a
+    multi-threaded call OpenBLAS's idle threads keep spinning and slowed the
+    core that follows by up to 1.4x (measured). ``split="rows"`` splits the
+    rows of ``a``; ``"cols"`` the columns of ``b`` (for ``x^T @ dy``, whose
+    rows are few).
+    """
+    if out is None:
+        out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
+    length = a.shape[0] if split == "rows" else b.shape[1]
+    parts = min(get_num_threads(), max(1, length // _SIZES["min_split"]))
+    if parts < 2:
+        np.matmul(a, b, out=out)
+        return out
+    bounds = np.linspace(0, length, parts + 1).astype(int)
+    pieces = [(slice(lo, hi),) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def task(part):
+        for (piece,) in part:
+            if split == "rows":
+                np.matmul(a[piece], b, out=out[piece])  # (n, K) @ (K, M) -> (n, M)
+            else:
+                np.matmul(a, b[:, piece], out=out[:, piece])  # (N, K) @ (K, m) -> (N, m)
+
+    run(task, pieces)
+    return out
+
+
+def openblas_info():
+    """What numpy's OpenBLAS says of itself, or None if it is not found.
+
+    The library is the one :func:`openblas_thread_functions` drives (the
+    same search). Reported by the benchmark beside its numbers.
+
+    Returns
+    -------
+    dict or None
+        ``library`` (file name), ``corename`` (the kernels OpenBLAS chose for
+        this CPU), ``config`` (its build options) and ``threads`` (its
+        current thread count); ``corename`` or ``config`` is None when the
+        build does not export it.
+
+    Examples
+    --------
+    >>> info = openblas_info()
+    >>> info is None or info["threads"] >= 1
+    True
+    """
+    import ctypes
+
+    found = _openblas_library()
+    if not found:
+        return None
+    path, lib, prefix, suffix = found
+    info = {"library": os.path.basename(path)}
+    for key in ("corename", "config"):
+        function = getattr(lib, f"{prefix}get_{key}{suffix}", None)
+        info[key] = None
+        if function is not None:
+            function.restype, function.argtypes = ctypes.c_char_p, []
+            info[key] = function().decode().strip()
+    get_num_threads = getattr(lib, f"{prefix}get_num_threads{suffix}")
+    get_num_threads.restype, get_num_threads.argtypes = ctypes.c_int, []
+    info["threads"] = get_num_threads()
+    return info

@@ -1,0 +1,456 @@
+"""The fast dense attention core (``impl="fast"``): the math of
+:mod:`qkvnp.functional`, tuned for the CPU.
+
+Shape key: T query length, S key length, D head dim (of queries and keys),
+Dv head dim of values, ``...`` any leading (batch, head) dims, G one block of
+them, R the rows of a block.
+
+Same semantics as :func:`qkvnp.functional.attention_forward` (masks, causal,
+fully masked rows, validation errors), same results (float32 within 1e-5
+and float64 within 1e-12 relative of the reference, the table of
+:data:`qkvnp.kernels.PATH_TOLERANCES`), but written for speed. What it does
+differently, each step measured:
+
+- no scipy: the softmax is written in place into the score buffer, and it is
+  **not normalised**: the cache keeps ``exp_scores = exp(S - m)`` and
+  ``inv_sum = 1 / rowsum``; the division is applied to ``(T, Dv)`` and
+  ``(T, D)`` operands instead of the ``(T, S)`` matrix;
+- ``m`` is not the row max but the bound ``|q| max|k| + max(mask row)``,
+  known before the scores, so ``[q | -m] @ [k | 1]^T`` yields ``S - m`` in
+  the matmul itself (no max pass, no subtraction pass), ``E @ [v | 1]`` yields
+  the output and the row sums together (no sum pass), and ``exp2`` (faster
+  than ``exp``) runs on scores pre-multiplied by ``log2(e)``. A few probe keys
+  check that the bound is within :data:`MAX_BOUND_GAP` bits of the max;
+  otherwise (and on overflow, fully masked rows) a block takes the exact
+  max, as the reference does: subnormal exponentials are 100x slower;
+- the scale ``1/sqrt(D)`` is folded into Q (a ``(T, D)`` product);
+- the backward uses ``rowsum(P * dP) = rowsum(dO * O)`` (a ``(T, Dv)`` product),
+  gets ``dP - delta`` from one matmul ``[dO | -delta] @ [V | 1]^T`` and forms
+  ``dS`` in place; it computes ``dK^T = Q^T dS`` and ``dV^T = dO^T P``
+  (measured up to 1.5x faster than ``dS^T Q`` in float64);
+- rows are processed in chunks of about ``row_block_bytes`` (a setting of
+  :mod:`qkvnp.kernels._runtime`) so that the elementwise passes run in cache;
+  results are written with ``out=`` into their final arrays (possibly
+  strided views: numpy hands them to BLAS);
+- the (batch, head) groups are split into blocks that the worker threads
+  (``qkvnp.set_num_threads``) process concurrently with BLAS pinned to one
+  thread (ufuncs and BLAS release the GIL). Never around a multi-threaded
+  BLAS call: when the BLAS thread count cannot be set (no OpenBLAS found) or
+  there is a single block, the work runs in the calling thread.
+
+:func:`dense_forward` / :func:`dense_backward` are the core on preallocated
+buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`.
+
+Measurements (timings against PyTorch, the tuning sweeps, the recompute
+experiment): ``benchmarks/RESULTS.md``.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from .._checks import as_upstream_grad, check_attention_inputs, check_scale
+from ..functional import sum_to_shape
+from ..masks import prepare_mask
+from ._runtime import blocks, get_block_sizes, get_num_threads, recycled_empty, run
+
+__all__ = [
+    "attention_forward",
+    "attention_backward",
+    "attention_weights",
+    "dense_forward",
+    "dense_backward",
+    "additive_mask",
+    "FastAttentionCache",
+    "MAX_BOUND_GAP",
+    "PROBE_KEYS",
+]
+
+
+#: The softmax subtracts a cheap upper bound of each row max instead of the
+#: max itself; a block whose bound may exceed the max by more than this many
+#: bits (judged from :data:`PROBE_KEYS` sampled keys) takes the exact max.
+MAX_BOUND_GAP = 24
+PROBE_KEYS = 8
+
+FastAttentionCache = namedtuple(
+    "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes"
+)
+FastAttentionCache.__doc__ = """What :func:`attention_backward` reads.
+
+query : (..., T, D) query already multiplied by ``scale``.
+key, value : (..., S, D), (..., S, Dv) broadcast to the common leading dims.
+exp_scores : (..., T, S) ``exp(S - m)``, unnormalised softmax numerators
+    (0 at masked positions), ``m`` an upper bound of the row max (or the row
+    max itself); the weights are ``exp_scores * inv_sum``.
+inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row.
+out : (..., T, Dv) the forward output.
+scale : float.
+shapes : the original shapes of query, key and value (for broadcast inputs).
+"""
+
+# ---------------------------------------------------------------- core
+
+
+def additive_mask(bias, keep, dtype):
+    """One additive mask: ``bias`` where allowed, ``-inf`` where ``keep`` forbids."""
+    if keep is None:
+        return bias
+    return np.where(keep, 0 if bias is None else bias, -np.inf).astype(dtype, copy=False)
+
+
+def _exp_scores_careful(scores, query, key_t, mask):
+    """Recompute a block's scores the reference way; return the row max.
+
+    Used only for blocks with an overflowed score (inf, NaN) or a fully
+    masked row: overflow is clipped to the dtype's largest finite value as in
+    :func:`qkvnp.functional.attention_forward`, and a fully masked row gets
+    max 0 so that ``exp(-inf - 0) = 0``.
+    """
+    big = np.finfo(scores.dtype).max
+    np.matmul(query, key_t, out=scores)
+    np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
+    if mask is not None:
+        scores += mask
+        np.minimum(scores, big, out=scores)  # -inf stays -inf
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max[np.isneginf(row_max)] = 0  # NOTE: fully masked row -> weights 0, output 0
+    return row_max
+
+
+def _row_chunks(G, T, S, itemsize):
+    """Row slices of a ``(G, T, S)`` block, about ``row_block_bytes`` per group.
+
+    A chunk's scores stay in the CPU cache between the matmul that writes
+    them and the elementwise passes that follow.
+    """
+    sizes = get_block_sizes()
+    rows = sizes["row_block_bytes"] // max(1, S * itemsize)
+    if rows >= T:
+        return [slice(None)]
+    rows = max(rows, sizes["min_row_block"])
+    return [slice(start, min(start + rows, T)) for start in range(0, T, rows)]
+
+
+def _augment(x, last, factor=None):
+    """``[x * factor | last]``: a copy of ``x`` with one more column holding ``last``."""
+    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)  # (..., L, n) -> (..., L, n + 1)
+    if factor is None:
+        out[..., :-1] = x
+    else:
+        np.multiply(x, factor, out=out[..., :-1])
+    out[..., -1:] = last
+    return out
+
+
+def _augment_t(x, last):
+    """``[x | last]^T`` laid out contiguously: ``(..., L, n) -> (..., n + 1, L)``."""
+    out = np.empty(x.shape[:-2] + (x.shape[-1] + 1, x.shape[-2]), x.dtype)  # (..., n + 1, L)
+    out[..., :-1, :] = np.swapaxes(x, -1, -2)
+    out[..., -1, :] = last
+    return out
+
+
+def _mask_row_max(mask, dtype):
+    """Largest finite entry of each row of the additive mask, 0 if none (broadcastable)."""
+    if mask is None:
+        return None
+    finite = np.where(np.isneginf(mask), -np.inf, mask)
+    row_max = finite.max(axis=-1, keepdims=True)  # (..., T, S) -> (..., T, 1)
+    row_max[np.isneginf(row_max)] = 0
+    return row_max.astype(dtype, copy=False)
+
+
+def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
+    """Fill ``exp_scores``, ``inv_sum`` and ``out`` (all preallocated, full leading dims).
+
+    ``query`` is already scaled; ``mask`` is None or an additive mask whose
+    shape broadcasts to ``exp_scores``' (it is broadcast here).
+    """
+    lead = exp_scores.shape[:-2]
+    T, S = exp_scores.shape[-2:]
+    if S == 0:  # NOTE: no key at all: every row is fully masked, output 0
+        out[...] = 0
+        inv_sum[...] = 0
+        return
+    dtype = exp_scores.dtype
+    log2e = dtype.type(np.log2(np.e))
+    mask_max = _mask_row_max(mask, dtype)
+    if mask is not None:
+        # base-2 scores: exp(x) = exp2(x log2(e)) and exp2 is the faster ufunc
+        mask = np.broadcast_to(mask * log2e, lead + (T, S))
+        mask_max = np.broadcast_to(mask_max, lead + (T, 1))
+    # a few keys whose scores give a lower bound on each row max (key 0 is
+    # visible under a causal mask and usually under key padding)
+    probes = np.unique(np.linspace(0, S - 1, min(S, PROBE_KEYS)).astype(np.intp))
+
+    def task(part):
+        # NOTE: overflow is handled below (clipped as in the reference), so
+        # numpy's overflow warnings of the matmul and the subtraction are noise.
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            for idx in part:
+                k, v = key[idx], value[idx]  # (G, S, D), (G, S, Dv)
+                key_aug_t = _augment_t(k, 1)  # (G, S, D) -> (G, D + 1, S)
+                value_aug = _augment(v, 1)  # (G, S, Dv) -> (G, S, Dv + 1)
+                key_norm = np.sqrt(np.max(np.sum(k * k, axis=-1), axis=-1))[..., None, None]  # (G, 1, 1)
+                G = int(np.prod(exp_scores[idx].shape[:-2]))
+                for rows in _row_chunks(G, T, S, exp_scores.itemsize):
+                    block = idx + (Ellipsis, rows, slice(None))
+                    _forward_rows(exp_scores[block], query[block], k, key_aug_t, key_norm, value_aug,
+                                  None if mask is None else mask[block],
+                                  None if mask is None else mask_max[block],
+                                  inv_sum[block], out[block], probes, log2e)
+
+    run(task, blocks(lead, T * S * exp_scores.itemsize, get_num_threads()))
+
+
+def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
+                  probes, log2e):
+    """Forward of one block of rows: scores, softmax numerators, output.
+
+    The row max is replaced by the bound ``m = |q| max|k| + max(mask row)``
+    (Cauchy-Schwarz), known before the scores, so that ``(S - m) log2(e)``
+    comes out of one matmul, ``[q log2(e) | -m log2(e)] @ [k | 1]^T``, and
+    ``exp(S - m)`` is one ``exp2`` in place (``mask`` comes pre-multiplied by
+    ``log2(e)``); likewise ``E @ [v | 1]`` gives the output and the row sums
+    together.
+
+    NOTE: the bound must not exceed the true row max by much: the
+    exponentials would drift into the subnormal range, where ``exp2`` and the
+    matmul were measured 100x slower. The scores of a few ``probes`` keys give
+    a lower bound on the row max; a block where bound - probe max exceeds
+    :data:`MAX_BOUND_GAP` bits, with overflowed scores or with a fully masked
+    row is redone by the reference recipe (:func:`_exp_scores_careful`,
+    with ``mask / log2(e)``), i.e. with the exact row max.
+    """
+    bound = np.sqrt(np.sum(q * q, axis=-1, keepdims=True)) * key_norm  # (G, R, 1)
+    if mask_max is not None:
+        bound += mask_max
+    out_aug = np.empty(o.shape[:-1] + (o.shape[-1] + 1,), o.dtype)  # (G, R, Dv + 1)
+    bound *= log2e  # base 2 from here on
+    query_aug = _augment(q, -bound, log2e)  # (G, R, D) -> (G, R, D + 1)
+    probe_scores = query_aug[..., :-1] @ key_aug_t[..., :-1, probes]  # (G, R, D) @ (G, D, P) -> (G, R, P)
+    if mask is not None:
+        probe_scores += mask[..., probes]
+    gap = bound - probe_scores.max(axis=-1, keepdims=True)  # >= bound - row max, (G, R, 1)
+    careful = not (gap <= MAX_BOUND_GAP).all()  # also catches inf and NaN
+    if not careful:
+        np.matmul(query_aug, key_aug_t, out=scores)  # (S - m) log2 e: (G, R, D+1) @ (G, D+1, S) -> (G, R, S)
+        if mask is not None:
+            scores += mask
+        np.exp2(scores, out=scores)
+        np.matmul(scores, value_aug, out=out_aug)  # [E v | rowsum E]: (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
+        row_sum = out_aug[..., -1:]
+        careful = not np.isfinite(row_sum).all()
+    if careful:
+        row_max = _exp_scores_careful(scores, q, np.swapaxes(k, -1, -2),
+                                      None if mask is None else mask / log2e)
+        scores -= row_max
+        np.exp(scores, out=scores)
+        np.matmul(scores, value_aug, out=out_aug)  # (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
+        row_sum = out_aug[..., -1:]
+        dead = row_sum == 0
+        row_sum[dead] = 1
+        np.reciprocal(row_sum, out=inv)
+        inv[dead] = 0
+    else:
+        np.reciprocal(row_sum, out=inv)
+    np.multiply(out_aug[..., :-1], inv, out=o)  # (G, R, Dv)
+
+
+def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
+    """Write the gradients into ``dquery``, ``dkey``, ``dvalue`` (preallocated).
+
+    ``dout`` is already checked; ``cache`` is a :class:`FastAttentionCache`
+    whose arrays all have the full leading dims. ``dquery`` receives
+    ``dquery_scale * dS @ K``: pass the forward scale for the gradient of the
+    unscaled query, 1 for the gradient of the scaled one.
+    """
+    query, key, value, exp_scores, inv_sum, out = cache[:6]
+    lead = exp_scores.shape[:-2]
+    T, S = exp_scores.shape[-2:]
+
+    def task(part):
+        scratch = partial = None
+        for idx in part:
+            k = key[idx]  # (G, S, D)
+            value_aug_t = _augment_t(value[idx], 1)  # (G, S, Dv) -> (G, Dv + 1, S)
+            # NOTE: dK^T = Q^T dS and dV^T = dO^T P measured faster than dS^T Q
+            # and P^T dO (up to 1.5x in float64): accumulate the transposes.
+            dk_t = np.empty(np.swapaxes(dkey[idx], -1, -2).shape, k.dtype)  # (G, D, S)
+            dv_t = np.empty(np.swapaxes(dvalue[idx], -1, -2).shape, k.dtype)  # (G, Dv, S)
+            G = int(np.prod(exp_scores[idx].shape[:-2]))
+            chunks = _row_chunks(G, T, S, exp_scores.itemsize)
+            for n, rows in enumerate(chunks):
+                block = idx + (Ellipsis, rows, slice(None))
+                weights_num = exp_scores[block]  # (G, R, S)
+                R = weights_num.shape[-2]
+                if scratch is None or scratch.shape[:-2] != weights_num.shape[:-2] or scratch.shape[-2] < R:
+                    scratch = np.empty_like(weights_num)
+                if n and (partial is None or partial[0].shape != dk_t.shape or partial[1].shape != dv_t.shape):
+                    partial = np.empty_like(dk_t), np.empty_like(dv_t)
+                _backward_rows(dout[block], out[block], query[block], k, value_aug_t, weights_num,
+                               inv_sum[block], scratch[..., :R, :], dquery[block], dk_t, dv_t,
+                               dquery_scale, None if n == 0 else partial)
+            dkey[idx] = np.swapaxes(dk_t, -1, -2)  # (G, D, S) -> (G, S, D)
+            dvalue[idx] = np.swapaxes(dv_t, -1, -2)  # (G, Dv, S) -> (G, S, Dv)
+
+    run(task, blocks(lead, T * S * exp_scores.itemsize, get_num_threads()))
+
+
+def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,
+                   partial):
+    """Backward of one block of rows; ``dk_t``, ``dv_t`` (transposed) are
+    written (``partial`` is None) or accumulated through ``partial`` buffers.
+
+    ``dP - delta`` comes out of one matmul: ``[dO | -delta] @ [V | 1]^T``.
+    """
+    delta = np.sum(do * o, axis=-1, keepdims=True)  # rowsum(P * dP) = rowsum(dO * O), (G, R, 1)
+    # dV^T = dO^T P = (dO / rowsum)^T E
+    dv_rows = dv_t if partial is None else partial[1]
+    np.matmul(np.swapaxes(do * inv, -1, -2), weights_num, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
+    dout_aug = _augment(do, -delta)  # (G, R, Dv) -> (G, R, Dv + 1)
+    np.matmul(dout_aug, value_aug_t, out=dscores)  # dP - delta: (G, R, Dv+1) @ (G, Dv+1, S) -> (G, R, S)
+    dscores *= weights_num  # = rowsum * dS, with dS = P * (dP - delta)
+    np.matmul(dscores, k, out=dq)  # (G, R, S) @ (G, S, D) -> (G, R, D)
+    dq *= inv * dq_scale
+    dk_rows = dk_t if partial is None else partial[0]
+    np.matmul(np.swapaxes(q * inv, -1, -2), dscores, out=dk_rows)  # (G, D, R) @ (G, R, S) -> (G, D, S)
+    if partial is not None:
+        dv_t += dv_rows
+        dk_t += dk_rows
+
+
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
+    """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``, fast path.
+
+    Same arguments, semantics and errors as
+    :func:`qkvnp.functional.attention_forward`.
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., T, D)
+    key : ndarray, shape (..., S, D)
+    value : ndarray, shape (..., S, Dv)
+        Leading dims of the three broadcast against each other.
+    attn_mask : ndarray of bool or float, optional
+        Broadcastable to ``(..., T, S)``. Bool: True = may attend. Float: added.
+    is_causal : bool
+        Query ``i`` attends to keys ``0..i`` (top-left aligned), combined with
+        ``attn_mask`` as in the reference.
+    scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, Dv)
+    cache : FastAttentionCache
+        The softmax numerators and row sums rather than the weights; see
+        :func:`attention_weights`.
+
+    Raises
+    ------
+    ValueError
+        On mismatched dims, a mask that does not broadcast, non-finite inputs.
+    TypeError
+        On a mask that is neither bool nor float.
+
+    Notes
+    -----
+    Forward, with :math:`c` the scale and :math:`M` the additive mask
+    (``-inf`` where a boolean mask forbids):
+
+    .. math:: \\tilde Q = cQ,\\quad S = \\tilde Q K^T + M,\\quad
+              E = e^{S - m},\\quad r = 1/\\mathrm{rowsum}(E),\\quad
+              O = r \\odot (E V)
+
+    where :math:`m \\ge \\max_{row} S` is the bound
+    :math:`|\\tilde q|\\,\\max_j |k_j| + \\max_{row} M` (or the row max itself
+    when that bound is loose; the weights do not depend on :math:`m`).
+
+    Backward, with :math:`P = r \\odot E` and
+    :math:`\\delta = \\mathrm{rowsum}(P \\odot \\bar P) = \\mathrm{rowsum}(\\bar O \\odot O)`:
+
+    .. math:: \\bar V = E^T (r \\odot \\bar O),\\quad
+              G = E \\odot (\\bar O V^T - \\delta),\\quad
+              \\bar Q = c\\, r \\odot (G K),\\quad \\bar K = G^T (r \\odot \\tilde Q)
+
+    (:math:`G = \\bar S / r`, the softmax backward of the reference times the
+    row sum). A fully masked row has :math:`E = 0` and :math:`r = 0`: output
+    0 and no gradient; so does every row when there is no key at all
+    (``S = 0``, where the reference raises). Scores that overflow are clipped
+    as in the reference; since the scale is applied to Q first, where exactly
+    a product of huge inputs overflows can differ from the reference (both
+    stay finite).
+
+    Large score buffers are recycled between calls once nothing refers to
+    them (the ``recycle_bytes`` setting).
+
+    Examples
+    --------
+    >>> out, cache = attention_forward(np.ones((2, 4)), np.ones((1, 4)), np.array([[3., 5.]]))
+    >>> out
+    array([[3., 5.],
+           [3., 5.]])
+    >>> [g.shape for g in attention_backward(np.ones((2, 2)), cache)]
+    [(2, 4), (1, 4), (1, 2)]
+    """
+    query, key, value, lead = check_attention_inputs(query, key, value)
+    scale = check_scale(scale, query.shape[-1])
+    (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
+    dtype = query.dtype
+    bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
+    mask = additive_mask(bias, keep, dtype)
+    scaled_query = np.empty(lead + (T, D), dtype)
+    np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
+    key_b = np.broadcast_to(key, lead + (S, D))
+    value_b = np.broadcast_to(value, lead + (S, Dv))
+    exp_scores = recycled_empty(lead + (T, S), dtype)
+    inv_sum = np.empty(lead + (T, 1), dtype)
+    out = np.empty(lead + (T, Dv), dtype)
+    dense_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out)
+    # NOTE: the cache keeps its own copy of out (a (T, Dv) copy): a caller
+    # editing the returned array in place must not change the gradients.
+    cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores, inv_sum, out.copy(),
+                               scale, (query.shape, key.shape, value.shape))
+    return out, cache
+
+
+def attention_backward(dout, cache):
+    """Backward of :func:`attention_forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, Dv)
+        Same shape as the forward output (it is not broadcast).
+    cache : FastAttentionCache
+
+    Returns
+    -------
+    dquery, dkey, dvalue : ndarray
+        Shapes of the forward's ``query``, ``key`` and ``value``.
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
+    """
+    query, key, value, exp_scores, inv_sum, out, scale, shapes = cache
+    dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
+    dquery = np.empty(query.shape, out.dtype)
+    dkey = np.empty(key.shape, out.dtype)
+    dvalue = np.empty(value.shape, out.dtype)
+    dense_backward(dout, cache, dquery, dkey, dvalue, out.dtype.type(scale))
+    return (sum_to_shape(dquery, shapes[0]), sum_to_shape(dkey, shapes[1]),
+            sum_to_shape(dvalue, shapes[2]))
+
+
+def attention_weights(cache):
+    """The attention weights ``(..., T, S)`` of a forward (a new array).
+
+    >>> _, cache = attention_forward(np.zeros((1, 2)), np.zeros((2, 2)), np.ones((2, 1)))
+    >>> attention_weights(cache)
+    array([[0.5, 0.5]])
+    """
+    return cache.exp_scores * cache.inv_sum

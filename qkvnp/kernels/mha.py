@@ -1,0 +1,276 @@
+"""The fused layer kernels of the fast and tiled paths (``impl="fast"`` and
+``"tiled"``): projections, heads and output projection around either core.
+
+Shape key: B batch (``batch`` any leading dims), H heads, T query length,
+S key length, E embedding, D = E // H head dim, N = B*T (or B*S) rows,
+``in`` the features of an input.
+
+:func:`forward` / :func:`backward` compute what the reference layers of
+:mod:`qkvnp.kernels.reference` compute, with the same calling convention:
+``forward(params, inputs, kind, num_heads, mask, is_causal, ...) ->
+(out, weights, cache)`` and ``backward(dout, cache) -> (grads, dinputs)``.
+What they do differently: one fused ``(N, in) @ (in, 3E)`` projection for
+self-attention, heads as strided views of it, the core's output written
+straight into the merged ``(N, E)`` layout, buffers reused from the previous
+call, and the projections split over the same pinned worker threads as the
+core (after a multi-threaded OpenBLAS call its idle threads spin and slowed
+what followed). The path is chosen by :func:`qkvnp.kernels.choose_path`,
+never here.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from .._checks import as_upstream_grad
+from ..masks import prepare_mask
+from . import fast, tiled
+from ._runtime import matmul
+
+__all__ = ["forward", "backward", "FusedLayerCache", "PATHS"]
+
+#: The cores this module runs a layer on.
+PATHS = ("fast", "tiled")
+
+FusedLayerCache = namedtuple(
+    "FusedLayerCache",
+    "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
+    "out_proj out_shape buffers",
+)
+FusedLayerCache.__doc__ = """What :func:`backward` reads.
+
+path : "fast" or "tiled", the core the forward ran.
+kind : "self", "key_only" or "cross".
+rows : tuple of the 2-D inputs ``(N, in)`` fed to each projection.
+in_shapes : tuple of the shapes of those inputs before flattening.
+W_in : tuple of the fused projection matrices actually used (the query part
+    already multiplied by ``scale``), one per entry of ``rows``.
+in_names : tuple, per projection, of the parameter stems it fuses
+    (``("query", "key", "value")`` for self-attention).
+scale : float folded into the query projection.
+core_cache : :class:`qkvnp.kernels.fast.FastAttentionCache` or
+    :class:`qkvnp.kernels.tiled.TiledAttentionCache`, over the heads.
+batch, T, S, H : leading dims, lengths and head count.
+merged : (N, E) attention output with heads merged (input of ``W_out``).
+W_out : (E, E) or None.
+out_proj : bool, False for SelfAttention (no output projection, no head axis).
+out_shape : shape of the forward output.
+buffers : dict of the large arrays above by name, offered for reuse to the
+    next forward (``workspace=``).
+"""
+
+
+def _buffer(workspace, name, shape, dtype, buffers):
+    """``workspace``'s buffer ``name`` if it has this shape and dtype, else a new one."""
+    old = None if workspace is None else workspace.buffers.get(name)
+    if old is None or old.shape != shape or old.dtype != dtype:
+        old = np.empty(shape, dtype)
+    buffers[name] = old
+    return old
+
+
+def _heads(x2d, batch, T, H):
+    """View ``(N, H*D)`` rows as heads: ``(N, E) -> (..., H, T, D)``, no copy."""
+    E = x2d.shape[-1]
+    heads = x2d.reshape(batch + (T, H, E // H))  # (N, E) -> (..., T, H, D)
+    return np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
+
+
+def _unheads(x):
+    """Drop the head axis of a single-head layer: ``(..., 1, T, D) -> (..., T, D)``."""
+    return x[..., 0, :, :]
+
+
+def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
+            need_weights=False, out_proj=True, block_size=None, workspace=None):
+    """Attention layer forward on the fast or tiled core.
+
+    Parameters
+    ----------
+    params : dict
+        ``W_query, W_key, W_value`` (``(in, E)``), optional ``b_*``, and with
+        ``out_proj`` also ``W_out (E, E)`` (optional ``b_out``).
+    inputs : tuple of ndarray
+        ``(x,)`` for self-attention (``x`` is ``(..., T, in)``), ``(query, key)``
+        for ``kind="key_only"`` (value = key), ``(query, key, value)`` for cross.
+    kind : {"self", "key_only", "cross"}
+    num_heads : int
+    mask : ndarray or None
+        bool or float, broadcastable to ``(..., H, T, S)`` (or ``(..., T, S)``
+        when ``out_proj`` is False and ``num_heads == 1``).
+    is_causal : bool
+    path : {"fast", "tiled"}
+    need_weights : bool
+        Also return the weights ``(..., H, T, S)``; only the fast core has them.
+    out_proj : bool
+        False for :class:`qkvnp.layers.SelfAttention` (no output projection,
+        a single head, no head axis).
+    block_size : int, optional
+        Passed to the tiled core.
+    workspace : FusedLayerCache, optional
+        The cache of a previous forward **that will not be used again**: its
+        large buffers (projections, softmax numerators, merged heads) are
+        overwritten when their shapes match, which saves allocating and
+        page-faulting them on every call (the layers pass their previous
+        cache, which they drop first). Input errors (``ValueError``,
+        ``TypeError``) are raised before anything is written into it.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, E)
+    weights : ndarray or None
+    cache : FusedLayerCache
+
+    Raises
+    ------
+    ValueError
+        If ``path`` is not one of :data:`PATHS`, or is "tiled" with
+        ``need_weights`` (:func:`qkvnp.kernels.choose_path` never asks that).
+
+    Notes
+    -----
+    Same math as the reference layers. For self-attention the three input
+    projections run as one ``(N, in) @ (in, 3E)`` product with the matrix
+    ``[c W_q, W_k, W_v]`` (``c = 1/sqrt(D)``, so the core gets Q already
+    scaled); the matrix is concatenated on every call (``in * 3E`` copies,
+    negligible next to the product), so in-place parameter updates are
+    always seen. Heads are strided views of the projection output, and the
+    core writes its output into the merged ``(N, E)`` layout.
+    """
+    if path not in PATHS or (path == "tiled" and need_weights):
+        raise ValueError(f"path must be one of {PATHS} (fast for weights), got {path!r}")
+    p = params
+    query = inputs[0]
+    batch, T = query.shape[:-2], query.shape[-2]
+    S = inputs[1].shape[-2] if kind != "self" else T
+    E = p["W_query"].shape[1]
+    H = num_heads
+    D = E // H
+    scale = 1.0 / np.sqrt(D)
+    dtype = p["W_query"].dtype
+    c = dtype.type(scale)
+    has_bias = "b_query" in p
+    lead = batch + (H,) if out_proj else batch  # SelfAttention: no head axis
+    # NOTE: every check that can refuse the input runs here, before anything
+    # is written into ``workspace``, so that a refused call leaves it intact.
+    bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
+
+    def fused(names):
+        W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, len(names)*E)
+        b = np.concatenate([p["b_" + n] for n in names]) if has_bias else None
+        if names[0] == "query":
+            W[:, :E] *= c
+            if b is not None:
+                b[:E] *= c
+        return W, b
+
+    groups = {"self": (("query", "key", "value"),),
+              "key_only": (("query",), ("key", "value")),
+              "cross": (("query",), ("key",), ("value",))}[kind]
+    rows, W_in, projected, buffers = [], [], [], {}
+    for i, (x, names) in enumerate(zip(inputs, groups)):
+        x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
+        W, b = fused(names)
+        y = _buffer(workspace, f"projected{i}", (x2d.shape[0], W.shape[1]), dtype, buffers)
+        matmul(x2d, W, y)  # (N, in) @ (in, k*E) -> (N, k*E)
+        if b is not None:
+            y += b
+        rows.append(x2d)
+        W_in.append(W)
+        projected.extend(y[:, i * E:(i + 1) * E] for i in range(len(names)))  # (N, E) views
+    q = _heads(projected[0], batch, T, H)  # (N, E) -> (..., H, T, D)
+    k = _heads(projected[1], batch, S, H)  # (N, E) -> (..., H, S, D)
+    v = _heads(projected[2], batch, S, H)  # (N, E) -> (..., H, S, D)
+    merged = _buffer(workspace, "merged", (projected[0].shape[0], E), dtype, buffers)  # (N, E)
+    out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
+    if not out_proj:  # SelfAttention: no head axis in the mask
+        q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
+    if path == "tiled":
+        _, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
+                                                block_size=block_size, out=out_heads)
+        weights = None
+    else:
+        add = fast.additive_mask(bias, keep, dtype)
+        exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
+        inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)
+        fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads)
+        core_cache = fast.FastAttentionCache(q, k, v, exp_scores, inv_sum, out_heads, 1.0,
+                                             (q.shape, k.shape, v.shape))
+        weights = exp_scores * inv_sum if need_weights else None
+    if out_proj:
+        y = matmul(merged, p["W_out"])  # (N, E) @ (E, E) -> (N, E)
+        if "b_out" in p:
+            y += p["b_out"]
+    else:
+        y = merged.copy()  # the caller may edit its output; the cache keeps merged
+    out = y.reshape(batch + (T, E))  # (N, E) -> (..., T, E)
+    cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
+                            tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
+                            p["W_out"] if out_proj else None, out_proj, out.shape, buffers)
+    return out, weights, cache
+
+
+def backward(dout, cache):
+    """Backward of :func:`forward`.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (..., T, E)
+        Same shape as the forward output (it is not broadcast); cast to the
+        parameters' dtype.
+    cache : FusedLayerCache
+
+    Returns
+    -------
+    grads : dict
+        Gradient of every parameter the forward used (``W_*``, ``b_*``).
+    dinputs : tuple of ndarray
+        Gradient of each entry of the forward's ``inputs``.
+
+    Raises
+    ------
+    TypeError
+        If ``dout`` does not hold real numbers (complex, object...).
+    ValueError
+        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
+        This is the only check of ``dout`` on the layers' fast and tiled
+        paths: the layers pass theirs straight here.
+    """
+    c = cache
+    batch, T, S, H, merged = c.batch, c.T, c.S, c.H, c.merged
+    rows, groups, out_proj = c.rows, c.in_names, c.out_proj
+    dtype = merged.dtype
+    E = merged.shape[1]
+    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype).reshape(-1, E)  # (..., T, E) -> (N, E)
+    grads = {}
+    if out_proj:
+        grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, E) -> (E, E)
+        grads["b_out"] = dy.sum(axis=0)  # (N, E) -> (E,)
+        dmerged = matmul(dy, c.W_out.T)  # (N, E) @ (E, E) -> (N, E)
+    else:
+        dmerged = dy
+    dprojected = [np.empty((x2d.shape[0], len(names) * E), dtype)
+                  for x2d, names in zip(rows, groups)]  # (N, k*E) per projection
+    dcols = [d[:, i * E:(i + 1) * E] for d in dprojected for i in range(d.shape[1] // E)]
+    dq = _heads(dcols[0], batch, T, H)  # (N, E) -> (..., H, T, D)
+    dk = _heads(dcols[1], batch, S, H)  # (N, E) -> (..., H, S, D)
+    dv = _heads(dcols[2], batch, S, H)  # (N, E) -> (..., H, S, D)
+    dheads = _heads(dmerged, batch, T, H)  # (N, E) -> (..., H, T, D)
+    if not out_proj:
+        dq, dk, dv, dheads = _unheads(dq), _unheads(dk), _unheads(dv), _unheads(dheads)
+    if c.path == "tiled":
+        tiled.attention_backward(dheads, c.core_cache, grads_out=(dq, dk, dv), check=False)
+    else:
+        # gradient w.r.t. the *scaled* query: the scale lives in the fused W
+        fast.dense_backward(dheads, c.core_cache, dq, dk, dv, dtype.type(1))
+    scale = dtype.type(c.scale)
+    dinputs = []
+    for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
+        dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, k*E) -> (in, k*E)
+        db = d.sum(axis=0)  # (N, k*E) -> (k*E,)
+        for i, name in enumerate(names):
+            factor = scale if name == "query" else 1  # W' = scale * W_query
+            grads["W_" + name] = dW[:, i * E:(i + 1) * E] * factor
+            grads["b_" + name] = db[i * E:(i + 1) * E] * factor
+        dx = matmul(d, W.T)  # (N, k*E) @ (k*E, in) -> (N, in)
+        dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
+    return grads, tuple(dinputs)

@@ -1,0 +1,35 @@
+"""The training app: tasks, models, the training loop, its report, checkpoints, ablation.
+
+Built on the library (layers, losses, optimizers); nothing in the library
+imports it. ``python -m qkvnp train`` runs :func:`qkvnp.training.loop.run`,
+``python -m qkvnp ablation`` runs :func:`qkvnp.training.ablation.run`.
+
+========================  =====================================================
+:mod:`~.tasks`            kv-recall and teacher tasks, the seeded random streams
+:mod:`~.models`           ``KVRecallModel`` (and its Q/K/V variants), ``AttentionRegressor``
+:mod:`~.loop`             ``TrainConfig``, ``train``, the ``train`` command
+:mod:`~.report`           progress line, summary, attention example, plot
+:mod:`~.checkpoint`       ``.npz`` checkpoints, written atomically, read without pickle
+:mod:`~.ablation`         why separate Q, K and V: the variants side by side
+========================  =====================================================
+"""
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .loop import TrainConfig, TrainResult, train
+from .models import VARIANTS, AttentionRegressor, KVRecallModel
+from .tasks import TASKS, KVRecallTask, TeacherTask, make_streams
+
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "train",
+    "KVRecallModel",
+    "AttentionRegressor",
+    "VARIANTS",
+    "KVRecallTask",
+    "TeacherTask",
+    "TASKS",
+    "make_streams",
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+]
