@@ -21,6 +21,7 @@ __all__ = [
     "check_attention_inputs",
     "check_scale",
     "layer_dtype",
+    "check_indices",
 ]
 
 
@@ -219,16 +220,39 @@ def check_same_shape(x, name, shape):
         )
 
 
-def check_int(value, name, minimum):
-    """Return ``value`` as an ``int``, refusing bools, floats and values below ``minimum``.
+def check_int(value, name, minimum=None, maximum=None, expected=None):
+    """Return ``value`` as an ``int``, refusing bools, floats and values out of range.
+
+    The one "an int, but not a bool" check of the package (``True`` is an
+    ``int`` in Python, and ``num_heads=True`` must not mean one head).
+
+    Parameters
+    ----------
+    value : object
+    name : str
+        The argument's name, for the message.
+    minimum, maximum : int, optional
+        Inclusive bounds.
+    expected : str, optional
+        How the range is said in the ``ValueError`` (e.g. ``"a positive int"``);
+        by default ``">= minimum"`` / ``"<= maximum"``.
+
+    Raises
+    ------
+    TypeError
+        ``"<name> must be an int, got <type> <value>"``.
+    ValueError
+        ``"<name> must be >= <minimum>, got <value>"`` (or ``expected``).
 
     >>> check_int(np.int64(3), "num_heads", 1)
     3
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {expected or f'>= {minimum}'}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be {expected or f'<= {maximum}'}, got {value}")
     return int(value)
 
 
@@ -307,3 +331,22 @@ def layer_dtype(dtype):
     if requested is None or requested.kind != "f" or requested.itemsize > 8:
         raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}")
     return compute_dtype(requested, names=("dtype",))
+
+
+def check_indices(indices, num_embeddings, name="indices"):
+    """Integer array with every entry in ``[0, num_embeddings)``."""
+    if indices is None:
+        raise TypeError(f"{name} must be an integer array, got None")
+    indices = np.asarray(indices)
+    if indices.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must hold integer token ids (e.g. int64), got dtype {indices.dtype}"
+        )
+    bad = (indices < 0) | (indices >= num_embeddings)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be in [0, {num_embeddings}) (num_embeddings={num_embeddings}), "
+            f"got {int(indices[where])} at index {where}"
+        )
+    return indices

@@ -38,6 +38,7 @@ import argparse
 import numpy as np
 
 from . import functional as F
+from ._checks import check_int
 from .functional import scaled_dot_product_attention, softmax
 from .layers import SelfAttention
 
@@ -216,11 +217,8 @@ def walkthrough(precision=4):
     ValueError
         If ``precision`` is outside 0..16.
     """
-    if isinstance(precision, (bool, np.bool_)) or not isinstance(precision, (int, np.integer)):
-        raise TypeError(f"precision must be an int in 0..16, got {type(precision).__name__}")
-    if not 0 <= precision <= 16:
-        raise ValueError(f"precision must be an int in 0..16, got {precision}")
-    p = _Printer(int(precision))
+    precision = check_int(precision, "precision", 0, 16, expected="an int in 0..16")
+    p = _Printer(precision)
     ok = _journey_one_query(p)
     ok &= _journey_all_tokens(p)
     ok &= _numpy_example(p)

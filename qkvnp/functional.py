@@ -24,8 +24,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_ndim,
-                      check_scale, compute_dtype)
+from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_indices,
+                      check_int, check_ndim, check_scale, compute_dtype)
 from .masks import prepare_mask
 
 __all__ = [
@@ -481,7 +481,8 @@ def split_heads_forward(x, num_heads):
     Raises
     ------
     TypeError
-        If ``x`` does not hold real numbers (complex, object...).
+        If ``x`` does not hold real numbers (complex, object...), or
+        ``num_heads`` is not an int (bools and strings refused).
     ValueError
         If ``x`` has fewer than 2 dims or ``num_heads`` does not divide ``E``.
 
@@ -495,7 +496,8 @@ def split_heads_forward(x, num_heads):
     check_ndim(x, "x", 2, "(..., T, E)")
     grad_dtype = _heads_grad_dtype(x)
     E = x.shape[-1]
-    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1 or E % num_heads:
+    num_heads = check_int(num_heads, "num_heads", 1, expected=f"a positive divisor of E={E}")
+    if E % num_heads:
         raise ValueError(f"num_heads must be a positive divisor of E={E}, got {num_heads}")
     heads = x.reshape(x.shape[:-1] + (num_heads, E // num_heads))  # (..., T, E) -> (..., T, H, D)
     out = np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
@@ -604,25 +606,6 @@ def _merge_heads_backward(dout, cache):
 EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
 
 
-def _check_indices(indices, num_embeddings, name="indices"):
-    """Integer array with every entry in ``[0, num_embeddings)``."""
-    if indices is None:
-        raise TypeError(f"{name} must be an integer array, got None")
-    indices = np.asarray(indices)
-    if indices.dtype.kind not in "iu":
-        raise TypeError(
-            f"{name} must hold integer token ids (e.g. int64), got dtype {indices.dtype}"
-        )
-    bad = (indices < 0) | (indices >= num_embeddings)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name} must be in [0, {num_embeddings}) (num_embeddings={num_embeddings}), "
-            f"got {int(indices[where])} at index {where}"
-        )
-    return indices
-
-
 def embedding_forward(indices, weight):
     """Look up rows of ``weight``: ``out[...] = weight[indices[...]]``.
 
@@ -667,7 +650,7 @@ def embedding_forward(indices, weight):
     weight = as_float_array(weight, "weight")
     if weight.ndim != 2:
         raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
-    indices = _check_indices(indices, weight.shape[0])
+    indices = check_indices(indices, weight.shape[0])
     out = weight[indices]  # (...) -> (..., dim)
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 

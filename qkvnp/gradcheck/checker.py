@@ -44,7 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import make_rng
+from .._checks import check_int, make_rng
 
 __all__ = [
     "TOLERANCES",
@@ -324,11 +324,8 @@ def _resolve(mode, dtype, eps, rtol, atol, num_directions):
             raise ValueError(f"{name} must be a finite {'positive' if name == 'eps' else 'non-negative'} "
                              f"number, got {value}")
         values[name] = value
-    if isinstance(num_directions, (bool, np.bool_)) or not isinstance(num_directions, (int, np.integer)):
-        raise TypeError(f"num_directions must be an int, got {type(num_directions).__name__}")
-    if num_directions < 1:
-        raise ValueError(f"num_directions must be a positive int, got {num_directions}")
-    return dtype, Tolerance(**values), int(num_directions)
+    num_directions = check_int(num_directions, "num_directions", 1, expected="a positive int")
+    return dtype, Tolerance(**values), num_directions
 
 
 def _draw_dout(out, dtype, rng):

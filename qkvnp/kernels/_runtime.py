@@ -36,6 +36,7 @@ __all__ = [
     "get_block_sizes",
     "block_sizes",
     "BLOCK_SIZE_DEFAULTS",
+    "check_block_pair",
     "blas_threads",
     "openblas_thread_functions",
     "openblas_info",
@@ -175,6 +176,19 @@ def get_block_sizes():
     return dict(_SIZES)
 
 
+def check_block_pair(value, name):
+    """``(block_q, block_k)`` from an int (both) or a pair of positive ints.
+
+    >>> check_block_pair(64, "block_size")
+    (64, 64)
+    """
+    pair = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be an int or a pair (block_q, block_k), got {value!r}")
+    expected = f"a positive int or a pair of positive ints (got {value!r})"
+    return tuple(check_int(b, name, 1, expected=expected) for b in pair)
+
+
 def _checked_sizes(sizes):
     checked = {}
     for name, value in sizes.items():
@@ -184,10 +198,7 @@ def _checked_sizes(sizes):
                 f"{', '.join(BLOCK_SIZE_DEFAULTS)}"
             )
         if name == "tiled_block":
-            pair = value if isinstance(value, (tuple, list)) else (value, value)
-            if len(pair) != 2:
-                raise ValueError(f"tiled_block must be an int or a pair of ints, got {value!r}")
-            checked[name] = (check_int(pair[0], "tiled_block", 1), check_int(pair[1], "tiled_block", 1))
+            checked[name] = check_block_pair(value, name)
         else:
             checked[name] = check_int(value, name, _MINIMUM[name])
     return checked

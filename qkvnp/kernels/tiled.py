@@ -26,7 +26,7 @@ import numpy as np
 from .._checks import as_upstream_grad, check_attention_inputs, check_scale
 from ..functional import sum_to_shape
 from ..masks import prepare_mask
-from ._runtime import get_block_sizes, get_num_threads, run
+from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
 
 __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
 
@@ -81,22 +81,7 @@ def _check_block_size(block_size, T, S, lead_size):
         block_q = min(block_q, max(_MIN_DEFAULT_BLOCK, -(-T // threads)))
         block_k = min(block_k, max(_MIN_DEFAULT_BLOCK, -(-S // threads)))
     else:
-        pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
-        if len(pair) != 2:
-            raise ValueError(
-                f"block_size must be an int or a pair (block_q, block_k), got {block_size!r}"
-            )
-        for b in pair:
-            if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)):
-                raise TypeError(
-                    "block_size must be a positive int or a pair of positive ints, got "
-                    f"{block_size!r} (type {type(b).__name__})"
-                )
-            if b < 1:
-                raise ValueError(
-                    f"block_size must be a positive int or a pair of positive ints, got {block_size!r}"
-                )
-        block_q, block_k = int(pair[0]), int(pair[1])
+        block_q, block_k = check_block_pair(block_size, "block_size")
     return max(1, min(block_q, T)), max(1, min(block_k, S))
 
 

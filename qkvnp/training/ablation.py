@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 
+from .._checks import check_int
+
 __all__ = ["run_ablation", "summarize", "format_table", "add_arguments", "run"]
 
 # NOTE: measured defaults. At the train command's width (64) every variant
@@ -73,8 +75,7 @@ def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS,
     for variant in variants:
         if variant not in VARIANTS:
             raise ValueError(f"variants must be among {tuple(VARIANTS)}, got {variant!r}")
-    if isinstance(seeds, bool) or not isinstance(seeds, (int, np.integer)) or seeds < 1:
-        raise ValueError(f"seeds must be a positive int, got {seeds!r}")
+    seeds = check_int(seeds, "seeds", 1, expected="a positive int")
     base = dict(base or {})
     rows = []
     for dim in dims:

@@ -44,6 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from .._checks import check_int
 from .._io import atomic_write
 
 __all__ = [
@@ -155,8 +156,7 @@ def save_checkpoint(path, params, optimizer_state, step, rng_state, config, hist
     >>> ckpt.step, ckpt.config, ckpt.params["w"], ckpt.history == history
     (3, {'lr': 0.1}, array([1., 1.]), True)
     """
-    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    step = check_int(step, "step", 0, expected="a non-negative int")
     history_arrays = _history_arrays(history)
     problem = _history_problem(history_arrays, int(step))
     if problem is not None:

@@ -1,0 +1,237 @@
+"""The seam between layers and kernels: settings, path choice and its reasons.
+
+Oracles: the documented rules of :func:`qkvnp.kernels.choose_path` (thresholds
+read back from the settings), the thread that runs a task (the calling
+thread, or a worker named ``qkvnp-kernels``), and fresh processes for the
+environment variable read at first use.
+"""
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import qkvnp
+from qkvnp import kernels
+from qkvnp.kernels import _runtime
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_num_threads_is_set_read_and_restored():
+    before = qkvnp.get_num_threads()
+    with qkvnp.num_threads(1):
+        assert qkvnp.get_num_threads() == 1
+        with qkvnp.num_threads(3):
+            assert kernels.get_num_threads() == 3
+        assert qkvnp.get_num_threads() == 1
+    assert qkvnp.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with qkvnp.num_threads(2):
+            raise RuntimeError("inside")
+    assert qkvnp.get_num_threads() == before  # restored on error too
+
+
+@pytest.mark.parametrize("value, error, fragment", [
+    (0, ValueError, "n must be >= 1, got 0"),
+    (-2, ValueError, "n must be >= 1, got -2"),
+    (True, TypeError, "n must be an int, got bool"),  # a bool is not a count
+    (2.0, TypeError, "n must be an int, got float"),
+    ("2", TypeError, "n must be an int, got str"),
+])
+def test_bad_thread_counts_are_refused(value, error, fragment):
+    before = qkvnp.get_num_threads()
+    with pytest.raises(error, match=fragment):
+        qkvnp.set_num_threads(value)
+    assert qkvnp.get_num_threads() == before
+
+
+def test_the_thread_setting_decides_who_runs_the_work():
+    """Oracle: the name of the thread that ran each share of the work."""
+    if not _runtime.openblas_thread_functions():
+        pytest.skip("numpy's OpenBLAS not found: the kernels never use worker threads")
+    seen = []
+
+    def task(part):
+        seen.append((threading.current_thread().name, len(part)))
+
+    with qkvnp.num_threads(1):
+        _runtime.run(task, [0, 1, 2, 3])
+    assert seen == [(threading.current_thread().name, 4)]
+    seen.clear()
+    with qkvnp.num_threads(2):
+        _runtime.run(task, [0, 1, 2, 3])
+    assert sorted(n for _, n in seen) == [2, 2]
+    assert all(name.startswith("qkvnp-kernels") for name, _ in seen), seen
+
+
+def _python(code, **env):
+    environment = {k: v for k, v in os.environ.items() if k != "QKVNP_NUM_THREADS"}
+    environment.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=environment)
+
+
+def test_environment_variable_is_read_at_first_use_not_at_import():
+    code = ("import qkvnp, qkvnp.kernels._runtime as r; print(r._NUM_THREADS); "
+            "print(qkvnp.get_num_threads())")
+    result = _python(code, QKVNP_NUM_THREADS="3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "3"]
+
+
+def test_a_bad_environment_variable_names_itself_at_first_use():
+    code = ("import numpy as np, qkvnp; print('imported'); "
+            "qkvnp.MultiHeadAttention(4, 2, rng=0).forward(np.ones((1, 3, 4)))")
+    result = _python(code, QKVNP_NUM_THREADS="zero")
+    assert result.stdout.strip() == "imported"  # import works; the first kernel call refuses
+    assert "QKVNP_NUM_THREADS must be a positive integer, got 'zero'" in result.stderr
+
+
+def test_set_num_threads_overrides_the_environment():
+    code = "import qkvnp; qkvnp.set_num_threads(1); print(qkvnp.get_num_threads())"
+    result = _python(code, QKVNP_NUM_THREADS="4")
+    assert result.stdout.strip() == "1", result.stderr
+
+
+# ---------------------------------------------------------------- block sizes
+
+
+def test_block_sizes_are_set_and_restored():
+    before = kernels.get_block_sizes()
+    assert before == kernels.BLOCK_SIZE_DEFAULTS  # no test leaves a setting behind
+    with kernels.block_sizes(tiled_block=(64, 128), min_split=8):
+        now = kernels.get_block_sizes()
+        assert now["tiled_block"] == (64, 128) and now["min_split"] == 8
+        assert {k: v for k, v in now.items() if k not in ("tiled_block", "min_split")} == {
+            k: v for k, v in before.items() if k not in ("tiled_block", "min_split")}
+    assert kernels.get_block_sizes() == before
+    now = kernels.get_block_sizes()
+    now["min_split"] = 1  # a copy: changing it changes nothing
+    assert kernels.get_block_sizes() == before
+
+
+@pytest.mark.parametrize("sizes, error, fragment", [
+    ({"block_bytes": 4}, ValueError, "unknown block-size setting 'block_bytes'"),
+    ({"min_split": 0}, ValueError, "min_split must be >= 1, got 0"),
+    ({"recycle_bytes": -1}, ValueError, "recycle_bytes must be >= 0, got -1"),
+    ({"fast_block_bytes": 2.5}, TypeError, "fast_block_bytes must be an int, got float"),
+    ({"tiled_block": (4, 4, 4)}, ValueError, "tiled_block must be an int or a pair"),
+    ({"tiled_block": (4, True)}, TypeError, "tiled_block must be an int, got bool"),
+    ({"min_split": 8, "nope": 1}, ValueError, "unknown block-size setting 'nope'"),
+])
+def test_bad_block_sizes_are_refused_before_any_is_set(sizes, error, fragment):
+    before = kernels.get_block_sizes()
+    with pytest.raises(error, match=fragment):
+        kernels.set_block_sizes(**sizes)
+    with pytest.raises(error, match=fragment):
+        with kernels.block_sizes(**sizes):
+            pass
+    assert kernels.get_block_sizes() == before
+
+
+def test_tiled_default_block_follows_the_setting():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(200, 4)) for _ in range(3))
+    with qkvnp.num_threads(1), kernels.block_sizes(tiled_block=(48, 80)):
+        _, cache = kernels.tiled.attention_forward(q, k, v)
+    assert (cache.block_q, cache.block_k) == (48, 80)
+
+
+# ---------------------------------------------------------------- the path and why
+
+
+def test_choose_path_follows_the_settings_and_says_why():
+    sizes = kernels.get_block_sizes()
+    choice = kernels.choose_path("auto", 8, 16, 16, np.float64)
+    assert choice == (
+        "auto", "fast",
+        "auto: 16 keys < tiled_min_length 4096 and dense weights of 0.0156 MiB within "
+        "dense_weights_budget")
+    long = kernels.choose_path("auto", 1, 8, sizes["tiled_min_length"], np.float32)
+    assert long.path == "tiled" and "keys >= tiled_min_length" in long.reason
+    with kernels.block_sizes(dense_weights_budget=1 << 10):
+        big = kernels.choose_path("auto", 4, 16, 16, np.float64)  # 8 KiB of weights
+    assert big.path == "tiled" and "dense_weights_budget" in big.reason
+    wanted = kernels.choose_path("auto", 1, 8, sizes["tiled_min_length"], np.float32, True)
+    assert wanted.path == "fast" and "weights requested" in wanted.reason
+    fallback = kernels.choose_path("tiled", 1, 8, 8, np.float32, need_weights=True)
+    assert fallback.path == "fast" and "fell back to the fast core" in fallback.reason
+    assert kernels.choose_path("reference", 1, 8, 8, np.float32, True).path == "reference"
+
+
+@pytest.mark.parametrize("make", [
+    lambda impl: qkvnp.SelfAttention(4, 4, rng=0, impl=impl),
+    lambda impl: qkvnp.MultiHeadAttention(4, 2, rng=0, impl=impl),
+])
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+def test_layers_record_the_path_of_their_last_forward(make, impl):
+    layer = make(impl)
+    assert layer.last_dispatch is None
+    x = np.random.default_rng(1).normal(size=(2, 5, 4))
+    layer.forward(x)
+    expected = "fast" if impl == "auto" else impl
+    assert layer.last_dispatch.path == expected
+    assert layer.last_dispatch.impl == impl
+    layer.forward(x, return_weights=True)
+    assert layer.last_dispatch.path == ("reference" if impl == "reference" else "fast")
+    if impl == "tiled":
+        assert "fell back" in layer.last_dispatch.reason
+    with kernels.block_sizes(tiled_min_length=4):  # auto now takes the tiled core
+        layer.forward(x)
+    assert layer.last_dispatch.path == ("tiled" if impl == "auto" else expected)
+    # the cache is the one the path's backward reads: backward works after each
+    assert layer.backward(np.ones((2, 5, 4))).shape == (2, 5, 4)
+
+
+def test_weights_from_every_impl_match_the_reference():
+    """Oracle: the reference path's weights (the fallback returns the same thing)."""
+    x = np.random.default_rng(2).normal(size=(2, 5, 4))
+    weights = {}
+    for impl in ("reference", "fast", "tiled"):
+        layer = qkvnp.MultiHeadAttention(4, 2, rng=0, impl=impl)
+        weights[impl] = layer.forward(x, is_causal=True, return_weights=True)[1]
+    for impl in ("fast", "tiled"):
+        np.testing.assert_allclose(weights[impl], weights["reference"], rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- Layer's contract
+
+
+def test_layer_is_an_abstract_base():
+    with pytest.raises(TypeError, match="abstract"):
+        qkvnp.layers.Layer()
+
+    class ForwardOnly(qkvnp.layers.Layer):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="backward"):
+        ForwardOnly()
+
+
+@pytest.mark.parametrize("layer, text", [
+    (qkvnp.MultiHeadAttention(16, 4, rng=0),
+     "MultiHeadAttention(embed_dim=16, num_heads=4, bias=True, dtype=float64, impl='auto')"),
+    (qkvnp.MultiHeadAttention(8, 2, bias=False, kdim=3, rng=0, dtype=np.float32, impl="tiled"),
+     "MultiHeadAttention(embed_dim=8, num_heads=2, bias=False, kdim=3, dtype=float32, "
+     "impl='tiled')"),
+    (qkvnp.SelfAttention(3, 2, rng=0),
+     "SelfAttention(d_in=3, d_out=2, qkv_bias=False, dtype=float64, impl='auto')"),
+    (qkvnp.Linear(3, 2, bias=False, rng=0, dtype=np.float16),
+     "Linear(in_features=3, out_features=2, bias=False, dtype=float32)"),  # float16 computes in float32
+    (qkvnp.Embedding(10, 4, rng=0), "Embedding(num_embeddings=10, embedding_dim=4, dtype=float64)"),
+])
+def test_repr_shows_the_constructor_arguments(layer, text):
+    assert repr(layer) == text
+
+
+def test_bad_impl_is_refused_by_the_dispatcher_too():
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'reference', 'fast', "
+                                         r"'tiled'\), got 'gpu'"):
+        kernels.choose_path("gpu", 1, 2, 2, np.float64)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        kernels.check_impl(["fast"])  # unhashable: still a clear ValueError

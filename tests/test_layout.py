@@ -1,0 +1,115 @@
+"""The package's architecture, read from its source with ``ast`` (nothing guessed).
+
+Data flows one way: CLI, then the training app, then layers, then kernels,
+then the reference ops, then the checks. Oracles: the import graph of every
+module (imports inside functions count), which must have no cycle, no
+``_private`` name taken from another module except from the three shared
+helpers, and no module over 700 lines; each module's ``__all__`` must name
+what it defines.
+"""
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "qkvnp"
+SHARED_PRIVATE = {"qkvnp._checks", "qkvnp._io", "qkvnp.kernels._runtime"}
+MAX_LINES = 700
+
+
+def _module_name(path):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name):
+    """``(imported module, imported name or None)`` for every import in ``name``'s source."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.append((sub, None) if sub in MODULES else (target, alias.name))
+    return [(module, imported) for module, imported in found if module in MODULES and module != name]
+
+
+GRAPH = {name: sorted({module for module, _ in _imports(name)}) for name in MODULES}
+
+
+def _cycles():
+    """Every import cycle as a list of modules (a package importing its own
+    submodules is not one; a submodule importing its package is an edge)."""
+    cycles, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in GRAPH[node]:
+            if MODULES[nxt].name == "__init__.py" and node.startswith(nxt + "."):
+                continue  # qkvnp.kernels.fast -> qkvnp.kernels is how Python loads it, not a cycle
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for name in MODULES:
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_no_import_cycle():
+    assert _cycles() == []
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    crossings = [(name, f"{module}.{imported}") for name in MODULES
+                 for module, imported in _imports(name)
+                 if imported and imported.startswith("_") and not imported.startswith("__")
+                 and module not in SHARED_PRIVATE]
+    assert crossings == []
+
+
+def test_the_library_never_imports_the_app_or_the_commands():
+    """Layers, kernels, ops and checks import neither training nor the CLI
+    (the direction of the data flow)."""
+    library = [n for n in MODULES if not n.startswith(("qkvnp.training", "qkvnp.cli",
+                                                        "qkvnp.demo", "qkvnp.__main__",
+                                                        "qkvnp.gradcheck"))]
+    upward = [(n, m) for n in library for m in GRAPH[n]
+              if m.startswith(("qkvnp.training", "qkvnp.cli", "qkvnp.demo", "qkvnp.gradcheck"))]
+    assert upward == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_is_short_enough_to_read_in_one_sitting(name):
+    lines = MODULES[name].read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_LINES, f"{name}: {lines} lines > {MAX_LINES}"
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - {"qkvnp.__main__"}))
+def test_module_states_its_public_surface(name):
+    module = importlib.import_module(name)
+    assert isinstance(getattr(module, "__all__", None), list), f"{name} has no __all__ list"
+    missing = [public for public in module.__all__ if not hasattr(module, public)]
+    assert missing == [], f"{name}.__all__ names what it does not define: {missing}"
+    assert not [p for p in module.__all__ if p.startswith("_") and p != "__version__"]
+
+
+def test_graph_listing_is_readable():
+    """The listing the redesign note quotes: every module and what it imports."""
+    listing = "\n".join(f"{name}: {', '.join(GRAPH[name]) or '-'}" for name in sorted(GRAPH))
+    assert "qkvnp.kernels.tiled: " in listing and "qkvnp.kernels.fast" not in \
+        listing.split("qkvnp.kernels.tiled: ")[1].split("\n")[0]  # tiled never imports fast
