@@ -28,13 +28,19 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+# The one message that tells how to get the PyTorch oracle. It names the
+# "torch" extra, which alone pins the version (tests/test_packaging.py checks
+# that every such hint in the repository reads the same).
+TORCH_INSTALL_HINT = "PyTorch is not installed (pip install 'qkvnp[torch]')"
+
+
 def _import_torch():
     try:
         import torch
     except ImportError:
         if os.environ.get("QKVNP_REQUIRE_TORCH") == "1":
             raise
-        pytest.skip("PyTorch is not installed (pip install torch==2.13.0)")
+        pytest.skip(TORCH_INSTALL_HINT)
     torch.set_num_threads(1)
     return torch
 

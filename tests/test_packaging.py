@@ -1,0 +1,221 @@
+"""Packaging metadata and the console script, checked without building.
+
+Oracles: the files themselves. setup.cfg is read with configparser; what the
+sdist ships is what setuptools' own MANIFEST.in interpreter selects, compared
+with every file that is really under ``tests/``; what the wheel ships is what
+``find_packages`` selects with setup.cfg's exclusions; the usage line is what
+argparse prints. Building the sdist and wheel and running the suite from the
+unpacked sdist is slow, so it is done by hand (see ``.ci/run`` for the two
+environments the suite runs in).
+"""
+import ast
+import configparser
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qkvnp
+from qkvnp.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup_cfg():
+    config = configparser.ConfigParser()
+    assert config.read(ROOT / "setup.cfg"), f"no setup.cfg in {ROOT}"
+    return config
+
+
+def cfg_list(value):
+    """A multi-line setup.cfg value as a list of its non-empty lines."""
+    return [line.strip() for line in value.splitlines() if line.strip()]
+
+
+def requirement_floors(lines):
+    """``["numpy>=1.22"]`` -> ``{"numpy": (1, 22)}``."""
+    floors = {}
+    for line in lines:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", line)
+        assert match, f"install_requires: {line!r} is not a plain 'name>=version' floor"
+        floors[match[1]] = tuple(int(part) for part in match[2].split("."))
+    return floors
+
+
+def literal_assignment(path, name):
+    """The value of ``name = <literal>`` at the top level of ``path``."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == name for target in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} assigns no literal to {name}")
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def test_version_is_single_sourced(setup_cfg):
+    # setuptools>=61 reads the attr statically (ast), without importing qkvnp
+    assert setup_cfg["metadata"]["version"] == "attr: qkvnp.__version__"
+    source_version = literal_assignment(ROOT / "qkvnp" / "__init__.py", "__version__")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", source_version), source_version
+    assert qkvnp.__version__ == source_version
+
+
+def test_license_file_exists_and_is_shipped(setup_cfg):
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert license_text.splitlines()[0] == "MIT License"
+    assert "Copyright (c) 2026 qkvnp developers" in license_text
+    assert "THE SOFTWARE IS PROVIDED \"AS IS\"" in license_text
+    metadata = setup_cfg["metadata"]
+    assert metadata["license"] == "MIT"
+    assert cfg_list(metadata["license_files"]) == ["LICENSE"]
+    assert "License :: OSI Approved :: MIT License" in cfg_list(metadata["classifiers"])
+
+
+def test_classifiers_name_every_supported_python(setup_cfg):
+    classifiers = cfg_list(setup_cfg["metadata"]["classifiers"])
+    assert "Operating System :: OS Independent" in classifiers
+    minors = sorted(int(c.rsplit(".", 1)[1]) for c in classifiers
+                    if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    python_requires = setup_cfg["options"]["python_requires"]
+    floor = re.fullmatch(r">=\s*3\.(\d+)", python_requires)
+    assert floor, f"python_requires = {python_requires!r} is not a '>=3.N' floor"
+    # the classifiers run from the floor, with no gap, through 3.13
+    assert minors == list(range(int(floor[1]), 14)), minors
+
+
+def test_install_requires_floors(setup_cfg):
+    floors = requirement_floors(cfg_list(setup_cfg["options"]["install_requires"]))
+    assert set(floors) == {"numpy", "scipy"}
+    # NOTE: scipy 1.8's softmax is exp(x - logsumexp(x)): three scores tied at
+    # the float max get weights summing to 3. 1.9 (scipy PR 16186) is the floor.
+    assert floors["scipy"] >= (1, 9)
+    # NOTE: numpy 1.22 and 1.23 sum float32 rows less accurately, and the
+    # reference path's float32 dquery then drifts 2e-5 from the fast path's
+    # (tests/kernels/test_fast.py, tolerance 1e-5); 1.24.0 is the first that passes.
+    assert floors["numpy"] >= (1, 24)
+
+
+def test_every_torch_install_hint_is_the_one_message(setup_cfg):
+    """One hint, naming the extra; the extra alone pins the version."""
+    extras = setup_cfg["options.extras_require"]
+    assert cfg_list(extras["torch"]) == ["torch==2.13.0"]
+    hint = literal_assignment(ROOT / "tests" / "conftest.py", "TORCH_INSTALL_HINT")
+    assert "'qkvnp[torch]'" in hint
+    hints = {}
+    for folder in ("qkvnp", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                text = node.value if isinstance(node, ast.Constant) else None
+                if isinstance(text, str) and "pip install" in text and "torch" in text.lower():
+                    hints.setdefault(text, []).append(str(path.relative_to(ROOT)))
+    assert hint in hints, "conftest's TORCH_INSTALL_HINT is not where the hints are"
+    assert list(hints) == [hint], f"hints that differ: {hints}"
+    # CI installs PyTorch through the same extra, so it gets the same pin
+    ci_run = (ROOT / ".ci" / "run").read_text(encoding="utf-8") if (ROOT / ".ci").is_dir() else ""
+    if ci_run:  # an unpacked sdist has no .ci/
+        assert "'.[test,torch]'" in ci_run
+        assert "QKVNP_REQUIRE_TORCH=1" in ci_run
+
+
+# ---------------------------------------------------------------- sdist, wheel
+
+
+def manifest_files():
+    """The files MANIFEST.in adds, as setuptools' own interpreter reads it."""
+    egg_info = pytest.importorskip("setuptools.command.egg_info")
+    selected = egg_info.FileList()
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # setuptools globs MANIFEST.in's patterns from the cwd
+    try:
+        for line in (ROOT / "MANIFEST.in").read_text(encoding="utf-8").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                selected.process_template_line(line)
+    finally:
+        os.chdir(cwd)
+    return {Path(name).as_posix() for name in selected.files}
+
+
+def files_under(folder):
+    """Every file under ``folder`` (relative to the root), less bytecode caches."""
+    found = set()
+    for directory, subdirs, names in os.walk(ROOT / folder):
+        subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+        for name in names:
+            if not name.endswith((".pyc", ".pyo")):
+                found.add((Path(directory) / name).relative_to(ROOT).as_posix())
+    return found
+
+
+def test_sdist_ships_the_whole_test_tree_and_what_it_needs():
+    shipped = manifest_files()
+    needed = files_under("tests") | files_under("docs") | {"LICENSE", "README.md"}
+    # tests/benchmarks runs the harness, which lives in benchmarks/
+    needed |= {path for path in files_under("benchmarks") if path.endswith(".py")}
+    for helper in ("tests/conftest.py", "tests/oracles.py", "tests/strategies.py"):
+        assert helper in needed, f"{helper} is missing from the checkout itself"
+    assert any(path.startswith("tests/golden/") and path.endswith(".npz") for path in needed)
+    for subfolder in ("kernels", "training", "benchmarks"):
+        assert any(path.startswith(f"tests/{subfolder}/test_") for path in needed), subfolder
+    missing = sorted(needed - shipped)
+    assert not missing, f"MANIFEST.in leaves out {missing}"
+
+
+def test_wheel_ships_the_library_only(setup_cfg):
+    setuptools = pytest.importorskip("setuptools")
+    exclude = cfg_list(setup_cfg["options.packages.find"]["exclude"])
+    packages = setuptools.find_packages(str(ROOT), exclude=exclude)
+    assert "qkvnp" in packages and "qkvnp.kernels" in packages
+    assert all(name == "qkvnp" or name.startswith("qkvnp.") for name in packages), packages
+    # the harness and the tests would be picked up as packages if they had an
+    # __init__.py; the exclusions must hold them out anyway
+    for name in ("tests", "tests.kernels", "benchmarks"):
+        assert any(pattern == name or (pattern.endswith(".*") and name.startswith(pattern[:-1]))
+                   for pattern in exclude), f"{name} is not excluded from the wheel"
+
+
+# ---------------------------------------------------------------- console script
+
+
+def test_console_script_entry_point(setup_cfg):
+    scripts = cfg_list(setup_cfg["options.entry_points"]["console_scripts"])
+    assert scripts == ["qkvnp = qkvnp.cli:main"]
+
+
+@pytest.mark.parametrize("argv0, prog", [
+    ("/venv/bin/qkvnp", "qkvnp"),                       # the console script
+    (r"C:\venv\Scripts\qkvnp.exe", "qkvnp"),            # its Windows launcher
+    ("/src/qkvnp/__main__.py", "python -m qkvnp"),      # python -m qkvnp
+    ("/venv/bin/pytest", "python -m qkvnp"),            # main(argv) from a test
+])
+def test_usage_line_names_the_program_that_was_run(monkeypatch, capsys, argv0, prog):
+    if "\\" in argv0 and os.sep != "\\":
+        argv0 = argv0.replace("\\", "/")  # basename splits on the host's separator
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {prog} [-h] COMMAND")
+
+
+def test_python_dash_m_usage_line():
+    env = dict(os.environ, PYTHONPATH=str(Path(qkvnp.__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-m", "qkvnp", "--help"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m qkvnp [-h] COMMAND"), result.stdout
+
+
+def test_installed_console_script_usage_line():
+    script = Path(sys.executable).parent / ("qkvnp.exe" if os.name == "nt" else "qkvnp")
+    if not script.exists():
+        pytest.skip(f"the console script is not installed beside {sys.executable}")
+    result = subprocess.run([str(script), "bogus-command"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: qkvnp [-h] COMMAND"), result.stderr
