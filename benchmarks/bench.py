@@ -3,6 +3,12 @@
 Shape key: B batch, L sequence length (queries and keys alike), E embedding,
 H heads, D = E // H head dim.
 
+The harness of a checkout, not part of the installed package: run it as
+``python benchmarks/run.py [options]`` (``--help`` lists them). It uses the
+public names of qkvnp, plus the shared helpers of :mod:`qkvnp.kernels._runtime`
+(worker threads, the OpenBLAS probe) and ``qkvnp._io.atomic_write``. Dated
+results: ``benchmarks/RESULTS.md``.
+
 What runs
 ---------
 For every configuration ``(B, L, E, H)`` and dtype, two workloads, each in
@@ -21,7 +27,7 @@ backward with a fixed random upstream gradient):
 ``core``
     The attention core alone on (B, H, L, D) inputs, no projections:
     ``attention_forward``/``attention_backward`` of ``qkvnp.functional``
-    (reference), ``qkvnp.fast`` and ``qkvnp.tiled``, against
+    (reference), ``qkvnp.kernels.fast`` and ``qkvnp.kernels.tiled``, against
     ``torch.nn.functional.scaled_dot_product_attention``.
 
 An implementation that this qkvnp does not offer (a module that does not
@@ -34,8 +40,9 @@ Before anything is timed, every implementation's output and gradients (of
 the input and of every weight and bias) are compared with qkvnp's reference
 path, the oracle that the test suite checks against PyTorch autograd and
 central differences. The error of an array is ``max|a - r| / max|r|``
-(relative to the array's scale); the tolerance is 1e-10 in float64 and 1e-4 in
-float32 (:data:`TOLERANCES`). An implementation that exceeds it, or returns a
+(relative to the array's scale); the tolerance is the one the tests use,
+:data:`qkvnp.kernels.PATH_TOLERANCES` (1e-12 in float64, 1e-5 in float32). An
+implementation that exceeds it, or returns a
 non-finite value or a wrong shape, is *refused*: its times are not reported,
 and the command exits with status 1.
 
@@ -114,13 +121,17 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._io import atomic_write
+import qkvnp
+from qkvnp import MultiHeadAttention
+from qkvnp._io import atomic_write  # the package's one atomic write (shared helper module)
+from qkvnp.kernels import IMPLS, PATH_TOLERANCES
+from qkvnp.kernels._runtime import get_num_threads, openblas_info
+from qkvnp.kernels._runtime import run as run_in_workers
 
 __all__ = [
     "Config",
     "DEFAULT_CONFIGS",
     "QUICK_CONFIGS",
-    "TOLERANCES",
     "IMPLEMENTATIONS",
     "ImplementationMissing",
     "Problem",
@@ -162,14 +173,13 @@ QUICK_CONFIGS = (Config(8, 128, 256, 8), Config(4, 512, 512, 8))
 KINDS = ("layer", "core")
 MODES = ("fwd", "fwd_bwd")
 MODE_LABELS = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}
-IMPLEMENTATIONS = ("reference", "fast", "tiled", "auto", "torch")
-# "auto" is the layers' default dispatch (fast or tiled); the core has none
+# the layers' impl names (qkvnp.kernels.IMPLS), the three paths first and
+# "auto", the layers' default dispatch (fast or tiled), after them; then PyTorch
+IMPLEMENTATIONS = tuple(sorted(IMPLS, key=lambda impl: impl == "auto")) + ("torch",)
+# the core has no dispatch
 KIND_IMPLEMENTATIONS = {"layer": IMPLEMENTATIONS,
                         "core": tuple(i for i in IMPLEMENTATIONS if i != "auto")}
 ORACLE = "reference"
-
-# relative error (max|a - r| / max|r|) allowed against the reference path
-TOLERANCES = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-10}
 
 # the issue's memory target for the tiled core: (B, H, L, D), float32, MiB
 TILED_MEMORY_SHAPE = (1, 1, 16384, 64)
@@ -183,7 +193,12 @@ CEILING_HEAD_DIM = 64
 MIB = 2.0 ** 20
 
 LAYER_PARAMS = ("W_query", "W_key", "W_value", "W_out", "b_query", "b_key", "b_value", "b_out")
-CORE_MODULES = {"reference": "qkvnp.functional", "fast": "qkvnp.fast", "tiled": "qkvnp.tiled"}
+CORE_MODULES = {"reference": "qkvnp.functional", "fast": "qkvnp.kernels.fast",
+                "tiled": "qkvnp.kernels.tiled"}
+#: What a child process (memory, import cost) puts first on ``sys.path``: this
+#: harness's directory, and the directory of the qkvnp this process imported.
+CHILD_PATH = [os.path.dirname(os.path.abspath(__file__)),
+              os.path.dirname(os.path.dirname(os.path.abspath(qkvnp.__file__)))]
 
 
 class ImplementationMissing(Exception):
@@ -253,7 +268,7 @@ def _check_config(config, name="config"):
 
 def _check_dtype(dtype):
     dtype = np.dtype(dtype)
-    if dtype not in TOLERANCES:
+    if dtype not in PATH_TOLERANCES:
         raise ValueError(f"dtype must be float32 or float64, got {dtype}")
     return dtype
 
@@ -323,8 +338,6 @@ class _QkvnpLayer:
     library = "qkvnp"
 
     def __init__(self, impl, problem):
-        from .layers import MultiHeadAttention
-
         B, L, E, H = problem.config
         try:
             self.layer = MultiHeadAttention(E, H, bias=True, rng=0, dtype=problem.dtype, impl=impl)
@@ -530,7 +543,7 @@ def cross_check(results, expected, dtype):
     results, expected : dict of str to ndarray
         Output and gradients, from ``runner.result()``.
     dtype : float32 or float64
-        Selects the tolerance in :data:`TOLERANCES`.
+        Selects the tolerance in :data:`qkvnp.kernels.PATH_TOLERANCES`.
 
     Returns
     -------
@@ -546,8 +559,12 @@ def cross_check(results, expected, dtype):
     which is zero in exact arithmetic (softmax ignores a constant added to a
     row of scores): its computed value is rounding noise, to be judged on the
     scale of the other bias gradients, not on its own.
+
+    NOTE: the tolerance is the tests' table, but the tests divide by
+    ``max(1, max|reference|)`` (absolute below magnitude 1); the error here
+    is relative to the group's largest entry, which is as strict or stricter.
     """
-    tolerance = TOLERANCES[_check_dtype(dtype)]
+    tolerance = PATH_TOLERANCES[_check_dtype(dtype)]
     scales = {}
     for name, reference in expected.items():
         largest = float(np.max(np.abs(reference), initial=0.0))
@@ -659,17 +676,15 @@ def measure_attention_gemm_ceiling(dtype, length=CEILING_LENGTH, head_dim=CEILIN
     """Best GFLOP/s of ``numpy.matmul`` on the attention core's own matmul shapes.
 
     Each of the fast path's threads (BLAS pinned to one thread inside, as in
-    :mod:`qkvnp.fast`) multiplies its own one-head operands, all in cache:
+    :mod:`qkvnp.kernels.fast`) multiplies its own one-head operands, all in cache:
     ``q k^T`` ``(L, D) @ (D, L)``, ``P v`` ``(L, L) @ (L, D)`` and
     ``q^T dS`` ``(D, L) @ (L, L)``, the three shapes of the core's six
     products, ``rounds`` times each. No softmax, no memory traffic beyond
     the cache: a ceiling for any attention core built on these BLAS calls,
     to read beside the square-matrix GEMM peak of :func:`measure_gemm_peak`.
     """
-    from . import fast
-
     dtype = _check_dtype(dtype)
-    threads = max(1, fast.NUM_THREADS)
+    threads = max(1, get_num_threads())
     rng = np.random.default_rng(0)
     L, D = length, head_dim
     operands = [(rng.standard_normal((L, D), dtype=dtype), rng.standard_normal((L, D), dtype=dtype),
@@ -685,11 +700,11 @@ def measure_attention_gemm_ceiling(dtype, length=CEILING_LENGTH, head_dim=CEILIN
                 np.matmul(q.T, scores, out=out_t)  # (D, L) @ (L, L) -> (D, L)
 
     blocks = [(index,) for index in range(threads)]
-    fast._run(task, blocks)  # warm-up, and starts the pinned workers
+    run_in_workers(task, blocks)  # warm-up, and starts the pinned workers
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fast._run(task, blocks)
+        run_in_workers(task, blocks)
         best = min(best, time.perf_counter() - start)
     return threads * rounds * 3 * 2.0 * L * L * D / best / 1e9
 
@@ -766,10 +781,11 @@ def measure_memory(kind, impl, config, dtype, timeout=900):
     """
     spec = json.dumps({"kind": kind, "impl": impl, "config": list(config),
                        "dtype": np.dtype(dtype).name})
-    code = "import sys; from qkvnp.bench import _memory_child; _memory_child(sys.argv[1])"
+    code = ("import sys; sys.path[:0] = sys.argv[2:]; "  # CHILD_PATH: this harness, this qkvnp
+            "from bench import _memory_child; _memory_child(sys.argv[1])")
     try:
-        child = subprocess.run([sys.executable, "-c", code, spec], capture_output=True,
-                               text=True, timeout=timeout)
+        child = subprocess.run([sys.executable, "-c", code, spec, *CHILD_PATH],
+                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     lines = child.stdout.strip().splitlines()
@@ -783,6 +799,7 @@ def measure_memory(kind, impl, config, dtype, timeout=900):
 
 _IMPORT_SNIPPET = (
     "import sys, time\n"
+    "sys.path[:0] = sys.argv[1:]\n"  # CHILD_PATH: the same qkvnp as this process's
     "start = time.perf_counter()\n"
     "import {module}\n"
     "elapsed = time.perf_counter() - start\n"
@@ -792,8 +809,8 @@ _IMPORT_SNIPPET = (
 
 
 def _import_in_fresh_process(module):
-    child = subprocess.run([sys.executable, "-c", _IMPORT_SNIPPET.format(module=module)],
-                           capture_output=True, text=True, timeout=120, check=True)
+    child = subprocess.run([sys.executable, "-c", _IMPORT_SNIPPET.format(module=module),
+                            *CHILD_PATH], capture_output=True, text=True, timeout=120, check=True)
     elapsed, modules = child.stdout.splitlines()[:2]
     return float(elapsed), set(modules.split())
 
@@ -832,40 +849,9 @@ def measure_import_time(repeats=7):
 # ---------------------------------------------------------------- environment
 
 
-def _openblas_runtime():
-    """Corename, config and thread count of the OpenBLAS loaded into this process."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            library = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""),
-                               ("openblas_", "64_"), ("openblas_", "")):
-            try:
-                corename = getattr(library, f"{prefix}get_corename{suffix}")
-                config = getattr(library, f"{prefix}get_config{suffix}")
-                threads = getattr(library, f"{prefix}get_num_threads{suffix}")
-            except AttributeError:
-                continue
-            corename.restype = config.restype = ctypes.c_char_p
-            threads.restype = ctypes.c_int
-            return {"library": os.path.basename(path), "corename": corename().decode(),
-                    "config": config().decode().strip(), "threads": threads()}
-    return None
-
-
 def environment_info():
     """What makes the numbers interpretable: machine, versions, BLAS, threads, env vars."""
     from importlib import metadata
-
-    from . import __version__
 
     def version(package):
         try:
@@ -897,11 +883,11 @@ def environment_info():
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "numpy": np.__version__,
         "scipy": version("scipy"),
-        "qkvnp": __version__,
+        "qkvnp": qkvnp.__version__,
         "torch": None,
         "torch_threads": None,
         "blas_build": blas_build,
-        "openblas": _openblas_runtime(),
+        "openblas": openblas_info(),
         "env": {name: os.environ.get(name) for name in (
             "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
@@ -1482,7 +1468,8 @@ def run(args):
     configs = args.configs or (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
     # quick: the reference path runs once, as the oracle, but is not timed
-    impls = args.impls or (("fast", "tiled", "auto", "torch") if quick else IMPLEMENTATIONS)
+    impls = args.impls or (tuple(i for i in IMPLEMENTATIONS if i != ORACLE) if quick
+                           else IMPLEMENTATIONS)
     pause = args.pause if args.pause is not None else 0.15 if quick else 0.3
     repeats = args.repeats or 7
     import_repeats = (args.import_repeats if args.import_repeats is not None
@@ -1517,11 +1504,8 @@ def run(args):
 
 
 def main(argv=None):
-    """``python benchmarks/run.py [options]``: same as ``python -m qkvnp bench``."""
-    parser = argparse.ArgumentParser(prog="qkvnp bench", description=__doc__.splitlines()[0])
+    """``python benchmarks/run.py [options]``: parse ``argv``, run, return the exit status."""
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py",
+                                     description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

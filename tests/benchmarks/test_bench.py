@@ -1,4 +1,4 @@
-"""Tests of the benchmark harness (qkvnp.bench): fast, and no wall-clock assertions.
+"""Tests of the benchmark harness (benchmarks/bench.py): fast, and no wall-clock assertions.
 
 Oracles: FLOPs counted independently from the list of matmuls each workload
 runs; the cross-check against known perturbations (a wrong gradient must be
@@ -13,8 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from qkvnp import bench
-from qkvnp.bench import Config
+import bench  # benchmarks/bench.py, put on sys.path by conftest.py
+from bench import Config
+
+BENCHMARKS_DIR = os.path.dirname(os.path.abspath(bench.__file__))
 
 TINY = Config(1, 16, 16, 2)
 TINY_ARGS = ["--configs", "1,16,16,2", "--repeats", "1", "--no-memory",
@@ -238,14 +240,10 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     assert out.count("(1,16,16,2)") == len(report["records"])
 
 
-def test_command_through_the_cli(capsys):
-    cli = pytest.importorskip("qkvnp.cli")
-    for module_name, _ in cli.COMMANDS.values():
-        try:
-            __import__(module_name)
-        except ImportError as error:  # another command not written yet
-            pytest.skip(f"python -m qkvnp needs {module_name}: {error}")
-    status = cli.main(["bench"] + TINY_ARGS + ["--kinds", "core", "--dtypes", "float64"])
+def test_command_through_run_py(capsys):
+    # the command is benchmarks/run.py now (python -m qkvnp bench is gone)
+    import run  # benchmarks/run.py
+    status = run.main(TINY_ARGS + ["--kinds", "core", "--dtypes", "float64"])
     assert status == 0
     assert "attention core" in capsys.readouterr().out
 
@@ -388,18 +386,29 @@ def test_memory_child_sees_the_weights_matrix():
 
 def test_importing_qkvnp_and_the_bench_module_stays_light():
     # oracle: sys.modules of a fresh interpreter (issue 4 item 4)
-    code = ("import sys, qkvnp, qkvnp.bench; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import qkvnp, bench; "
             "print(' '.join(m for m in ('scipy', 'torch', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code, BENCHMARKS_DIR], capture_output=True,
+                         text=True, check=True).stdout
     assert out.strip() == ""
     timing = bench.measure_import_time(repeats=1)
     assert timing["extra_modules"] == []
     assert timing["numpy_ms"] > 0 and timing["qkvnp_ms"] > 0
 
 
+def test_doctests_of_the_harness():
+    # benchmarks/ is outside pytest's testpaths (qkvnp, tests), so the harness's
+    # doctests (FLOPs by hand, relative_error) run here, with the project's flags
+    checkout = os.path.dirname(BENCHMARKS_DIR)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--doctest-modules", os.path.join(BENCHMARKS_DIR, "bench.py")],
+                          cwd=checkout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout, done.stdout
+
+
 def test_benchmarks_run_py_is_the_same_command():
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "run.py")
+    script = os.path.join(BENCHMARKS_DIR, "run.py")
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "--quick" in out and "--no-memory" in out
