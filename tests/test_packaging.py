@@ -200,7 +200,7 @@ def test_usage_line_names_the_program_that_was_run(monkeypatch, capsys, argv0, p
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.startswith(f"usage: {prog} [-h] COMMAND")
+    assert capsys.readouterr().out.startswith(f"usage: {prog} [-h]")
 
 
 def test_python_dash_m_usage_line():
@@ -208,7 +208,7 @@ def test_python_dash_m_usage_line():
     result = subprocess.run([sys.executable, "-m", "qkvnp", "--help"], env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: python -m qkvnp [-h] COMMAND"), result.stdout
+    assert result.stdout.startswith("usage: python -m qkvnp [-h]"), result.stdout
 
 
 def test_installed_console_script_usage_line():
@@ -218,4 +218,4 @@ def test_installed_console_script_usage_line():
     result = subprocess.run([str(script), "bogus-command"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2
-    assert result.stderr.startswith("usage: qkvnp [-h] COMMAND"), result.stderr
+    assert result.stderr.startswith("usage: qkvnp [-h]"), result.stderr
