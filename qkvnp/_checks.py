@@ -22,6 +22,9 @@ __all__ = [
     "check_scale",
     "layer_dtype",
     "check_indices",
+    "owned",
+    "row_norm_max",
+    "scores_may_overflow",
 ]
 
 
@@ -305,7 +308,19 @@ def check_attention_inputs(query, key, value):
 
 
 def check_scale(scale, head_dim):
+    """The attention scale as a Python float: ``1/sqrt(head_dim)`` by default.
+
+    Any finite float is accepted, zero and negative ones included, as PyTorch
+    does (its ``test_scaled_dot_product_attention_math_with_negative_scale``).
+
+    >>> check_scale(None, 4), check_scale(-2, 4)
+    (0.5, -2.0)
+    """
     if scale is None:
+        if head_dim == 0:
+            # NOTE: with D = 0 every score is an empty dot product, 0, whatever
+            # the scale; 1/sqrt(0) would turn it into inf * 0 = NaN.
+            return 1.0
         # NOTE: 1/sqrt(D) with D the *head* dim: it keeps the variance of a score
         # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
         # the seeds' tutorial) flattens the softmax as heads are added.
@@ -313,8 +328,8 @@ def check_scale(scale, head_dim):
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
     return scale
 
 
@@ -350,3 +365,57 @@ def check_indices(indices, num_embeddings, name="indices"):
             f"got {int(indices[where])} at index {where}"
         )
     return indices
+
+
+def owned(arrays, originals):
+    """``arrays``, each copied if it may share memory with one of ``originals``.
+
+    A cache keeps what its backward reads. When a checked input is the
+    caller's own array (no cast was needed), the caller could edit it in
+    place between the forward and the backward and silently change the
+    gradients; PyTorch refuses that case ("modified by an inplace
+    operation"), qkvnp keeps its own copy. A copy costs the size of the
+    input, against a forward that multiplies it by a matrix.
+
+    >>> x = np.ones(3)
+    >>> owned((x, np.zeros(2)), (x,))[0] is x
+    False
+    """
+    originals = [o for o in originals if isinstance(o, np.ndarray)]
+    return tuple(
+        a.copy() if isinstance(a, np.ndarray) and any(np.may_share_memory(a, o) for o in originals)
+        else a
+        for a in arrays
+    )
+
+
+def row_norm_max(x):
+    """``max_i ||x_i||`` over the last axis, as a Python float (inf if it overflows)."""
+    if x.size == 0:
+        return 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        peak = float(np.max(np.abs(x)))
+        if peak == 0.0 or not math.isfinite(peak):
+            return peak
+        scaled = x / peak  # no overflow in the squares: |x / peak| <= 1
+        return peak * math.sqrt(float(np.max(np.sum(scaled * scaled, axis=-1))))
+
+
+def scores_may_overflow(bound, dtype):
+    """True when attention scores bounded by ``bound`` may reach ``sqrt(finfo(dtype).max)``.
+
+    That is 1.3e154 in float64 and 1.8e19 in float32, far beyond any score a
+    softmax can tell apart from a one-hot row (a gap of 40 already does).
+
+    NOTE: below it the fast and tiled paths compute their own way (scale
+    folded into the queries, a bound subtracted inside the matmul,
+    ``rowsum(dO * O)`` for ``rowsum(P * dP)``) and agree with the reference
+    within the path tolerance. From there on a backward multiplies
+    score-sized terms by input-sized ones and can overflow, and the fast
+    identities lose the exact zeros of a saturated softmax that the
+    reference keeps (``P * (dP - delta)`` is exactly 0 for a one-hot row):
+    measured, ``SelfAttention`` on ``x * 1e150`` gave inf weight gradients on
+    the fast and tiled paths where the reference's are finite. So the paths
+    defer to the reference there.
+    """
+    return not bound < math.sqrt(float(np.finfo(dtype).max))

@@ -25,7 +25,7 @@ from collections import namedtuple
 import numpy as np
 
 from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_indices,
-                      check_int, check_ndim, check_scale, compute_dtype)
+                      check_int, check_ndim, check_scale, compute_dtype, owned)
 from .masks import prepare_mask
 
 __all__ = [
@@ -117,6 +117,7 @@ def linear_forward(x, W, b=None):
     array([[2., 1.],
            [2., 1.]])
     """
+    x_in, W_in = x, W
     W = as_float_array(W, "W")
     dtype = compute_dtype(np.asarray(x).dtype, W.dtype, names=("x", "W"))
     x = as_float_array(x, "x", dtype)
@@ -135,7 +136,8 @@ def linear_forward(x, W, b=None):
         if b.shape != (W.shape[1],):
             raise ValueError(f"b must have shape ({W.shape[1]},), got shape {b.shape}")
         out = out + b
-    return out, LinearCache(x, W, b is not None)
+    x_own, W_own = owned((x, W), (x_in, W_in))  # the cache owns what backward reads
+    return out, LinearCache(x_own, W_own, b is not None)
 
 
 def linear_backward(dout, cache, check=True):
@@ -360,6 +362,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     array([[3., 5.],
            [3., 5.]])
     """
+    originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
@@ -373,6 +376,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         scores = np.where(keep, scores, -np.inf)
     weights, _ = softmax_forward(scores)  # (..., T, S), rows sum to 1 (or 0 if fully masked)
     out = weights @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+    query, key, value = owned((query, key, value), originals)  # the cache owns what backward reads
     return out, AttentionCache(query, key, value, weights, scale)
 
 
@@ -650,7 +654,7 @@ def embedding_forward(indices, weight):
     weight = as_float_array(weight, "weight")
     if weight.ndim != 2:
         raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
-    indices = check_indices(indices, weight.shape[0])
+    (indices,) = owned((check_indices(indices, weight.shape[0]),), (indices,))
     out = weight[indices]  # (...) -> (..., dim)
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 

@@ -4,10 +4,7 @@ Shape key: B batch, H heads, T query length, S key length, E embedding,
 D = E // H head dim. Leading dims are optional: ``(T, E)`` works like
 ``(B, T, E)``.
 
-A layer holds ``params`` and ``grads`` (dicts with the same keys and shapes),
-``forward`` keeps the cache its ``backward`` reads, and ``backward``
-*accumulates* into ``grads`` (like autograd engines' ``+=``) and returns the
-gradient of its inputs. ``zero_grad()`` resets the gradients. The math is
+The contract of every layer is :class:`Layer`'s. The math is
 elsewhere: the attention layers check their inputs and ask
 :mod:`qkvnp.kernels` to run the path of their ``impl`` (``last_dispatch``
 then says which path ran and why); ``Linear`` and ``Embedding`` call their
@@ -30,6 +27,7 @@ from . import functional as F
 from . import kernels
 from ._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype,
                       make_rng)
+from .masks import fold_key_padding_mask
 
 __all__ = ["Layer", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform"]
@@ -45,10 +43,14 @@ class Layer(ABC):
     """Base class of every layer: the contract a model relies on.
 
     A layer holds ``params`` and ``grads`` (dicts with the same keys and
-    shapes). ``forward`` keeps the cache of its last call (one cache: call
-    ``forward`` again before another ``backward``; :mod:`qkvnp.functional`'s
-    ``(out, cache)`` pairs are the way to hold several), and ``backward``
-    **adds** into ``grads`` and returns the gradient of the inputs.
+    shapes). ``forward`` keeps the cache of its **last** call only (two
+    forwards, then a backward, give the gradient of the second;
+    :mod:`qkvnp.functional`'s ``(out, cache)`` pairs are the way to hold
+    several), and ``backward`` **adds** into ``grads``, returns the gradient
+    of the inputs and uses the cache up (a second ``backward`` of one forward
+    raises ``RuntimeError`` unless the first got ``retain_cache=True``). The
+    cache owns what the backward reads: editing an input or a returned array
+    in place after ``forward`` does not change the gradients.
     ``zero_grad()`` resets the gradients. Subclasses fill ``self.params`` in
     ``__init__``, call ``self.zero_grad()``, and list their constructor
     arguments in ``_repr_fields`` for ``repr``.
@@ -63,8 +65,13 @@ class Layer(ABC):
         """Compute the output and keep what ``backward`` needs."""
 
     @abstractmethod
-    def backward(self, dout):
-        """Accumulate into ``grads`` and return the gradient of the inputs."""
+    def backward(self, dout, retain_cache=False):
+        """Accumulate into ``grads`` and return the gradient of the inputs.
+
+        A backward uses up the cache of its forward (a second one raises
+        ``RuntimeError``) unless ``retain_cache=True``, like PyTorch's
+        ``retain_graph``.
+        """
 
     def zero_grad(self):
         """Reset every gradient to zeros of its parameter's shape and dtype."""
@@ -89,12 +96,24 @@ class Layer(ABC):
             self.grads[name] += grad
 
     def _need_cache(self):
+        """The cache of the last forward, or a ``RuntimeError`` saying what to call."""
         if getattr(self, "_cache", None) is None:
-            raise ValueError(
-                f"{type(self).__name__}.backward called before forward: call "
-                "forward(...) first, then backward(dout)"
-            )
+            name = type(self).__name__
+            if getattr(self, "_used_cache", None) is None:
+                raise RuntimeError(f"{name}.backward called before forward: call forward(...) first")
+            raise RuntimeError(f"{name}.backward called twice for one forward: call forward(...) "
+                               "again (retain_cache=True keeps a cache for one more backward)")
         return self._cache
+
+    def _release_cache(self, retain_cache):
+        """After a successful backward: drop the cache unless ``retain_cache``.
+
+        NOTE: as PyTorch frees the graph unless ``retain_graph=True``: else a
+        second backward would silently add the same gradients twice. The used
+        cache stays aside only for the next forward to reuse its buffers.
+        """
+        if not retain_cache:
+            self._used_cache, self._cache = self._cache, None
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -105,24 +124,30 @@ class _AttentionLayer(Layer):
 
     last_dispatch = None
 
-    def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj):
+    def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj,
+                        originals):
         """Run :func:`qkvnp.kernels.layer_forward`, keep its cache and its dispatch."""
-        previous, self._cache = self._cache, None  # its buffers may be overwritten
+        saved = self._cache, getattr(self, "_used_cache", None)
+        previous = saved[0] if saved[0] is not None else saved[1]
+        self._cache = self._used_cache = None  # their buffers may be overwritten
         try:
             out, weights, self._cache, self.last_dispatch = kernels.layer_forward(
                 self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
-                need_weights=need_weights, out_proj=out_proj, previous=previous)
+                need_weights=need_weights, out_proj=out_proj, previous=previous,
+                originals=originals)
         except (ValueError, TypeError):
-            self._cache = previous  # refused before any buffer was written
+            self._cache, self._used_cache = saved  # refused before any buffer was written
             raise
         return out, weights
 
-    def _kernel_backward(self, dout):
+    def _kernel_backward(self, dout, retain_cache):
         """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
-        grads, dinputs = kernels.layer_backward(dout, self._need_cache())  # checks dout
+        cache = self._need_cache()
+        grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
         for name, grad in grads.items():
             if name in self.params:
                 self._accumulate(name, grad)
+        self._release_cache(retain_cache)
         return dinputs
 
 
@@ -142,14 +167,10 @@ class SelfAttention(_AttentionLayer):
     dtype : float dtype
         float32 or float64 (float16 is computed in float32).
     impl : {"auto", "reference", "fast", "tiled"}
-        Which code path computes attention: ``"reference"`` (the readable
-        oracle, :mod:`qkvnp.kernels.reference`), ``"fast"`` (fused
-        projection, in-place softmax, threads: :mod:`qkvnp.kernels.mha` on
-        :mod:`qkvnp.kernels.fast`), ``"tiled"`` (the same on
-        :mod:`qkvnp.kernels.tiled`: memory linear in the length) or
-        ``"auto"`` (the default: fast, or tiled for long sequences; see
-        :func:`qkvnp.kernels.choose_path`). All give the same results up to
-        rounding.
+        The path (:mod:`qkvnp.kernels`): the readable oracle, the fast
+        fused kernels, the tiled ones (memory linear in length), or the
+        default ``"auto"`` (fast, or tiled for long sequences; see
+        :func:`qkvnp.kernels.choose_path`). Same results up to rounding.
 
     Attributes
     ----------
@@ -226,14 +247,14 @@ class SelfAttention(_AttentionLayer):
         ValueError
             On a shape mismatch, or NaN or inf in ``x``.
         """
-        x = as_float_array(x, "x", self.dtype)
+        x_in, x = x, as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
         check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
         out, weights = self._kernel_forward((x,), "self", 1, attn_mask, is_causal,
-                                            return_weights, out_proj=False)
+                                            return_weights, out_proj=False, originals=(x_in,))
         return (out, weights) if return_weights else out
 
-    def backward(self, dout):
+    def backward(self, dout, retain_cache=False):
         """Accumulate parameter gradients into ``grads`` and return ``dx``.
 
         Parameters
@@ -241,6 +262,8 @@ class SelfAttention(_AttentionLayer):
         dout : ndarray, shape (..., T, d_out)
             Same shape as the forward output (not broadcast); cast to the
             layer's dtype.
+        retain_cache : bool
+            Keep the cache for one more backward (PyTorch's ``retain_graph``).
 
         Returns
         -------
@@ -251,10 +274,11 @@ class SelfAttention(_AttentionLayer):
         TypeError
             If ``dout`` does not hold real numbers (complex, object...).
         ValueError
-            If ``dout`` has another shape or holds NaN or inf, or backward is
-            called before forward.
+            If ``dout`` has another shape or holds NaN or inf.
+        RuntimeError
+            Without a forward cache to use (see :class:`Layer`).
         """
-        (dx,) = self._kernel_backward(dout)  # x fed query, key and value: their sum
+        (dx,) = self._kernel_backward(dout, retain_cache)  # x fed query, key and value: their sum
         return dx
 
 
@@ -349,8 +373,6 @@ class MultiHeadAttention(_AttentionLayer):
         return [(name, value) for name, value in super()._repr_items()
                 if name not in ("kdim", "vdim") or value != self.embed_dim]
 
-    # -- input checks -------------------------------------------------------
-
     def _check_inputs(self, query, key, value):
         self_attention = key is None and value is None
         if key is None and value is not None:
@@ -382,39 +404,6 @@ class MultiHeadAttention(_AttentionLayer):
                 f"got shape {key.shape}"
             )
         return query, key, value, "key_only" if value_omitted else "cross"
-
-    def _combine_masks(self, attn_mask, key_padding_mask, batch, T, S):
-        """Fold ``key_padding_mask`` into ``attn_mask``; check the mask's rank."""
-        scores_shape = batch + (self.num_heads, T, S)
-        if attn_mask is not None:
-            attn_mask = np.asarray(attn_mask)
-            if attn_mask.ndim not in (2, len(scores_shape)):
-                raise ValueError(
-                    f"attn_mask must have shape (T, S) = {(T, S)} or "
-                    f"{batch + ('H or 1', T, S)}, got shape {attn_mask.shape}"
-                )
-        if key_padding_mask is None:
-            return attn_mask
-        key_padding_mask = np.asarray(key_padding_mask)
-        if key_padding_mask.dtype != np.bool_:
-            raise TypeError(
-                "key_padding_mask must be bool (True = real token that may be attended), "
-                f"got dtype {key_padding_mask.dtype}"
-            )
-        if key_padding_mask.shape != batch + (S,):
-            raise ValueError(
-                f"key_padding_mask must have shape {batch + (S,)} (batch, S), "
-                f"got shape {key_padding_mask.shape}"
-            )
-        padding = key_padding_mask.reshape(batch + (1, 1, S))  # (B, S) -> (B, 1, 1, S)
-        if attn_mask is None or attn_mask.dtype == np.bool_:
-            return padding if attn_mask is None else attn_mask & padding
-        if attn_mask.dtype.kind != "f":
-            return attn_mask  # let prepare_mask raise its TypeError
-        # a float mask is added, then the boolean padding removes keys: -inf does both
-        return np.where(padding, attn_mask.astype(self.dtype, copy=False), -np.inf)
-
-    # -- forward / backward ---------------------------------------------------
 
     def forward(self, query, key=None, value=None, attn_mask=None, is_causal=False,
                 key_padding_mask=None, return_weights=False):
@@ -450,15 +439,18 @@ class MultiHeadAttention(_AttentionLayer):
         ValueError
             On a shape mismatch, or NaN or inf in an input.
         """
+        query_in, key_in, value_in = query, key, value
         query, key, value, kind = self._check_inputs(query, key, value)
         batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
-        mask = self._combine_masks(attn_mask, key_padding_mask, batch, T, S)
+        mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, self.num_heads, T, S,
+                                     self.dtype)
         inputs = {"self": (query,), "key_only": (query, key), "cross": (query, key, value)}[kind]
         out, weights = self._kernel_forward(inputs, kind, self.num_heads, mask, is_causal,
-                                            return_weights, out_proj=True)
+                                            return_weights, out_proj=True,
+                                            originals=(query_in, key_in, value_in))
         return (out, weights) if return_weights else out
 
-    def backward(self, dout):
+    def backward(self, dout, retain_cache=False):
         """Accumulate parameter gradients into ``grads``; return input gradients.
 
         Parameters
@@ -466,6 +458,8 @@ class MultiHeadAttention(_AttentionLayer):
         dout : ndarray, shape (..., T, E)
             Same shape as the forward output (not broadcast); cast to the
             layer's dtype.
+        retain_cache : bool
+            Keep the cache for one more backward (PyTorch's ``retain_graph``).
 
         Returns
         -------
@@ -480,11 +474,12 @@ class MultiHeadAttention(_AttentionLayer):
         TypeError
             If ``dout`` does not hold real numbers (complex, object...).
         ValueError
-            If ``dout`` has another shape or holds NaN or inf, or backward is
-            called before forward.
+            If ``dout`` has another shape or holds NaN or inf.
+        RuntimeError
+            Without a forward cache to use (see :class:`Layer`).
         """
-        dinputs = self._kernel_backward(dout)
-        kind = self._cache.kind
+        kind = self._need_cache().kind
+        dinputs = self._kernel_backward(dout, retain_cache)
         if kind == "self":
             return dinputs[0]  # the input fed query, key and value: their sum
         if kind == "key_only":
@@ -526,8 +521,7 @@ class Linear(Layer):
     :math:`\\bar X = \\bar Y W^T`, :math:`\\bar W = X^T \\bar Y`,
     :math:`\\bar b = \\sum_{rows} \\bar Y`.
 
-    Initialisation as PyTorch's ``nn.Linear``: ``W`` and ``b`` uniform in
-    :math:`[-1/\\sqrt{N}, 1/\\sqrt{N}]`.
+    Initialised as ``nn.Linear``: ``W``, ``b`` uniform in :math:`[-1/\\sqrt{N}, 1/\\sqrt{N}]`.
 
     Examples
     --------
@@ -583,7 +577,7 @@ class Linear(Layer):
         self._cache = (linear_cache, out.shape)
         return out
 
-    def backward(self, dout):
+    def backward(self, dout, retain_cache=False):
         """Accumulate ``dW`` (and ``db``) into ``grads``; return ``dx``.
 
         Parameters
@@ -591,6 +585,8 @@ class Linear(Layer):
         dout : ndarray, shape (..., out_features)
             Same shape as the forward output (not broadcast); cast to the
             layer's dtype.
+        retain_cache : bool
+            Keep the cache for one more backward (PyTorch's ``retain_graph``).
 
         Returns
         -------
@@ -601,14 +597,16 @@ class Linear(Layer):
         TypeError
             If ``dout`` does not hold real numbers (complex, object...).
         ValueError
-            If ``dout`` has another shape or holds NaN or inf, or backward is
-            called before forward.
+            If ``dout`` has another shape or holds NaN or inf.
+        RuntimeError
+            Without a forward cache to use (see :class:`Layer`).
         """
         linear_cache, _ = self._need_cache()
         dx, dW, db = F.linear_backward(dout, linear_cache)  # checks dout
         self._accumulate("W", dW)
         if self.bias:
             self._accumulate("b", db)
+        self._release_cache(retain_cache)
         return dx
 
 
@@ -675,7 +673,7 @@ class Embedding(Layer):
         out, self._cache = F.embedding_forward(indices, self.params["weight"])  # (...) -> (..., dim)
         return out
 
-    def backward(self, dout):
+    def backward(self, dout, retain_cache=False):
         """Accumulate the gradient of ``weight`` into ``grads``; return None.
 
         Parameters
@@ -683,15 +681,19 @@ class Embedding(Layer):
         dout : ndarray, shape (..., embedding_dim)
             Same shape as the forward output (not broadcast); cast to the
             weight's dtype.
+        retain_cache : bool
+            Keep the cache for one more backward (PyTorch's ``retain_graph``).
 
         Raises
         ------
         TypeError
             If ``dout`` does not hold real numbers (complex, object...).
         ValueError
-            If ``dout`` has another shape or holds NaN or inf, or backward is
-            called before forward.
+            If ``dout`` has another shape or holds NaN or inf.
+        RuntimeError
+            Without a forward cache to use (see :class:`Layer`).
         """
         cache = self._need_cache()
         self._accumulate("weight", F.embedding_backward(dout, cache))
+        self._release_cache(retain_cache)
         return None

@@ -82,6 +82,40 @@ def test_no_private_name_crosses_a_module_boundary():
     assert crossings == []
 
 
+def _module_aliases(name):
+    """Local names bound to qkvnp modules in ``name``'s source (``from . import functional as F``)."""
+    aliases = {}
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            for alias in node.names:
+                if f"{target}.{alias.name}" in MODULES:
+                    aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES and alias.asname:
+                    aliases[alias.asname] = alias.name
+    return aliases
+
+
+def test_no_private_name_is_used_through_a_module():
+    """``F._linear_backward`` is a private crossing too, even without an import of the name."""
+    crossings = []
+    for name in MODULES:
+        aliases = _module_aliases(name)
+        for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and aliases[node.value.id] not in SHARED_PRIVATE):
+                crossings.append(f"{name}: {node.value.id}.{node.attr}")
+    assert crossings == []
+
+
 def test_the_library_never_imports_the_app_or_the_commands():
     """Layers, kernels, ops and checks import neither training nor the CLI
     (the direction of the data flow)."""

@@ -104,7 +104,7 @@ def test_linear_float32(rng):
 
 def test_linear_errors_name_the_argument():
     layer = Linear(4, 3, rng=0)
-    with pytest.raises(ValueError, match="backward called before forward"):
+    with pytest.raises(RuntimeError, match="backward called before forward"):
         layer.backward(np.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"x must have shape \(..., 4\), got shape \(2, 5\)"):
         layer.forward(np.zeros((2, 5)))
@@ -191,7 +191,7 @@ def test_embedding_layer_accumulates_and_init(rng):
 
 def test_embedding_errors_name_the_argument():
     layer = Embedding(4, 2, rng=0)
-    with pytest.raises(ValueError, match="backward called before forward"):
+    with pytest.raises(RuntimeError, match="backward called before forward"):
         layer.backward(np.zeros((1, 2)))
     with pytest.raises(TypeError, match="indices must hold integer token ids.*float64"):
         layer.forward(np.array([0.0, 1.0]))

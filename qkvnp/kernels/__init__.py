@@ -32,6 +32,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from .._checks import owned, row_norm_max, scores_may_overflow
 from . import mha, reference
 from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block_sizes,
                        get_num_threads, num_threads, release_buffers, set_block_sizes,
@@ -43,6 +44,7 @@ __all__ = [
     "Dispatch",
     "check_impl",
     "choose_path",
+    "layer_score_bound",
     "layer_forward",
     "layer_backward",
     "set_num_threads",
@@ -84,7 +86,7 @@ def _mib(nbytes):
     return f"{nbytes / (1 << 20):.3g} MiB"
 
 
-def choose_path(impl, groups, T, S, dtype, need_weights=False):
+def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0):
     """The path a forward takes, and why: the only place a path is decided.
 
     Parameters
@@ -98,6 +100,8 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False):
         The compute dtype (for the size of the dense weights).
     need_weights : bool
         The caller wants the ``(..., T, S)`` weights back.
+    score_bound : float
+        An upper bound of ``|score|`` (see :func:`layer_score_bound`).
 
     Returns
     -------
@@ -110,7 +114,10 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False):
     ``(T, S)`` matrices would exceed ``dense_weights_budget`` bytes (both
     :func:`set_block_sizes` settings). Weights requested keep the dense path:
     the tiled path never builds them, so ``impl="tiled"`` with weights falls
-    back to the fast core, and says so.
+    back to the fast core, and says so. Scores that may come near the float
+    maximum (``score_bound >= sqrt(finfo.max)``) take the reference path
+    whatever ``impl`` says: only it clips overflowing scores exactly, and the
+    others would return inf or NaN gradients where it is finite.
 
     Examples
     --------
@@ -122,6 +129,10 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False):
     impl = check_impl(impl)
     if impl == "reference":
         return Dispatch(impl, "reference", "impl='reference' requested")
+    if scores_may_overflow(score_bound, dtype):
+        return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
+                                           f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
+                                           "reference path stays exact there")
     if impl == "tiled":
         if need_weights:
             return Dispatch(impl, "fast", "tiled cannot return the attention weights (it never "
@@ -144,8 +155,34 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False):
                                   f"weights of {_mib(dense_bytes)} within dense_weights_budget")
 
 
+def layer_score_bound(params, inputs, num_heads, out_proj=True):
+    """An upper bound of every attention score of a layer, before computing any.
+
+    With ``q = x W_q + b_q``: ``||q_t|| <= ||x_t|| ||W_q||_F + ||b_q||``
+    (likewise ``k``, from the key input), and each head's score is at most
+    ``||q_t|| ||k_s|| / sqrt(D)`` (Cauchy-Schwarz). Costs one pass over the
+    inputs and the two matrices.
+
+    >>> p = {"W_query": np.eye(2), "W_key": 2 * np.eye(2)}
+    >>> float(layer_score_bound(p, (np.ones((3, 2)),), num_heads=1, out_proj=False))
+    5.656854249492382
+    """
+    query, key = inputs[0], inputs[1] if len(inputs) > 1 else inputs[0]
+    E = params["W_query"].shape[1]
+    head_dim = E // num_heads if out_proj else E
+
+    def norm_bound(x, name):
+        bias = params.get("b_" + name)
+        with np.errstate(over="ignore"):
+            return (row_norm_max(x) * float(np.linalg.norm(params["W_" + name]))
+                    + (0.0 if bias is None else float(np.linalg.norm(bias))))
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        return norm_bound(query, "query") * norm_bound(key, "key") / np.sqrt(max(head_dim, 1))
+
+
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
-                  need_weights=False, out_proj=True, previous=None):
+                  need_weights=False, out_proj=True, previous=None, originals=()):
     """Run an attention layer's forward on the path :func:`choose_path` picks.
 
     Parameters
@@ -171,6 +208,11 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     previous : cache, optional
         The cache of the layer's previous forward, **which will not be used
         again**: the fast and tiled paths reuse its large buffers.
+    originals : tuple of array_like
+        The caller's own arrays behind ``inputs``: an input that may share
+        memory with one of them is copied before the fused kernels keep it
+        (the reference ops copy theirs themselves), so that the caller may
+        edit its arrays after the forward without changing the gradients.
 
     Returns
     -------
@@ -182,12 +224,14 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     """
     T, S = inputs[0].shape[-2], inputs[-1].shape[-2]
     groups = int(np.prod(inputs[0].shape[:-2])) * (num_heads if out_proj else 1)
-    dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights)
+    bound = 0.0 if impl == "reference" else layer_score_bound(params, inputs, num_heads, out_proj)
+    dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights, bound)
     if dispatch.path == "reference":
         out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,
                                                 need_weights=need_weights, out_proj=out_proj)
     else:
         workspace = previous if isinstance(previous, mha.FusedLayerCache) else None
+        inputs = owned(inputs, originals)
         out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,
                                           path=dispatch.path, need_weights=need_weights,
                                           out_proj=out_proj, workspace=workspace)

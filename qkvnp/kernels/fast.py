@@ -48,7 +48,9 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import as_upstream_grad, check_attention_inputs, check_scale
+from .. import functional as F
+from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
+                       scores_may_overflow)
 from ..functional import sum_to_shape
 from ..masks import prepare_mask
 from ._runtime import blocks, get_block_sizes, get_num_threads, recycled_empty, run
@@ -240,7 +242,11 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
         np.exp2(scores, out=scores)
         np.matmul(scores, value_aug, out=out_aug)  # [E v | rowsum E]: (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
         row_sum = out_aug[..., -1:]
-        careful = not np.isfinite(row_sum).all()
+        # NOTE: a row sum of 0 (every exponential underflowed) means the bound
+        # was far above the row max after all: at scores of ~1e20 the fused
+        # ``S - m`` carries a rounding error of eps * m, larger than the gap the
+        # probes measured (found by the extreme-magnitude property test)
+        careful = not (np.isfinite(row_sum).all() and (row_sum > 0).all())
     if careful:
         row_max = _exp_scores_careful(scores, q, np.swapaxes(k, -1, -2),
                                       None if mask is None else mask / log2e)
@@ -345,7 +351,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     out : ndarray, shape (..., T, Dv)
     cache : FastAttentionCache
         The softmax numerators and row sums rather than the weights; see
-        :func:`attention_weights`.
+        :func:`attention_weights`. When the scores may come near the float
+        maximum (``|scale| max|q| max|k| >= sqrt(finfo.max)``), the forward is
+        the reference's and so is its cache
+        (:class:`qkvnp.functional.AttentionCache`), which
+        :func:`attention_backward` recognises.
 
     Raises
     ------
@@ -394,14 +404,21 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     >>> [g.shape for g in attention_backward(np.ones((2, 2)), cache)]
     [(2, 4), (1, 4), (1, 2)]
     """
+    originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
+    if scores_may_overflow(abs(scale) * row_norm_max(query) * row_norm_max(key), query.dtype):
+        # NOTE: scores near the float maximum: the reference's exact clipping
+        # (its cache type tells attention_backward which backward to run)
+        with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
+            return F.attention_forward(*originals, attn_mask, is_causal, scale)
     (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
     dtype = query.dtype
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
     mask = additive_mask(bias, keep, dtype)
     scaled_query = np.empty(lead + (T, D), dtype)
     np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
+    key, value = owned((key, value), originals)  # the cache owns what backward reads
     key_b = np.broadcast_to(key, lead + (S, D))
     value_b = np.broadcast_to(value, lead + (S, Dv))
     exp_scores = recycled_empty(lead + (T, S), dtype)
@@ -436,6 +453,9 @@ def attention_backward(dout, cache):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
+    if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
+        with np.errstate(over="ignore"):
+            return F.attention_backward(dout, cache)
     query, key, value, exp_scores, inv_sum, out, scale, shapes = cache
     dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
     dquery = np.empty(query.shape, out.dtype)
@@ -453,4 +473,6 @@ def attention_weights(cache):
     >>> attention_weights(cache)
     array([[0.5, 0.5]])
     """
+    if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
+        return cache.weights.copy()
     return cache.exp_scores * cache.inv_sum

@@ -87,7 +87,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
         out, attention_cache = F.attention_forward(q, k, v, mask, is_causal)  # -> (..., T, E)
         cache = ReferenceLayerCache(kind, q_cache, k_cache, v_cache, None, None, None,
                                     attention_cache, None, None, out.shape)
-        return out, attention_cache.weights if need_weights else None, cache
+        return out, attention_cache.weights.copy() if need_weights else None, cache
     q_heads, q_split = F.split_heads_forward(q, num_heads)  # (..., T, E) -> (..., H, T, D)
     k_heads, k_split = F.split_heads_forward(k, num_heads)  # (..., S, E) -> (..., H, S, D)
     v_heads, v_split = F.split_heads_forward(v, num_heads)  # (..., S, E) -> (..., H, S, D)
@@ -98,7 +98,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, E)
     cache = ReferenceLayerCache(kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
                                 attention_cache, merge_cache, out_cache, out.shape)
-    return out, attention_cache.weights if need_weights else None, cache
+    return out, attention_cache.weights.copy() if need_weights else None, cache
 
 
 def backward(dout, cache):

@@ -23,7 +23,9 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import as_upstream_grad, check_attention_inputs, check_scale
+from .. import functional as F
+from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
+                       scores_may_overflow)
 from ..functional import sum_to_shape
 from ..masks import prepare_mask
 from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
@@ -128,7 +130,7 @@ def _no_overflow(query, key, scale):
     big = float(np.finfo(query.dtype).max)
     amax_q = max(float(query.max()), -float(query.min()))  # Python floats: no overflow warning
     amax_k = max(float(key.max()), -float(key.min()))
-    bound = query.shape[-1] * (amax_q * scale) * amax_k  # may be inf
+    bound = query.shape[-1] * (amax_q * abs(scale)) * amax_k  # may be inf (scale may be < 0)
     return bound < big / 4
 
 
@@ -325,6 +327,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         ``(..., T)`` and a small table
         of live block pairs: no array of ``(T, S)`` size except a full mask
         the caller passed (which is referenced, not copied).
+        When the scores may come near the float maximum (``|scale| max|q|
+        max|k| >= sqrt(finfo.max)``), the forward is the reference's, and so is
+        its cache (:class:`qkvnp.functional.AttentionCache`), which
+        :func:`attention_backward` recognises.
 
     Raises
     ------
@@ -413,8 +419,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     >>> bool(np.allclose(tiled, reference, rtol=1e-12, atol=1e-12))
     True
     """
+    originals = (query, key, value, attn_mask)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
+    if scores_may_overflow(abs(scale) * row_norm_max(query) * row_norm_max(key), query.dtype):
+        # NOTE: scores near the float maximum: the reference's exact clipping
+        return _reference_forward(originals, is_causal, scale, block_size, out)
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]
     dtype = query.dtype
@@ -424,6 +434,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
     bias, keep = _at_least_2d(bias), _at_least_2d(keep)
+    # NOTE: the backward re-reads the inputs and the mask: the cache owns them
+    query, key, value, bias, keep = owned((query, key, value, bias, keep), originals)
     is_causal = bool(is_causal)
     lead_size = int(np.prod(lead))
     block_q, block_k = _check_block_size(block_size, T, S, lead_size)
@@ -433,6 +445,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
     k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
     v = np.broadcast_to(value, lead + (S, Dv))  # (..v, S, Dv) -> (..., S, Dv), a view
+    returned_out = out is None
     if out is None:
         out = np.empty(lead + (T, Dv), dtype=dtype)  # (..., T, Dv)
     elif not isinstance(out, np.ndarray) or out.shape != lead + (T, Dv) or out.dtype != dtype:
@@ -451,6 +464,26 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
         block_q, block_k, live, safe,
     )
+    # the backward reads out: a caller editing the returned array must not change it
+    return (out.copy() if returned_out else out), cache
+
+
+def _reference_forward(originals, is_causal, scale, block_size, out):
+    """The reference forward, for scores near the float maximum, with this path's checks."""
+    query, key, value, attn_mask = originals
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
+        result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale)
+    lead = cache.weights.shape[:-2]
+    _check_block_size(block_size, cache.weights.shape[-2], cache.weights.shape[-1],
+                      int(np.prod(lead)))
+    if out is None:
+        return result, cache
+    if not isinstance(out, np.ndarray) or out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"out must be an ndarray of shape {result.shape} and dtype "
+                         f"{result.dtype}, got {getattr(out, 'shape', type(out).__name__)}")
+    out[...] = result
     return out, cache
 
 
@@ -517,6 +550,14 @@ def attention_backward(dout, cache, grads_out=None, check=True):
     >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(tiled, reference))
     True
     """
+    if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
+        with np.errstate(over="ignore"):
+            grads = F.attention_backward(dout, cache, check=check)
+        if grads_out is None:
+            return grads
+        for target, grad in zip(grads_out, grads):
+            target[...] = grad
+        return tuple(grads_out)
     out = cache.out
     if check:
         dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype

@@ -195,13 +195,16 @@ class KVRecallModel(Model):
             return logits, attention_cache.weights[:, 0]  # (B, 1, P) -> (B, P)
         return logits
 
-    def backward(self, dlogits):
+    def backward(self, dlogits, retain_cache=False):
         """Accumulate every parameter's gradient into ``grads``.
 
         Parameters
         ----------
         dlogits : ndarray, shape (B, V)
             Same shape as the forward output.
+        retain_cache : bool
+            Keep the forward's caches (this model's and its layers') for one
+            more backward; by default a backward uses them up.
 
         Returns
         -------
@@ -213,30 +216,33 @@ class KVRecallModel(Model):
         TypeError
             If ``dlogits`` does not hold real numbers.
         ValueError
-            If ``dlogits`` has another shape or holds NaN or inf, or backward
-            is called before forward.
+            If ``dlogits`` has another shape or holds NaN or inf.
+        RuntimeError
+            Before a forward, or on a second backward of one forward.
         """
         q_cache, k_cache, v_cache, attention_cache, P, logits_shape = self._need_cache()
         dlogits = as_upstream_grad(dlogits, "dlogits", logits_shape, self.dtype)
         role_q, role_k, role_v = self.roles
-        # reverse order of forward, one line for one line; the private
-        # backwards take gradients that are already checked (those computed
-        # here from a checked dlogits), so no error blames the user's "dout"
-        dattended = self.readout.backward(dlogits)[:, None]  # (B, E) -> (B, 1, E)
-        dq, dk, dv = F._attention_backward(dattended, attention_cache)
+        # reverse order of forward, one line for one line; check=False: the
+        # gradients computed here from a checked dlogits are not checked again,
+        # so no error blames the user's "dout"
+        dattended = self.readout.backward(dlogits, retain_cache)[:, None]  # (B, E) -> (B, 1, E)
+        dq, dk, dv = F.attention_backward(dattended, attention_cache, check=False)
         if role_v is None:
             ditems_from_value = dv
         else:
-            ditems_from_value, dW_value, _ = F._linear_backward(dv, v_cache)
+            ditems_from_value, dW_value, _ = F.linear_backward(dv, v_cache, check=False)
             self._own_grads[role_v] += dW_value
-        ditems_from_key, dW_key, _ = F._linear_backward(dk, k_cache)
+        ditems_from_key, dW_key, _ = F.linear_backward(dk, k_cache, check=False)
         self._own_grads[role_k] += dW_key  # a tied matrix sums the gradients of its uses
-        dquery_token, dW_query, _ = F._linear_backward(dq, q_cache)
+        dquery_token, dW_query, _ = F.linear_backward(dq, q_cache, check=False)
         self._own_grads[role_q] += dW_query
         self._own_grads["query_marker"] += dquery_token.sum(axis=(0, 1))  # (B, 1, E) -> (E,)
         ditems = ditems_from_key + ditems_from_value  # the items feed keys and values
-        self.embed_value.backward(ditems)
-        self.embed_key.backward(np.concatenate([ditems, dquery_token], axis=1))  # -> (B, P+1, E)
+        self.embed_value.backward(ditems, retain_cache)
+        self.embed_key.backward(np.concatenate([ditems, dquery_token], axis=1),  # -> (B, P+1, E)
+                                retain_cache)
+        self._release_cache(retain_cache)
         return None
 
 
@@ -278,7 +284,9 @@ class AttentionRegressor(Model):
         self._cache = True
         return self.attention.forward(x, return_weights=return_weights)
 
-    def backward(self, dout):
+    def backward(self, dout, retain_cache=False):
         """Accumulate into ``grads``; return ``dx`` ``(B, T, E)``."""
         self._need_cache()
-        return self.attention.backward(dout)
+        dx = self.attention.backward(dout, retain_cache)
+        self._release_cache(retain_cache)
+        return dx

@@ -122,7 +122,9 @@ def test_matches_reference(q_shape, k_shape, v_shape, kind, is_causal, block_siz
     results, cache = check_against_reference(
         query, key, value, mask, is_causal, block_size=block_size, rng=rng
     )
-    assert cache.out is results[0]
+    # the cache keeps its own out (issue 9: a caller editing the returned array
+    # must not change the gradients)
+    assert cache.out is not results[0] and np.array_equal(cache.out, results[0])
     if kind == "blocky":
         assert not cache.live.all(), "the block-diagonal mask should leave empty block pairs"
     if is_causal and q_shape[-2] > 2 * cache.block_q and k_shape[-2] > cache.block_k:
@@ -276,7 +278,8 @@ def test_huge_inputs_stay_finite(dtype, magnitude):
         warnings.simplefilter("error")
         out, cache = tiled.attention_forward(query, key, value, block_size=(4, 3))
         grads = tiled.attention_backward(np.ones_like(out), cache)
-    assert not cache.safe
+    # scores beyond sqrt(finfo.max): the tiled path defers to the reference (issue 9)
+    assert isinstance(cache, F.AttentionCache)
     assert all(np.isfinite(a).all() for a in (out, *grads))
 
 
@@ -321,7 +324,11 @@ def _peak_extra_bytes(L, D, block_size, is_causal):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    kept = out.nbytes + sum(g.nbytes for g in grads)
+    # the cache's own copies of the inputs and of out (it owns what the
+    # backward reads, issue 9) are inputs and output too: linear in L
+    copies = sum(a.nbytes for a in (cache.query, cache.key, cache.value, cache.out)
+                 if not any(np.shares_memory(a, b) for b in (query, key, value, out)))
+    kept = out.nbytes + sum(g.nbytes for g in grads) + copies
     return peak - start - kept
 
 

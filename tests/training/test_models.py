@@ -146,7 +146,7 @@ def test_backward_accumulates_and_zero_grad_resets():
     batch = kv_batch()
     dlogits = np.random.default_rng(1).standard_normal((5, 5))
     model.forward(batch.keys, batch.values, batch.query)
-    model.backward(dlogits)
+    model.backward(dlogits, retain_cache=True)
     once = {name: g.copy() for name, g in model.grads.items()}
     model.backward(dlogits)
     for name in once:
@@ -194,7 +194,7 @@ def test_bad_construction_and_backward_before_forward():
     with pytest.raises(ValueError, match="variant must be one of"):
         KVRecallModel(7, 5, 6, variant="qk_only")
     model = KVRecallModel(7, 5, 6, rng=0)
-    with pytest.raises(ValueError, match="backward called before forward"):
+    with pytest.raises(RuntimeError, match="backward called before forward"):
         model.backward(np.ones((5, 5)))
     model.forward(*kv_batch()[:3])
     with pytest.raises(ValueError, match=r"dlogits must have shape \(5, 5\)"):
