@@ -43,6 +43,7 @@ __all__ = [
     "release_buffers",
     "recycled_empty",
     "blocks",
+    "threads_for",
     "run",
     "matmul",
 ]
@@ -64,6 +65,10 @@ BLOCK_SIZE_DEFAULTS = {
     "min_row_block": 64,
     # Fewest rows (or columns) per thread for which a projection matmul splits.
     "min_split": 64,
+    # Fewest floating-point operations of one job (a matmul, a core's pass)
+    # for which the worker threads are used; smaller jobs run serially in the
+    # calling thread, where the hand-off would cost more than it saves.
+    "min_parallel_flops": 1 << 22,
     # Default (block_q, block_k) of the tiled core, shrunk with many
     # (batch, head) pairs and to give every thread a block (tiled.py).
     "tiled_block": (512, 512),
@@ -80,6 +85,7 @@ BLOCK_SIZE_DEFAULTS = {
     "dense_weights_budget": 256 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
+            "min_parallel_flops": 0,
             "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
             "dense_weights_budget": 0}
 
@@ -459,14 +465,26 @@ def blocks(lead, group_bytes, threads):
             for index in np.ndindex(*lead[:k - 1]) for start in range(0, n, per)]
 
 
-def run(task, work):
+def threads_for(flops):
+    """The worker threads a job of ``flops`` operations gets: 1 below ``min_parallel_flops``."""
+    return get_num_threads() if flops >= _SIZES["min_parallel_flops"] else 1
+
+
+def run(task, work, flops=None):
     """Call ``task(part)`` on shares of the list ``work``, in threads when it pays.
 
-    Threads only when there are two blocks or more and BLAS can be pinned to
-    one thread for the duration (restored after, even on error).
+    Threads only when there are two blocks or more, the job's ``flops`` (an
+    estimate of its floating-point operations) reach the ``min_parallel_flops``
+    setting, and BLAS can be pinned to one thread for the duration (restored
+    after, even on error). Below that the job runs serially in the calling
+    thread: handing work to a worker and waking it costs more than small
+    matmuls (measured: at (B, L, E, H) = (8, 16, 32, 4) more than half of a
+    layer's time was spent waiting on the workers' locks).
     """
     workers = get_num_threads()
     threads = min(workers, len(work))
+    if flops is not None and flops < _SIZES["min_parallel_flops"]:
+        threads = 1
     if threads < 2 or not openblas_thread_functions():
         task(work)
         return
@@ -495,7 +513,7 @@ def matmul(a, b, out=None, split="rows"):
         out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
     length = a.shape[0] if split == "rows" else b.shape[1]
     parts = min(get_num_threads(), max(1, length // _SIZES["min_split"]))
-    if parts < 2:
+    if parts < 2 or 2 * a.shape[0] * a.shape[1] * b.shape[1] < _SIZES["min_parallel_flops"]:
         np.matmul(a, b, out=out)
         return out
     bounds = np.linspace(0, length, parts + 1).astype(int)

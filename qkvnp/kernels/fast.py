@@ -53,7 +53,7 @@ from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, ow
                        scores_may_overflow)
 from ..functional import sum_to_shape
 from ..masks import prepare_mask
-from ._runtime import blocks, get_block_sizes, get_num_threads, recycled_empty, run
+from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
 
 __all__ = [
     "attention_forward",
@@ -202,7 +202,8 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
                                   None if mask is None else mask_max[block],
                                   inv_sum[block], out[block], probes, log2e)
 
-    run(task, blocks(lead, T * S * exp_scores.itemsize, get_num_threads()))
+    flops = 2 * int(np.prod(lead)) * T * S * (query.shape[-1] + value.shape[-1] + 2)
+    run(task, blocks(lead, T * S * exp_scores.itemsize, threads_for(flops)), flops)
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
@@ -300,7 +301,8 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             dkey[idx] = np.swapaxes(dk_t, -1, -2)  # (G, D, S) -> (G, S, D)
             dvalue[idx] = np.swapaxes(dv_t, -1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
-    run(task, blocks(lead, T * S * exp_scores.itemsize, get_num_threads()))
+    flops = 4 * int(np.prod(lead)) * T * S * (query.shape[-1] + value.shape[-1] + 1)
+    run(task, blocks(lead, T * S * exp_scores.itemsize, threads_for(flops)), flops)
 
 
 def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,

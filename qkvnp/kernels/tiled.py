@@ -458,8 +458,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
                        block_q, block_k, live)
     # query blocks are independent: threads share them, each writing its own rows
+    flops = 2 * int(np.prod(lead)) * T * S * (D + Dv)
     run(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
-                list(enumerate(range(0, T, block_q))))
+        list(enumerate(range(0, T, block_q))), flops)
     cache = TiledAttentionCache(
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
         block_q, block_k, live, safe,
@@ -610,7 +611,7 @@ def _attention_backward(dout, cache, grads_out=None):
             own = dq
         _backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
 
-    run(task, blocks)
+    run(task, blocks, 4 * int(np.prod(lead)) * T * S * (D + Dv))
     for first in sorted(partials):
         dq += partials.pop(first)
     dq *= dtype.type(scale)

@@ -68,6 +68,25 @@ def test_the_thread_setting_decides_who_runs_the_work():
     assert all(name.startswith("qkvnp-kernels") for name, _ in seen), seen
 
 
+def test_small_jobs_run_serially_in_the_calling_thread():
+    """Oracle: the thread names; below min_parallel_flops no hand-off to a worker."""
+    if not _runtime.openblas_thread_functions():
+        pytest.skip("numpy's OpenBLAS not found: the kernels never use worker threads")
+    seen = []
+
+    def task(part):
+        seen.append(threading.current_thread().name)
+
+    limit = kernels.get_block_sizes()["min_parallel_flops"]
+    with qkvnp.num_threads(2):
+        _runtime.run(task, [0, 1, 2, 3], flops=limit - 1)
+        assert seen == [threading.current_thread().name]
+        assert _runtime.threads_for(limit - 1) == 1 and _runtime.threads_for(limit) == 2
+        seen.clear()
+        _runtime.run(task, [0, 1, 2, 3], flops=limit)
+        assert len(seen) == 2 and all(n.startswith("qkvnp-kernels") for n in seen)
+
+
 def _python(code, **env):
     environment = {k: v for k, v in os.environ.items() if k != "QKVNP_NUM_THREADS"}
     environment.update(env)

@@ -45,7 +45,7 @@ def blocks_and_threads(threads, block_bytes, row_block_bytes=1 << 20):
     the layers' projections are split over the threads from 2 rows on."""
     with kernels.num_threads(threads), kernels.block_sizes(
             fast_block_bytes=block_bytes, row_block_bytes=row_block_bytes, min_row_block=3,
-            min_split=2):
+            min_split=2, min_parallel_flops=0):  # tiny problems still go to the workers
         yield
 
 
