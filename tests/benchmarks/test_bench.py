@@ -13,8 +13,14 @@ import sys
 import numpy as np
 import pytest
 
-import bench  # benchmarks/bench.py, put on sys.path by conftest.py
-from bench import Config
+# The harness lives beside the package (the wheel does not ship it): import it
+# from the checkout's benchmarks/ as the top-level module ``bench``, as
+# benchmarks/run.py does. (Not in a tests/benchmarks/conftest.py: two
+# conftest.py files outside packages clash under --doctest-modules.)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                os.pardir, "benchmarks"))
+import bench  # noqa: E402  (benchmarks/bench.py)
+from bench import Config  # noqa: E402
 
 BENCHMARKS_DIR = os.path.dirname(os.path.abspath(bench.__file__))
 
