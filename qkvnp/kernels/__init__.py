@@ -36,7 +36,7 @@ from .._checks import owned, row_norm_max, scores_may_overflow
 from . import mha, reference
 from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block_sizes,
                        get_num_threads, num_threads, release_buffers, set_block_sizes,
-                       set_num_threads)
+                       set_num_threads, single_threaded_blas)
 
 __all__ = [
     "IMPLS",
@@ -232,9 +232,10 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     else:
         workspace = previous if isinstance(previous, mha.FusedLayerCache) else None
         inputs = owned(inputs, originals)
-        out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,
-                                          path=dispatch.path, need_weights=need_weights,
-                                          out_proj=out_proj, workspace=workspace)
+        with single_threaded_blas():  # one setting for the whole call, not one per matmul
+            out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,
+                                              path=dispatch.path, need_weights=need_weights,
+                                              out_proj=out_proj, workspace=workspace)
     return out, weights, cache, dispatch
 
 
@@ -250,4 +251,5 @@ def layer_backward(dout, cache):
     """
     if isinstance(cache, reference.ReferenceLayerCache):
         return reference.backward(dout, cache)
-    return mha.backward(dout, cache)
+    with single_threaded_blas():
+        return mha.backward(dout, cache)
