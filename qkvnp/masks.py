@@ -12,23 +12,30 @@ dtype; a finite value that the cast would overflow (``-1e39`` for float32
 scores) is refused with a ``ValueError`` naming the mask, never silently
 turned into ``-inf``. A 0-d mask (or a Python bool) applies to every score.
 """
+import functools
+
 import numpy as np
 
 __all__ = ["causal_mask", "prepare_mask", "float_mask", "fold_key_padding_mask"]
 
 
+@functools.lru_cache(maxsize=16)
 def causal_mask(T, S):
     """Boolean ``(T, S)`` mask where query ``i`` may attend to keys ``0..i``.
 
     Top-left aligned, as ``torch.nn.functional.scaled_dot_product_attention``:
     with ``S > T`` the last ``S - T`` keys are never visible to query 0.
+    The array is read-only and shared: the same ``(T, S)`` returns the same
+    array (a training loop asks for it on every step).
 
     >>> causal_mask(3, 3).astype(int)
     array([[1, 0, 0],
            [1, 1, 0],
            [1, 1, 1]])
     """
-    return np.tril(np.ones((T, S), dtype=bool))
+    mask = np.tril(np.ones((T, S), dtype=bool))
+    mask.flags.writeable = False
+    return mask
 
 
 def prepare_mask(attn_mask, is_causal, scores_shape, dtype, name="attn_mask"):

@@ -21,6 +21,7 @@ module costs numpy only: ctypes, the thread pool and the BLAS probe are
 loaded at first use. Measurements behind the defaults: ``benchmarks/RESULTS.md``.
 """
 import contextlib
+import math
 import os
 import threading
 
@@ -69,7 +70,7 @@ BLOCK_SIZE_DEFAULTS = {
     # Fewest floating-point operations of one job (a matmul, a core's pass)
     # for which the worker threads are used; smaller jobs run serially in the
     # calling thread, where the hand-off would cost more than it saves.
-    "min_parallel_flops": 1 << 22,
+    "min_parallel_flops": 1 << 24,
     # Default (block_q, block_k) of the tiled core, shrunk with many
     # (batch, head) pairs and to give every thread a block (tiled.py).
     "tiled_block": (512, 512),
@@ -272,7 +273,7 @@ def recycled_empty(shape, dtype):
     import sys
 
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     limit = _SIZES["recycle_bytes"]
     if nbytes < _SIZES["recycle_min_bytes"] or nbytes > limit:
         return np.empty(shape, dtype)
@@ -489,10 +490,10 @@ def blocks(lead, group_bytes, threads):
         return [()]
     block_bytes = _SIZES["fast_block_bytes"]
     k = 1
-    while k < len(lead) and int(np.prod(lead[k:])) * group_bytes > block_bytes:
+    while k < len(lead) and math.prod(lead[k:]) * group_bytes > block_bytes:
         k += 1
-    outer, n = int(np.prod(lead[:k - 1])), lead[k - 1]
-    inner_bytes = int(np.prod(lead[k:])) * group_bytes  # one index of dim k - 1
+    outer, n = math.prod(lead[:k - 1]), lead[k - 1]
+    inner_bytes = math.prod(lead[k:]) * group_bytes  # one index of dim k - 1
     per = max(1, block_bytes // max(1, inner_bytes))
     if outer < threads:  # split dim k - 1 finely enough to feed every thread
         per = min(per, max(1, -(-n * outer // threads)))

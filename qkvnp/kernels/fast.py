@@ -44,6 +44,8 @@ buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`.
 Measurements (timings against PyTorch, the tuning sweeps, the recompute
 experiment): ``benchmarks/RESULTS.md``.
 """
+import functools
+import math
 from collections import namedtuple
 
 import numpy as np
@@ -52,7 +54,7 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
                        scores_may_overflow)
 from ..functional import sum_to_shape
-from ..masks import prepare_mask
+from ..masks import causal_mask, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
 
 __all__ = [
@@ -97,7 +99,25 @@ def additive_mask(bias, keep, dtype):
     """One additive mask: ``bias`` where allowed, ``-inf`` where ``keep`` forbids."""
     if keep is None:
         return bias
+    if bias is None and keep.ndim == 2 and keep is causal_mask(*keep.shape):
+        return _causal_additive(*keep.shape, np.dtype(dtype))
     return np.where(keep, 0 if bias is None else bias, -np.inf).astype(dtype, copy=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_additive(T, S, dtype):
+    """The causal mask as 0 / -inf in ``dtype``, read-only and shared (see causal_mask)."""
+    mask = np.where(causal_mask(T, S), 0, -np.inf).astype(dtype)
+    mask.flags.writeable = False
+    return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _ones(n, dtype):
+    """A read-only ``(n, 1)`` column of ones: ``x @ _ones`` sums the last axis of ``x``."""
+    ones = np.ones((n, 1), dtype)
+    ones.flags.writeable = False
+    return ones
 
 
 def _exp_scores_careful(scores, query, key_t, mask):
@@ -174,13 +194,20 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
         out[...] = 0
         inv_sum[...] = 0
         return
+    flops = 2 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 2)
     dtype = exp_scores.dtype
-    log2e = dtype.type(np.log2(np.e))
     mask_max = _mask_row_max(mask, dtype)
+    threads = threads_for(flops)
+    if threads == 1 and _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
+        return
+    log2e = dtype.type(np.log2(np.e))
+    small_mask = small_mask_max = None
     if mask is not None:
+        small_mask = np.broadcast_to(mask, lead + (T, S))
+        small_mask_max = np.broadcast_to(mask_max, lead + (T, 1))
         # base-2 scores: exp(x) = exp2(x log2(e)) and exp2 is the faster ufunc
         mask = np.broadcast_to(mask * log2e, lead + (T, S))
-        mask_max = np.broadcast_to(mask_max, lead + (T, 1))
+        mask_max = np.broadcast_to(mask_max * log2e, lead + (T, 1))
     # a few keys whose scores give a lower bound on each row max (key 0 is
     # visible under a causal mask and usually under key padding)
     probes = np.unique(np.linspace(0, S - 1, min(S, PROBE_KEYS)).astype(np.intp))
@@ -191,19 +218,69 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
         with np.errstate(over="ignore", invalid="ignore", under="ignore"):
             for idx in part:
                 k, v = key[idx], value[idx]  # (G, S, D), (G, S, Dv)
+                G = math.prod(exp_scores[idx].shape[:-2])
+                chunks = _row_chunks(G, T, S, exp_scores.itemsize)
+                if len(chunks) == 1 and _small_forward(
+                        query[idx], k, v, None if mask is None else small_mask[idx],
+                        None if mask is None else small_mask_max[idx],
+                        exp_scores[idx], inv_sum[idx], out[idx]):
+                    continue  # the block fits in cache: whole-array calls
                 key_aug_t = _augment_t(k, 1)  # (G, S, D) -> (G, D + 1, S)
                 value_aug = _augment(v, 1)  # (G, S, Dv) -> (G, S, Dv + 1)
                 key_norm = np.sqrt(np.max(np.sum(k * k, axis=-1), axis=-1))[..., None, None]  # (G, 1, 1)
-                G = int(np.prod(exp_scores[idx].shape[:-2]))
-                for rows in _row_chunks(G, T, S, exp_scores.itemsize):
+                for rows in chunks:
                     block = idx + (Ellipsis, rows, slice(None))
                     _forward_rows(exp_scores[block], query[block], k, key_aug_t, key_norm, value_aug,
                                   None if mask is None else mask[block],
                                   None if mask is None else mask_max[block],
                                   inv_sum[block], out[block], probes, log2e)
 
-    flops = 2 * int(np.prod(lead)) * T * S * (query.shape[-1] + value.shape[-1] + 2)
-    run(task, blocks(lead, T * S * exp_scores.itemsize, threads_for(flops)), flops)
+    run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
+
+
+def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
+    """:func:`dense_forward` of a problem too small to share, in a few whole-array calls.
+
+    The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``), the
+    same bound ``m = |q| max|k| + max(mask row)`` instead of the row max, but
+    none of the machinery that pays off on large problems (blocks, row chunks
+    in cache, probe keys): at (B, L, E, H) = (8, 16, 32, 4) that machinery
+    cost more numpy calls than the math. Reductions over the short last axes
+    are matmuls with a vector of ones (numpy's ``max``/``sum`` along a
+    32-long axis measured 5-12x slower than ``@ ones``).
+
+    Returns False, having written nothing final, when the bound was too far
+    above a row's max (its largest exponential below ``2**-24``, where the
+    terms would lose precision in the subnormals) or a score overflowed: the
+    blocked path then takes the exact row max, as the reference does.
+    """
+    dtype = exp_scores.dtype
+    ones_d, ones_s = _ones(query.shape[-1], dtype), _ones(exp_scores.shape[-1], dtype)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        key_norm = np.sqrt(((key * key) @ ones_d).max(axis=-2, keepdims=True))  # (..., S, 1) -> (..., 1, 1)
+        bound = np.sqrt((query * query) @ ones_d) * key_norm  # |q| max|k|, (..., T, 1)
+        if mask is not None:
+            bound = bound + mask_max
+        np.matmul(query, np.swapaxes(key, -1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
+        if mask is not None:
+            exp_scores += mask
+        exp_scores -= bound
+        np.exp(exp_scores, out=exp_scores)
+        np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
+    live = inv_sum >= 2.0 ** -24
+    if not live.all():
+        dead = None if mask is None else np.isneginf(mask).all(axis=-1, keepdims=True)
+        # NOTE: a fully masked row has row sum 0 and stays: weights 0, output 0
+        if dead is None or not (live | (dead & (inv_sum == 0))).all():
+            return False
+        inv_sum[~live] = 1
+        np.reciprocal(inv_sum, out=inv_sum)
+        inv_sum[~live] = 0
+    else:
+        np.reciprocal(inv_sum, out=inv_sum)
+    np.matmul(exp_scores, value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+    out *= inv_sum
+    return True
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
@@ -275,18 +352,28 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     query, key, value, exp_scores, inv_sum, out = cache[:6]
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
+    flops = 4 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 1)
+    threads = threads_for(flops)
+    if threads == 1:
+        _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
+                        dquery_scale)
+        return
 
     def task(part):
         scratch = partial = None
         for idx in part:
             k = key[idx]  # (G, S, D)
+            G = math.prod(exp_scores[idx].shape[:-2])
+            chunks = _row_chunks(G, T, S, exp_scores.itemsize)
+            if len(chunks) == 1:  # the block fits in cache: whole-array calls
+                _small_backward(dout[idx], query[idx], k, value[idx], exp_scores[idx], inv_sum[idx],
+                                out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale)
+                continue
             value_aug_t = _augment_t(value[idx], 1)  # (G, S, Dv) -> (G, Dv + 1, S)
             # NOTE: dK^T = Q^T dS and dV^T = dO^T P measured faster than dS^T Q
             # and P^T dO (up to 1.5x in float64): accumulate the transposes.
             dk_t = np.empty(np.swapaxes(dkey[idx], -1, -2).shape, k.dtype)  # (G, D, S)
             dv_t = np.empty(np.swapaxes(dvalue[idx], -1, -2).shape, k.dtype)  # (G, Dv, S)
-            G = int(np.prod(exp_scores[idx].shape[:-2]))
-            chunks = _row_chunks(G, T, S, exp_scores.itemsize)
             for n, rows in enumerate(chunks):
                 block = idx + (Ellipsis, rows, slice(None))
                 weights_num = exp_scores[block]  # (G, R, S)
@@ -301,8 +388,29 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             dkey[idx] = np.swapaxes(dk_t, -1, -2)  # (G, D, S) -> (G, S, D)
             dvalue[idx] = np.swapaxes(dv_t, -1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
-    flops = 4 * int(np.prod(lead)) * T * S * (query.shape[-1] + value.shape[-1] + 1)
-    run(task, blocks(lead, T * S * exp_scores.itemsize, threads_for(flops)), flops)
+    run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
+
+
+def _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
+                    dquery_scale):
+    """:func:`dense_backward` of a problem too small to share, in whole-array calls.
+
+    With :math:`E` the numerators and :math:`r = 1/\\mathrm{rowsum}(E)`:
+    :math:`\\bar V = E^T (r \\bar O)`, :math:`G = E \\odot (\\bar O V^T - \\delta)`
+    with :math:`\\delta = \\mathrm{rowsum}(\\bar O \\odot O)`,
+    :math:`\\bar Q = c\\, r \\odot (G K)`, :math:`\\bar K = G^T (r \\odot Q)`.
+    """
+    if exp_scores.shape[-1] == 0:  # no key: nothing attended, no gradient
+        dquery[...] = 0
+        return
+    delta = (dout * out) @ _ones(out.shape[-1], out.dtype)  # rowsum(P * dP) = rowsum(dO * O), (..., T, Dv) @ (Dv, 1)
+    np.matmul(np.swapaxes(exp_scores, -1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
+    dscores = np.matmul(dout, np.swapaxes(value, -1, -2))  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    dscores -= delta
+    dscores *= exp_scores  # = rowsum * dS
+    np.matmul(dscores, key, out=dquery)  # (..., T, S) @ (..., S, D) -> (..., T, D)
+    dquery *= inv_sum * dquery_scale
+    np.matmul(np.swapaxes(dscores, -1, -2), query * inv_sum, out=dkey)  # (..., S, T) @ (..., T, D)
 
 
 def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,

@@ -19,6 +19,7 @@ the forward, key blocks in the backward. Its default block size is the
 (memory, wall time against the reference and the fast core, the block-size
 sweep): ``benchmarks/RESULTS.md``.
 """
+import math
 from collections import namedtuple
 
 import numpy as np
@@ -173,7 +174,7 @@ def _workspace(size, dtype):
 
 
 def _view(buf, shape):
-    return buf[: int(np.prod(shape))].reshape(shape)
+    return buf[: math.prod(shape)].reshape(shape)
 
 
 _Problem = namedtuple(
@@ -191,7 +192,7 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
     T, Dv = out.shape[-2:]
     S = k.shape[-2]
     dtype = out.dtype
-    lead_size = int(np.prod(lead))
+    lead_size = math.prod(lead)
     scores_buf = _workspace(lead_size * block_q * block_k, dtype)
     pv_buf = _workspace(lead_size * block_q * Dv, dtype)
     causal_cache = {}
@@ -244,7 +245,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
     T, Dv = dout.shape[-2:]
     S, D = k.shape[-2:]
     dtype = dout.dtype
-    lead_size = int(np.prod(lead))
+    lead_size = math.prod(lead)
     scores_buf = _workspace(lead_size * block_q * block_k, dtype)
     dweights_buf = _workspace(lead_size * block_q * block_k, dtype)
     small_buf = _workspace(lead_size * max(block_q, block_k) * max(D, Dv), dtype)
@@ -437,7 +438,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     # NOTE: the backward re-reads the inputs and the mask: the cache owns them
     query, key, value, bias, keep = owned((query, key, value, bias, keep), originals)
     is_causal = bool(is_causal)
-    lead_size = int(np.prod(lead))
+    lead_size = math.prod(lead)
     block_q, block_k = _check_block_size(block_size, T, S, lead_size)
     live = _live_blocks(bias, keep, is_causal, T, S, block_q, block_k)  # (nq, nk)
     safe = _no_overflow(query, key, scale)
@@ -458,7 +459,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
                        block_q, block_k, live)
     # query blocks are independent: threads share them, each writing its own rows
-    flops = 2 * int(np.prod(lead)) * T * S * (D + Dv)
+    flops = 2 * math.prod(lead) * T * S * (D + Dv)
     run(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
         list(enumerate(range(0, T, block_q))), flops)
     cache = TiledAttentionCache(
@@ -478,7 +479,7 @@ def _reference_forward(originals, is_causal, scale, block_size, out):
         result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale)
     lead = cache.weights.shape[:-2]
     _check_block_size(block_size, cache.weights.shape[-2], cache.weights.shape[-1],
-                      int(np.prod(lead)))
+                      math.prod(lead))
     if out is None:
         return result, cache
     if not isinstance(out, np.ndarray) or out.shape != result.shape or out.dtype != result.dtype:
@@ -611,7 +612,7 @@ def _attention_backward(dout, cache, grads_out=None):
             own = dq
         _backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
 
-    run(task, blocks, 4 * int(np.prod(lead)) * T * S * (D + Dv))
+    run(task, blocks, 4 * math.prod(lead) * T * S * (D + Dv))
     for first in sorted(partials):
         dq += partials.pop(first)
     dq *= dtype.type(scale)
