@@ -409,8 +409,7 @@ _PIN_LOCK = threading.Lock()
 _PIN = {"depth": 0, "saved": None}  # sections inside single_threaded_blas, BLAS count before them
 
 
-@contextlib.contextmanager
-def single_threaded_blas():
+class single_threaded_blas:
     """Context manager: BLAS at one thread inside; nested and concurrent sections share it.
 
     The kernels run every BLAS call at one thread: in their worker threads
@@ -420,25 +419,29 @@ def single_threaded_blas():
     (16, 32, 64, 4) float32, a fast-path layer's forward+backward took 5.3 ms
     of CPU with them and 2.0 ms without. The count is process-wide, so the
     first section to enter sets it to 1 and the last one to leave restores
-    it (other threads' numpy calls run single-threaded meanwhile).
+    it (other threads' numpy calls run single-threaded meanwhile). A class,
+    not a generator: it is entered on every kernel call.
     """
-    functions = openblas_thread_functions()
-    if not functions:
-        yield
-        return
-    get, set_ = functions
-    with _PIN_LOCK:
-        if _PIN["depth"] == 0:
-            _PIN["saved"] = get()
-            set_(1)
-        _PIN["depth"] += 1
-    try:
-        yield
-    finally:
-        with _PIN_LOCK:
-            _PIN["depth"] -= 1
-            if _PIN["depth"] == 0:
-                set_(_PIN["saved"])
+
+    __slots__ = ("functions",)
+
+    def __enter__(self):
+        self.functions = openblas_thread_functions()
+        if self.functions:
+            with _PIN_LOCK:
+                if _PIN["depth"] == 0:
+                    _PIN["saved"] = self.functions[0]()
+                    self.functions[1](1)
+                _PIN["depth"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        if self.functions:
+            with _PIN_LOCK:
+                _PIN["depth"] -= 1
+                if _PIN["depth"] == 0:
+                    self.functions[1](_PIN["saved"])
+        return False
 
 
 def _pin_worker(cpus, counter, lock):
@@ -522,8 +525,11 @@ def run(task, work, flops=None):
     if flops is not None and flops < _SIZES["min_parallel_flops"]:
         threads = 1
     if threads < 2 or not openblas_thread_functions():
-        with single_threaded_blas():
+        if _PIN["depth"]:  # already inside a single-threaded section
             task(work)
+        else:
+            with single_threaded_blas():
+                task(work)
         return
     parts = [work[i::threads] for i in range(threads)]  # equal-cost blocks
     from concurrent.futures import wait
@@ -551,8 +557,11 @@ def matmul(a, b, out=None, split="rows"):
     length = a.shape[0] if split == "rows" else b.shape[1]
     parts = min(get_num_threads(), max(1, length // _SIZES["min_split"]))
     if parts < 2 or 2 * a.shape[0] * a.shape[1] * b.shape[1] < _SIZES["min_parallel_flops"]:
-        with single_threaded_blas():
+        if _PIN["depth"]:  # already inside a single-threaded section (the layer kernels)
             np.matmul(a, b, out=out)
+        else:
+            with single_threaded_blas():
+                np.matmul(a, b, out=out)
         return out
     bounds = np.linspace(0, length, parts + 1).astype(int)
     pieces = [(slice(lo, hi),) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -112,6 +112,14 @@ def _causal_additive(T, S, dtype):
     return mask
 
 
+@functools.lru_cache(maxsize=16)
+def _zeros_column(n, dtype):
+    """A read-only ``(n, 1)`` column of zeros."""
+    zeros = np.zeros((n, 1), dtype)
+    zeros.flags.writeable = False
+    return zeros
+
+
 @functools.lru_cache(maxsize=64)
 def _ones(n, dtype):
     """A read-only ``(n, 1)`` column of ones: ``x @ _ones`` sums the last axis of ``x``."""
@@ -167,7 +175,7 @@ def _augment(x, last, factor=None):
 def _augment_t(x, last):
     """``[x | last]^T`` laid out contiguously: ``(..., L, n) -> (..., n + 1, L)``."""
     out = np.empty(x.shape[:-2] + (x.shape[-1] + 1, x.shape[-2]), x.dtype)  # (..., n + 1, L)
-    out[..., :-1, :] = np.swapaxes(x, -1, -2)
+    out[..., :-1, :] = x.swapaxes(-1, -2)
     out[..., -1, :] = last
     return out
 
@@ -176,6 +184,8 @@ def _mask_row_max(mask, dtype):
     """Largest finite entry of each row of the additive mask, 0 if none (broadcastable)."""
     if mask is None:
         return None
+    if mask.ndim == 2 and mask is _causal_additive(*mask.shape, np.dtype(dtype)):
+        return _zeros_column(mask.shape[0], np.dtype(dtype))  # every causal row may attend key 0
     finite = np.where(np.isneginf(mask), -np.inf, mask)
     row_max = finite.max(axis=-1, keepdims=True)  # (..., T, S) -> (..., T, 1)
     row_max[np.isneginf(row_max)] = 0
@@ -261,7 +271,7 @@ def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
         bound = np.sqrt((query * query) @ ones_d) * key_norm  # |q| max|k|, (..., T, 1)
         if mask is not None:
             bound = bound + mask_max
-        np.matmul(query, np.swapaxes(key, -1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
+        np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
         if mask is not None:
             exp_scores += mask
         exp_scores -= bound
@@ -326,7 +336,7 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
         # probes measured (found by the extreme-magnitude property test)
         careful = not (np.isfinite(row_sum).all() and (row_sum > 0).all())
     if careful:
-        row_max = _exp_scores_careful(scores, q, np.swapaxes(k, -1, -2),
+        row_max = _exp_scores_careful(scores, q, k.swapaxes(-1, -2),
                                       None if mask is None else mask / log2e)
         scores -= row_max
         np.exp(scores, out=scores)
@@ -372,8 +382,8 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             value_aug_t = _augment_t(value[idx], 1)  # (G, S, Dv) -> (G, Dv + 1, S)
             # NOTE: dK^T = Q^T dS and dV^T = dO^T P measured faster than dS^T Q
             # and P^T dO (up to 1.5x in float64): accumulate the transposes.
-            dk_t = np.empty(np.swapaxes(dkey[idx], -1, -2).shape, k.dtype)  # (G, D, S)
-            dv_t = np.empty(np.swapaxes(dvalue[idx], -1, -2).shape, k.dtype)  # (G, Dv, S)
+            dk_t = np.empty(dkey[idx].swapaxes(-1, -2).shape, k.dtype)  # (G, D, S)
+            dv_t = np.empty(dvalue[idx].swapaxes(-1, -2).shape, k.dtype)  # (G, Dv, S)
             for n, rows in enumerate(chunks):
                 block = idx + (Ellipsis, rows, slice(None))
                 weights_num = exp_scores[block]  # (G, R, S)
@@ -385,8 +395,8 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
                 _backward_rows(dout[block], out[block], query[block], k, value_aug_t, weights_num,
                                inv_sum[block], scratch[..., :R, :], dquery[block], dk_t, dv_t,
                                dquery_scale, None if n == 0 else partial)
-            dkey[idx] = np.swapaxes(dk_t, -1, -2)  # (G, D, S) -> (G, S, D)
-            dvalue[idx] = np.swapaxes(dv_t, -1, -2)  # (G, Dv, S) -> (G, S, Dv)
+            dkey[idx] = dk_t.swapaxes(-1, -2)  # (G, D, S) -> (G, S, D)
+            dvalue[idx] = dv_t.swapaxes(-1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
     run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
 
@@ -404,13 +414,13 @@ def _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, d
         dquery[...] = 0
         return
     delta = (dout * out) @ _ones(out.shape[-1], out.dtype)  # rowsum(P * dP) = rowsum(dO * O), (..., T, Dv) @ (Dv, 1)
-    np.matmul(np.swapaxes(exp_scores, -1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
-    dscores = np.matmul(dout, np.swapaxes(value, -1, -2))  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    np.matmul(exp_scores.swapaxes(-1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
+    dscores = np.matmul(dout, value.swapaxes(-1, -2))  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
     dscores -= delta
     dscores *= exp_scores  # = rowsum * dS
     np.matmul(dscores, key, out=dquery)  # (..., T, S) @ (..., S, D) -> (..., T, D)
     dquery *= inv_sum * dquery_scale
-    np.matmul(np.swapaxes(dscores, -1, -2), query * inv_sum, out=dkey)  # (..., S, T) @ (..., T, D)
+    np.matmul(dscores.swapaxes(-1, -2), query * inv_sum, out=dkey)  # (..., S, T) @ (..., T, D)
 
 
 def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,
@@ -423,14 +433,14 @@ def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t
     delta = np.sum(do * o, axis=-1, keepdims=True)  # rowsum(P * dP) = rowsum(dO * O), (G, R, 1)
     # dV^T = dO^T P = (dO / rowsum)^T E
     dv_rows = dv_t if partial is None else partial[1]
-    np.matmul(np.swapaxes(do * inv, -1, -2), weights_num, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
+    np.matmul((do * inv).swapaxes(-1, -2), weights_num, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
     dout_aug = _augment(do, -delta)  # (G, R, Dv) -> (G, R, Dv + 1)
     np.matmul(dout_aug, value_aug_t, out=dscores)  # dP - delta: (G, R, Dv+1) @ (G, Dv+1, S) -> (G, R, S)
     dscores *= weights_num  # = rowsum * dS, with dS = P * (dP - delta)
     np.matmul(dscores, k, out=dq)  # (G, R, S) @ (G, S, D) -> (G, R, D)
     dq *= inv * dq_scale
     dk_rows = dk_t if partial is None else partial[0]
-    np.matmul(np.swapaxes(q * inv, -1, -2), dscores, out=dk_rows)  # (G, D, R) @ (G, R, S) -> (G, D, S)
+    np.matmul((q * inv).swapaxes(-1, -2), dscores, out=dk_rows)  # (G, D, R) @ (G, R, S) -> (G, D, S)
     if partial is not None:
         dv_t += dv_rows
         dk_t += dk_rows

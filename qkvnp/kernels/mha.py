@@ -72,7 +72,7 @@ def _heads(x2d, batch, T, H):
     """View ``(N, H*D)`` rows as heads: ``(N, E) -> (..., H, T, D)``, no copy."""
     E = x2d.shape[-1]
     heads = x2d.reshape(batch + (T, H, E // H))  # (N, E) -> (..., T, H, D)
-    return np.swapaxes(heads, -2, -3)  # (..., T, H, D) -> (..., H, T, D)
+    return heads.swapaxes(-2, -3)  # (..., T, H, D) -> (..., H, T, D)
 
 
 def _unheads(x):
