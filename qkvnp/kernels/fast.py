@@ -406,20 +406,25 @@ def _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, d
     """:func:`dense_backward` of a problem too small to share, in whole-array calls.
 
     With :math:`E` the numerators and :math:`r = 1/\\mathrm{rowsum}(E)`:
-    :math:`\\bar V = E^T (r \\bar O)`, :math:`G = E \\odot (\\bar O V^T - \\delta)`
-    with :math:`\\delta = \\mathrm{rowsum}(\\bar O \\odot O)`,
+    :math:`\\bar V = E^T (r \\bar O)`, :math:`G = E \\odot (\\bar P - \\delta)` with
+    :math:`\\bar P = \\bar O V^T` and :math:`\\delta = r\\,\\mathrm{rowsum}(E \\odot \\bar P)`,
     :math:`\\bar Q = c\\, r \\odot (G K)`, :math:`\\bar K = G^T (r \\odot Q)`.
     """
     if exp_scores.shape[-1] == 0:  # no key: nothing attended, no gradient
         dquery[...] = 0
         return
-    delta = (dout * out) @ _ones(out.shape[-1], out.dtype)  # rowsum(P * dP) = rowsum(dO * O), (..., T, Dv) @ (Dv, 1)
     np.matmul(exp_scores.swapaxes(-1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
     dscores = np.matmul(dout, value.swapaxes(-1, -2))  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
-    dscores -= delta
-    dscores *= exp_scores  # = rowsum * dS
+    # NOTE: delta = rowsum(P * dP) from the dP just computed, not rowsum(dO * O):
+    # on a saturated row dP - delta cancels, and the two must carry the same
+    # rounding (a float32 W_key gradient whose exact value is ~0: rowsum(dO * O)
+    # gave 5.7e-6 error, this 1.2e-6; the reference 6.2e-6). Small rows make
+    # the (T, S) pass cheap; the blocked path keeps rowsum(dO * O).
+    dscores *= exp_scores  # E * dP
+    delta = (dscores @ _ones(dscores.shape[-1], dscores.dtype)) * inv_sum  # rowsum(P * dP), (..., T, 1)
+    dscores -= exp_scores * delta  # = rowsum * dS = E * (dP - delta)
     np.matmul(dscores, key, out=dquery)  # (..., T, S) @ (..., S, D) -> (..., T, D)
-    dquery *= inv_sum * dquery_scale
+    dquery *= inv_sum if dquery_scale == 1 else inv_sum * dquery_scale
     np.matmul(dscores.swapaxes(-1, -2), query * inv_sum, out=dkey)  # (..., S, T) @ (..., T, D)
 
 

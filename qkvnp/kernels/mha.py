@@ -34,7 +34,7 @@ PATHS = ("fast", "tiled")
 FusedLayerCache = namedtuple(
     "FusedLayerCache",
     "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
-    "out_proj out_shape buffers",
+    "out_proj has_bias out_shape buffers",
 )
 FusedLayerCache.__doc__ = """What :func:`backward` reads.
 
@@ -53,6 +53,7 @@ batch, T, S, H : leading dims, lengths and head count.
 merged : (N, E) attention output with heads merged (input of ``W_out``).
 W_out : (E, E) or None.
 out_proj : bool, False for SelfAttention (no output projection, no head axis).
+has_bias : bool, the input projections (and W_out) have biases.
 out_shape : shape of the forward output.
 buffers : dict of the large arrays above by name, offered for reuse to the
     next forward (``workspace=``).
@@ -205,7 +206,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     out = y.reshape(batch + (T, E))  # (N, E) -> (..., T, E)
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
-                            p["W_out"] if out_proj else None, out_proj, out.shape, buffers)
+                            p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
+                            buffers)
     return out, weights, cache
 
 
@@ -244,7 +246,8 @@ def backward(dout, cache):
     grads = {}
     if out_proj:
         grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, E) -> (E, E)
-        grads["b_out"] = dy.sum(axis=0)  # (N, E) -> (E,)
+        if c.has_bias:
+            grads["b_out"] = dy.sum(axis=0)  # (N, E) -> (E,)
         dmerged = matmul(dy, c.W_out.T)  # (N, E) @ (E, E) -> (N, E)
     else:
         dmerged = dy
@@ -266,11 +269,16 @@ def backward(dout, cache):
     dinputs = []
     for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
         dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, k*E) -> (in, k*E)
-        db = d.sum(axis=0)  # (N, k*E) -> (k*E,)
+        db = d.sum(axis=0) if c.has_bias else None  # (N, k*E) -> (k*E,)
         for i, name in enumerate(names):
-            factor = scale if name == "query" else 1  # W' = scale * W_query
-            grads["W_" + name] = dW[:, i * E:(i + 1) * E] * factor
-            grads["b_" + name] = db[i * E:(i + 1) * E] * factor
+            columns = slice(i * E, (i + 1) * E)
+            grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
+            if db is not None:
+                grads["b_" + name] = db[columns]
+            if name == "query":  # W' = scale * W_query
+                grads["W_query"] = grads["W_query"] * scale
+                if db is not None:
+                    grads["b_query"] = grads["b_query"] * scale
         dx = matmul(d, W.T)  # (N, k*E) @ (k*E, in) -> (N, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)
