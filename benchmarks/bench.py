@@ -11,10 +11,19 @@ results: ``benchmarks/RESULTS.md``.
 
 What runs
 ---------
-For every configuration ``(B, L, E, H)`` and dtype, two workloads, each in
-two modes, ``fwd`` (the forward of a training step: qkvnp keeps its caches,
-PyTorch records the autograd graph) and ``fwd+bwd`` (that forward, then the
-backward with a fixed random upstream gradient):
+The grid: the users' sizes (:data:`USER_CONFIGS`, from the seeds' (1, 6, 3, 1)
+to (32, 64, 128, 8)) and four large ones (:data:`LARGE_CONFIGS`, L = 128 to
+4096), float32 and float64, each without a mask and causal. Configurations
+with L <= 128 time the layer's default path against PyTorch's layer, each
+in a process of its own (:mod:`workers`); the longer ones run every
+workload and implementation in this process. The training steps of the two
+training tasks are timed too (:mod:`train_bench`), and :mod:`summary` turns
+the report into plain sentences, a ratio table and the ratio plot.
+
+For a configuration, dtype and mask, two workloads, each in two modes,
+``fwd`` (the forward of a training step: qkvnp keeps its caches, PyTorch
+records the autograd graph; timed in this process only) and ``fwd+bwd``
+(that forward, then the backward with a fixed random upstream gradient):
 
 ``layer``
     Self-attention of ``x`` of shape (B, L, E) through
@@ -23,7 +32,10 @@ backward with a fixed random upstream gradient):
     layers' default, which picks fast or tiled), and through PyTorch's
     ``nn.MultiheadAttention(E, H, batch_first=True)`` called with
     ``need_weights=False``. The weights are copied across, so that all of
-    them compute the same function.
+    them compute the same function. Causal: qkvnp's ``is_causal=True``;
+    PyTorch gets the float causal mask with ``is_causal=True``, which with
+    ``need_weights=False`` reaches ``scaled_dot_product_attention`` as its
+    causal hint.
 ``core``
     The attention core alone on (B, H, L, D) inputs, no projections:
     ``attention_forward``/``attention_backward`` of ``qkvnp.functional``
@@ -65,7 +77,15 @@ square matrices (n = 2048, ``out=`` given) in the same dtype, best of several.
 
 Timing
 ------
-One process; within a configuration, dtype and mode the implementations run
+L <= 128 (:data:`PROCESS_MAX_LENGTH`): each implementation in a worker process
+of its own (the qkvnp ones never import PyTorch); the parent asks them in
+turn for one timed round each, qkvnp, PyTorch, qkvnp, ..., pausing between
+rounds; a round is as many calls as last at least ``--round-time`` seconds;
+reported: the median over rounds of the time per call. Idle threads of one
+library's pool slowed the other by up to 4x at these sizes when both lived
+in one process.
+
+Longer: one process; within a configuration, dtype and mode the implementations run
 interleaved round by round (the starting one rotating), after a warm-up
 round, so that a change in the machine's load hits them alike. The process
 sleeps ``--pause`` seconds before each call that follows another
@@ -74,7 +94,8 @@ and slow whatever runs next on the 2 cores: without the pause after the
 reference path (multi-threaded OpenBLAS), the fast core measured up to 1.7x
 slower, and the fast layer 1.6x slower right after the tiled layer (whose
 calls with a single block of work also run on OpenBLAS's threads). PyTorch runs with
-``torch.set_num_threads(2)``; numpy's BLAS with its own default. Reported:
+its default thread count (2 on the 2-core machine), as users get it; numpy's
+BLAS with its own default. Reported:
 median, minimum and interquartile range of ``--repeats`` timed calls (7 by
 default), and the ratio ``median(qkvnp) / median(PyTorch)`` of the same
 workload (``nn.MultiheadAttention`` for layers, ``scaled_dot_product_attention``
@@ -116,6 +137,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections import namedtuple
 
@@ -162,13 +184,31 @@ __all__ = [
 Config = namedtuple("Config", "batch length embed heads")
 Config.__doc__ = "One benchmark configuration (B, L, E, H)."
 
-DEFAULT_CONFIGS = (
+#: The sizes qkvnp's users work at: the seeds' 6-token example, learners'
+#: experiments, the teacher task's (64, 8, 16, 2).
+USER_CONFIGS = (
+    Config(1, 6, 3, 1),
+    Config(8, 16, 32, 4),
+    Config(64, 8, 16, 2),
+    Config(16, 32, 64, 4),
+    Config(64, 33, 64, 1),
+    Config(32, 64, 128, 8),
+)
+LARGE_CONFIGS = (
     Config(8, 128, 256, 8),
     Config(4, 512, 512, 8),
     Config(1, 2048, 512, 8),
     Config(1, 4096, 256, 4),
 )
-QUICK_CONFIGS = (Config(8, 128, 256, 8), Config(4, 512, 512, 8))
+DEFAULT_CONFIGS = USER_CONFIGS + LARGE_CONFIGS
+QUICK_CONFIGS = USER_CONFIGS + (Config(8, 128, 256, 8), Config(4, 512, 512, 8))
+#: Configurations up to this L are timed with one library per process
+#: (:mod:`workers`); longer ones in this process, with pauses.
+PROCESS_MAX_LENGTH = 128
+PROTOCOLS = ("processes", "same process")
+MASKS = ("none", "causal")
+#: A round of the one-library-per-process protocol lasts at least this long (s).
+ROUND_SECONDS = 0.05
 
 KINDS = ("layer", "core")
 MODES = ("fwd", "fwd_bwd")
@@ -185,7 +225,6 @@ ORACLE = "reference"
 TILED_MEMORY_SHAPE = (1, 1, 16384, 64)
 TILED_MEMORY_LIMIT_MIB = 64
 
-TORCH_THREADS = 2
 GEMM_SIZE = 2048
 #: One head of this (L, D) measures the BLAS ceiling on attention shapes (in cache).
 CEILING_LENGTH = 512
@@ -205,8 +244,9 @@ class ImplementationMissing(Exception):
     """This qkvnp (or this machine) does not offer the implementation."""
 
 
-Problem = namedtuple("Problem", "kind config dtype arrays")
-Problem.__doc__ = "A workload's concrete inputs: kind, Config, dtype, dict of arrays."
+Problem = namedtuple("Problem", "kind config dtype arrays causal", defaults=(False,))
+Problem.__doc__ = ("A workload's concrete inputs: kind, Config, dtype, dict of arrays, and "
+                   "whether the attention is causal.")
 
 Check = namedtuple("Check", "ok error worst tolerance")
 Check.__doc__ = "Cross-check verdict: ok, worst relative error, its array name, tolerance."
@@ -273,7 +313,7 @@ def _check_dtype(dtype):
     return dtype
 
 
-def make_problem(kind, config, dtype, seed=0):
+def make_problem(kind, config, dtype, seed=0, causal=False):
     """Build the inputs of one workload, reproducibly.
 
     Parameters
@@ -282,6 +322,8 @@ def make_problem(kind, config, dtype, seed=0):
     config : Config or tuple (B, L, E, H)
     dtype : float32 or float64
     seed : int
+    causal : bool
+        Every implementation then attends causally (position i to keys <= i).
 
     Returns
     -------
@@ -313,7 +355,7 @@ def make_problem(kind, config, dtype, seed=0):
         shape = (B, H, L, E // H)
         arrays = {name: rng.standard_normal(shape, dtype=dtype)
                   for name in ("query", "key", "value", "dout")}
-    return Problem(kind, config, dtype, arrays)
+    return Problem(kind, config, dtype, arrays, bool(causal))
 
 
 # ---------------------------------------------------------------- runners
@@ -329,9 +371,7 @@ def _import_torch():
         raise ImplementationMissing(
             "PyTorch is not installed (pip install 'qkvnp[torch]')"
         ) from None
-    if torch.get_num_threads() != TORCH_THREADS:
-        torch.set_num_threads(TORCH_THREADS)
-    return torch
+    return torch  # NOTE: at its default thread count, as users get it
 
 
 class _QkvnpLayer:
@@ -350,17 +390,24 @@ class _QkvnpLayer:
         self.layer.zero_grad()
         self.x = problem.arrays["x"]
         self.dout = problem.arrays["dout"]
+        self.causal = problem.causal
+
+    @property
+    def dispatch(self):
+        """The path the layer's last forward ran and why, as a dict (None before one)."""
+        last = self.layer.last_dispatch
+        return None if last is None else {"path": last.path, "reason": last.reason}
 
     def forward(self):
-        return self.layer.forward(self.x)
+        return self.layer.forward(self.x, is_causal=self.causal)
 
     def forward_backward(self):
-        self.layer.forward(self.x)
+        self.layer.forward(self.x, is_causal=self.causal)
         return self.layer.backward(self.dout)
 
     def result(self):
         self.layer.zero_grad()
-        out = self.layer.forward(self.x)
+        out = self.layer.forward(self.x, is_causal=self.causal)
         dx = self.layer.backward(self.dout)
         results = {"out": out, "dx": dx}
         results.update(("d" + name, self.layer.grads[name].copy()) for name in LAYER_PARAMS)
@@ -388,16 +435,17 @@ class _QkvnpCore:
         self.key = problem.arrays["key"]
         self.value = problem.arrays["value"]
         self.dout = problem.arrays["dout"]
+        self.causal = problem.causal
 
     def forward(self):
-        return self.attention_forward(self.query, self.key, self.value)[0]
+        return self.attention_forward(self.query, self.key, self.value, is_causal=self.causal)[0]
 
     def forward_backward(self):
-        out, cache = self.attention_forward(self.query, self.key, self.value)
+        out, cache = self.attention_forward(self.query, self.key, self.value, is_causal=self.causal)
         return self.attention_backward(self.dout, cache)
 
     def result(self):
-        out, cache = self.attention_forward(self.query, self.key, self.value)
+        out, cache = self.attention_forward(self.query, self.key, self.value, is_causal=self.causal)
         dquery, dkey, dvalue = self.attention_backward(self.dout, cache)
         return {"out": out, "dquery": dquery, "dkey": dkey, "dvalue": dvalue}
 
@@ -424,10 +472,17 @@ class _TorchLayer:
         self.x = tensor(a["x"]).requires_grad_()
         self.dout = tensor(a["dout"])
         self.leaves = [self.x] + list(self.mha.parameters())
+        self.masks = {}
+        if problem.causal:
+            # NOTE: the float mask with the is_causal hint, as PyTorch documents it:
+            # with need_weights=False it reaches scaled_dot_product_attention as
+            # is_causal=True, and the mask itself is not applied
+            self.masks = {"attn_mask": torch.nn.Transformer.generate_square_subsequent_mask(
+                L, dtype=self.mha.in_proj_weight.dtype), "is_causal": True}
 
     def forward(self):
         # query is key is value: PyTorch takes its packed in-projection path
-        return self.mha(self.x, self.x, self.x, need_weights=False)[0]
+        return self.mha(self.x, self.x, self.x, need_weights=False, **self.masks)[0]
 
     def forward_backward(self):
         for leaf in self.leaves:
@@ -462,9 +517,10 @@ class _TorchCore:
         self.key = torch.from_numpy(a["key"]).requires_grad_()
         self.value = torch.from_numpy(a["value"]).requires_grad_()
         self.dout = torch.from_numpy(a["dout"])
+        self.causal = problem.causal
 
     def forward(self):
-        return self.sdpa(self.query, self.key, self.value)
+        return self.sdpa(self.query, self.key, self.value, is_causal=self.causal)
 
     def forward_backward(self):
         self.query.grad = self.key.grad = self.value.grad = None
@@ -888,6 +944,9 @@ def environment_info():
         "torch_threads": None,
         "blas_build": blas_build,
         "openblas": openblas_info(),
+        # other work on the machine slows both libraries, PyTorch's 2-thread
+        # calls most at small sizes: its threads wait for each other
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "env": {name: os.environ.get(name) for name in (
             "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
@@ -908,16 +967,35 @@ def _progress(message):
     print(message, file=sys.stderr, flush=True)
 
 
-def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None):
-    """Cross-check, then time, every implementation on one workload; one record each."""
-    problem = make_problem(kind, config, dtype)
+def _new_record(kind, config, dtype, impl, mask, protocol, timed=True):
+    return {"kind": kind, "config": list(config), "dtype": np.dtype(dtype).name, "mask": mask,
+            "impl": impl, "library": "torch" if impl == "torch" else "qkvnp",
+            "protocol": protocol, "status": "ok", "reason": None, "check": None,
+            "dispatch": None, "memory": None, "timed": timed, "fwd": None, "fwd_bwd": None}
+
+
+def _record_check(record, check):
+    """Store a :class:`Check` in ``record``; refuse the implementation if it failed."""
+    # JSON has no inf: a non-finite or misshapen result is recorded as None
+    record["check"] = {"max_rel_err": check.error if np.isfinite(check.error) else None,
+                       "worst": check.worst, "tolerance": check.tolerance}
+    if not check.ok:
+        record["status"] = "refused"
+        record["reason"] = (f"disagrees with the reference path: {check.worst} relative "
+                            f"error {check.error:.3g} > {check.tolerance:g}")
+
+
+def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None, mask="none"):
+    """Cross-check, then time, every implementation on one workload in this process.
+
+    One record each (the oracle's too, untimed unless asked for). ``mask`` is
+    "none" or "causal".
+    """
+    problem = make_problem(kind, config, dtype, causal=(mask == "causal"))
     records, runners = {}, {}
     impls = [impl for impl in impls if impl in KIND_IMPLEMENTATIONS[kind]]
     for impl in dict.fromkeys([ORACLE] + impls):
-        record = {"kind": kind, "config": list(config), "dtype": dtype.name, "impl": impl,
-                  "library": "torch" if impl == "torch" else "qkvnp", "status": "ok",
-                  "reason": None, "check": None, "memory": None,
-                  "timed": impl in impls, "fwd": None, "fwd_bwd": None}
+        record = _new_record(kind, config, dtype, impl, mask, "same process", impl in impls)
         records[impl] = record
         try:
             runners[impl] = make_runner(impl, problem)
@@ -946,13 +1024,9 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
             record["status"], record["reason"] = "error", f"{type(error).__name__}: {error}"
             del runners[impl]
             continue
-        # JSON has no inf: a non-finite or misshapen result is recorded as None
-        record["check"] = {"max_rel_err": check.error if np.isfinite(check.error) else None,
-                           "worst": check.worst, "tolerance": check.tolerance}
+        record["dispatch"] = getattr(runners[impl], "dispatch", None)
+        _record_check(record, check)
         if not check.ok:
-            record["status"] = "refused"
-            record["reason"] = (f"disagrees with the reference path: {check.worst} relative "
-                                f"error {check.error:.3g} > {check.tolerance:g}")
             del runners[impl]
     del expected
 
@@ -980,13 +1054,131 @@ def _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress=None)
     return [record for impl, record in records.items() if record["timed"]]
 
 
+def _run_case_in_processes(kind, config, dtype, impls, repeats, warmup, pause, pool,
+                           mask="none", round_seconds=ROUND_SECONDS, progress=None,
+                           torch_threads=None):
+    """Cross-check, then time, each implementation in a worker process of its own.
+
+    The reference path (the oracle) runs in this process; each
+    implementation of ``impls`` runs in ``pool``'s worker of its name, which
+    writes its results to a file for the cross-check, then times
+    forward+backward in rounds alternating with the others'
+    (:func:`workers.time_alternating`). One record per implementation.
+    """
+    from workers import WorkerError, time_alternating
+
+    impls = [impl for impl in impls if impl in KIND_IMPLEMENTATIONS[kind]]
+    records = {impl: _new_record(kind, config, dtype, impl, mask, "processes") for impl in impls}
+    spec = {"kind": kind, "config": list(config), "dtype": np.dtype(dtype).name,
+            "causal": mask == "causal", "torch_threads": torch_threads}
+    try:
+        expected = make_runner(ORACLE, make_problem(kind, config, dtype, causal=spec["causal"])).result()
+    except Exception as error:
+        for record in records.values():
+            record["status"] = "refused"
+            record["reason"] = f"no oracle: the reference path failed ({type(error).__name__}: {error})"
+        return list(records.values())
+    workers = {}
+    with tempfile.TemporaryDirectory(prefix="qkvnp-bench-") as directory:
+        for impl, record in records.items():
+            worker = pool.get(impl)
+            try:
+                reply = worker.request("setup", workload="attention", spec=dict(spec, impl=impl))
+                if "missing" in reply:
+                    record["status"], record["reason"] = "missing", reply["missing"]
+                    continue
+                record["torch_threads"] = reply.get("torch_threads")
+                path = os.path.join(directory, impl + ".npz")
+                reply = worker.request("result", path=path)
+                with np.load(path, allow_pickle=False) as stored:
+                    results = dict(stored)
+            except WorkerError as error:
+                record["status"], record["reason"] = "error", str(error)
+                continue
+            record["dispatch"] = reply.get("dispatch")
+            check = cross_check(results, expected, dtype)
+            _record_check(record, check)
+            if check.ok:
+                workers[impl] = worker
+    del expected
+    if not workers:
+        return list(records.values())
+    try:
+        seconds, calls = time_alternating(workers, "fwd_bwd", repeats, warmup, pause,
+                                          round_seconds, progress)
+    except WorkerError as error:
+        for impl in workers:
+            records[impl]["status"] = "error"
+            records[impl]["reason"] = f"while timing: {error}"
+        return list(records.values())
+    flops = FLOPS[kind](config, backward=True)
+    for impl in workers:
+        records[impl]["fwd_bwd"] = dict(_timing_stats(seconds[impl], flops),
+                                        calls_per_round=calls[impl])
+    if progress:
+        progress("    fwd+bwd: " + ", ".join(
+            f"{impl} {1e3 * records[impl]['fwd_bwd']['median_ms']:.1f} us" for impl in workers))
+    return list(records.values())
+
+
+Case = namedtuple("Case", "protocol kind config dtype mask impls")
+Case.__doc__ = "One workload to cross-check and time: protocol, kind, Config, dtype, mask, impls."
+
+
+def plan_cases(configs, dtypes, masks=MASKS, kinds=None, impls=None, quick=False):
+    """The cases of a run, in the order they run: one-process-per-library ones first.
+
+    Parameters
+    ----------
+    configs, dtypes, masks : sequences
+    kinds, impls : sequence, optional
+        Workloads and implementations; each protocol has its own defaults.
+    quick : bool
+        The reduced defaults of ``--quick``.
+
+    Returns
+    -------
+    list of Case
+
+    Notes
+    -----
+    Defaults: configurations with L <= :data:`PROCESS_MAX_LENGTH` time the
+    layer's default path (``auto``; the core's ``fast``)
+    against PyTorch, each in a process of its own. Longer ones run in this
+    process: without a mask every workload and implementation (the reference
+    path untimed with ``quick``), causal the layer without the reference
+    path; with ``quick`` only ``auto`` and PyTorch's layer.
+    """
+    cases = [[], []]
+    for config in (_check_config(c) for c in configs):
+        for dtype in (_check_dtype(d) for d in dtypes):
+            for mask in masks:
+                if config.length <= PROCESS_MAX_LENGTH:
+                    protocol, case_kinds, case_impls = "processes", ("layer",), None
+                elif quick:
+                    protocol, case_kinds, case_impls = "same process", ("layer",), ("auto", "torch")
+                elif mask == "none":
+                    protocol, case_kinds, case_impls = "same process", KINDS, IMPLEMENTATIONS
+                else:
+                    protocol, case_kinds = "same process", ("layer",)
+                    case_impls = tuple(i for i in IMPLEMENTATIONS if i != ORACLE)
+                for kind in kinds or case_kinds:
+                    # the layer's default path, or the core's fast path (it has no dispatch)
+                    kind_impls = case_impls or ("auto" if kind == "layer" else "fast", "torch")
+                    cases[protocol == "same process"].append(
+                        Case(protocol, kind, config, dtype, mask, tuple(impls or kind_impls)))
+    return cases[0] + cases[1]
+
+
 def _add_ratios(records, peaks):
     """Add ``ratio_torch`` (median / PyTorch's median, same workload and mode) and
     ``percent_peak`` (achieved GFLOP/s / GEMM peak of the dtype) to each timing."""
-    torch_records = {(r["kind"], tuple(r["config"]), r["dtype"]): r
-                     for r in records if r["impl"] == "torch" and r["status"] == "ok"}
+    def key(r):
+        return r["kind"], tuple(r["config"]), r["dtype"], r.get("mask", "none")
+
+    torch_records = {key(r): r for r in records if r["impl"] == "torch" and r["status"] == "ok"}
     for record in records:
-        reference = torch_records.get((record["kind"], tuple(record["config"]), record["dtype"]))
+        reference = torch_records.get(key(record))
         for mode in MODES:
             if record[mode] is None:
                 continue
@@ -998,34 +1190,49 @@ def _add_ratios(records, peaks):
             )
 
 
-def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=KINDS,
-                  impls=IMPLEMENTATIONS, repeats=7, warmup=1, pause=0.3, memory=True,
-                  memory_kinds=KINDS, memory_configs=None, import_repeats=7, tiled_memory=True,
-                  gemm_size=GEMM_SIZE, progress=_progress):
+def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=None,
+                  impls=None, masks=MASKS, repeats=7, warmup=1, pause=0.3,
+                  round_seconds=ROUND_SECONDS, memory=True, memory_kinds=KINDS,
+                  memory_configs=None, import_repeats=7, tiled_memory=True, training=True,
+                  training_dtypes=None, gemm_size=GEMM_SIZE, quick=False, torch_threads=None,
+                  progress=_progress):
     """Run the whole benchmark and return the report (a JSON-ready dict).
 
     Parameters
     ----------
     configs : sequence of Config
     dtypes : sequence of dtype names
-    kinds : sequence of {"layer", "core"}
-    impls : sequence of implementation names (see :data:`IMPLEMENTATIONS`)
+    kinds : sequence of {"layer", "core"}, optional
+    impls : sequence of implementation names (see :data:`IMPLEMENTATIONS`), optional
+        Default: each protocol's own (:func:`plan_cases`).
+    masks : sequence of {"none", "causal"}
     repeats, warmup : int
         Timed and untimed rounds per workload and mode.
     pause : float
-        Seconds slept when switching from one implementation to the next.
+        Seconds slept when switching from one implementation (or process) to the next.
+    round_seconds : float
+        Shortest round of the one-library-per-process protocol.
     memory : bool
-        Measure peak memory in fresh processes.
+        Measure peak memory in fresh processes (configurations timed in this
+        process, without a mask).
     memory_kinds : sequence of {"layer", "core"}
         Workloads whose memory is measured (with ``memory``).
     memory_configs : sequence of Config, optional
-        Configurations whose memory is measured (default: all).
+        Configurations whose memory is measured (default: those timed in this process).
     import_repeats : int
         Fresh interpreters per module for the import cost; 0 skips it.
     tiled_memory : bool
         Also measure the tiled core at :data:`TILED_MEMORY_SHAPE` (with ``memory``).
+    training : bool
+        Time the training steps (:mod:`train_bench`), in ``training_dtypes``
+        (default ``dtypes``).
     gemm_size : int
         Size of the square matrices whose product measures the GEMM peak.
+    quick : bool
+        The reduced defaults of ``--quick`` (:func:`plan_cases`).
+    torch_threads : int, optional
+        PyTorch's thread count (``torch.set_num_threads``), in every process;
+        default: PyTorch's own default, as users get it.
     progress : callable or None
         Receives one line of text per step.
 
@@ -1033,22 +1240,42 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     -------
     dict
         ``environment``, ``gemm_peak_gflops`` (per dtype), ``import_time``,
-        ``records`` (one per kind, config, dtype and implementation),
+        ``records`` (one per protocol, kind, config, dtype, mask and
+        implementation), ``training`` (one per task and dtype),
         ``tiled_memory``, ``settings``, ``attention_gemm_ceiling_gflops``
         (per dtype, :func:`measure_attention_gemm_ceiling`),
-        ``target_requirements`` (see :func:`target_requirements`).
+        ``target_requirements`` (see :func:`target_requirements`),
+        ``summary`` (the plain-language lines of :func:`summary.summarize`).
     """
+    from summary import summarize
+    from train_bench import TRAINING_TASKS, run_training_case
+    from workers import WorkerPool
+
     progress = progress or (lambda message: None)
     configs = [_check_config(c) for c in configs]
     dtypes = [_check_dtype(d) for d in dtypes]
-    for impl in impls:
+    for impl in impls or ():
         if impl not in IMPLEMENTATIONS:
             raise ValueError(f"impls must be chosen from {IMPLEMENTATIONS}, got {impl!r}")
+    for mask in masks:
+        if mask not in MASKS:
+            raise ValueError(f"masks must be chosen from {MASKS}, got {mask!r}")
+    cases = plan_cases(configs, dtypes, masks, kinds, impls, quick)
+    training_dtypes = [_check_dtype(d) for d in (training_dtypes or dtypes)] if training else []
     started = time.perf_counter()
+    if torch_threads:
+        try:
+            _import_torch().set_num_threads(torch_threads)
+        except ImplementationMissing:
+            pass
     report = {"environment": environment_info(), "settings": {
         "configs": [list(c) for c in configs], "dtypes": [d.name for d in dtypes],
-        "kinds": list(kinds), "impls": list(impls), "repeats": repeats, "warmup": warmup,
-        "pause_s": pause, "torch_threads": TORCH_THREADS, "gemm_size": gemm_size}}
+        "kinds": list(kinds or KINDS), "impls": sorted({i for c in cases for i in c.impls},
+                                                      key=IMPLEMENTATIONS.index),
+        "masks": list(masks), "repeats": repeats, "warmup": warmup, "pause_s": pause,
+        "round_seconds": round_seconds, "process_max_length": PROCESS_MAX_LENGTH,
+        "training_dtypes": [d.name for d in training_dtypes], "gemm_size": gemm_size,
+        "quick": bool(quick), "torch_threads": torch_threads}}
     progress(f"measuring the GEMM peak (numpy.matmul, n = {gemm_size})")
     # measured before and after the timings; the higher one is the peak (a
     # busy machine lowers it, nothing raises it)
@@ -1059,16 +1286,45 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
         progress(f"timing import numpy / import qkvnp in {2 * import_repeats} fresh processes")
         report["import_time"] = measure_import_time(import_repeats)
 
-    records = []
-    cases = [(k, c, d) for c in configs for d in dtypes for k in kinds]
-    for index, (kind, config, dtype) in enumerate(cases, 1):
-        progress(f"[{index}/{len(cases)}] {kind} {tuple(config)} {dtype.name}: "
-                 f"cross-check and {repeats} rounds x {len(MODES)} modes")
-        case_records = _run_case(kind, config, dtype, impls, repeats, warmup, pause, progress)
-        for record in case_records:
-            if record["status"] != "ok":
-                progress(f"    {record['impl']}: {record['status']}: {record['reason']}")
-        records.extend(case_records)
+    records, training_records = [], []
+
+    def run_cases(selected, pool=None):
+        for case in selected:
+            index = cases.index(case) + 1
+            label = (f"[{index}/{len(cases)}] {case.kind} {tuple(case.config)} {case.dtype.name} "
+                     f"{'causal' if case.mask == 'causal' else 'no mask'}")
+            if case.protocol == "processes":
+                progress(f"{label}: one process per implementation ({', '.join(case.impls)}), "
+                         f"{repeats} alternating rounds")
+                case_records = _run_case_in_processes(
+                    case.kind, case.config, case.dtype, case.impls, repeats, warmup, pause, pool,
+                    case.mask, round_seconds, progress, torch_threads)
+            else:
+                progress(f"{label}: cross-check and {repeats} rounds x {len(MODES)} modes "
+                         "in this process")
+                case_records = _run_case(case.kind, case.config, case.dtype, case.impls, repeats,
+                                         warmup, pause, progress, case.mask)
+            for record in case_records:
+                if record["status"] != "ok":
+                    progress(f"    {record['impl']}: {record['status']}: {record['reason']}")
+            records.extend(case_records)
+
+    with WorkerPool(CHILD_PATH) as pool:
+        run_cases([c for c in cases if c.protocol == "processes"], pool)
+        training_cases = [(task, d) for d in training_dtypes for task in TRAINING_TASKS]
+        for index, (task, dtype) in enumerate(training_cases, 1):
+            progress(f"training [{index}/{len(training_cases)}] {task} {dtype.name}: loss check, "
+                     f"then {repeats} alternating rounds of steps, one process per library")
+            record = run_training_case(task, dtype, pool, repeats, warmup, pause,
+                                       max(round_seconds, 0.1), progress, torch_threads)
+            if record["status"] != "ok" or record["reason"]:
+                progress(f"    {record['status']}: {record['reason']}")
+            elif record["torch"]:
+                progress(f"    qkvnp {record['qkvnp']['steps_per_s']:.0f} steps/s, "
+                         f"PyTorch {record['torch']['steps_per_s']:.0f} steps/s")
+            training_records.append(record)
+    # the workers have quit: no idle process beside the same-process timings
+    run_cases([c for c in cases if c.protocol == "same process"])
     progress("measuring the GEMM peak again")
     for dtype in dtypes:
         peak_runs[dtype.name].append(measure_gemm_peak(dtype, gemm_size))
@@ -1079,17 +1335,19 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     _add_ratios(records, peaks)
 
     if memory:
-        memory_configs = configs if memory_configs is None else [
-            _check_config(c) for c in memory_configs]
+        memory_configs = ({tuple(c) for c in configs if c.length > PROCESS_MAX_LENGTH}
+                          if memory_configs is None else
+                          {tuple(_check_config(c)) for c in memory_configs})
         to_measure = [r for r in records if r["status"] == "ok" and r["kind"] in memory_kinds
-                      and tuple(r["config"]) in memory_configs]
+                      and tuple(r["config"]) in memory_configs and r["mask"] == "none"
+                      and r["timed"]]
         for index, record in enumerate(to_measure, 1):
             progress(f"memory [{index}/{len(to_measure)}] {record['kind']} "
                      f"{tuple(record['config'])} {record['dtype']} {record['impl']} (fresh process)")
             record["memory"] = measure_memory(record["kind"], record["impl"], record["config"],
                                               record["dtype"])
     report["tiled_memory"] = None
-    if memory and tiled_memory and "tiled" in impls:
+    if memory and tiled_memory and "tiled" in report["settings"]["impls"]:
         B, H, L, D = TILED_MEMORY_SHAPE
         progress(f"memory: tiled core at (B, H, L, D) = {TILED_MEMORY_SHAPE} float32 (fresh process)")
         measured = measure_memory("core", "tiled", Config(B, L, H * D, H), "float32")
@@ -1100,7 +1358,9 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
             measured["limit_mib"] = TILED_MEMORY_LIMIT_MIB
         report["tiled_memory"] = measured
     report["records"] = records
+    report["training"] = training_records
     report["target_requirements"] = target_requirements(report)
+    report["summary"] = summarize(report)
     report["elapsed_s"] = time.perf_counter() - started
     return report
 
@@ -1248,7 +1508,14 @@ def format_report(report):
     lines.append(f"numpy BLAS: {env['blas_build'] or '?'}; {blas_text}")
     lines.append("env: " + ", ".join(f"{k}={v if v is not None else '(unset)'}"
                                      for k, v in env["env"].items()))
-    lines.append(f"torch threads: {env['torch_threads'] if env['torch'] else '-'}")
+    chosen = report["settings"].get("torch_threads")
+    lines.append(f"torch threads: {env['torch_threads'] if env['torch'] else '-'} "
+                 f"({'set by --torch-threads' if chosen else 'its default'})")
+    load = env.get("load_average")
+    if load:
+        lines.append(f"load average at the start (1, 5, 15 min): {load[0]:.2f}, {load[1]:.2f}, "
+                     f"{load[2]:.2f}" + (" -- the machine was busy: the times are not those of "
+                                         "an idle machine" if load[0] > 0.5 else ""))
     peaks = report["gemm_peak_gflops"]
     lines.append(f"GEMM peak (numpy.matmul, n = {report['settings']['gemm_size']}, best of 5, "
                  "before and after the timings): "
@@ -1268,27 +1535,64 @@ def format_report(report):
                      f"{imports['qkvnp_min_ms'] / imports['numpy_min_ms']:.2f}); "
                      f"loaded beyond numpy's: {extra}")
     settings = report["settings"]
-    lines.append(f"timing: median of {settings['repeats']} interleaved rounds after "
-                 f"{settings['warmup']} warm-up, {settings['pause_s']} s pause between implementations; "
-                 "IQR = interquartile range; x torch = median / PyTorch's median")
+    lines.append(f"timing, L <= {settings.get('process_max_length', PROCESS_MAX_LENGTH)}: each "
+                 "implementation in a process of its own, rounds alternating between the "
+                 f"processes, each round at least {settings.get('round_seconds', ROUND_SECONDS)} s "
+                 f"of calls, median of {settings['repeats']} rounds after {settings['warmup']} "
+                 f"warm-up, {settings['pause_s']} s pause between processes")
+    lines.append(f"timing, longer: one process, median of {settings['repeats']} interleaved rounds "
+                 f"after {settings['warmup']} warm-up, {settings['pause_s']} s pause between "
+                 "implementations; IQR = interquartile range; x torch = median / PyTorch's median")
     memory_method = {r["memory"].get("method") for r in report["records"]
                      if r["memory"] and "method" in r["memory"]}
     lines.append("memory: peak extra RSS of one fwd+bwd in a fresh process "
                  f"({', '.join(sorted(memory_method)) or 'not measured'}); check: largest "
                  "relative error against the reference path (the oracle)")
 
-    header = (f"{'config (B,L,E,H)':<19}{'dtype':<8}{'impl':<10}"
+    in_processes = [r for r in report["records"] if r.get("protocol") == "processes"]
+    same_process = [r for r in report["records"] if r.get("protocol") != "processes"]
+    header = (f"{'config (B,L,E,H)':<19}{'dtype':<8}{'mask':<7}{'impl':<10}"
+              f"{'f+b us':>9}{'IQR':>8}{'calls':>7}{'xtorch':>7}{'check':>8}  path")
+    titles = {"layer": "MultiHeadAttention layer, forward+backward, one process per "
+                       "implementation (PyTorch: nn.MultiheadAttention, need_weights=False)",
+              "core": "attention core on (B, H, L, D), forward+backward, one process per "
+                      "implementation (PyTorch: scaled_dot_product_attention)"}
+    for kind in KINDS:
+        rows = [r for r in in_processes if r["kind"] == kind]
+        if not rows:
+            continue
+        lines += ["", titles[kind] + "; microseconds a call, calls = calls per round",
+                  header, "-" * len(header)]
+        for r in rows:
+            label = (f"{'(' + ','.join(map(str, r['config'])) + ')':<19}{r['dtype']:<8}"
+                     f"{r.get('mask', 'none'):<7}{r['impl']:<10}")
+            if r["status"] != "ok":
+                lines.append(f"{label}{r['status'].upper()}: {r['reason']}")
+                continue
+            stats = r["fwd_bwd"]
+            error = r["check"]["max_rel_err"] if r["check"] else None
+            path = (r.get("dispatch") or {}).get("path", "")
+            lines.append(label + format(_ms(1e3 * stats["median_ms"]), ">9")
+                         + format(_ms(1e3 * (stats["q3_ms"] - stats["q1_ms"])), ">8")
+                         + format(stats.get("calls_per_round", 1), ">7")
+                         + _fmt(stats.get("ratio_torch"), ".2f", 7) + _fmt(error, ".0e", 8)
+                         + f"  {path}".rstrip())
+
+    header = (f"{'config (B,L,E,H)':<19}{'dtype':<8}{'mask':<7}{'impl':<10}"
               f"{'fwd ms':>8}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |"
               f"{'f+b ms':>8}{'IQR':>7}{'xtorch':>7}{'GF/s':>6}{'%pk':>5} |{'MiB':>6}{'check':>8}")
-    titles = {"layer": "MultiHeadAttention layer (PyTorch: nn.MultiheadAttention, need_weights=False)",
-              "core": "attention core on (B, H, L, D) (PyTorch: scaled_dot_product_attention)"}
+    titles = {"layer": "MultiHeadAttention layer, in one process (PyTorch: nn.MultiheadAttention, "
+                       "need_weights=False)",
+              "core": "attention core on (B, H, L, D), in one process (PyTorch: "
+                      "scaled_dot_product_attention)"}
     for kind in KINDS:
-        rows = [r for r in report["records"] if r["kind"] == kind]
+        rows = [r for r in same_process if r["kind"] == kind]
         if not rows:
             continue
         lines += ["", titles[kind], header, "-" * len(header)]
         for r in rows:
-            label = f"{'(' + ','.join(map(str, r['config'])) + ')':<19}{r['dtype']:<8}{r['impl']:<10}"
+            label = (f"{'(' + ','.join(map(str, r['config'])) + ')':<19}{r['dtype']:<8}"
+                     f"{r.get('mask', 'none'):<7}{r['impl']:<10}")
             if r["status"] != "ok":
                 lines.append(f"{label}{r['status'].upper()}: {r['reason']}")
                 continue
@@ -1299,21 +1603,56 @@ def format_report(report):
             check = "oracle" if r["impl"] == ORACLE else _fmt(error, ".0e", 8)
             lines.append(label + "".join(_mode_cells(r["fwd"])) + " |"
                          + "".join(_mode_cells(r["fwd_bwd"])) + " |" + mib + format(check, ">8"))
-    target_lines = _targets(report)
-    if target_lines:
-        lines += ["", "targets (issue 4):"] + target_lines
-    needs = target_requirements(report)
-    if needs:
-        lines += ["", "what the speed targets ask of this machine (fwd+bwd; floor = the matmul "
-                  "FLOPs at the GEMM peak above, nothing else costing time):"]
-        for n in needs:
-            lines.append(f"  {n['kind']:<6}{str(n['config']):<20}"
-                         f"{n['dtype']:<8} target {n['limit']:.1f} x {_ms(n['torch_ms'])} = "
-                         f"{_ms(n['target_ms'])} ms, floor {_ms(n['floor_ms'])} ms: needs "
-                         f"{n['needed_percent']:.0f}% of peak" + _ceiling_note(report, n["dtype"]))
+
+    training = report.get("training") or []
+    if training:
+        header = (f"{'task':<11}{'dtype':<9}{'qkvnp ms':>9}{'steps/s':>9}{'torch ms':>10}"
+                  f"{'steps/s':>9}{'qkvnp/torch':>13}{'losses':>9}")
+        lines += ["", "training step (zero_grad, forward, loss, backward, Adam step), one process "
+                  "per library, ms a step; losses: largest relative difference of the first "
+                  "steps' losses", header, "-" * len(header)]
+        for t in training:
+            label = f"{t['task']:<11}{t['dtype']:<9}"
+            if t["status"] != "ok":
+                lines.append(f"{label}{t['status'].upper()}: {t['reason']}")
+                continue
+            cells = []
+            for library in ("qkvnp", "torch"):
+                stats = t.get(library)
+                cells += [_fmt(stats and stats["step_ms"], ".3f", 9 if library == "qkvnp" else 10),
+                          _fmt(stats and stats["steps_per_s"], ".0f", 9)]
+            error = (t.get("check") or {}).get("max_rel_err")
+            lines.append(label + "".join(cells) + _fmt(t.get("speedup"), ".2f", 13)
+                         + _fmt(error, ".0e", 9))
+
+    from summary import ratio_table, summarize
+
+    table = ratio_table(report)
+    if table:
+        lines += [""] + table
+    if report.get("show_targets"):
+        target_lines = _targets(report)
+        if target_lines:
+            lines += ["", "developers' targets (--targets; the project's speed and memory "
+                      "targets of an earlier round):"] + target_lines
+        needs = target_requirements(report)
+        if needs:
+            lines += ["", "what those speed targets ask of this machine (fwd+bwd; floor = the "
+                      "matmul FLOPs at the GEMM peak above, nothing else costing time):"]
+            for n in needs:
+                lines.append(f"  {n['kind']:<6}{str(n['config']):<20}"
+                             f"{n['dtype']:<8} target {n['limit']:.1f} x {_ms(n['torch_ms'])} = "
+                             f"{_ms(n['target_ms'])} ms, floor {_ms(n['floor_ms'])} ms: needs "
+                             f"{n['needed_percent']:.0f}% of peak" + _ceiling_note(report, n["dtype"]))
+    summary = report.get("summary")
+    if summary is None:
+        summary = summarize(report)
+    if summary:
+        lines += ["", "Summary"] + summary
     problems = [r for r in report["records"] if r["status"] in ("refused", "error")]
+    problems += [t for t in training if t["status"] in ("refused", "error")]
     if problems:
-        lines += ["", f"{len(problems)} implementation run(s) refused or failed: see above"]
+        lines += ["", f"{len(problems)} run(s) refused or failed: see above"]
     return "\n".join(lines)
 
 
@@ -1426,25 +1765,42 @@ def _seconds(text):
 def add_arguments(parser):
     """Add the ``bench`` options to an ``argparse`` parser."""
     parser.add_argument("--quick", action="store_true",
-                        help="reduced run, under a minute on an idle machine: configs %s, "
-                             "float32, the reference path not timed (still the oracle), "
-                             "memory of the layers at the last config only"
+                        help="reduced run, about a minute on an idle machine: configs %s, "
+                             "float32, qkvnp's default path and PyTorch's layer only, the "
+                             "training steps in float32, no import timing, memory of the "
+                             "layers at the last config only"
                              % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
     parser.add_argument("--configs", nargs="+", type=_parse_config, metavar="B,L,E,H",
-                        help="configurations (default: %s)"
-                             % " ".join(",".join(map(str, c)) for c in DEFAULT_CONFIGS))
+                        help="configurations (default: %s); those with L <= %d are timed "
+                             "with each implementation in a process of its own"
+                             % (" ".join(",".join(map(str, c)) for c in DEFAULT_CONFIGS),
+                                PROCESS_MAX_LENGTH))
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "float64"),
                         help="dtypes (default: float32 float64)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, help="workloads (default: both)")
+    parser.add_argument("--masks", nargs="+", choices=MASKS,
+                        help="attention masks (default: none causal)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS,
+                        help="workloads (default: the layer for L <= %d, both beyond)"
+                             % PROCESS_MAX_LENGTH)
     parser.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS,
-                        help="implementations (default: all; the reference path always "
-                             "runs as the cross-check's oracle)")
+                        help="implementations (default: auto and torch for L <= %d, all "
+                             "beyond; the reference path always runs as the cross-check's "
+                             "oracle)" % PROCESS_MAX_LENGTH)
     parser.add_argument("--repeats", type=_count(1), help="timed rounds, median reported (default 7)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--pause", type=_seconds,
-                        help="seconds slept before each call that follows another "
+                        help="seconds slept before each call or round that follows another "
                              "implementation's, while idle BLAS/OpenMP threads stop spinning "
                              "(default 0.3, quick 0.15)")
+    parser.add_argument("--round-time", type=_seconds,
+                        help="shortest round, in seconds, when each implementation runs in a "
+                             f"process of its own: enough calls to make it (default {ROUND_SECONDS}, "
+                             "quick 0.02)")
+    parser.add_argument("--torch-threads", type=_count(1),
+                        help="PyTorch's thread count (default: PyTorch's own, as users get "
+                             "it: 2 on a 2-core machine)")
+    parser.add_argument("--no-training", action="store_true",
+                        help="skip the training-step benchmark")
     parser.add_argument("--gemm-size", type=_count(16), default=GEMM_SIZE,
                         help="n of the n x n matmul that measures the GEMM peak "
                              f"(default {GEMM_SIZE})")
@@ -1452,29 +1808,39 @@ def add_arguments(parser):
                         help="skip the peak-memory measurements (fresh processes)")
     parser.add_argument("--import-repeats", type=_count(0),
                         help="fresh interpreters per module for the import cost (default 7, "
-                             "0 skips it)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+                             "quick 0: skipped)")
+    parser.add_argument("--targets", action="store_true",
+                        help="for qkvnp's developers: also print the check of the project's "
+                             "earlier speed and memory targets, and the share of the GEMM peak "
+                             "each speed target asks of this machine")
+    parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     parser.add_argument("--plot", metavar="PATH",
-                        help="draw time and memory against L (needs matplotlib)")
+                        help="draw qkvnp's time / PyTorch's against the work size, for the "
+                             "default path over the whole grid (needs matplotlib)")
+    parser.add_argument("--plot-times", metavar="PATH",
+                        help="draw fwd+bwd time and memory of every implementation against L "
+                             "(needs matplotlib)")
 
 
 def run(args):
     """Run the benchmark described by parsed ``args``; return the exit status.
 
-    0 when every available implementation agreed with the reference path, 1
-    when one was refused or failed (its numbers are not reported).
+    0 when every available implementation agreed with the reference path
+    (and the training losses agreed), 1 when one was refused or failed (its
+    numbers are not reported).
     """
+    from summary import plot_ratios
+
     quick = args.quick
     configs = args.configs or (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
-    # quick: the reference path runs once, as the oracle, but is not timed
-    impls = args.impls or (tuple(i for i in IMPLEMENTATIONS if i != ORACLE) if quick
-                           else IMPLEMENTATIONS)
     pause = args.pause if args.pause is not None else 0.15 if quick else 0.3
+    round_seconds = (args.round_time if args.round_time is not None
+                     else 0.02 if quick else ROUND_SECONDS)
     repeats = args.repeats or 7
     import_repeats = (args.import_repeats if args.import_repeats is not None
-                      else 5 if quick else 7)
-    if args.plot:
+                      else 0 if quick else 7)
+    if args.plot or args.plot_times:
         try:
             import matplotlib  # noqa: F401  (checked now, used at the end)
         except ImportError:
@@ -1484,22 +1850,25 @@ def run(args):
     if repeats < 7:
         _progress(f"note: {repeats} rounds: fewer than 7, medians are rough")
     report = run_benchmark(
-        configs=configs, dtypes=dtypes, kinds=args.kinds or KINDS,
-        impls=impls, repeats=repeats, warmup=args.warmup, pause=pause,
-        memory=not args.no_memory, import_repeats=import_repeats,
+        configs=configs, dtypes=dtypes, kinds=args.kinds, impls=args.impls,
+        masks=args.masks or MASKS, repeats=repeats, warmup=args.warmup, pause=pause,
+        round_seconds=round_seconds, memory=not args.no_memory, import_repeats=import_repeats,
         memory_kinds=("layer",) if quick else KINDS,
         memory_configs=configs[-1:] if quick else None, tiled_memory=not quick,
-        gemm_size=args.gemm_size,
+        training=not args.no_training, gemm_size=args.gemm_size, quick=quick,
+        torch_threads=args.torch_threads,
     )
-    if quick:
-        report["settings"]["quick"] = True
+    report["show_targets"] = bool(args.targets)
     print(format_report(report))
     if args.json:
         write_json(args.json, report)
         print(f"results written to {args.json}")
-    if args.plot and plot_results(report, args.plot):
+    if args.plot and plot_ratios(report, args.plot):
         print(f"plot written to {args.plot}")
+    if args.plot_times and plot_results(report, args.plot_times):
+        print(f"plot written to {args.plot_times}")
     failed = [r for r in report["records"] if r["status"] in ("refused", "error")]
+    failed += [t for t in report["training"] if t["status"] in ("refused", "error")]
     return 1 if failed else 0
 
 

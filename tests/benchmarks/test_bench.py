@@ -26,7 +26,8 @@ BENCHMARKS_DIR = os.path.dirname(os.path.abspath(bench.__file__))
 
 TINY = Config(1, 16, 16, 2)
 TINY_ARGS = ["--configs", "1,16,16,2", "--repeats", "1", "--no-memory",
-             "--import-repeats", "0", "--pause", "0", "--gemm-size", "128"]
+             "--import-repeats", "0", "--pause", "0", "--gemm-size", "128",
+             "--round-time", "0.001", "--no-training"]
 
 
 @pytest.fixture(autouse=True)
@@ -229,7 +230,10 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     # oracle: exit status 0 (every implementation present agreed with the
     # reference path), one table row per implementation, the JSON file
     path = tmp_path / "bench.json"
-    status = bench.main(TINY_ARGS + ["--json", str(path)])
+    # every workload and implementation asked for: at L <= 128 the default is
+    # the layer's auto path and PyTorch only
+    status = bench.main(TINY_ARGS + ["--json", str(path), "--kinds", "layer", "core",
+                                     "--impls", *bench.IMPLEMENTATIONS])
     out = capsys.readouterr().out
     assert status == 0, out
     report = bench.read_json(path)
@@ -413,9 +417,239 @@ def test_doctests_of_the_harness():
     assert "2 passed" in done.stdout, done.stdout
 
 
+def test_doctests_of_the_new_harness_modules():
+    # summary.py (the phrases users read) and train_bench.py (the loss check)
+    checkout = os.path.dirname(BENCHMARKS_DIR)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--doctest-modules", os.path.join(BENCHMARKS_DIR, "summary.py"),
+                           os.path.join(BENCHMARKS_DIR, "train_bench.py")],
+                          cwd=checkout, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout, done.stdout
+
+
 def test_benchmarks_run_py_is_the_same_command():
     script = os.path.join(BENCHMARKS_DIR, "run.py")
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "--quick" in out and "--no-memory" in out
     assert bench.__doc__.splitlines()[0] in " ".join(out.split())  # help text rewraps lines
+
+
+# ---------------------------------------------------------------- the grid and its protocols
+
+
+def test_grid_holds_the_users_sizes_and_the_large_ones():
+    # oracle: the shapes listed by hand
+    users = [(1, 6, 3, 1), (8, 16, 32, 4), (64, 8, 16, 2), (16, 32, 64, 4), (64, 33, 64, 1),
+             (32, 64, 128, 8)]
+    large = [(8, 128, 256, 8), (4, 512, 512, 8), (1, 2048, 512, 8), (1, 4096, 256, 4)]
+    assert [tuple(c) for c in bench.DEFAULT_CONFIGS] == users + large
+    cases = bench.plan_cases(bench.DEFAULT_CONFIGS, ["float32", "float64"])
+    layer = {(tuple(c.config), c.dtype.name, c.mask): c for c in cases if c.kind == "layer"}
+    for config in users + large:  # each shape, dtype and mask has the default path and PyTorch
+        for dtype in ("float32", "float64"):
+            for mask in ("none", "causal"):
+                case = layer[(config, dtype, mask)]
+                assert {"auto", "torch"} <= set(case.impls)
+                assert case.protocol == ("processes" if config[1] <= 128 else "same process")
+    # the one-library-per-process cases run first (before any torch thread pool exists here)
+    protocols = [c.protocol for c in cases]
+    assert protocols == sorted(protocols, key=lambda p: p != "processes")
+
+
+def test_quick_plan_is_the_users_view():
+    cases = bench.plan_cases(bench.QUICK_CONFIGS, ["float32"], quick=True)
+    assert {c.impls for c in cases} == {("auto", "torch")} and {c.kind for c in cases} == {"layer"}
+    assert any(c.protocol == "same process" for c in cases)
+    assert {c.mask for c in cases} == {"none", "causal"}
+
+
+@pytest.mark.parametrize("kind", ["layer", "core"])
+def test_causal_problem_changes_the_output(kind):
+    # oracle: a behavioural property; under the causal mask, changing the last
+    # position's input does not change the first position's output
+    problem = bench.make_problem(kind, TINY, "float64", causal=True)
+    out = bench.make_runner("reference", problem).result()["out"]
+    plain = bench.make_runner("reference", bench.make_problem(kind, TINY, "float64")).result()["out"]
+    assert out.shape == plain.shape
+    assert not np.allclose(out, plain)
+    name = "x" if kind == "layer" else "key"
+    problem.arrays[name][..., -1, :] += 1.0
+    changed = bench.make_runner("reference", problem).result()["out"]
+    np.testing.assert_array_equal(changed[..., 0, :], out[..., 0, :])
+
+
+def test_worker_process_checks_and_times_one_library(tmp_path):
+    # oracle: this process's runner on the same inputs, within the paths'
+    # tolerance (not bitwise: the two processes may split the work over
+    # threads differently); the round protocol returns one time per round
+    import workers
+
+    with workers.WorkerPool(bench.CHILD_PATH) as pool:
+        worker = pool.get("fast")
+        spec = {"kind": "layer", "config": list(TINY), "dtype": "float64", "causal": True,
+                "impl": "fast"}
+        assert worker.request("setup", workload="attention", spec=spec)["library"] == "qkvnp"
+        reply = worker.request("result", path=str(tmp_path / "r.npz"))
+        assert reply["dispatch"]["path"] == "fast"
+        with np.load(tmp_path / "r.npz") as stored:
+            results = dict(stored)
+        expected = bench.make_runner("fast", bench.make_problem("layer", TINY, "float64",
+                                                                 causal=True)).result()
+        assert sorted(results) == sorted(expected)
+        check = bench.cross_check(results, expected, "float64")
+        assert check.ok, check
+        seconds, calls = workers.time_alternating({"fast": worker}, "fwd_bwd", repeats=3,
+                                                  warmup=1, pause=0, round_seconds=0.001)
+        assert len(seconds["fast"]) == 3 and calls["fast"] >= 1
+        with pytest.raises(workers.WorkerError, match="unknown op"):
+            worker.request("no-such-op")
+        bad = dict(spec, impl="no-such-impl")
+        with pytest.raises(workers.WorkerError):
+            worker.request("setup", workload="attention", spec=bad)
+    assert worker.process.poll() is not None  # the pool closed it
+
+
+def test_process_case_refuses_a_wrong_result(monkeypatch):
+    # oracle: a worker whose results are off by 0.1% must be refused and not
+    # timed; the other implementation is still timed
+    import workers
+
+    class FakeWorker:
+        def __init__(self, impl, scale):
+            self.impl, self.scale = impl, scale
+
+        def request(self, op, **fields):
+            if op == "setup":
+                return {"library": "qkvnp"}
+            if op == "result":
+                problem = bench.make_problem("layer", TINY, "float64")
+                results = bench.make_runner("reference", problem).result()
+                results["dx"] = results["dx"] * self.scale
+                np.savez(fields["path"], **results)
+                return {"saved": fields["path"]}
+            if op == "calibrate":
+                return {"calls": 2}
+            return {"seconds": 0.002}
+
+    class FakePool:
+        def get(self, impl):
+            return FakeWorker(impl, 1.001 if impl == "fast" else 1.0)
+
+    monkeypatch.setattr(workers.time, "sleep", lambda seconds: None)
+    records = bench._run_case_in_processes("layer", TINY, np.dtype("float64"), ["fast", "auto"],
+                                           repeats=2, warmup=0, pause=0.1, pool=FakePool())
+    by_impl = {r["impl"]: r for r in records}
+    assert by_impl["fast"]["status"] == "refused" and by_impl["fast"]["fwd_bwd"] is None
+    assert by_impl["auto"]["status"] == "ok"
+    assert by_impl["auto"]["fwd_bwd"]["times_ms"] == [1.0, 1.0]  # 0.002 s / 2 calls
+    assert by_impl["auto"]["protocol"] == "processes"
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("task", ["kv-recall", "teacher"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_training_steps_agree_with_pytorch(torch, task, dtype):
+    # oracle: PyTorch autograd and torch.optim.Adam on the same model, weights
+    # and batches (the benchmark's own check, run here in one process)
+    import train_bench
+
+    data = train_bench.make_training_data(task, dtype, batches=3)
+    ours = train_bench.make_training_runner("qkvnp", task, dtype, data).result()["loss"]
+    theirs = train_bench.make_training_runner("torch", task, dtype, data).result()["loss"]
+    assert ours.shape == theirs.shape == (train_bench.CHECK_STEPS,)
+    error, ok = train_bench.check_losses(ours, theirs, dtype)
+    assert ok, (ours, theirs, error)
+    assert theirs[-1] < theirs[0] or task == "kv-recall"  # the teacher's loss falls at once
+
+
+def test_training_check_refuses_a_different_trajectory():
+    import train_bench
+
+    losses = np.array([2.0, 1.5, 1.2])
+    assert train_bench.check_losses(losses, losses * (1 + 1e-10), "float64")[1]
+    assert not train_bench.check_losses(losses, losses * (1 + 1e-7), "float64")[1]
+    assert not train_bench.check_losses(losses[:2], losses, "float32")[1]
+    assert not train_bench.check_losses(losses * np.nan, losses, "float32")[1]
+
+
+# ---------------------------------------------------------------- what users read
+
+
+def ratio_record(config, dtype, mask, impl, ratio, flops=1000):
+    return {"kind": "layer", "config": list(config), "dtype": dtype, "mask": mask, "impl": impl,
+            "status": "ok", "memory": None,
+            "fwd_bwd": {"ratio_torch": ratio, "flops": flops, "median_ms": 1.0}}
+
+
+def test_summary_states_each_result_plainly():
+    # oracle: hand-made ratios; small shapes at 0.5x and 0.4x are 2.0x and 2.5x
+    # faster (geometric mean 0.447 -> 2.2x faster), L = 2048 at 1.1x is slower
+    import summary
+
+    report = {"records": [ratio_record((1, 6, 3, 1), "float32", "none", "auto", 0.5),
+                          ratio_record((1, 6, 3, 1), "float64", "causal", "auto", 0.4),
+                          ratio_record((1, 6, 3, 1), "float32", "none", "torch", 1.0),
+                          ratio_record((1, 2048, 512, 8), "float32", "none", "auto", 1.1)],
+              "training": [{"task": "teacher", "dtype": "float64", "status": "ok", "reason": None,
+                            "qkvnp": {"steps_per_s": 600.0}, "torch": {"steps_per_s": 300.0},
+                            "speedup": 2.0}]}
+    text = "\n".join(summary.summarize(report))
+    assert "small shapes (B*L*E <= 16,384: (1, 6, 3, 1)): qkvnp is 2.2x faster than PyTorch" in text
+    assert "from 2.5x faster at (1, 6, 3, 1) float64 causal to 2.0x faster at (1, 6, 3, 1) float32" in text
+    assert "L = 2048 ((1, 2048, 512, 8)): qkvnp is 1.1x slower than PyTorch." in text
+    assert "teacher float64: qkvnp 600 steps/s, PyTorch 300 steps/s: qkvnp is 2.0x faster" in text
+    assert "issue" not in text.lower() and "target" not in text.lower()
+    table = summary.ratio_table(report)
+    assert table[1].split() == ["(B,", "L,", "E,", "H)", "MFLOP", "float32", "float64", "causal"]
+    assert table[3].split()[-2:] == ["0.50", "0.40"] and table[4].split()[-2:] == ["1.10", "-"]
+
+
+def test_printed_report_has_no_target_list_unless_asked():
+    report = {"environment": bench.environment_info(), "gemm_peak_gflops": {"float32": 100.0},
+              "settings": {"impls": ["auto", "torch"], "repeats": 7, "warmup": 1,
+                           "pause_s": 0.3, "gemm_size": 2048},
+              "import_time": {"ratio": 1.1, "numpy_ms": 50.0, "qkvnp_ms": 55.0,
+                              "numpy_min_ms": 50.0, "qkvnp_min_ms": 55.0, "repeats": 7,
+                              "extra_modules": []},
+              "tiled_memory": None,
+              "records": [dict(ratio_record((4, 512, 512, 8), "float32", "none", impl, ratio),
+                               fwd=None, check=None, protocol="same process",
+                               fwd_bwd={"ratio_torch": ratio, "flops": 10**9, "median_ms": 9.0,
+                                        "q1_ms": 8.0, "q3_ms": 10.0, "gflops": 1.0,
+                                        "percent_peak": 1.0})
+                          for impl, ratio in (("auto", 0.9), ("torch", 1.0))]}
+    plain = bench.format_report(report)
+    assert "issue" not in plain.lower() and "target" not in plain.lower()
+    assert "qkvnp is 1.1x faster than PyTorch" in plain
+    report["show_targets"] = True
+    assert "developers' targets (--targets" in bench.format_report(report)
+
+
+def test_ratio_plot_has_one_series_per_dtype_and_mask(monkeypatch, tmp_path):
+    # a recording stand-in for matplotlib (absent here): x = work, y = ratio
+    import types
+    from unittest import mock
+
+    import summary
+
+    axis, figure = mock.MagicMock(), mock.MagicMock()
+    figure.savefig.side_effect = lambda stream, format: stream.write(b"PNG")
+    pyplot = types.SimpleNamespace(subplots=mock.MagicMock(return_value=(figure, axis)),
+                                   close=mock.MagicMock())
+    monkeypatch.setitem(sys.modules, "matplotlib",
+                        types.SimpleNamespace(use=lambda backend: None, pyplot=pyplot))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    report = {"records": [ratio_record((1, 6, 3, 1), "float32", "none", "auto", 0.5, 10),
+                          ratio_record((8, 16, 32, 4), "float32", "none", "auto", 0.8, 1000),
+                          ratio_record((1, 6, 3, 1), "float64", "causal", "auto", 0.4, 10),
+                          ratio_record((1, 6, 3, 1), "float64", "causal", "fast", 9.9, 10)]}
+    assert summary.plot_ratios(report, tmp_path / "ratio.png") is True
+    drawn = {call.kwargs["label"]: call.args[:2] for call in axis.plot.call_args_list}
+    assert drawn == {"float32, no mask": ([10, 1000], [0.5, 0.8]),
+                     "float64, causal": ([10], [0.4])}
+    assert axis.set.call_args.kwargs["xscale"] == "log"
+    assert (tmp_path / "ratio.png").read_bytes() == b"PNG"
