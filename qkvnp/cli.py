@@ -2,6 +2,9 @@
 
 Each command lives in its own module, which provides
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them.
+A command refuses a bad option by raising ``argparse.ArgumentError`` before
+it starts any work; :func:`main` prints it as argparse does (the command's
+usage, then ``<prog> <command>: error: ...``) and returns 2.
 """
 import argparse
 import importlib
@@ -14,7 +17,7 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS = {
     "demo": ("qkvnp.demo", "walk through the seeds' attention example step by step"),
     "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically"),
-    "train": ("qkvnp.training.loop", "train attention projections by gradient descent"),
+    "train": ("qkvnp.training.command", "train attention projections by gradient descent"),
     "ablation": ("qkvnp.training.ablation", "why Q, K and V: train kv-recall with tied projections"),
 }
 
@@ -37,10 +40,13 @@ def build_parser(command=None):
     the selected one imports its module and adds its options: a command's
     heavy or broken imports never slow down or break another command.
     """
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog=_program_name(),
         description="Q/K/V attention in pure NumPy with hand-derived gradients.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in COMMANDS.items():
@@ -52,7 +58,7 @@ def build_parser(command=None):
             name, help=help_text, description=module.__doc__.strip().splitlines()[0]
         )
         module.add_arguments(parser_for_command)
-        parser_for_command.set_defaults(_run=module.run)
+        parser_for_command.set_defaults(_run=module.run, _parser=parser_for_command)
     return parser
 
 
@@ -60,9 +66,16 @@ def main(argv=None):
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    parser = build_parser(command if command in COMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # under the command's usage, not the top level's
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args._run(args) or 0)
+    except argparse.ArgumentError as exc:
+        args._parser.print_usage(sys.stderr)
+        print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # output piped into e.g. `head`, which closed early: exit quietly
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -417,16 +417,17 @@ def test_import_pulls_in_numpy_only():
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    """Run ``qkvnp.cli.main(["gradcheck", ...])``; return (exit code, stdout).
+    """Run ``qkvnp.cli.main(["gradcheck", ...])``; return (exit code, stdout + stderr).
 
     Only the gradcheck command is registered, so that this test does not
-    depend on the other commands' modules.
+    depend on the other commands' modules. Errors go to stderr, as argparse's do.
     """
     monkeypatch.setattr(qkvnp.cli, "COMMANDS", {"gradcheck": qkvnp.cli.COMMANDS["gradcheck"]})
 
     def run(*argv):
         code = qkvnp.cli.main(["gradcheck", *argv])
-        return code, capsys.readouterr().out
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
 
     return run
 
@@ -470,6 +471,34 @@ def test_cli_fails_on_a_broken_backward(cli, monkeypatch):
 def test_cli_reports_bad_sizes(cli):
     code, out = cli("--embed", "6", "--heads", "4")
     assert code == 2 and "--heads must divide --embed" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eps", "0"], "--eps must be a finite positive number, got 0.0"),  # was a traceback
+    (["--eps=-1e-6"], "--eps must be a finite positive number, got -1e-06"),
+    (["--eps", "nan"], "--eps must be a finite positive number, got nan"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),  # was numpy's "expected non-negative"
+    (["--batch", "0"], "--batch must be a positive int <= 4096, got 0"),
+    (["--kv-seq", "0"], "--kv-seq must be a positive int <= 4096, got 0"),
+    (["--embed", "100000"], "--embed must be a positive int <= 4096"),  # was a MemoryError
+    (["--embed", "1024", "--heads", "2"], "sizes too large for a numerical check"),
+    (["--sweep-eps", "--eps", "1e-3"], "--eps does not apply to --sweep-eps"),
+    (["--sweep-eps", "--mode", "direction", "--dtype", "float32"],
+     "--mode, --dtype do not apply to --sweep-eps"),
+])
+def test_cli_refuses_bad_options_under_its_usage_before_any_work(monkeypatch, capsys, argv,
+                                                                 message):
+    # oracle: argparse's format: the gradcheck usage, then "<prog> gradcheck: error: ..."
+    import qkvnp.gradcheck.command as command
+
+    monkeypatch.setattr(command, "check_layer", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(command, "sweep_eps", lambda *a, **k: pytest.fail("work started"))
+    assert qkvnp.cli.main(["gradcheck", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert lines[0].startswith("usage: ") and " gradcheck [-h] " in lines[0]
+    assert " gradcheck: error: " in lines[-1] and message in lines[-1], lines[-1]
 
 
 def test_cli_sweep_eps_shows_truncation_and_round_off(cli):

@@ -5,7 +5,12 @@ with the options' shapes and masks, runs :func:`qkvnp.gradcheck.check_layer`
 on each and prints the tables (exit status 1 on a failure), or with
 ``--sweep-eps`` the error against the central-difference step
 (:func:`qkvnp.gradcheck.sweep_eps`).
+
+Every option is checked before any layer is built: a bad one is argparse's
+``error:`` line under the command's usage, exit status 2.
 """
+import argparse
+import math
 import time
 
 import numpy as np
@@ -26,7 +31,8 @@ def add_arguments(parser):
     parser.add_argument("--embed", type=int, default=6, help="embedding size E (default 6)")
     parser.add_argument("--heads", type=int, default=2, help="heads H, must divide E (default 2)")
     parser.add_argument("--d-out", type=int, default=4, help="SelfAttention output size (default 4)")
-    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default=None,
+                        help="dtype of the check (default float64)")
     parser.add_argument("--mask", choices=("none", "bool", "float", "padding"), default="none",
                         help="attention mask: random bool (with a fully masked row), random "
                              "float (with -inf entries) or key padding (one sequence fully padded)")
@@ -35,18 +41,52 @@ def add_arguments(parser):
                         help="projection biases (default: on)")
     parser.add_argument("--eps", type=float, default=None,
                         help="central-difference step (default: from TOLERANCES by dtype)")
-    parser.add_argument("--mode", choices=MODES, default="elementwise")
+    parser.add_argument("--mode", choices=MODES, default=None, help="default elementwise")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep-eps", action="store_true",
                         help="print the max relative error over eps = 1e-1 .. 1e-10 for "
                              "float64 and float32 instead of checking")
 
 
+# NOTE: an elementwise check costs two forwards per scalar: far beyond these
+# sizes it would run for hours (and the inputs alone would not fit in memory)
+MAX_SIZE = 4096  # each of --batch, --seq, --kv-seq, --embed, --heads, --d-out
+MAX_ELEMENTS = 2**16  # the largest input or weight matrix (E = 128 took 3.5 min on 2 cores)
+
+
 def _positive(args, name):
     value = getattr(args, name)
-    if value is None or value < 1:
-        raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
+    if value is None or not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive int <= {MAX_SIZE}, "
+                         f"got {value}")
     return value
+
+
+def _check_options(args):
+    """Refuse a bad option or combination before any work (``argparse.ArgumentError``)."""
+    try:
+        B, T, E, H, d_out = (_positive(args, n) for n in ("batch", "seq", "embed", "heads", "d_out"))
+        S = T if args.kv_seq is None else _positive(args, "kv_seq")
+    except ValueError as exc:
+        raise argparse.ArgumentError(None, str(exc)) from None
+    if E % H:
+        raise argparse.ArgumentError(None, f"--heads must divide --embed, got embed={E} and "
+                                           f"heads={H}")
+    largest = max(B * max(T, S) * E, E * max(E, d_out))
+    if largest > MAX_ELEMENTS:
+        raise argparse.ArgumentError(None, f"sizes too large for a numerical check: an array "
+                                           f"of {largest:,} elements (> {MAX_ELEMENTS:,})")
+    if args.eps is not None and not (math.isfinite(args.eps) and args.eps > 0):
+        raise argparse.ArgumentError(None, f"--eps must be a finite positive number, got "
+                                           f"{args.eps}")
+    if args.seed < 0:
+        raise argparse.ArgumentError(None, f"--seed must be >= 0, got {args.seed}")
+    if args.sweep_eps:
+        given = [f"--{name}" for name in ("eps", "mode", "dtype") if getattr(args, name) is not None]
+        if given:
+            raise argparse.ArgumentError(None, f"{', '.join(given)} "
+                                               f"{'does' if len(given) == 1 else 'do'} not apply "
+                                               "to --sweep-eps (it sweeps eps in both dtypes)")
 
 
 def _problems(args):
@@ -56,11 +96,8 @@ def _problems(args):
     """
     from ..layers import MultiHeadAttention, SelfAttention
 
-    B, T, E, H = (_positive(args, n) for n in ("batch", "seq", "embed", "heads"))
-    d_out = _positive(args, "d_out")
-    S = T if args.kv_seq is None else _positive(args, "kv_seq")
-    if E % H:
-        raise ValueError(f"--heads must divide --embed, got embed={E} and heads={H}")
+    B, T, E, H, d_out = args.batch, args.seq, args.embed, args.heads, args.d_out
+    S = T if args.kv_seq is None else args.kv_seq
     rng = np.random.default_rng(args.seed)
     x = rng.normal(size=(B, T, E))
 
@@ -132,19 +169,24 @@ def _print_sweep(problems):
 
 
 def run(args):
-    """Run the ``gradcheck`` command; return 0 if every gradient is right, else 1."""
-    try:
-        problems = _problems(args)
-    except (ValueError, TypeError) as error:
-        print(f"gradcheck: error: {error}")
-        return 2
+    """Run the ``gradcheck`` command; return 0 if every gradient is right, else 1.
+
+    Raises
+    ------
+    argparse.ArgumentError
+        For a bad option, before any work; ``qkvnp.cli.main`` prints it under
+        the command's usage and returns 2.
+    """
+    _check_options(args)
+    problems = _problems(args)
     if args.sweep_eps:
         _print_sweep(problems)
         return 0
-    dtype = np.dtype(args.dtype)
+    dtype = np.dtype(args.dtype or "float64")
+    mode = args.mode or "elementwise"
     all_ok = True
     for title, layer, inputs, forward_kwargs in problems:
-        report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs, mode=args.mode,
+        report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs, mode=mode,
                              dtype=dtype, eps=args.eps, rng=args.seed)
         print(title)
         print(report.table())

@@ -1,15 +1,17 @@
 """The training app: tasks, models, the training loop, its report, checkpoints, ablation.
 
 Built on the library (layers, losses, optimizers); nothing in the library
-imports it. ``python -m qkvnp train`` runs :func:`qkvnp.training.loop.run`,
+imports it. ``python -m qkvnp train`` runs :func:`qkvnp.training.command.run`,
 ``python -m qkvnp ablation`` runs :func:`qkvnp.training.ablation.run`.
 
 ========================  =====================================================
 :mod:`~.tasks`            kv-recall and teacher tasks, the seeded random streams
 :mod:`~.models`           ``KVRecallModel`` (and its Q/K/V variants), ``AttentionRegressor``
-:mod:`~.loop`             ``TrainConfig``, ``train``, the ``train`` command
+:mod:`~.config`           ``TrainConfig``: defaults, checks, size limits
+:mod:`~.loop`             ``train``: the loop, resume, Ctrl-C/SIGTERM, periodic saves
+:mod:`~.command`          the ``train`` command: every option checked before training
 :mod:`~.report`           progress line, summary, attention example, plot
-:mod:`~.checkpoint`       ``.npz`` checkpoints, written atomically, read without pickle
+:mod:`~.checkpoint`       ``.npz`` checkpoints, written atomically, headers checked before data
 :mod:`~.ablation`         why separate Q, K and V: the variants side by side
 ========================  =====================================================
 """

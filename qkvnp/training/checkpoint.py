@@ -26,11 +26,16 @@ Layout of the archive (every entry a plain numeric or unicode array)::
 
 Writing goes to a temporary file in the destination's directory, which is
 flushed, fsync'ed and renamed over the destination (``os.replace``), so that a
-crash leaves either the old file or the new one, never half of one. Reading
-uses ``np.load(..., allow_pickle=False)`` and refuses anything unexpected
-(not a zip archive, truncated, an object array, a missing or unknown entry,
-another format version, a history that does not fit ``meta/step``) with a
-:class:`CheckpointError` naming the problem.
+crash leaves either the old file or the new one, never half of one.
+
+Reading checks before it loads: the zip directory and each entry's ``.npy``
+header give every name, shape and dtype for a few bytes each; they are
+checked against the format, against each other (the history fits
+``meta/step``) and against what the stored configuration implies, before any
+array's data is read, without pickle. Anything unexpected (a directory, not
+a zip archive, truncated, an object array, a header that does not match its
+size, a missing or unknown entry, another format version, a non-finite
+parameter) is a :class:`CheckpointError` naming the file and the entry.
 
 Format versions: 1 had no ``history/`` entries; 2 (this one) adds them.
 Version 1 files are refused, with the advice to train again (see
@@ -39,6 +44,7 @@ Version 1 files are refused, with the advice to train again (see
 import json
 import math
 import os
+import stat
 import zipfile
 from collections import namedtuple
 
@@ -52,6 +58,8 @@ __all__ = [
     "HISTORY_FIELDS",
     "CheckpointError",
     "Checkpoint",
+    "ArraySpec",
+    "MAX_TEXT",
     "save_checkpoint",
     "load_checkpoint",
     "check_params_match",
@@ -69,7 +77,10 @@ _STEP_FIELDS = ("step", "eval_step")  # int64; every other field is float64
 _HISTORY = tuple("history/" + name for name in HISTORY_FIELDS)
 
 Checkpoint = namedtuple("Checkpoint",
-                        "params optimizer_state step rng_state config history format_version")
+                        "params optimizer_state step rng_state config history format_version path")
+ArraySpec = namedtuple("ArraySpec", "shape dtype")
+ArraySpec.__doc__ = "What an ``.npy`` header declares: ``shape`` (tuple) and ``dtype``."
+MAX_TEXT = 2**16  # characters of meta/config and meta/rng_state (a real one has < 2,000)
 
 
 class CheckpointError(ValueError):
@@ -205,27 +216,39 @@ def _history_arrays(history):
     return arrays
 
 
-def _history_problem(arrays, step):
-    """What makes the ``history/`` arrays unfit for a checkpoint at ``step``, or None."""
+def _history_layout_problem(specs, step):
+    """What makes ``history/`` entries of these shapes and dtypes unfit for ``step``, or None.
+
+    ``specs``: ``{field: array or ArraySpec}``; needs only ``shape`` and ``dtype``.
+    """
     for name in HISTORY_FIELDS:
-        value = arrays["history/" + name]
+        shape, dtype = tuple(specs[name].shape), specs[name].dtype
         expected = np.dtype(np.int64 if name in _STEP_FIELDS else np.float64)
-        if value.dtype != expected or value.ndim != 1:
-            return (f"history/{name} must be a 1-D {expected} array, got dtype {value.dtype} "
-                    f"shape {value.shape}")
-    lengths = {name: len(arrays["history/" + name]) for name in _PER_STEP}
+        if dtype != expected or len(shape) != 1:
+            return (f"history/{name} must be a 1-D {expected} array, got dtype {dtype} "
+                    f"shape {shape}")
+    lengths = {name: specs[name].shape[0] for name in _PER_STEP}
     if set(lengths.values()) != {step}:
         return (f"history/step, loss, accuracy and lr must hold one entry per step taken "
                 f"(meta/step = {step}), got lengths {lengths}")
+    lengths = {name: specs[name].shape[0] for name in _PER_EVAL}
+    if len(set(lengths.values())) != 1:
+        return f"history/eval_step, eval_loss and eval_accuracy must have one length, got {lengths}"
+    return None
+
+
+def _history_problem(arrays, step):
+    """What makes the ``history/`` arrays unfit for a checkpoint at ``step``, or None."""
+    problem = _history_layout_problem({name: arrays["history/" + name] for name in HISTORY_FIELDS},
+                                      step)
+    if problem is not None:
+        return problem
     steps = arrays["history/step"]
     wrong = np.flatnonzero(steps != np.arange(1, step + 1))
     if wrong.size:
         index = int(wrong[0])
         return (f"history/step must list every step 1, 2, ..., {step} in order, got "
                 f"{int(steps[index])} at index {index}")
-    lengths = {name: len(arrays["history/" + name]) for name in _PER_EVAL}
-    if len(set(lengths.values())) != 1:
-        return f"history/eval_step, eval_loss and eval_accuracy must have one length, got {lengths}"
     eval_steps = arrays["history/eval_step"]
     previous = np.concatenate([[0], eval_steps])[:-1]  # the step before each, 0 before the first
     wrong = np.flatnonzero((eval_steps <= previous) | (eval_steps > step))
@@ -248,13 +271,24 @@ def _history_lists(arrays):
     return history
 
 
-def _read_all(path):
-    """Every entry of the ``.npz`` at ``path`` as a dict, or CheckpointError."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    with open(path, "rb") as f:
-        head = f.read(6)
+def _open_archive(path):
+    """The zip archive at ``path``, opened, after the checks that need no parsing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path!r} cannot be read ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise CheckpointError(f"{path!r} is a directory, not a checkpoint file")
+    if not stat.S_ISREG(mode):
+        # NOTE: a FIFO would block the read forever, a device could stream without end
+        raise CheckpointError(f"{path!r} is not a regular file (a device, FIFO or socket)")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as exc:
+        raise CheckpointError(f"{path!r} cannot be read ({exc.strerror})") from None
     if head[:6] == b"\x93NUMPY":
         raise CheckpointError(f"{path!r} is a single-array .npy file, not a checkpoint .npz")
     if head[:4] != b"PK\x03\x04":
@@ -262,57 +296,134 @@ def _read_all(path):
             f"{path!r} is not an .npz archive (expected a zip file starting with b'PK\\x03\\x04', "
             f"got first bytes {head[:4]!r})"
         )
-    arrays = {}
     try:
-        with np.load(path, allow_pickle=False) as data:
-            for name in data.files:
-                try:
-                    arrays[name] = data[name]
-                except ValueError as exc:
-                    if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
-                        raise CheckpointError(
-                            f"{path!r}: entry {name!r} holds pickled Python objects; "
-                            "checkpoints are loaded without pickle and this one is refused"
-                        ) from None
-                    raise
-    except CheckpointError:
-        raise
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"{path!r} is truncated or corrupt and cannot be read as an .npz archive "
-            f"({type(exc).__name__}: {exc})"
-        ) from None
-    return arrays
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        raise CheckpointError(_corrupt(path, exc)) from None
 
 
-def load_checkpoint(path):
+def _corrupt(path, exc, name=None):
+    where = "" if name is None else f" (entry {name!r})"
+    return (f"{path!r} is truncated or corrupt and cannot be read as an .npz archive{where} "
+            f"({type(exc).__name__}: {exc})")
+
+
+def _read_headers(archive, path):
+    """``{entry name: ArraySpec}`` from the zip directory and each ``.npy`` header.
+
+    Reads a few hundred bytes per entry, never an entry's data. Refuses, naming
+    the entry: a member that is not ``<name>.npy``, a repeated name, an
+    unreadable header, an object (pickled) dtype, and a header whose shape and
+    dtype do not account for exactly the bytes the zip directory lists.
+    """
+    headers = {}
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            raise CheckpointError(f"{path!r}: unexpected member {info.filename!r} (entries are "
+                                  "<name>.npy arrays)")
+        name = info.filename[:-4]
+        if name in headers:
+            raise CheckpointError(f"{path!r}: entry {name!r} appears twice")
+        try:
+            with archive.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    raise ValueError(f".npy format version {version} (qkvnp writes 1.0)")
+                offset = f.tell()
+        except (ValueError, TypeError, SyntaxError, EOFError, OSError, zipfile.BadZipFile,
+                NotImplementedError) as exc:
+            raise CheckpointError(_corrupt(path, exc, name)) from None
+        if dtype.hasobject:
+            raise CheckpointError(
+                f"{path!r}: entry {name!r} holds pickled Python objects; checkpoints are "
+                "loaded without pickle and this one is refused"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset + nbytes != info.file_size:
+            raise CheckpointError(
+                f"{path!r}: entry {name!r} declares shape {shape} dtype {dtype} "
+                f"({nbytes:,} bytes) but the archive holds {info.file_size - offset:,} bytes "
+                "of data for it"
+            )
+        headers[name] = ArraySpec(tuple(shape), dtype)
+    return headers
+
+
+def _read_entry(archive, path, name):
+    """Load one entry whose header was checked (so its size is known and bounded)."""
+    try:
+        with archive.open(name + ".npy") as f:
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except (ValueError, EOFError, OSError, zipfile.BadZipFile, KeyError) as exc:
+        raise CheckpointError(_corrupt(path, exc, name)) from None
+
+
+def _check_meta_headers(headers, path):
+    """The five ``meta/`` entries exist, are scalars of their kind, and the texts are short."""
+    missing = [name for name in _META if name not in headers]
+    if missing:
+        raise CheckpointError(f"{path!r} is not a qkvnp checkpoint: missing {missing}")
+    for name in _META:
+        spec = headers[name]
+        integer = name in ("meta/format_version", "meta/step")
+        if spec.shape != () or spec.dtype.kind not in ("iu" if integer else "U"):
+            expected = "an integer scalar" if integer else "a unicode scalar"
+            raise CheckpointError(f"{path!r}: {name} must be {expected}, got dtype {spec.dtype} "
+                                  f"shape {spec.shape}")
+        if not integer and spec.dtype.itemsize > 4 * MAX_TEXT:
+            raise CheckpointError(f"{path!r}: {name} holds {spec.dtype.itemsize // 4:,} "
+                                  f"characters, more than a checkpoint writes (<= {MAX_TEXT:,})")
+
+
+def load_checkpoint(path, layout=None):
     """Read and validate a checkpoint written by :func:`save_checkpoint`.
+
+    Every entry's name, shape and dtype are checked from the archive's
+    directory and the ``.npy`` headers before any array is loaded, so that a
+    hostile file (a header declaring 10**12 elements, a compressed entry of
+    gigabytes of zeros) costs a few kilobytes to refuse.
 
     Parameters
     ----------
     path : str or os.PathLike
+    layout : callable, optional
+        ``layout(config) -> (specs, max_step)``: given the stored
+        configuration (a dict), the ``{"param/<name>" or "optim/<key>":
+        (shape, dtype)}`` entries it implies and the largest step it allows.
+        It raises ``ValueError`` or ``TypeError`` for a configuration it
+        refuses (:func:`qkvnp.training.loop.checkpoint_layout` bounds every
+        size). Without it, any float ``param/`` and numeric ``optim/``
+        entries are accepted.
 
     Returns
     -------
     Checkpoint
         ``params`` and ``optimizer_state`` (dicts of ndarray), ``step`` (int),
         ``rng_state`` and ``config`` (dicts), ``history`` (dict of lists, as
-        given to :func:`save_checkpoint`), ``format_version`` (int).
+        given to :func:`save_checkpoint`), ``format_version`` (int), ``path``
+        (str).
 
     Raises
     ------
     FileNotFoundError
         If ``path`` does not exist.
     CheckpointError
-        (a ``ValueError``) if the file is not an ``.npz``, is truncated or
+        (a ``ValueError``) naming the file and the entry, if ``path`` is a
+        directory or not a regular file, is not an ``.npz``, is truncated or
         corrupt, holds an object (pickled) array, lacks an entry, has an
-        unknown entry, is of another format version, or has a history that
-        does not fit its step: ``history/step`` must be exactly ``1 .. step``
-        (so no longer than the step count, no gaps, no repeats),
+        unknown entry, has an entry whose header does not match its size or
+        what the configuration implies, is of another format version, holds a
+        non-finite parameter or optimizer entry, or has a history that does
+        not fit its step: ``history/step`` must be exactly ``1 .. step`` (so
+        no longer than the step count, no gaps, no repeats),
         ``history/eval_step`` strictly increasing within ``1 .. step``, the
         arrays 1-D, int64 for the steps and float64 for the values, each
-        group of one length. The values themselves are records and are not
-        checked (NaN reads back as None).
+        group of one length. The history's values themselves are records and
+        are not checked (NaN reads back as None).
 
     Notes
     -----
@@ -322,87 +433,111 @@ def load_checkpoint(path):
     which, a run being a pure function of its settings, reaches the same
     state, with its history.
     """
-    arrays = _read_all(path)
-    missing = [name for name in _META if name not in arrays]
-    if missing:
-        raise CheckpointError(f"{os.fspath(path)!r} is not a qkvnp checkpoint: missing {missing}")
-    if str(arrays["meta/magic"]) != MAGIC:
-        raise CheckpointError(
-            f"{os.fspath(path)!r}: meta/magic must be {MAGIC!r}, got {str(arrays['meta/magic'])!r}"
-        )
-    version = _int_scalar(arrays["meta/format_version"], "meta/format_version", path)
-    if version != FORMAT_VERSION:
-        if version == 1:
-            advice = (
-                "version 1 checkpoints predate the stored loss history and cannot be resumed; "
-                "train again from step 0 with the same settings and --save (a run is a pure "
-                "function of its settings, so it reaches the same state, history included)"
-            )
-        elif version > FORMAT_VERSION:
-            advice = "it was written by a newer qkvnp: resume it with that version"
-        else:
-            advice = "no qkvnp ever wrote that version"
-        raise CheckpointError(
-            f"{os.fspath(path)!r} has checkpoint format version {version}; this qkvnp reads "
-            f"version {FORMAT_VERSION} only: {advice}"
-        )
-    step = _int_scalar(arrays["meta/step"], "meta/step", path)
-    if step < 0:
-        raise CheckpointError(f"{os.fspath(path)!r}: meta/step must be >= 0, got {step}")
-    missing = [name for name in _HISTORY if name not in arrays]
-    if missing:
-        raise CheckpointError(f"{os.fspath(path)!r}: missing history entries {missing}")
+    path = os.fspath(path)
+    with _open_archive(path) as archive:
+        headers = _read_headers(archive, path)
+        _check_meta_headers(headers, path)
+        meta = {name: _read_entry(archive, path, name) for name in _META}
+        if str(meta["meta/magic"]) != MAGIC:
+            raise CheckpointError(
+                f"{path!r}: meta/magic must be {MAGIC!r}, got {str(meta['meta/magic'])[:80]!r}")
+        version = int(meta["meta/format_version"])
+        if version != FORMAT_VERSION:
+            raise CheckpointError(_version_message(path, version))
+        step = int(meta["meta/step"])
+        if step < 0:
+            raise CheckpointError(f"{path!r}: meta/step must be >= 0, got {step}")
+        config = _json(meta["meta/config"], "meta/config", path)
+        rng_state = _json(meta["meta/rng_state"], "meta/rng_state", path)
+        _check_layout(headers, path, step, config, layout)
+        arrays = {name: _read_entry(archive, path, name) for name in headers
+                  if name not in _META}
     problem = _history_problem(arrays, step)
     if problem is not None:
-        raise CheckpointError(f"{os.fspath(path)!r}: {problem}")
-    config = _json(arrays["meta/config"], "meta/config", path)
-    rng_state = _json(arrays["meta/rng_state"], "meta/rng_state", path)
-    params, optimizer_state = {}, {}
-    for name, value in arrays.items():
-        if name.startswith("param/"):
-            if value.dtype.kind != "f":
+        raise CheckpointError(f"{path!r}: {problem}")
+    params = {name[6:]: value for name, value in arrays.items() if name.startswith("param/")}
+    optimizer_state = {name[6:]: value for name, value in arrays.items()
+                       if name.startswith("optim/")}
+    for prefix, group in (("param/", params), ("optim/", optimizer_state)):
+        for name, value in group.items():
+            if not np.isfinite(value).all():
+                index = np.unravel_index(np.flatnonzero(~np.isfinite(value))[0], value.shape)
                 raise CheckpointError(
-                    f"{os.fspath(path)!r}: parameter {name[6:]!r} must be a float array, "
-                    f"got dtype {value.dtype}"
+                    f"{path!r}: entry {prefix + name!r} holds {value[index]} at index "
+                    f"{tuple(int(i) for i in index)}; a checkpoint holds finite numbers only"
                 )
-            params[name[6:]] = value
-        elif name.startswith("optim/"):
-            if value.dtype.kind not in "biuf":
-                raise CheckpointError(
-                    f"{os.fspath(path)!r}: optimizer entry {name[6:]!r} must be numeric, "
-                    f"got dtype {value.dtype}"
-                )
-            optimizer_state[name[6:]] = value
-        elif name not in _META and name not in _HISTORY:
-            raise CheckpointError(f"{os.fspath(path)!r}: unexpected entry {name!r}")
     return Checkpoint(params, optimizer_state, step, rng_state, config, _history_lists(arrays),
-                      version)
+                      version, path)
 
 
-def _int_scalar(value, name, path):
-    if value.shape != () or value.dtype.kind not in "iu":
-        raise CheckpointError(
-            f"{os.fspath(path)!r}: {name} must be an integer scalar, got dtype {value.dtype} "
-            f"shape {value.shape}"
+def _version_message(path, version):
+    if version == 1:
+        advice = (
+            "version 1 checkpoints predate the stored loss history and cannot be resumed; "
+            "train again from step 0 with the same settings and --save (a run is a pure "
+            "function of its settings, so it reaches the same state, history included)"
         )
-    return int(value)
+    elif version > FORMAT_VERSION:
+        advice = "it was written by a newer qkvnp: resume it with that version"
+    else:
+        advice = "no qkvnp ever wrote that version"
+    return (f"{path!r} has checkpoint format version {version}; this qkvnp reads "
+            f"version {FORMAT_VERSION} only: {advice}")
+
+
+def _check_layout(headers, path, step, config, layout):
+    """Refuse, from the headers alone, any entry the checkpoint should not have."""
+    missing = [name for name in _HISTORY if name not in headers]
+    if missing:
+        raise CheckpointError(f"{path!r}: missing history entries {missing}")
+    unexpected = [name for name in headers if name not in _META and name not in _HISTORY
+                  and not name.startswith(("param/", "optim/"))]
+    if unexpected:
+        raise CheckpointError(f"{path!r}: unexpected entry {unexpected[0]!r}")
+    if layout is not None:
+        try:
+            specs, max_step = layout(config)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path!r} holds an invalid configuration (meta/config): "
+                                  f"{exc}") from None
+        if step > max_step:
+            raise CheckpointError(f"{path!r}: meta/step is {step}, beyond the {max_step} steps "
+                                  "of its configuration (meta/config)")
+        for prefix, what in (("param/", "parameter"), ("optim/", "optimizer entry")):
+            check_params_match(
+                {name[6:]: spec for name, spec in headers.items() if name.startswith(prefix)},
+                {name[6:]: ArraySpec(*spec) for name, spec in specs.items()
+                 if name.startswith(prefix)},
+                what, f"checkpoint {path!r}")
+    else:
+        for name, spec in headers.items():
+            if name.startswith("param/") and spec.dtype.kind != "f":
+                raise CheckpointError(f"{path!r}: parameter {name[6:]!r} must be a float array, "
+                                      f"got dtype {spec.dtype}")
+            if name.startswith("optim/") and spec.dtype.kind not in "biuf":
+                raise CheckpointError(f"{path!r}: optimizer entry {name[6:]!r} must be numeric, "
+                                      f"got dtype {spec.dtype}")
+    problem = _history_layout_problem({name[8:]: headers[name] for name in _HISTORY}, step)
+    if problem is not None:
+        raise CheckpointError(f"{path!r}: {problem}")
 
 
 def _json(value, name, path):
-    if value.shape != () or value.dtype.kind != "U":
-        raise CheckpointError(
-            f"{os.fspath(path)!r}: {name} must be a unicode scalar holding JSON, got dtype "
-            f"{value.dtype} shape {value.shape}"
-        )
+    """The JSON object held by the unicode scalar ``value`` (its header already checked)."""
     try:
         decoded = json.loads(str(value))
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{os.fspath(path)!r}: {name} is not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path!r}: {name} is not valid JSON ({exc})") from None
     if not isinstance(decoded, dict):
-        raise CheckpointError(
-            f"{os.fspath(path)!r}: {name} must be a JSON object, got {type(decoded).__name__}"
-        )
+        raise CheckpointError(f"{path!r}: {name} must be a JSON object, got {type(decoded).__name__}")
     return decoded
+
+
+def _spec(value):
+    """The :class:`ArraySpec` of an array (or of an ``ArraySpec``)."""
+    if not hasattr(value, "dtype"):
+        value = np.asarray(value)
+    return ArraySpec(tuple(value.shape), np.dtype(value.dtype))
 
 
 def check_params_match(saved, expected, what="parameter", source="checkpoint"):
@@ -410,7 +545,7 @@ def check_params_match(saved, expected, what="parameter", source="checkpoint"):
 
     Parameters
     ----------
-    saved, expected : dict of str to ndarray
+    saved, expected : dict of str to ndarray or ArraySpec
     what : str
         Word used in the message ("parameter", "optimizer entry").
     source : str
@@ -427,8 +562,8 @@ def check_params_match(saved, expected, what="parameter", source="checkpoint"):
     for name in sorted(set(saved) - set(expected)):
         problems.append(f"unexpected {what} {name!r}")
     for name in sorted(set(saved) & set(expected)):
-        got, want = np.asarray(saved[name]), np.asarray(expected[name])
-        if got.shape != want.shape or got.dtype != want.dtype:
+        got, want = _spec(saved[name]), _spec(expected[name])
+        if got != want:
             problems.append(
                 f"{what} {name!r}: expected shape {want.shape} dtype {want.dtype}, "
                 f"got shape {got.shape} dtype {got.dtype}"

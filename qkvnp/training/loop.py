@@ -24,12 +24,24 @@ stopped, and with the same history.
 
 The command's progress line, summary and plot live in :mod:`qkvnp.training.report`.
 
-Ctrl-C stops the run at the end of the current step, saves a checkpoint
-(to ``--save``, or to a default path that is printed) and exits with 130;
-a second Ctrl-C aborts at once without saving.
+Resuming: the checkpoint stores the run's configuration, ``steps`` included,
+which is also the horizon of the cosine schedule. Resumed with the same
+``steps`` (a run stopped by Ctrl-C, SIGTERM, or between ``save_every``
+checkpoints), the run ends bitwise identical to one that never stopped.
+Resumed with another ``steps`` (to extend a finished run), the learning rate
+follows the new horizon's schedule from the checkpoint's step on: the result
+is then neither run's; ``python -m qkvnp train`` says so in one line.
+
+Ctrl-C or SIGTERM (what a job scheduler sends before it kills a job) stops
+the run at the end of the current step and saves a checkpoint (to
+``save``, or to a default path that is printed); the command exits with 130
+or 143. A second signal aborts at once without saving.
+
+The command line itself is :mod:`qkvnp.training.command`.
 """
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import signal
@@ -41,148 +53,30 @@ from collections import namedtuple
 import numpy as np
 
 from .._checks import check_int
-from .checkpoint import (HISTORY_FIELDS, CheckpointError, check_params_match, load_checkpoint,
+from .._io import check_writable
+from .checkpoint import (HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint,
                          save_checkpoint)
+from .config import RESUMABLE_CHANGES, TrainConfig
 
 __all__ = [
     "TrainConfig",
     "TrainResult",
+    "SaveError",
     "train",
     "build_model",
     "build_task",
     "build_optimizer",
     "scheduled_lr",
     "evaluate",
-    "add_arguments",
-    "run",
+    "checkpoint_layout",
+    "check_resume",
+    "default_checkpoint_path",
 ]
-
-TASK_DEFAULTS = {
-    # task -> defaults that differ between tasks (measured on a 2-core machine)
-    "kv-recall": {"steps": 1000, "lr": 5e-3},
-    "teacher": {"steps": 2000, "lr": 2e-2},
-}
-SGD_LR = {"kv-recall": 0.05, "teacher": 0.5}
-# fields that may differ between a checkpoint and the run resuming it
-RESUMABLE_CHANGES = ("steps", "eval_every", "eval_size")
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything that defines a training run (saved as JSON in checkpoints).
-
-    ``steps`` and ``lr`` left as None take the task's default
-    (:data:`TASK_DEFAULTS`; SGD has its own learning rates), ``eval_every``
-    None means ``steps // 10``: :meth:`resolved` fills them in.
-
-    Attributes
-    ----------
-    task : {"kv-recall", "teacher"}
-    steps : int
-        Total optimizer steps of the run (a resumed run continues up to it).
-    lr : float
-        Peak learning rate.
-    optimizer : {"adam", "adamw", "sgd"}
-    momentum : float
-        SGD momentum (ignored by Adam).
-    weight_decay : float
-        Default 0.01 for AdamW (decoupled, as ``torch.optim.AdamW``), 0 otherwise.
-    schedule : {"cosine", "constant"}
-        ``cosine``: linear warm-up over ``warmup`` steps, then cosine decay
-        towards 0 at ``steps``.
-    warmup : int
-    batch_size : int
-    seed : int
-    dtype : {"float64", "float32"}
-    eval_every : int
-        Held-out evaluation period, in steps.
-    eval_size : int
-        Number of held-out sequences.
-    num_keys, num_values, num_pairs, dim, variant
-        kv-recall task and model (see :class:`qkvnp.training.models.KVRecallModel`).
-    embed_dim, num_heads, seq_len
-        teacher task and student.
-    """
-
-    task: str = "kv-recall"
-    steps: int = None
-    lr: float = None
-    optimizer: str = "adam"
-    momentum: float = 0.9
-    weight_decay: float = None
-    schedule: str = "cosine"
-    warmup: int = 50
-    batch_size: int = 64
-    seed: int = 0
-    dtype: str = "float64"
-    eval_every: int = None
-    eval_size: int = 2000
-    num_keys: int = 64
-    num_values: int = 64
-    num_pairs: int = 16
-    dim: int = 64
-    variant: str = "separate"
-    embed_dim: int = 16
-    num_heads: int = 2
-    seq_len: int = 8
-
-    def resolved(self):
-        """A copy with defaults filled in and every field checked."""
-        config = dataclasses.replace(self)
-        _choice(config.task, "task", tuple(TASK_DEFAULTS))
-        _choice(config.optimizer, "optimizer", ("adam", "adamw", "sgd"))
-        _choice(config.schedule, "schedule", ("cosine", "constant"))
-        _choice(config.dtype, "dtype", ("float64", "float32"))
-        from .models import VARIANTS
-
-        _choice(config.variant, "variant", tuple(VARIANTS))
-        defaults = TASK_DEFAULTS[config.task]
-        if config.steps is None:
-            config.steps = defaults["steps"]
-        if config.weight_decay is None:
-            config.weight_decay = 0.01 if config.optimizer == "adamw" else 0.0
-        if config.lr is None:
-            config.lr = SGD_LR[config.task] if config.optimizer == "sgd" else defaults["lr"]
-        for name in ("steps", "batch_size", "eval_size", "num_keys", "num_values", "num_pairs",
-                     "dim", "embed_dim", "num_heads", "seq_len"):
-            check_int(getattr(config, name), name, 1)
-        for name in ("seed", "warmup"):
-            check_int(getattr(config, name), name, 0)
-        if config.eval_every is None:
-            config.eval_every = max(1, config.steps // 10)
-        check_int(config.eval_every, "eval_every", 1)
-        for name in ("lr", "momentum", "weight_decay"):
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise TypeError(f"{name} must be a finite number, got {value!r}")
-            setattr(config, name, float(value))
-        if config.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {config.lr}")
-        return config
-
-    def to_dict(self):
-        """Plain dict (JSON-serialisable)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data):
-        """Rebuild from :meth:`to_dict`; unknown keys raise ``ValueError``."""
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown configuration keys {unknown}; expected a subset of {sorted(known)}")
-        return cls(**data)
-
-
-def _choice(value, name, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
 
 TrainResult = namedtuple(
     "TrainResult",
     "config model optimizer task step start_step history heldout initial_heldout seconds "
-    "interrupted checkpoint",
+    "interrupted checkpoint signal",
 )
 TrainResult.__doc__ = """What :func:`train` returns.
 
@@ -195,8 +89,14 @@ steps before a ``resume`` included; ``accuracy`` and ``eval_accuracy`` hold
 None for the teacher task), ``heldout`` (final held-out metrics, dict
 ``loss``, ``accuracy``), ``initial_heldout`` (the held-out metrics of the
 initial weights), ``seconds`` (wall time of this session's training loop),
-``interrupted`` (True after Ctrl-C), ``checkpoint`` (path written, or None).
+``interrupted`` (True after Ctrl-C or SIGTERM), ``checkpoint`` (path written
+at the end, or None), ``signal`` (the ``signal.Signals`` that stopped the run,
+or None).
 """
+
+
+class SaveError(OSError):
+    """A checkpoint could not be written; the file at that path is as it was before."""
 
 
 # ---------------------------------------------------------------- building blocks
@@ -278,35 +178,43 @@ def evaluate(model, task, batch):
     return {"loss": loss, "accuracy": acc}
 
 
-# ---------------------------------------------------------------- Ctrl-C
+# ---------------------------------------------------------------- Ctrl-C and SIGTERM
 
 
 class _StopFlag:
-    """SIGINT sets a flag checked between steps; a second SIGINT raises at once.
+    """SIGINT or SIGTERM sets a flag checked between steps; a second signal raises at once.
 
     Only installed in the main thread (signal handlers cannot be set elsewhere).
     """
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self):
-        self.requested = False
-        self._previous = None
+        self.signal = None
+        self._previous = {}
+
+    @property
+    def requested(self):
+        return self.signal is not None
 
     def _handler(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        sys.stderr.write("\nCtrl-C: stopping after this step and saving a checkpoint "
-                         "(Ctrl-C again aborts without saving)\n")
+        self.signal = signal.Signals(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else self.signal.name
+        sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint "
+                         f"({name} again aborts without saving)\n")
         sys.stderr.flush()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handler)
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
         return False
 
 
@@ -330,12 +238,42 @@ def default_checkpoint_path(config, step):
 # ---------------------------------------------------------------- the loop
 
 
-def _check_resume_config(saved, config, path):
+def checkpoint_layout(saved_config):
+    """What a checkpoint of ``saved_config`` holds: its entries' shapes and dtypes, and its last step.
+
+    The ``layout`` that :func:`train` gives
+    :func:`qkvnp.training.checkpoint.load_checkpoint`: the configuration is
+    resolved (so every size is bounded by :data:`qkvnp.training.config.MAXIMA`)
+    before the model and optimizer it describes are built to read their shapes.
+
+    Parameters
+    ----------
+    saved_config : dict
+        A checkpoint's ``meta/config``.
+
+    Returns
+    -------
+    specs : dict
+        ``{"param/<name>" or "optim/<key>": (shape, dtype)}``.
+    max_step : int
+        The configuration's ``steps``.
+    """
+    config = TrainConfig.from_dict(saved_config).resolved()
+    model = build_model(config, 0)
+    optimizer = build_optimizer(config, model.params)
+    specs = {"param/" + name: (value.shape, value.dtype) for name, value in model.params.items()}
+    specs.update({"optim/" + name: (value.shape, value.dtype)
+                  for name, value in optimizer.state_dict().items()})
+    return specs, config.steps
+
+
+def _check_resume_config(checkpoint, config):
     """Refuse a checkpoint whose configuration differs in a field that shapes the run."""
     try:
-        saved = TrainConfig.from_dict(saved).resolved()
+        saved = TrainConfig.from_dict(checkpoint.config).resolved()
     except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path!r} holds an invalid configuration: {exc}") from None
+        raise CheckpointError(f"{checkpoint.path!r} holds an invalid configuration "
+                              f"(meta/config): {exc}") from None
     differences = [
         f"{field.name}: checkpoint {getattr(saved, field.name)!r}, this run "
         f"{getattr(config, field.name)!r}"
@@ -345,39 +283,84 @@ def _check_resume_config(saved, config, path):
     ]
     if differences:
         raise CheckpointError(
-            f"{path!r} was saved by a run with another configuration ("
+            f"{checkpoint.path!r} was saved by a run with another configuration ("
             + "; ".join(differences) + "); resume with the checkpoint's settings "
             "(only --steps, --eval-every and --eval-size may change)"
         )
 
 
-def _restore(checkpoint, path, config, model, optimizer, data_rng):
-    """Load a checkpoint into a fresh model/optimizer/generator, or raise before changing any.
+def check_resume(checkpoint, config):
+    """Refuse a checkpoint that the run of ``config`` cannot continue; change nothing.
 
-    Returns the checkpoint's history (lists from step 1), which the run extends.
+    Parameters
+    ----------
+    checkpoint : Checkpoint
+        Read with ``load_checkpoint(path, checkpoint_layout)``, so that its
+        entries have its configuration's names, shapes and dtypes.
+    config : TrainConfig
+        Resolved.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file and the entry: another configuration (except
+        ``steps``, ``eval_every``, ``eval_size``), a step beyond
+        ``config.steps``, an optimizer step count other than the
+        checkpoint's step, an RNG state that is not PCG64's.
     """
-    _check_resume_config(checkpoint.config, config, path)
-    params = model.params
-    check_params_match(checkpoint.params, params, "parameter", f"checkpoint {path!r}")
-    check_params_match(checkpoint.optimizer_state, optimizer.state_dict(), "optimizer entry",
-                       f"checkpoint {path!r}")
+    path = checkpoint.path
+    _check_resume_config(checkpoint, config)
     if checkpoint.step > config.steps:
         raise CheckpointError(
             f"checkpoint {path!r} is at step {checkpoint.step}, beyond steps={config.steps}: "
             "steps counts the total, pass a larger --steps"
         )
+    optimizer_step = checkpoint.optimizer_state.get("step")
+    if optimizer_step is None or optimizer_step.shape != () or int(optimizer_step) != checkpoint.step:
+        raise CheckpointError(
+            f"{path!r}: entry 'optim/step' is {optimizer_step}, but the checkpoint is at "
+            f"step {checkpoint.step} (meta/step); the optimizer takes one step per step"
+        )
     probe = np.random.Generator(np.random.PCG64())
     try:
         probe.bit_generator.state = checkpoint.rng_state
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
         raise CheckpointError(
-            f"checkpoint {path!r}: meta/rng_state is not a PCG64 generator state ({exc})"
+            f"{path!r}: entry 'meta/rng_state' is not a PCG64 generator state "
+            f"({type(exc).__name__}: {exc})"
         ) from None
+
+
+def _restore(checkpoint, config, model, optimizer, data_rng):
+    """Load a checkpoint into a fresh model/optimizer/generator, or raise before changing any.
+
+    Returns its history (lists from step 1), which the run extends.
+    """
+    check_resume(checkpoint, config)
+    try:
+        optimizer.load_state_dict(checkpoint.optimizer_state)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint.path!r}: the optimizer entries (optim/) are "
+                              f"refused: {exc}") from None
+    params = model.params
     for name, value in checkpoint.params.items():
         params[name][...] = value  # in place: the layers share these arrays
-    optimizer.load_state_dict(checkpoint.optimizer_state)
     data_rng.bit_generator.state = checkpoint.rng_state
     return checkpoint.history
+
+
+def _save(path, model, optimizer, step, data_rng, config, history):
+    """Write the checkpoint atomically; any OSError becomes a :class:`SaveError`."""
+    try:
+        save_checkpoint(path, model.params, optimizer.state_dict(), step,
+                        data_rng.bit_generator.state, config.to_dict(), history)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.ENOSPC:
+            reason = "the disk is full"
+        raise SaveError(f"could not write the checkpoint of step {step} to {path!r}: {reason}; "
+                        "the file there is as it was") from None
+    return path
 
 
 @contextlib.contextmanager
@@ -408,18 +391,28 @@ def _check_finite(model, step, config, loss=0.0):
         )
 
 
-def train(config, *, resume=None, save=None, callback=None):
+def train(config, *, resume=None, save=None, save_every=None, callback=None):
     """Train the model of ``config``; optionally resume from / save to a checkpoint.
 
     Parameters
     ----------
     config : TrainConfig
-    resume : str or os.PathLike, optional
-        Checkpoint to continue from. Its configuration must equal ``config``
-        except for ``steps``, ``eval_every`` and ``eval_size``; training runs
-        from its step up to ``config.steps``.
+    resume : str or os.PathLike or Checkpoint, optional
+        Checkpoint to continue from (a path, or what
+        ``load_checkpoint(path, checkpoint_layout)`` returned). Its
+        configuration must equal ``config`` except for ``steps``,
+        ``eval_every`` and ``eval_size``; training runs from its step up to
+        ``config.steps``. With the checkpoint's own ``steps``, the run ends
+        bitwise identical to one that never stopped; with another, the cosine
+        schedule follows the new horizon from the checkpoint's step on.
     save : str or os.PathLike, optional
-        Checkpoint written at the end (and on Ctrl-C).
+        Checkpoint written at the end (and on Ctrl-C or SIGTERM), atomically;
+        a symlink is written through. Checked before the first step (see
+        :func:`qkvnp._io.check_writable`).
+    save_every : int, optional
+        Also write ``save`` every ``save_every`` steps, so that a run killed
+        without warning (SIGKILL, out of memory, power cut) loses at most that
+        many steps. Needs ``save``.
     callback : callable, optional
         Called after every step as ``callback(info)`` with a dict ``step,
         steps, loss, accuracy, lr, heldout`` (``heldout`` is the metrics
@@ -439,6 +432,14 @@ def train(config, *, resume=None, save=None, callback=None):
         lists what makes a file unreadable.
     FileNotFoundError
         If ``resume`` does not exist, or the directory of ``save`` does not.
+    ValueError, PermissionError
+        If ``save`` is empty, a directory, a special file, or in a directory
+        where no file can be created; nothing is trained then.
+    SaveError
+        (an ``OSError``) if writing a checkpoint fails (a full disk): the file
+        at ``save`` is left as it was, and no temporary file is left behind.
+    FloatingPointError
+        If the run diverges.
 
     Examples
     --------
@@ -452,9 +453,13 @@ def train(config, *, resume=None, save=None, callback=None):
     config = config.resolved()
     if save is not None:
         save = os.fspath(save)
-        directory = os.path.dirname(os.path.abspath(save))
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"save: directory {directory!r} does not exist")
+        check_writable(save, "save")
+    if save_every is not None:
+        save_every = check_int(save_every, "save_every", 1)
+        if save is None:
+            raise ValueError("save_every needs save (the checkpoint path)")
+    if resume is not None and not isinstance(resume, Checkpoint):
+        resume = load_checkpoint(resume, checkpoint_layout)
     streams = make_streams(config.seed)
     task = build_task(config, streams.teacher)
     model = build_model(config, streams.init)
@@ -465,13 +470,10 @@ def train(config, *, resume=None, save=None, callback=None):
     step = 0
     history = {key: [] for key in HISTORY_FIELDS}
     if resume is not None:
-        resume = os.fspath(resume)
-        checkpoint = load_checkpoint(resume)
-        history = _restore(checkpoint, resume, config, model, optimizer, data_rng)
-        step = checkpoint.step
+        history = _restore(resume, config, model, optimizer, data_rng)
+        step = resume.step
     start_step = step
     heldout = evaluate(model, task, heldout_batch) if step else initial
-    interrupted = False
     checkpoint_path = None
     started = time.perf_counter()
     with _blas_single_thread(), _StopFlag() as stop:
@@ -496,6 +498,8 @@ def train(config, *, resume=None, save=None, callback=None):
                 history["eval_step"].append(step)
                 history["eval_loss"].append(heldout["loss"])
                 history["eval_accuracy"].append(heldout["accuracy"])
+            if save_every is not None and step % save_every == 0 and step < config.steps:
+                _save(save, model, optimizer, step, data_rng, config, history)
             if callback is not None:
                 callback({"step": step, "steps": config.steps, "start_step": start_step,
                           "loss": loss, "accuracy": acc, "lr": optimizer.lr,
@@ -508,119 +512,7 @@ def train(config, *, resume=None, save=None, callback=None):
         elif save is not None:
             checkpoint_path = save
         if checkpoint_path is not None:
-            save_checkpoint(checkpoint_path, model.params, optimizer.state_dict(), step,
-                            data_rng.bit_generator.state, config.to_dict(), history)
+            _save(checkpoint_path, model, optimizer, step, data_rng, config, history)
     return TrainResult(config, model, optimizer, task, step, start_step, history, heldout,
-                       initial, seconds, interrupted, checkpoint_path)
-
-
-# ---------------------------------------------------------------- command line
-
-
-def add_arguments(parser):
-    """Add the ``train`` options to an ``argparse`` parser."""
-    from .models import VARIANTS
-
-    parser.add_argument("--task", choices=tuple(TASK_DEFAULTS), default=None,
-                        help="kv-recall (default): recall the value stored under a key; "
-                             "teacher: a student attention layer fits a random teacher")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
-                        help="total optimizer steps, counting those of a resumed checkpoint "
-                             "(default: kv-recall 1000, teacher 2000)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="peak learning rate (default: kv-recall 5e-3, teacher 2e-2; "
-                             "sgd: kv-recall 0.05, teacher 0.5)")
-    parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default=None,
-                        help="default adam; sgd uses --momentum")
-    parser.add_argument("--momentum", type=float, default=None, help="SGD momentum (default 0.9)")
-    parser.add_argument("--weight-decay", type=float, default=None, help="default 0.01 with adamw, else 0")
-    parser.add_argument("--schedule", choices=("cosine", "constant"), default=None,
-                        help="learning-rate schedule (default cosine, with --warmup steps of "
-                             "linear warm-up)")
-    parser.add_argument("--warmup", type=int, default=None, metavar="N", help="default 50")
-    parser.add_argument("--batch-size", type=int, default=None, metavar="B", help="default 64")
-    parser.add_argument("--seed", type=int, default=None, help="default 0")
-    parser.add_argument("--dtype", choices=("float64", "float32"), default=None,
-                        help="default float64")
-    parser.add_argument("--eval-every", type=int, default=None, metavar="N",
-                        help="held-out evaluation period (default steps/10)")
-    parser.add_argument("--eval-size", type=int, default=None, metavar="N",
-                        help="held-out sequences (default 2000)")
-    kv = parser.add_argument_group("kv-recall")
-    kv.add_argument("--num-keys", type=int, default=None, help="key vocabulary (default 64)")
-    kv.add_argument("--num-values", type=int, default=None, help="value vocabulary (default 64)")
-    kv.add_argument("--num-pairs", type=int, default=None, help="pairs per sequence (default 16)")
-    kv.add_argument("--dim", type=int, default=None, help="model width (default 64)")
-    kv.add_argument("--variant", choices=tuple(VARIANTS), default=None,
-                    help="Q/K/V projections: separate (default), tied_qk, no_value, shared")
-    teacher = parser.add_argument_group("teacher")
-    teacher.add_argument("--embed-dim", type=int, default=None, help="default 16")
-    teacher.add_argument("--num-heads", type=int, default=None, help="default 2")
-    teacher.add_argument("--seq-len", type=int, default=None, help="default 8")
-    files = parser.add_argument_group("files")
-    files.add_argument("--save", metavar="CKPT.npz", default=None,
-                       help="write a checkpoint at the end (and on Ctrl-C)")
-    files.add_argument("--resume", metavar="CKPT.npz", default=None,
-                       help="continue a saved run up to --steps (its settings are reused)")
-    files.add_argument("--plot", metavar="OUT.png", default=None,
-                       help="save the loss curve and a held-out attention heat map "
-                            "(needs pip install 'qkvnp[plot]')")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
-
-
-_CONFIG_OPTIONS = [field.name for field in dataclasses.fields(TrainConfig)]
-
-
-def config_from_args(args, base=None):
-    """A :class:`TrainConfig` from parsed options laid over ``base`` (a dict)."""
-    values = dict(base or {})
-    for name in _CONFIG_OPTIONS:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-    return TrainConfig.from_dict(values)
-
-
-def run(args):
-    """Run ``python -m qkvnp train`` with the parsed ``args``; return the exit code."""
-    from .tasks import make_streams
-    from .report import Progress, describe, plot_run, summary
-
-    base = None
-    if args.resume is not None:
-        try:
-            base = load_checkpoint(args.resume).config
-        except (FileNotFoundError, CheckpointError) as exc:
-            print(f"error: --resume: {exc}; nothing was trained or written", file=sys.stderr)
-            return 2
-    try:
-        config = config_from_args(args, base).resolved()
-    except (TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    progress = None if args.quiet else Progress()
-    print(describe(config, build_model(config, make_streams(config.seed).init)), flush=True)
-    try:
-        result = train(config, resume=args.resume, save=args.save, callback=progress)
-    except KeyboardInterrupt:
-        print("aborted by a second Ctrl-C (or before training started): nothing was saved",
-              file=sys.stderr)
-        return 130
-    except (FileNotFoundError, CheckpointError) as exc:
-        print(f"error: {exc}; nothing was trained or written", file=sys.stderr)
-        return 2
-    except FloatingPointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if progress is not None:
-            progress.close()
-    for line in summary(result):
-        print(line)
-    if result.interrupted:
-        print(f"interrupted: resume with  python -m qkvnp train --resume {result.checkpoint}"
-              + (f" --save {args.save}" if args.save else ""))
-        return 130
-    if args.plot is not None:
-        plot_run(result, args.plot)
-    return 0
+                       initial, seconds, interrupted, checkpoint_path,
+                       stop.signal if interrupted else None)

@@ -3,7 +3,7 @@
 Shape key: P stored key/value pairs, T sequence length, H heads.
 
 :func:`qkvnp.training.loop.train` prints nothing; ``python -m qkvnp train``
-(:func:`qkvnp.training.loop.run`) passes it a :class:`Progress` callback, prints
+(:func:`qkvnp.training.command.run`) passes it a :class:`Progress` callback, prints
 :func:`describe` before and :func:`summary` after the run, and calls
 :func:`plot_run` for ``--plot``. matplotlib is optional and imported only
 by :func:`plot_run`.
