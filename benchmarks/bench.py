@@ -1478,6 +1478,7 @@ def target_requirements(report, kinds_limits=(("layer", 0.8), ("core", 1.0))):
     rows = []
     for r in report["records"]:
         if (r["impl"] != "torch" or r["status"] != "ok" or r["kind"] not in limits
+                or r.get("mask", "none") != "none"
                 or not r.get("fwd_bwd") or not peaks.get(r["dtype"])):
             continue
         config = Config(*r["config"])
@@ -1690,7 +1691,7 @@ def plot_results(report, path):
         print("--plot needs matplotlib, which is not installed: pip install 'qkvnp[plot]'",
               file=sys.stderr)
         return False
-    records = [r for r in report["records"] if r["status"] == "ok"]
+    records = [r for r in report["records"] if r["status"] == "ok" and r.get("mask", "none") == "none"]
     kinds = [k for k in KINDS if any(r["kind"] == k for r in records)]
     figure, axes = plt.subplots(len(kinds) or 1, 2, figsize=(12, 4.5 * max(len(kinds), 1)),
                                 squeeze=False)
