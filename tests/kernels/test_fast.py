@@ -271,8 +271,11 @@ def test_recycled_score_buffers_are_never_shared():
         for got, want in zip(fast.attention_backward(douts[2], third), expected[2]):
             assert np.array_equal(got, want)
         del piece, second, third
+        # three score buffers, and the backwards' (T, S) scratch, freed after each
+        allocated = len(_runtime._SPARE)
+        assert allocated == pooled + 4
         _, fourth = fast.attention_forward(*problems[0])  # now a free buffer is reused
-        assert len(_runtime._SPARE) == pooled + 3
+        assert len(_runtime._SPARE) == allocated
         for got, want in zip(fast.attention_backward(douts[0], fourth), expected[0]):
             assert np.array_equal(got, want)
         del fourth
