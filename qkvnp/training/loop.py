@@ -323,6 +323,13 @@ def check_resume(checkpoint, config):
         )
     probe = np.random.Generator(np.random.PCG64())
     try:
+        # NOTE: numpy before 2.0 takes -1 as a 128-bit state without a word
+        # (numpy 1.24 on Python 3.9): check the range before numpy sees it
+        words = checkpoint.rng_state["state"]
+        for name in ("state", "inc"):
+            word = words[name]
+            if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2 ** 128:
+                raise ValueError(f"state[{name!r}] must be an int in [0, 2**128), got {word!r}")
         probe.bit_generator.state = checkpoint.rng_state
     except (TypeError, ValueError, KeyError, OverflowError) as exc:
         raise CheckpointError(
