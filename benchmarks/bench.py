@@ -1720,15 +1720,9 @@ def plot_results(report, path):
         for axis in row:
             if axis.lines:
                 axis.legend(fontsize="small")
-    figure.tight_layout()
-    path = os.fspath(path)
-    extension = os.path.splitext(path)[1].lstrip(".") or "png"
-    try:
-        with atomic_write(path) as stream:
-            figure.savefig(stream, format=extension)
-    finally:
-        plt.close(figure)
-    return True
+    from summary import save_figure
+
+    return save_figure(figure, plt, path)
 
 
 # ---------------------------------------------------------------- command line

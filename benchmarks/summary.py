@@ -160,7 +160,6 @@ def plot_ratios(report, path):
         print("--plot needs matplotlib, which is not installed: pip install 'qkvnp[plot]'",
               file=sys.stderr)
         return False
-    from qkvnp._io import atomic_write  # the package's one atomic write
 
     series = {}
     for config, dtype, mask, ratio, flops in default_path_ratios(report):
@@ -178,6 +177,13 @@ def plot_ratios(report, path):
              title="MultiHeadAttention forward+backward: qkvnp's default path against PyTorch")
     if series:
         axis.legend(fontsize="small")
+    return save_figure(figure, plt, path)
+
+
+def save_figure(figure, plt, path):
+    """Write ``figure`` to ``path`` atomically, in the format its extension names; close it."""
+    from qkvnp._io import atomic_write  # the package's one atomic write
+
     figure.tight_layout()
     path = os.fspath(path)
     extension = os.path.splitext(path)[1].lstrip(".") or "png"
