@@ -86,7 +86,7 @@ def _mib(nbytes):
     return f"{nbytes / (1 << 20):.3g} MiB"
 
 
-def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0):
+def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False):
     """The path a forward takes, and why: the only place a path is decided.
 
     Parameters
@@ -102,6 +102,8 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0):
         The caller wants the ``(..., T, S)`` weights back.
     score_bound : float
         An upper bound of ``|score|`` (see :func:`layer_score_bound`).
+    is_causal : bool
+        A causal mask: the tiled core skips the blocks above the diagonal.
 
     Returns
     -------
@@ -110,7 +112,8 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0):
     Notes
     -----
     ``"auto"`` runs the fast dense path, or the tiled path from
-    ``tiled_min_length`` keys on, or when the dense weights of ``groups``
+    ``tiled_min_length`` keys on (``causal_tiled_min_length`` under a causal
+    mask, where the tiled core skips half the blocks), or when the dense weights of ``groups``
     ``(T, S)`` matrices would exceed ``dense_weights_budget`` bytes (both
     :func:`set_block_sizes` settings). Weights requested keep the dense path:
     the tiled path never builds them, so ``impl="tiled"`` with weights falls
@@ -148,6 +151,9 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0):
                                       "core builds")
     if S >= min_length:
         return Dispatch(impl, "tiled", f"auto: {S} keys >= tiled_min_length {min_length}")
+    if is_causal and S >= sizes["causal_tiled_min_length"]:
+        return Dispatch(impl, "tiled", f"auto: causal, {S} keys >= causal_tiled_min_length "
+                                       f"{sizes['causal_tiled_min_length']}")
     if dense_bytes > budget:
         return Dispatch(impl, "tiled", f"auto: dense weights of {_mib(dense_bytes)} > "
                                        f"dense_weights_budget {_mib(budget)}")
@@ -232,7 +238,8 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     T, S = inputs[0].shape[-2], inputs[-1].shape[-2]
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
     bound = 0.0 if impl == "reference" else layer_score_bound(params, inputs, num_heads, out_proj)
-    dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights, bound)
+    dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights, bound,
+                           is_causal=bool(is_causal) if isinstance(is_causal, (bool, np.bool_)) else False)
     mha, reference = _layer_kernels()
     if dispatch.path == "reference":
         out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,

@@ -84,12 +84,18 @@ BLOCK_SIZE_DEFAULTS = {
     # impl="auto" takes the tiled path from this many keys on (from 4096 the
     # two cost about the same and tiled needs memory linear in L) ...
     "tiled_min_length": 4096,
+    # ... from this many keys on under a causal mask, where the tiled core skips
+    # the block pairs above the diagonal and the dense one computes them (full
+    # run of 2026-11-23, layer (1, 2048, 512, 8) causal fwd+bwd: tiled 240 ms,
+    # fast 295 ms float32, 486 / 520 float64; at L = 512 fast was faster) ...
+    "causal_tiled_min_length": 2048,
     # ... or when the dense (..., H, T, S) weights would take more bytes than this.
     "dense_weights_budget": 256 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
             "min_parallel_flops": 0,
             "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
+            "causal_tiled_min_length": 1,
             "dense_weights_budget": 0}
 
 _SIZES = dict(BLOCK_SIZE_DEFAULTS)

@@ -15,7 +15,7 @@ import pytest
 
 import qkvnp
 from qkvnp import kernels
-from qkvnp.kernels import _runtime
+from qkvnp.kernels import _runtime, tiled
 
 
 # ---------------------------------------------------------------- threads
@@ -156,7 +156,7 @@ def test_tiled_default_block_follows_the_setting():
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(200, 4)) for _ in range(3))
     with qkvnp.num_threads(1), kernels.block_sizes(tiled_block=(48, 80)):
-        _, cache = kernels.tiled.attention_forward(q, k, v)
+        _, cache = tiled.attention_forward(q, k, v)
     assert (cache.block_q, cache.block_k) == (48, 80)
 
 
@@ -177,6 +177,11 @@ def test_choose_path_follows_the_settings_and_says_why():
     assert big.path == "tiled" and "dense_weights_budget" in big.reason
     wanted = kernels.choose_path("auto", 1, 8, sizes["tiled_min_length"], np.float32, True)
     assert wanted.path == "fast" and "weights requested" in wanted.reason
+    causal = sizes["causal_tiled_min_length"]
+    assert kernels.choose_path("auto", 8, causal, causal, np.float32).path == "fast"
+    tiled_causal = kernels.choose_path("auto", 8, causal, causal, np.float32, is_causal=True)
+    assert tiled_causal.path == "tiled" and "causal_tiled_min_length" in tiled_causal.reason
+    assert kernels.choose_path("auto", 8, causal, causal - 1, np.float32, is_causal=True).path == "fast"
     fallback = kernels.choose_path("tiled", 1, 8, 8, np.float32, need_weights=True)
     assert fallback.path == "fast" and "fell back to the fast core" in fallback.reason
     assert kernels.choose_path("reference", 1, 8, 8, np.float32, True).path == "reference"
@@ -202,6 +207,11 @@ def test_layers_record_the_path_of_their_last_forward(make, impl):
     with kernels.block_sizes(tiled_min_length=4):  # auto now takes the tiled core
         layer.forward(x)
     assert layer.last_dispatch.path == ("tiled" if impl == "auto" else expected)
+    with kernels.block_sizes(causal_tiled_min_length=4):  # ... under a causal mask only
+        layer.forward(x)
+        assert layer.last_dispatch.path == expected
+        layer.forward(x, is_causal=True)
+        assert layer.last_dispatch.path == ("tiled" if impl == "auto" else expected)
     # the cache is the one the path's backward reads: backward works after each
     assert layer.backward(np.ones((2, 5, 4))).shape == (2, 5, 4)
 
