@@ -165,33 +165,39 @@ def layer_score_bound(params, inputs, num_heads, out_proj=True):
     """An upper bound of every attention score of a layer, before computing any.
 
     With ``q = x W_q + b_q``: ``||q_t|| <= sqrt(in) max|x| ||W_q||_F + ||b_q||``
-    (likewise ``k``, from the key input), and each head's score is at most
-    ``||q_t|| ||k_s|| / sqrt(D)`` (Cauchy-Schwarz). Costs two reductions per
-    input and one dot product per parameter: it runs on every forward.
+    and ``||W||_F <= sqrt(in E) max|W|`` (likewise ``k``, from the key input),
+    and each head's score is at most ``||q_t|| ||k_s|| / sqrt(D)``
+    (Cauchy-Schwarz). Costs two reductions per array, without temporaries: it
+    runs on every forward, and at (8, 16, 32, 4) sums of squares took a tenth
+    of the layer's time. Loose by up to ``sqrt(in E)``, which only moves the
+    deferral to the reference path a few orders of magnitude below
+    ``sqrt(finfo.max)``.
 
     >>> p = {"W_query": np.eye(2), "W_key": 2 * np.eye(2)}
     >>> layer_score_bound(p, (np.ones((3, 2)),), num_heads=1, out_proj=False)
-    5.656854249492382
+    11.313708498984763
     """
     query, key = inputs[0], inputs[1] if len(inputs) > 1 else inputs[0]
     E = params["W_query"].shape[1]
     head_dim = E // num_heads if out_proj else E
 
-    def norm_bound(x, name):
-        if x.size == 0:
-            return 0.0
-        W, b = params["W_" + name], params.get("b_" + name)
-        largest = max(float(x.max()), -float(x.min()))  # Python floats: inf, never a warning
-        # NOTE: sums of squares, not np.vdot: vdot is a BLAS call, and one made
-        # outside the kernels' single-threaded sections woke OpenBLAS's own
-        # threads, which then spun through the next section (measured: layer
-        # fwd+bwd at (32, 64, 128, 8) float64 40 ms instead of 24)
-        with np.errstate(over="ignore"):
-            w_norm = math.sqrt(float(np.square(W).sum()))
-            b_norm = 0.0 if b is None else math.sqrt(float(np.square(b).sum()))
-        return math.sqrt(x.shape[-1]) * largest * w_norm + b_norm
+    def largest(a):  # Python floats: inf, never a warning
+        return max(float(a.max()), -float(a.min())) if a.size else 0.0
 
-    return norm_bound(query, "query") * norm_bound(key, "key") / math.sqrt(max(head_dim, 1))
+    # NOTE: no BLAS call here (an np.vdot woke OpenBLAS's own threads, which
+    # then spun through the next kernel section: layer fwd+bwd at
+    # (32, 64, 128, 8) float64 took 40 ms instead of 24)
+    x_query = largest(query)
+    x_key = x_query if key is query else largest(key)
+
+    def norm_bound(x_largest, x, name):
+        W, b = params["W_" + name], params.get("b_" + name)
+        w_norm = math.sqrt(W.size) * largest(W)
+        b_norm = 0.0 if b is None else math.sqrt(b.size) * largest(b)
+        return math.sqrt(x.shape[-1]) * x_largest * w_norm + b_norm
+
+    return (norm_bound(x_query, query, "query") * norm_bound(x_key, key, "key")
+            / math.sqrt(max(head_dim, 1)))
 
 
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
@@ -254,15 +260,20 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     return out, weights, cache, dispatch
 
 
+_LAYER_KERNELS = []  # [mha, reference] once imported
+
+
 def _layer_kernels():
     """The layer kernels' modules, imported at the first layer call.
 
     NOTE: ``import qkvnp`` stays light (numpy and little else): importing the
     three kernels and their helpers cost 11 ms of a 21 ms ``import qkvnp``.
     """
-    from . import mha, reference
+    if not _LAYER_KERNELS:
+        from . import mha, reference
 
-    return mha, reference
+        _LAYER_KERNELS[:] = [mha, reference]
+    return _LAYER_KERNELS
 
 
 def layer_backward(dout, cache):
