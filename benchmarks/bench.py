@@ -1565,8 +1565,7 @@ def format_report(report):
         lines += ["", titles[kind] + "; microseconds a call, calls = calls per round",
                   header, "-" * len(header)]
         for r in rows:
-            label = (f"{'(' + ','.join(map(str, r['config'])) + ')':<19}{r['dtype']:<8}"
-                     f"{r.get('mask', 'none'):<7}{r['impl']:<10}")
+            label = _row_label(r)
             if r["status"] != "ok":
                 lines.append(f"{label}{r['status'].upper()}: {r['reason']}")
                 continue
@@ -1592,8 +1591,7 @@ def format_report(report):
             continue
         lines += ["", titles[kind], header, "-" * len(header)]
         for r in rows:
-            label = (f"{'(' + ','.join(map(str, r['config'])) + ')':<19}{r['dtype']:<8}"
-                     f"{r.get('mask', 'none'):<7}{r['impl']:<10}")
+            label = _row_label(r)
             if r["status"] != "ok":
                 lines.append(f"{label}{r['status'].upper()}: {r['reason']}")
                 continue
@@ -1675,6 +1673,12 @@ def read_json(path):
     """Read a report written by :func:`write_json` (plain JSON, no pickle)."""
     with open(path) as stream:
         return json.load(stream)
+
+
+def _row_label(record):
+    """The config, dtype, mask and impl columns of one report row."""
+    config = "(" + ",".join(map(str, record["config"])) + ")"
+    return f"{config:<19}{record['dtype']:<8}{record.get('mask', 'none'):<7}{record['impl']:<10}"
 
 
 def plot_results(report, path):

@@ -16,27 +16,35 @@ differently, each step measured:
   ``inv_sum = 1 / rowsum``; the division is applied to ``(T, Dv)`` and
   ``(T, D)`` operands instead of the ``(T, S)`` matrix;
 - ``m`` is not the row max but the bound ``|q| max|k| + max(mask row)``,
-  known before the scores, so ``[q | -m] @ [k | 1]^T`` yields ``S - m`` in
-  the matmul itself (no max pass, no subtraction pass), ``E @ [v | 1]`` yields
-  the output and the row sums together (no sum pass), and ``exp2`` (faster
-  than ``exp``) runs on scores pre-multiplied by ``log2(e)``. A few probe keys
-  check that the bound is within :data:`MAX_BOUND_GAP` bits of the max;
-  otherwise (and on overflow, fully masked rows) a block takes the exact
-  max, as the reference does: subnormal exponentials are 100x slower;
+  known before the scores (no max pass: numpy's ``max`` along a short last
+  axis is slow); a block whose largest exponential would fall below
+  ``2**-24`` (subnormal exponentials are 100x slower and lose precision),
+  with overflowed scores or fully masked rows takes the exact max, as the
+  reference does;
 - the scale ``1/sqrt(D)`` is folded into Q (a ``(T, D)`` product);
-- the backward uses ``rowsum(P * dP) = rowsum(dO * O)`` (a ``(T, Dv)`` product),
-  gets ``dP - delta`` from one matmul ``[dO | -delta] @ [V | 1]^T`` and forms
-  ``dS`` in place; it computes ``dK^T = Q^T dS`` and ``dV^T = dO^T P``
-  (measured up to 1.5x faster than ``dS^T Q`` in float64);
-- rows are processed in chunks of about ``row_block_bytes`` (a setting of
-  :mod:`qkvnp.kernels._runtime`) so that the elementwise passes run in cache;
-  results are written with ``out=`` into their final arrays (possibly
+- a block of (batch, head) groups whose scores fit in ``row_block_bytes`` (a
+  setting of :mod:`qkvnp.kernels._runtime`), which is nearly every block below
+  L = 1448 in float32, runs in a few whole-array calls
+  (:func:`_small_forward`, :func:`_small_backward`): short-axis sums are
+  matmuls with a column of ones, and from 32k scores on ``exp2`` (faster than
+  ``exp``) runs on scores pre-multiplied by ``log2(e)``; the backward takes
+  ``delta = rowsum(P * dP)`` from the ``dP`` it computed;
+- larger blocks are processed by rows in chunks of about ``row_block_bytes``
+  so that the elementwise passes run in cache: ``[q | -m] @ [k | 1]^T`` yields
+  ``S - m`` in the matmul itself, ``E @ [v | 1]`` the output and the row sums
+  together, a few probe keys check that the bound is within
+  :data:`MAX_BOUND_GAP` bits of the max; the backward uses
+  ``rowsum(P * dP) = rowsum(dO * O)`` (a ``(T, Dv)`` product), gets
+  ``dP - delta`` from one matmul ``[dO | -delta] @ [V | 1]^T`` and computes
+  ``dK^T = Q^T dS`` and ``dV^T = dO^T P`` (measured up to 1.5x faster than
+  ``dS^T Q`` in float64);
+- results are written with ``out=`` into their final arrays (possibly
   strided views: numpy hands them to BLAS);
 - the (batch, head) groups are split into blocks that the worker threads
   (``qkvnp.set_num_threads``) process concurrently with BLAS pinned to one
-  thread (ufuncs and BLAS release the GIL). Never around a multi-threaded
-  BLAS call: when the BLAS thread count cannot be set (no OpenBLAS found) or
-  there is a single block, the work runs in the calling thread.
+  thread (ufuncs and BLAS release the GIL), from ``min_parallel_flops`` on;
+  smaller jobs, and every job when the BLAS thread count cannot be set (no
+  OpenBLAS found), run in the calling thread, BLAS still at one thread.
 
 :func:`dense_forward` / :func:`dense_backward` are the core on preallocated
 buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`.
