@@ -1686,14 +1686,10 @@ def plot_results(report, path):
 
     Returns False, after saying how to install matplotlib, when it is missing.
     """
-    try:
-        import matplotlib
+    from summary import import_pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib, which is not installed: pip install 'qkvnp[plot]'",
-              file=sys.stderr)
+    plt = import_pyplot()
+    if plt is None:
         return False
     records = [r for r in report["records"] if r["status"] == "ok" and r.get("mask", "none") == "none"]
     kinds = [k for k in KINDS if any(r["kind"] == k for r in records)]

@@ -151,14 +151,8 @@ def plot_ratios(report, path):
     One series per dtype and mask, across the whole grid. Returns False,
     after saying how to install matplotlib, when it is missing.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib, which is not installed: pip install 'qkvnp[plot]'",
-              file=sys.stderr)
+    plt = import_pyplot()
+    if plt is None:
         return False
 
     series = {}
@@ -178,6 +172,20 @@ def plot_ratios(report, path):
     if series:
         axis.legend(fontsize="small")
     return save_figure(figure, plt, path)
+
+
+def import_pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None after saying how to install it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib, which is not installed: pip install 'qkvnp[plot]'",
+              file=sys.stderr)
+        return None
+    return plt
 
 
 def save_figure(figure, plt, path):

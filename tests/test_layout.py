@@ -26,6 +26,16 @@ def _module_name(path):
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _import_target(package, node):
+    """The absolute module a ``from ... import`` in ``package`` names (relative levels resolved)."""
+    if not node.level:
+        return node.module
+    base = package
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _imports(name):
     """``(imported module, imported name or None)`` for every import in ``name``'s source."""
     path = MODULES[name]
@@ -35,10 +45,7 @@ def _imports(name):
         if isinstance(node, ast.Import):
             found += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            target = _import_target(package, node)
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.append((sub, None) if sub in MODULES else (target, alias.name))
@@ -88,10 +95,7 @@ def _module_aliases(name):
     package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(MODULES[name].read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rpartition(".")[0]
-            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            target = _import_target(package, node)
             for alias in node.names:
                 if f"{target}.{alias.name}" in MODULES:
                     aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
