@@ -9,7 +9,7 @@ time a softmax runs, and PyTorch never.
 from . import functional
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
-from .layers import Embedding, Linear, MultiHeadAttention, SelfAttention
+from .layers import Embedding, Linear, Model, MultiHeadAttention, SelfAttention
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "MultiHeadAttention",
     "Linear",
     "Embedding",
+    "Model",
     "set_num_threads",
     "get_num_threads",
     "num_threads",

@@ -3,8 +3,8 @@
 Shape key: B batch, P stored key/value pairs, T sequence length, E embedding,
 K key vocabulary, V value vocabulary.
 
-A model exposes ONE flat ``params`` dict whose entries are the very arrays of
-its sub-layers (``"embed_key.weight"`` *is* ``model.embed_key.params["weight"]``),
+Each model is a :class:`qkvnp.layers.Model`: ONE flat ``params`` dict whose
+entries are the very arrays of its sub-layers (``"embed_key.weight"`` *is* ``model.embed_key.params["weight"]``),
 so an optimizer built on ``model.params`` that updates arrays in place trains
 the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
 ``zero_grad()`` resets it.
@@ -13,9 +13,9 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
-from ..layers import Embedding, Layer, Linear, MultiHeadAttention, xavier_uniform
+from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
 
-__all__ = ["Model", "KVRecallModel", "AttentionRegressor", "VARIANTS"]
+__all__ = ["KVRecallModel", "AttentionRegressor", "VARIANTS"]
 
 # variant -> parameter used as the (query, key, value) projection; None = identity
 VARIANTS = {
@@ -24,39 +24,6 @@ VARIANTS = {
     "no_value": ("W_query", "W_key", None),  # value = the token itself
     "shared": ("W_shared", "W_shared", "W_shared"),  # one matrix for all three
 }
-
-
-class Model(Layer):
-    """Flat ``params``/``grads`` over named sub-layers and the model's own arrays.
-
-    A :class:`~qkvnp.layers.Layer` whose ``params`` are assembled from its
-    sub-layers' (shared arrays, not copies).
-
-    Subclasses set ``self._layers`` (prefix -> layer) and ``self._own``
-    (name -> array) and call ``self.zero_grad()`` at the end of ``__init__``.
-    """
-
-    _layers: dict
-    _own: dict
-
-    @property
-    def params(self):
-        """Flat dict ``"prefix.name" -> array``, sharing the sub-layers' arrays."""
-        flat = dict(self._own)
-        for prefix, layer in self._layers.items():
-            for name, value in layer.params.items():
-                flat[f"{prefix}.{name}"] = value
-        return flat
-
-    def zero_grad(self):
-        """Reset every gradient (the sub-layers' and the model's own) to zeros."""
-        for layer in self._layers.values():
-            layer.zero_grad()
-        self._own_grads = {name: np.zeros_like(value) for name, value in self._own.items()}
-        self.grads = dict(self._own_grads)
-        for prefix, layer in self._layers.items():
-            for name, value in layer.grads.items():
-                self.grads[f"{prefix}.{name}"] = value
 
 
 def _int_array(x, name, shape_hint):

@@ -1,0 +1,35 @@
+"""Layers: parameters, gradients and the cache of the last forward.
+
+Shape key: B batch, H heads, T query length, S key length, E embedding,
+D = E // H head dim. Leading dims are optional: ``(T, E)`` works like
+``(B, T, E)``.
+
+The package, module by module:
+
+``base``       :class:`Layer`, the contract every layer keeps (params, grads,
+               the cache of the last forward), and :class:`Model`, a
+               container whose ``params`` gather its sub-layers' arrays
+``attention``  :class:`SelfAttention` and :class:`MultiHeadAttention`: they
+               check their inputs and ask :mod:`qkvnp.kernels` to run the path
+               of their ``impl`` (``last_dispatch`` then says which path ran
+               and why)
+``basic``      :class:`Linear` and :class:`Embedding`, which call their op of
+               :mod:`qkvnp.functional`
+
+The math is elsewhere (:mod:`qkvnp.functional`, :mod:`qkvnp.kernels`).
+
+dtypes: a layer computes in its ``dtype``. ``forward`` casts its real inputs
+to it (ints, bools, float16/32/64 and float128 alike, silently: a float128
+input loses its extra precision; Embedding's indices stay integers), and
+``backward`` casts ``dout`` the same way. Both refuse non-real arrays
+(``TypeError``) and NaN or inf (``ValueError``), naming the argument; a value
+that only becomes inf in the cast (float64 1e300 into float32) is refused too.
+``backward`` checks ``dout`` once (exact shape, no broadcasting); the ops it
+then calls do not check the intermediate gradients again.
+"""
+from .attention import MultiHeadAttention, SelfAttention
+from .base import Layer, Model, xavier_uniform
+from .basic import Embedding, Linear
+
+__all__ = ["Layer", "Model", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
+           "xavier_uniform"]
