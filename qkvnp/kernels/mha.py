@@ -34,7 +34,7 @@ PATHS = ("fast", "tiled")
 FusedLayerCache = namedtuple(
     "FusedLayerCache",
     "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
-    "out_proj has_bias out_shape buffers",
+    "out_proj has_bias out_shape buffers has_out_bias",
 )
 FusedLayerCache.__doc__ = """What :func:`backward` reads.
 
@@ -51,12 +51,14 @@ core_cache : :class:`qkvnp.kernels.fast.FastAttentionCache` or
     :class:`qkvnp.kernels.tiled.TiledAttentionCache`, over the heads.
 batch, T, S, H : leading dims, lengths and head count.
 merged : (N, E) attention output with heads merged (input of ``W_out``).
-W_out : (E, E) or None.
+W_out : (E, out_dim) or None.
 out_proj : bool, False for SelfAttention (no output projection, no head axis).
-has_bias : bool, the input projections (and W_out) have biases.
-out_shape : shape of the forward output.
+has_bias : bool, the input projections have biases.
+out_shape : shape of the forward output ``(..., T, out_dim)``.
 buffers : dict of the large arrays above by name, offered for reuse to the
     next forward (``workspace=``).
+has_out_bias : bool, the output projection has ``b_out`` (the book's layer
+    has it without input biases).
 """
 
 
@@ -88,8 +90,9 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     Parameters
     ----------
     params : dict
-        ``W_query, W_key, W_value`` (``(in, E)``), optional ``b_*``, and with
-        ``out_proj`` also ``W_out (E, E)`` (optional ``b_out``).
+        ``W_query, W_key, W_value`` (``(in, E)``, ``in`` the width of the
+        input each projects), optional ``b_query, b_key, b_value`` (``(E,)``),
+        and with ``out_proj`` also ``W_out (E, out_dim)`` (optional ``b_out``).
     inputs : tuple of ndarray
         ``(x,)`` for self-attention (``x`` is ``(..., T, in)``), ``(query, key)``
         for ``kind="key_only"`` (value = key), ``(query, key, value)`` for cross.
@@ -117,7 +120,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
 
     Returns
     -------
-    out : ndarray, shape (..., T, E)
+    out : ndarray, shape (..., T, out_dim)
+        ``out_dim = E`` without ``out_proj``.
     weights : ndarray or None
     cache : FusedLayerCache
 
@@ -198,16 +202,16 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
                                              (q.shape, k.shape, v.shape))
         weights = exp_scores * inv_sum if need_weights else None
     if out_proj:
-        y = matmul(merged, p["W_out"])  # (N, E) @ (E, E) -> (N, E)
+        y = matmul(merged, p["W_out"])  # (N, E) @ (E, out_dim) -> (N, out_dim)
         if "b_out" in p:
             y += p["b_out"]
     else:
         y = merged.copy()  # the caller may edit its output; the cache keeps merged
-    out = y.reshape(batch + (T, E))  # (N, E) -> (..., T, E)
+    out = y.reshape(batch + (T, y.shape[-1]))  # (N, out_dim) -> (..., T, out_dim)
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
                             p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
-                            buffers)
+                            buffers, "b_out" in p)
     return out, weights, cache
 
 
@@ -216,7 +220,7 @@ def backward(dout, cache):
 
     Parameters
     ----------
-    dout : ndarray, shape (..., T, E)
+    dout : ndarray, shape (..., T, out_dim)
         Same shape as the forward output (it is not broadcast); cast to the
         parameters' dtype.
     cache : FusedLayerCache
@@ -242,13 +246,14 @@ def backward(dout, cache):
     rows, groups, out_proj = c.rows, c.in_names, c.out_proj
     dtype = merged.dtype
     E = merged.shape[1]
-    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype).reshape(-1, E)  # (..., T, E) -> (N, E)
+    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype)
+    dy = dy.reshape(-1, c.out_shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     grads = {}
     if out_proj:
-        grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, E) -> (E, E)
-        if c.has_bias:
-            grads["b_out"] = dy.sum(axis=0)  # (N, E) -> (E,)
-        dmerged = matmul(dy, c.W_out.T)  # (N, E) @ (E, E) -> (N, E)
+        grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, out_dim) -> (E, out_dim)
+        if c.has_out_bias:
+            grads["b_out"] = dy.sum(axis=0)  # (N, out_dim) -> (out_dim,)
+        dmerged = matmul(dy, c.W_out.T)  # (N, out_dim) @ (out_dim, E) -> (N, E)
     else:
         dmerged = dy
     dprojected = [np.empty((x2d.shape[0], len(names) * E), dtype)

@@ -58,7 +58,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     ----------
     params : dict
         ``W_query, W_key, W_value`` ``(in, E)``, optional ``b_*`` ``(E,)``, and
-        with ``out_proj`` also ``W_out (E, E)`` (optional ``b_out``).
+        with ``out_proj`` also ``W_out (E, out_dim)`` (optional ``b_out``).
     inputs : tuple of ndarray
         ``(x,)``, ``(query, key)`` or ``(query, key, value)`` by ``kind``,
         already cast to the parameters' dtype.

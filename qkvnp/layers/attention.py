@@ -187,23 +187,34 @@ class MultiHeadAttention(_AttentionLayer):
     Parameters
     ----------
     embed_dim : int
-        ``E``, the model size; queries, keys, values and output have ``E`` features.
+        ``E``, the projected width the heads split: queries, keys and values
+        have ``E`` features (the book's ``d_out``).
     num_heads : int
         ``H``, must divide ``E``; each head has ``D = E // H`` features.
     bias : bool
-        Add ``b_query, b_key, b_value, b_out`` of shape ``(E,)``.
+        Add ``b_query, b_key, b_value`` ``(E,)`` and ``b_out`` ``(out_dim,)``
+        (``qkv_bias`` and ``out_bias`` override it per group).
     kdim, vdim : int, optional
         Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
     rng : numpy.random.Generator or int, optional
     dtype : float dtype
     impl : {"auto", "reference", "fast", "tiled"}
         See :class:`SelfAttention`.
+    qdim : int, optional, keyword-only
+        Feature size of the ``query`` input (default ``E``; the book's ``d_in``).
+    out_dim : int, optional, keyword-only
+        Feature size of the output (default ``E``).
+    qkv_bias, out_bias : bool, optional, keyword-only
+        Biases of the input projections and of the output projection; None
+        (default) follows ``bias``. The book's layer is ``qkv_bias=False``
+        (its default) with ``out_bias=True``.
 
     Attributes
     ----------
     params : dict
-        ``W_query (E, E)``, ``W_key (kdim, E)``, ``W_value (vdim, E)``,
-        ``W_out (E, E)``; with ``bias`` also ``b_query, b_key, b_value, b_out (E,)``.
+        ``W_query (qdim, E)``, ``W_key (kdim, E)``, ``W_value (vdim, E)``,
+        ``W_out (E, out_dim)``; with ``qkv_bias`` also ``b_query, b_key,
+        b_value (E,)``, with ``out_bias`` also ``b_out (out_dim,)``.
         Head ``h`` uses columns ``h*D:(h+1)*D`` of the input projections and
         rows ``h*D:(h+1)*D`` of ``W_out``. PyTorch stores the transposes:
         ``W_query = in_proj_weight[:E].T``, ``W_out = out_proj.weight.T``.
@@ -217,6 +228,12 @@ class MultiHeadAttention(_AttentionLayer):
     :math:`O_h = \\mathrm{softmax}(Q_h K_h^T / \\sqrt{D} + M) V_h`, heads
     merged, :math:`Y = O W_{out} + b_{out}`. Backward runs the same ops'
     backwards in reverse order.
+
+    The book's ``MultiHeadAttention(d_in, d_out, context_length, dropout,
+    num_heads, qkv_bias)`` (chapter 3) is ``MultiHeadAttention(embed_dim=d_out,
+    num_heads=num_heads, qdim=d_in, kdim=d_in, vdim=d_in, qkv_bias=qkv_bias,
+    out_bias=True)`` called with ``is_causal=True``; :mod:`qkvnp.interop`
+    loads its weights.
 
     Masks: ``attn_mask`` (bool True = may attend, or float added to the
     scores) broadcasts to ``(B, H, T, S)``; ``key_padding_mask`` is bool
@@ -234,10 +251,14 @@ class MultiHeadAttention(_AttentionLayer):
     (3, 5, 8)
     >>> mha.backward(np.ones((3, 5, 8))).shape
     (3, 5, 8)
+    >>> book = MultiHeadAttention(2, 2, qdim=3, kdim=3, vdim=3, qkv_bias=False, out_bias=True)
+    >>> book.forward(np.ones((2, 6, 3)), is_causal=True).shape
+    (2, 6, 2)
     """
 
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
-                 dtype=np.float64, impl="auto"):
+                 dtype=np.float64, impl="auto", *,
+                 qdim=None, out_dim=None, qkv_bias=None, out_bias=None):
         self.impl = kernels.check_impl(impl)
         self.embed_dim = check_int(embed_dim, "embed_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -249,41 +270,53 @@ class MultiHeadAttention(_AttentionLayer):
         self.head_dim = self.embed_dim // self.num_heads
         self.kdim = self.embed_dim if kdim is None else check_int(kdim, "kdim", 1)
         self.vdim = self.embed_dim if vdim is None else check_int(vdim, "vdim", 1)
+        self.qdim = self.embed_dim if qdim is None else check_int(qdim, "qdim", 1)
+        self.out_dim = self.embed_dim if out_dim is None else check_int(out_dim, "out_dim", 1)
         self.dtype = layer_dtype(dtype)
         self.bias = bool(bias)
+        self.qkv_bias = self.bias if qkv_bias is None else bool(qkv_bias)
+        self.out_bias = self.bias if out_bias is None else bool(out_bias)
         rng = make_rng(rng)
         E = self.embed_dim
+        # NOTE: drawn in this order whatever the options, so that a seed gives
+        # the same weights as before qdim/out_dim existed
         self.params = {
-            "W_query": xavier_uniform(rng, E, E, self.dtype),
+            "W_query": xavier_uniform(rng, self.qdim, E, self.dtype),
             "W_key": xavier_uniform(rng, self.kdim, E, self.dtype),
             "W_value": xavier_uniform(rng, self.vdim, E, self.dtype),
-            "W_out": xavier_uniform(rng, E, E, self.dtype),
+            "W_out": xavier_uniform(rng, E, self.out_dim, self.dtype),
         }
-        if self.bias:
-            for name in ("b_query", "b_key", "b_value", "b_out"):
+        if self.qkv_bias:
+            for name in ("b_query", "b_key", "b_value"):
                 self.params[name] = np.zeros(E, dtype=self.dtype)
+        if self.out_bias:
+            self.params["b_out"] = np.zeros(self.out_dim, dtype=self.dtype)
         self._cache = None
         self.zero_grad()
 
-    _repr_fields = ("embed_dim", "num_heads", "bias", "kdim", "vdim", "dtype", "impl")
+    _repr_fields = ("embed_dim", "num_heads", "bias", "kdim", "vdim", "dtype", "impl",
+                    "qdim", "out_dim", "qkv_bias", "out_bias")
 
     def _repr_items(self):
-        """kdim and vdim only where they differ from embed_dim (as PyTorch prints)."""
+        """Widths only where they differ from embed_dim (as PyTorch prints), biases from bias."""
+        defaults = {"kdim": self.embed_dim, "vdim": self.embed_dim, "qdim": self.embed_dim,
+                    "out_dim": self.embed_dim, "qkv_bias": self.bias, "out_bias": self.bias}
         return [(name, value) for name, value in super()._repr_items()
-                if name not in ("kdim", "vdim") or value != self.embed_dim]
+                if name not in defaults or value != defaults[name]]
 
     def _check_inputs(self, query, key, value):
         self_attention = key is None and value is None
         if key is None and value is not None:
             raise ValueError("key must be given when value is given (value defaults to key)")
         query = as_float_array(query, "query", self.dtype)
-        check_ndim(query, "query", 2, f"(..., T, {self.embed_dim})")
-        check_last_dim(query, "query", self.embed_dim, f"(..., T, {self.embed_dim})")
+        check_ndim(query, "query", 2, f"(..., T, {self.qdim})")
+        check_last_dim(query, "query", self.qdim, f"(..., T, {self.qdim})")
         if self_attention:
-            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            if not self.qdim == self.kdim == self.vdim:
                 raise ValueError(
-                    "self-attention (key=None) needs kdim == vdim == embed_dim; pass key "
-                    "and value for a layer built with other kdim/vdim"
+                    f"self-attention (key=None) needs qdim == kdim == vdim, got qdim="
+                    f"{self.qdim}, kdim={self.kdim}, vdim={self.vdim}; pass key and value "
+                    "for a layer built with other widths"
                 )
             return query, query, query, "self"
         value_omitted = value is None
@@ -310,7 +343,7 @@ class MultiHeadAttention(_AttentionLayer):
 
         Parameters
         ----------
-        query : ndarray, shape (..., T, E)
+        query : ndarray, shape (..., T, qdim)
             Like ``key`` and ``value``, cast to the layer's dtype (ints and
             float128 included).
         key : ndarray, shape (..., S, kdim), optional
@@ -327,7 +360,7 @@ class MultiHeadAttention(_AttentionLayer):
 
         Returns
         -------
-        out : ndarray, shape (..., T, E)
+        out : ndarray, shape (..., T, out_dim)
         weights : ndarray, shape (..., H, T, S)
             Only with ``return_weights=True``.
 
@@ -354,7 +387,7 @@ class MultiHeadAttention(_AttentionLayer):
 
         Parameters
         ----------
-        dout : ndarray, shape (..., T, E)
+        dout : ndarray, shape (..., T, out_dim)
             Same shape as the forward output (not broadcast); cast to the
             layer's dtype.
         retain_cache : bool
@@ -362,7 +395,7 @@ class MultiHeadAttention(_AttentionLayer):
 
         Returns
         -------
-        dx : ndarray, shape (..., T, E)
+        dx : ndarray, shape (..., T, qdim)
             For self-attention (the input fed query, key and value: their sum).
         (dquery, dkey, dvalue) : tuple
             For cross-attention. When ``value`` was omitted (``value = key``),
