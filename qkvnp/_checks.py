@@ -23,6 +23,7 @@ __all__ = [
     "layer_dtype",
     "check_indices",
     "owned",
+    "as_numpy",
     "row_norm_max",
     "scores_may_overflow",
 ]
@@ -387,6 +388,33 @@ def owned(arrays, originals):
         else a
         for a in arrays
     )
+
+
+def as_numpy(value, name):
+    """``value`` as an ndarray; a torch tensor by duck typing, never importing torch.
+
+    Anything with ``.detach()`` whose result has ``.cpu().numpy()`` (a torch
+    tensor, a parameter, one with ``requires_grad``, on any device) is
+    converted that way; everything else goes through ``np.asarray``.
+
+    >>> as_numpy([1.0, 2.0], "x")
+    array([1., 2.])
+
+    Raises
+    ------
+    TypeError
+        If ``value`` is None or its tensor cannot become a numpy array
+        (torch's bfloat16, for one).
+    """
+    if value is None:
+        raise TypeError(f"{name} must be an array, got None")
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        try:
+            return value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as error:  # bfloat16, a sparse tensor...
+            raise TypeError(f"{name}: cannot convert {type(value).__name__} to a numpy "
+                            f"array ({error})") from None
+    return np.asarray(value)
 
 
 def row_norm_max(x):

@@ -28,8 +28,8 @@ that only becomes inf in the cast (float64 1e300 into float32) is refused too.
 then calls do not check the intermediate gradients again.
 """
 from .attention import MultiHeadAttention, SelfAttention
-from .base import Layer, Model, xavier_uniform
+from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
 
-__all__ = ["Layer", "Model", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
+__all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform"]

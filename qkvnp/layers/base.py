@@ -5,10 +5,21 @@ is a :class:`Layer`: ``params`` and ``grads`` dicts, ``forward`` keeping the
 cache of its last call, ``backward`` adding into ``grads``.
 """
 from abc import ABC, abstractmethod
+from collections import namedtuple
+from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["Layer", "Model", "xavier_uniform"]
+from .._checks import as_float_array, as_numpy
+
+__all__ = ["Layer", "Model", "LoadResult", "xavier_uniform"]
+
+LoadResult = namedtuple("LoadResult", "missing_keys unexpected_keys")
+LoadResult.__doc__ = """What :meth:`Layer.load_state_dict` did not load (as PyTorch's).
+
+missing_keys : list of str, parameters the dict did not have (left as they were).
+unexpected_keys : list of str, entries of the dict that are no parameter (ignored).
+"""
 
 
 def xavier_uniform(rng, fan_in, fan_out, dtype):
@@ -55,6 +66,89 @@ class Layer(ABC):
         """Reset every gradient to zeros of its parameter's shape and dtype."""
         self.grads = {name: np.zeros_like(p) for name, p in self.params.items()}
 
+    def state_dict(self):
+        """Copies of the parameters, keyed by their names in ``params``.
+
+        Returns
+        -------
+        dict
+            ``name -> ndarray`` (copies: editing them does not change the layer).
+
+        Examples
+        --------
+        >>> from qkvnp import Linear
+        >>> layer = Linear(3, 2, rng=0)
+        >>> state = layer.state_dict()
+        >>> sorted(state), state["W"] is layer.params["W"]
+        (['W', 'b'], False)
+        """
+        return {name: value.copy() for name, value in self.params.items()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy ``state_dict``'s values into the parameters, in place.
+
+        The arrays of ``params`` are kept (optimizers and models share them)
+        and overwritten. Everything is checked before anything is written: a
+        refused dict leaves the layer as it was.
+
+        Parameters
+        ----------
+        state_dict : mapping
+            ``name -> array_like`` (numpy arrays, or anything with torch's
+            ``.detach().cpu().numpy()``), under the names of ``params``.
+            Values are cast to their parameter's dtype.
+        strict : bool
+            Refuse missing and unexpected keys. With False, load the keys
+            both have and return the others.
+
+        Returns
+        -------
+        LoadResult
+            ``(missing_keys, unexpected_keys)``, empty lists when strict.
+
+        Raises
+        ------
+        TypeError
+            If ``state_dict`` is not a mapping or a value does not hold real
+            numbers.
+        ValueError
+            If ``strict`` and keys are missing or unexpected (the message
+            lists them), or a value has another shape than its parameter,
+            or holds NaN or inf (before or after the cast).
+
+        Examples
+        --------
+        >>> from qkvnp import Linear
+        >>> layer = Linear(3, 2, rng=0)
+        >>> W = layer.params["W"]
+        >>> layer.load_state_dict({"W": np.ones((3, 2)), "b": [0, 0]})
+        LoadResult(missing_keys=[], unexpected_keys=[])
+        >>> layer.params["W"] is W, float(W[0, 0])
+        (True, 1.0)
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of name -> array, got "
+                            f"{type(state_dict).__name__}")
+        params = self.params
+        missing = [name for name in params if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in params]
+        if strict and (missing or unexpected):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: missing keys {missing}, "
+                             f"unexpected keys {unexpected}; expected {list(params)}")
+        values = {}
+        for name, target in params.items():
+            if name not in state_dict:
+                continue
+            label = f"state_dict[{name!r}]"
+            value = as_float_array(as_numpy(state_dict[name], label), label, target.dtype)
+            if value.shape != target.shape:
+                raise ValueError(f"{label} must have shape {target.shape}, got shape "
+                                 f"{value.shape}")
+            values[name] = value
+        for name, value in values.items():  # all checked: now write
+            np.copyto(params[name], value)
+        return LoadResult(missing, unexpected)
+
     def num_parameters(self):
         """Total number of scalar parameters."""
         return sum(p.size for p in self.params.values())
@@ -98,33 +192,106 @@ class Layer(ABC):
 
 
 class Model(Layer):
-    """Flat ``params``/``grads`` over named sub-layers and the model's own arrays.
+    """A container of layers: one ``params``/``grads`` over its sub-layers' arrays.
 
-    A :class:`~qkvnp.layers.Layer` whose ``params`` are assembled from its
-    sub-layers' (shared arrays, not copies).
+    As in PyTorch, a sub-layer registers when it is assigned as an attribute
+    (``model.attn = MultiHeadAttention(...)``); ``params`` and ``grads`` then
+    hold its arrays under dotted names (``"attn.W_query"``), the very arrays,
+    not copies, so that one optimizer built on ``model.params`` trains every
+    layer. Models nest (``"block.attn.W_query"``). ``zero_grad``,
+    ``state_dict`` and ``load_state_dict`` reach every sub-layer.
 
-    Subclasses set ``self._layers`` (prefix -> layer) and ``self._own``
-    (name -> array) and call ``self.zero_grad()`` at the end of ``__init__``.
+    A subclass defines ``forward``/``backward`` (calling its sub-layers') and
+    may keep its own arrays in ``self._own`` (name -> array, listed first in
+    ``params``, with gradients in ``self._own_grads``); it calls
+    ``self.zero_grad()`` at the end of ``__init__``. ``Model()`` itself can
+    hold layers for an optimizer while you call them yourself; its
+    ``forward`` raises ``NotImplementedError``.
+
+    Examples
+    --------
+    >>> from qkvnp import Linear, Model, MultiHeadAttention
+    >>> model = Model()
+    >>> model.attn = MultiHeadAttention(8, 2, rng=0)
+    >>> model.head = Linear(8, 3, rng=0)
+    >>> model.params["attn.W_query"] is model.attn.params["W_query"]
+    True
+    >>> list(model.params)[:2]
+    ['attn.W_query', 'attn.W_key']
+    >>> y = model.head.forward(model.attn.forward(np.ones((5, 8))))  # (5, 8) -> (5, 3)
+    >>> dx = model.attn.backward(model.head.backward(np.ones((5, 3))))
+    >>> model.grads["head.b"]
+    array([5., 5., 5.])
+    >>> model.zero_grad(); model.grads["head.b"]
+    array([0., 0., 0.])
     """
 
-    _layers: dict
-    _own: dict
+    def __init__(self):
+        self.zero_grad()
+
+    def __setattr__(self, name, value):
+        """Register a :class:`Layer` assigned as an attribute (PyTorch's ``Module``)."""
+        layers = self.__dict__.setdefault("_layers", {})
+        if isinstance(value, Layer):
+            if value is self:
+                raise ValueError(f"a model cannot hold itself as {name!r}")
+            layers[name] = value
+        else:
+            layers.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        self.__dict__.get("_layers", {}).pop(name, None)
+        object.__delattr__(self, name)
+
+    @property
+    def _own(self):
+        """The model's own arrays (name -> array); none unless a subclass sets them."""
+        return self.__dict__.setdefault("_own_params", {})
+
+    @_own.setter
+    def _own(self, arrays):
+        self.__dict__["_own_params"] = arrays
 
     @property
     def params(self):
         """Flat dict ``"prefix.name" -> array``, sharing the sub-layers' arrays."""
         flat = dict(self._own)
-        for prefix, layer in self._layers.items():
+        for prefix, layer in self.__dict__.get("_layers", {}).items():
             for name, value in layer.params.items():
+                flat[f"{prefix}.{name}"] = value
+        return flat
+
+    @property
+    def grads(self):
+        """Flat dict ``"prefix.name" -> array``: the sub-layers' gradient arrays."""
+        own_grads = self.__dict__.get("_own_grads", {})
+        flat = {name: own_grads[name] for name in self._own}
+        for prefix, layer in self.__dict__.get("_layers", {}).items():
+            for name, value in layer.grads.items():
                 flat[f"{prefix}.{name}"] = value
         return flat
 
     def zero_grad(self):
         """Reset every gradient (the sub-layers' and the model's own) to zeros."""
-        for layer in self._layers.values():
+        for layer in self.__dict__.get("_layers", {}).values():
             layer.zero_grad()
         self._own_grads = {name: np.zeros_like(value) for name, value in self._own.items()}
-        self.grads = dict(self._own_grads)
-        for prefix, layer in self._layers.items():
-            for name, value in layer.grads.items():
-                self.grads[f"{prefix}.{name}"] = value
+
+    def forward(self, *inputs, **options):
+        """A plain ``Model`` has no forward: subclass it, or call the sub-layers."""
+        raise NotImplementedError(f"{type(self).__name__} defines no forward: subclass "
+                                  "qkvnp.Model and define forward/backward, or call its "
+                                  "sub-layers yourself")
+
+    def backward(self, dout, retain_cache=False):
+        """A plain ``Model`` has no backward: subclass it, or call the sub-layers."""
+        raise NotImplementedError(f"{type(self).__name__} defines no backward: subclass "
+                                  "qkvnp.Model and define forward/backward, or call its "
+                                  "sub-layers yourself")
+
+    def __repr__(self):
+        """PyTorch style: the sub-layers, one per line, under their names."""
+        lines = [f"  ({name}): " + repr(layer).replace("\n", "\n  ")
+                 for name, layer in self.__dict__.get("_layers", {}).items()]
+        return f"{type(self).__name__}(" + ("\n" + "\n".join(lines) + "\n" if lines else "") + ")"

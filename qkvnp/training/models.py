@@ -3,7 +3,8 @@
 Shape key: B batch, P stored key/value pairs, T sequence length, E embedding,
 K key vocabulary, V value vocabulary.
 
-Each model is a :class:`qkvnp.layers.Model`: ONE flat ``params`` dict whose
+Each model is a :class:`qkvnp.Model` (sub-layers register by attribute
+assignment): ONE flat ``params`` dict whose
 entries are the very arrays of its sub-layers (``"embed_key.weight"`` *is* ``model.embed_key.params["weight"]``),
 so an optimizer built on ``model.params`` that updates arrays in place trains
 the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
@@ -110,9 +111,7 @@ class KVRecallModel(Model):
         for name in dict.fromkeys(self.roles):  # each distinct matrix once, in order
             if name is not None:
                 self._own[name] = xavier_uniform(rng, dim, dim, self.dtype)
-        self._layers = {"embed_key": self.embed_key, "embed_value": self.embed_value,
-                        "readout": self.readout}
-        self._cache = None
+        self._cache = None  # the sub-layers registered by assignment, in this order
         self.zero_grad()
 
     def forward(self, keys, values, query, return_weights=False):
@@ -241,8 +240,6 @@ class AttentionRegressor(Model):
         self.attention = MultiHeadAttention(embed_dim, num_heads, bias=True, rng=make_rng(rng),
                                             dtype=dtype)
         self.dtype = self.attention.dtype
-        self._layers = {"attention": self.attention}
-        self._own = {}
         self._cache = None
         self.zero_grad()
 
