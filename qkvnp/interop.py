@@ -1,0 +1,251 @@
+"""Weights in and out of PyTorch's layouts, without importing torch.
+
+Shape key: E embedding (the projected width the heads split; the book's
+``d_out``), ``qdim``/``kdim``/``vdim`` the query/key/value input widths (the
+book's ``d_in``), ``out_dim`` the output width.
+
+:func:`from_torch` loads a PyTorch ``state_dict`` into a qkvnp layer, in
+place; :func:`to_torch` gives a layer's parameters under the torch names, as
+numpy arrays. The values may be numpy arrays or torch tensors (converted by
+duck typing, ``.detach().cpu().numpy()``). The layouts (:data:`LAYOUTS`):
+
+=================================  ======================  ===================================
+layout                             qkvnp layer             torch names
+=================================  ======================  ===================================
+``"torch.nn.MultiheadAttention"``  MultiHeadAttention      ``in_proj_weight (3E, E)`` or
+                                                           ``q/k/v_proj_weight (E, in)`` when
+                                                           kdim/vdim differ from E,
+                                                           ``in_proj_bias (3E,)``,
+                                                           ``out_proj.weight/bias``
+``"book.SelfAttention_v1"``        SelfAttention           ``W_query (d_in, d_out)``, ... as is
+``"book.SelfAttention_v2"``        SelfAttention           ``W_query.weight (d_out, d_in)``,
+                                                           ``W_query.bias`` with ``qkv_bias``
+``"book.CausalAttention"``         SelfAttention           as v2; call with ``is_causal=True``
+``"book.MultiHeadAttention"``      MultiHeadAttention      as v2, and ``out_proj.weight``,
+                                                           ``out_proj.bias``
+=================================  ======================  ===================================
+
+torch's ``nn.Linear`` stores ``weight`` as ``(out_features, in_features)`` and
+computes ``x @ weight.T``; qkvnp computes ``x @ W``, so ``W = weight.T``
+(the book's ``SelfAttention_v1`` already holds ``x @ W`` matrices). The book's
+``mask`` buffer is not a weight: :func:`from_torch` ignores it and
+:func:`to_torch` does not produce it (load into torch with ``strict=False``).
+What a state dict cannot say is the layer's head count and causality: build
+the qkvnp layer with the torch layer's ``num_heads`` and call it with the
+book's ``is_causal=True``.
+
+Examples
+--------
+>>> import numpy as np
+>>> from qkvnp import MultiHeadAttention
+>>> from qkvnp.interop import from_torch, to_torch
+>>> layer = MultiHeadAttention(4, 2, rng=0)
+>>> state = to_torch(layer, "torch.nn.MultiheadAttention")
+>>> sorted(state)
+['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
+>>> state["in_proj_weight"].shape
+(12, 4)
+>>> copy = MultiHeadAttention(4, 2, rng=1)
+>>> from_torch(copy, state, "torch.nn.MultiheadAttention")
+>>> bool(np.array_equal(copy.params["W_query"], layer.params["W_query"]))
+True
+"""
+import numpy as np
+
+from ._checks import as_float_array, as_numpy
+from .layers import MultiHeadAttention, SelfAttention
+
+__all__ = ["LAYOUTS", "from_torch", "to_torch"]
+
+#: The layouts :func:`from_torch` and :func:`to_torch` know.
+LAYOUTS = ("torch.nn.MultiheadAttention", "book.SelfAttention_v1", "book.SelfAttention_v2",
+           "book.CausalAttention", "book.MultiHeadAttention")
+
+_ROLES = ("query", "key", "value")
+
+
+def _check_layout(layer, layout):
+    """The layer class the layout needs; refuse an unknown layout or another layer class."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    needed = MultiHeadAttention if layout.endswith("MultiheadAttention") or \
+        layout.endswith("MultiHeadAttention") else SelfAttention
+    if not isinstance(layer, needed):
+        raise ValueError(f"layout {layout!r} loads a qkvnp.{needed.__name__}, got "
+                         f"{type(layer).__name__}")
+    if layout == "torch.nn.MultiheadAttention":
+        differs = [f"{name}={getattr(layer, name)}" for name in ("qdim", "out_dim")
+                   if getattr(layer, name) != layer.embed_dim]
+        if differs:
+            raise ValueError(f"torch.nn.MultiheadAttention's query and output widths are "
+                             f"embed_dim={layer.embed_dim}; the layer has {', '.join(differs)}")
+        if layer.qkv_bias != layer.out_bias:
+            raise ValueError(f"torch.nn.MultiheadAttention has one bias flag for every "
+                             f"projection; the layer has qkv_bias={layer.qkv_bias}, "
+                             f"out_bias={layer.out_bias}")
+    if layout == "book.MultiHeadAttention":
+        if not layer.qdim == layer.kdim == layer.vdim:
+            raise ValueError(f"the book's MultiHeadAttention projects one input (d_in); the "
+                             f"layer has qdim={layer.qdim}, kdim={layer.kdim}, vdim={layer.vdim}")
+        if layer.out_dim != layer.embed_dim or not layer.out_bias:
+            raise ValueError(f"the book's out_proj is nn.Linear(d_out, d_out) with a bias; the "
+                             f"layer has embed_dim={layer.embed_dim}, out_dim={layer.out_dim}, "
+                             f"out_bias={layer.out_bias}")
+    if layout == "book.SelfAttention_v1" and layer.qkv_bias:
+        raise ValueError("the book's SelfAttention_v1 has no biases; the layer has qkv_bias=True")
+    return needed
+
+
+def _packed(layer):
+    """True when torch packs the input projections (kdim == vdim == embed_dim)."""
+    return layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim
+
+
+def to_torch(layer, layout):
+    """The layer's parameters under ``layout``'s torch names, as numpy arrays.
+
+    Parameters
+    ----------
+    layer : SelfAttention or MultiHeadAttention
+    layout : str
+        One of :data:`LAYOUTS`.
+
+    Returns
+    -------
+    dict
+        ``torch name -> ndarray`` (new C-contiguous arrays in the layer's
+        dtype: ``torch.from_numpy`` takes them as they are).
+
+    Raises
+    ------
+    ValueError
+        If ``layout`` is unknown or does not fit the layer (its class, its
+        widths, its biases); the message says what differs.
+    """
+    _check_layout(layer, layout)
+    p = layer.params
+    state = {}
+    if layout == "book.SelfAttention_v1":
+        state = {f"W_{role}": p[f"W_{role}"] for role in _ROLES}
+    elif layout == "torch.nn.MultiheadAttention":
+        if _packed(layer):
+            state["in_proj_weight"] = np.concatenate([p[f"W_{r}"].T for r in _ROLES])  # (3E, E)
+        else:
+            state.update({f"{r[0]}_proj_weight": p[f"W_{r}"].T for r in _ROLES})  # (E, in)
+        if layer.qkv_bias:
+            state["in_proj_bias"] = np.concatenate([p[f"b_{r}"] for r in _ROLES])  # (3E,)
+        state["out_proj.weight"] = p["W_out"].T  # (E, E)
+        if layer.out_bias:
+            state["out_proj.bias"] = p["b_out"]
+    else:  # the book's nn.Linear projections
+        for role in _ROLES:
+            state[f"W_{role}.weight"] = p[f"W_{role}"].T  # (in, E) -> (E, in)
+            if layer.qkv_bias:
+                state[f"W_{role}.bias"] = p[f"b_{role}"]
+        if layout == "book.MultiHeadAttention":
+            state["out_proj.weight"] = p["W_out"].T  # (E, E)
+            state["out_proj.bias"] = p["b_out"]
+    return {name: np.array(value, order="C") for name, value in state.items()}
+
+
+def _missing_message(layout, layer, missing, unexpected):
+    """Why the keys differ, in the layer's terms (biases, packed projections, bias_k)."""
+    hints = []
+    if any(name.endswith("bias") for name in unexpected):
+        hints.append("the state dict has biases the layer lacks (build it with qkv_bias=True "
+                     "/ bias=True)")
+    if any(name.endswith("bias") for name in missing):
+        hints.append("the layer has biases the state dict lacks (build it with "
+                     "qkv_bias=False / bias=False)")
+    if "in_proj_weight" in missing or "q_proj_weight" in missing:
+        hints.append(f"torch packs in_proj_weight only when kdim == vdim == embed_dim; the "
+                     f"layer has embed_dim={layer.embed_dim}, kdim={layer.kdim}, "
+                     f"vdim={layer.vdim}")
+    return (f"state_dict does not fit layout {layout!r} for {layer!r}: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}" + "".join(f"; {hint}" for hint in hints))
+
+
+def from_torch(layer, state_dict, layout):
+    """Load a PyTorch ``state_dict`` of ``layout`` into ``layer``, in place.
+
+    Parameters
+    ----------
+    layer : SelfAttention or MultiHeadAttention
+        Its arrays are overwritten (:meth:`qkvnp.layers.Layer.load_state_dict`):
+        optimizers and models that share them see the new values.
+    state_dict : mapping
+        ``torch name -> tensor or array``, e.g. ``torch_module.state_dict()``.
+        Cast to the layer's dtype. For ``"torch.nn.MultiheadAttention"`` the
+        input projections may be packed (``in_proj_weight``) or separate
+        (``q_proj_weight`` ...), whichever the dict has.
+    layout : str
+        One of :data:`LAYOUTS`.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ValueError
+        If ``layout`` is unknown or does not fit the layer or the dict
+        (missing or unexpected keys, a shape, ``bias_k``/``bias_v``); the
+        message says what differs. Also on NaN or inf.
+    TypeError
+        If ``state_dict`` is not a mapping or a value does not hold real numbers.
+    """
+    _check_layout(layer, layout)
+    if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+        raise TypeError(f"state_dict must be a mapping of name -> tensor or array, got "
+                        f"{type(state_dict).__name__}")
+    given = {name for name in state_dict if not (name == "mask" and layout.startswith("book."))}
+    if layout == "torch.nn.MultiheadAttention":
+        kv = sorted(given & {"bias_k", "bias_v"})
+        if kv:
+            raise ValueError(f"state_dict has {kv}: nn.MultiheadAttention(add_bias_kv=True) "
+                             "appends a learned key and value to every sequence, which qkvnp "
+                             "does not support")
+    expected = to_torch(layer, layout)  # names and shapes; also the layer's current values
+    if layout == "torch.nn.MultiheadAttention" and "in_proj_weight" not in given and \
+            "in_proj_weight" in expected:  # separate q/k/v_proj_weight for a square layer
+        E = layer.embed_dim
+        expected.pop("in_proj_weight")
+        expected.update({f"{r[0]}_proj_weight": np.empty((E, E)) for r in _ROLES})
+    missing, unexpected = set(expected) - given, given - set(expected)
+    if missing or unexpected:
+        raise ValueError(_missing_message(layout, layer, missing, unexpected))
+    values = {}
+    for name, target in expected.items():
+        label = f"state_dict[{name!r}]"
+        value = as_float_array(as_numpy(state_dict[name], label), label, layer.dtype)
+        if value.shape != target.shape:
+            raise ValueError(f"{label} must have shape {target.shape} for {layer!r} "
+                             f"(layout {layout!r}), got shape {value.shape}")
+        values[name] = value
+    layer.load_state_dict(_to_qkvnp(layer, layout, values))
+
+
+def _to_qkvnp(layer, layout, values):
+    """The torch-named, checked ``values`` under qkvnp's names and ``x @ W`` layout."""
+    if layout == "book.SelfAttention_v1":
+        return {f"W_{role}": values[f"W_{role}"] for role in _ROLES}
+    params = {}
+    if layout == "torch.nn.MultiheadAttention":
+        E = layer.embed_dim
+        for i, role in enumerate(_ROLES):
+            if "in_proj_weight" in values:
+                params[f"W_{role}"] = values["in_proj_weight"][i * E:(i + 1) * E].T  # (E, E)
+            else:
+                params[f"W_{role}"] = values[f"{role[0]}_proj_weight"].T  # (E, in) -> (in, E)
+            if "in_proj_bias" in values:
+                params[f"b_{role}"] = values["in_proj_bias"][i * E:(i + 1) * E]
+    else:
+        for role in _ROLES:
+            params[f"W_{role}"] = values[f"W_{role}.weight"].T  # (E, in) -> (in, E)
+            if f"W_{role}.bias" in values:
+                params[f"b_{role}"] = values[f"W_{role}.bias"]
+    if "out_proj.weight" in values:
+        params["W_out"] = values["out_proj.weight"].T  # (out, E) -> (E, out)
+    if "out_proj.bias" in values:
+        params["b_out"] = values["out_proj.bias"]
+    return params

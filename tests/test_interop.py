@@ -1,0 +1,232 @@
+"""qkvnp.interop against real torch modules, and the book's printed numbers.
+
+Oracles: PyTorch autograd on ``nn.MultiheadAttention`` and on the book's
+chapter 3 layers (rebuilt in :mod:`book_layers` and built under the book's
+seeds); the context vectors the book prints (:data:`book_layers.PRINTED`,
+4 decimals); for round trips, exact equality.
+
+After :func:`qkvnp.interop.from_torch`, outputs, input gradients and every
+parameter gradient agree with torch's to 1e-10 in float64 (scaled by
+``max(1, max|torch|)``), on each path of the layers, with a random upstream
+gradient. Shape key: B batch, T query length, S key length, E embedding.
+"""
+import numpy as np
+import pytest
+
+import qkvnp
+from qkvnp.interop import LAYOUTS, from_torch, to_torch
+
+from book_layers import INPUTS, PRINTED, book_layers
+from oracles import torch_mha_param_grads
+
+TOLERANCE = 1e-10  # float64, scaled by max(1, max|torch|)
+MHA = "torch.nn.MultiheadAttention"
+
+
+def assert_agrees(what, ours, theirs):
+    """Shape first, then ``max|ours - torch| / max(1, max|torch|) <= TOLERANCE``."""
+    theirs = theirs.detach().numpy() if hasattr(theirs, "detach") else np.asarray(theirs)
+    assert ours.shape == theirs.shape, f"{what}: shape {ours.shape} != torch's {theirs.shape}"
+    error = np.abs(ours - theirs).max() / max(1.0, np.abs(theirs).max())
+    assert error <= TOLERANCE, f"{what}: error {error:.3g} > {TOLERANCE:g}"
+
+
+def qkvnp_twin(name, args, qkv_bias, impl):
+    """The qkvnp layer that a book layer's weights load into, and its forward options."""
+    if name == "MultiHeadAttention":
+        d_in, d_out, _, _, num_heads = args
+        return qkvnp.MultiHeadAttention(embed_dim=d_out, num_heads=num_heads, qdim=d_in,
+                                        kdim=d_in, vdim=d_in, qkv_bias=qkv_bias, out_bias=True,
+                                        impl=impl), {"is_causal": True}
+    layer = qkvnp.SelfAttention(args[0], args[1], qkv_bias=qkv_bias, impl=impl)
+    return layer, {"is_causal": name == "CausalAttention"}
+
+
+def book_module(torch, name, args, seed, qkv_bias=False):
+    """The book's layer under its seed (float32 as in the book), then in float64."""
+    torch.manual_seed(seed)
+    extra = {"qkv_bias": True} if qkv_bias else {}
+    return book_layers(torch)[name](*args, **extra).double()
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast", "tiled"])
+@pytest.mark.parametrize("name", sorted(PRINTED))
+def test_book_layers_print_the_books_numbers_and_torchs_gradients(torch, name, impl):
+    """Oracle: the book's printed context vectors (4 decimals) and torch autograd.
+
+    Each book layer is built under the notebook's seed; its ``state_dict``
+    (with the ``mask`` buffer, which is ignored) loads into the qkvnp twin.
+    """
+    seed, args, batched, printed = PRINTED[name]
+    module = book_module(torch, name, args, seed)
+    layer, options = qkvnp_twin(name, args, False, impl)
+    from_torch(layer, module.state_dict(), "book." + name)
+    x = np.stack([INPUTS, INPUTS]) if batched else INPUTS  # the book's batch: two copies
+    out = layer.forward(x, **options)
+    assert out.shape == x.shape[:-1] + (args[1],)
+    np.testing.assert_allclose(out[0] if batched else out, printed, rtol=0, atol=5e-5)
+    x_torch = torch.tensor(x, requires_grad=True)
+    out_torch = module(x_torch)
+    assert_agrees("output", out, out_torch)
+    dout = np.random.default_rng(0).standard_normal(out.shape)
+    out_torch.backward(torch.tensor(dout))
+    assert_agrees("input gradient", layer.backward(dout), x_torch.grad)
+    grads = _grads_as_torch(layer, "book." + name)  # in torch's names and layout
+    assert sorted(grads) == sorted(n for n, _ in module.named_parameters())
+    for torch_name, parameter in module.named_parameters():
+        assert_agrees(f"grad {torch_name}", grads[torch_name], parameter.grad)
+
+
+def _grads_as_torch(layer, layout):
+    """The layer's gradients under the torch names (to_torch of a layer holding them)."""
+    saved = {name: value.copy() for name, value in layer.params.items()}
+    for name, value in layer.params.items():
+        value[...] = layer.grads[name]
+    try:
+        return to_torch(layer, layout)
+    finally:
+        layer.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("name", ["SelfAttention_v2", "CausalAttention", "MultiHeadAttention"])
+def test_book_layers_with_qkv_bias(torch, name):
+    """Oracle: torch autograd, with the book's ``qkv_bias=True`` (biases randomized)."""
+    seed, args, _, _ = PRINTED[name]
+    module = book_module(torch, name, args, seed, qkv_bias=True)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.uniform_(-1, 1)
+    layer, options = qkvnp_twin(name, args, True, "auto")
+    from_torch(layer, module.state_dict(), "book." + name)
+    x = np.random.default_rng(1).standard_normal((2, 5, 3))
+    x_torch = torch.tensor(x, requires_grad=True)
+    out_torch = module(x_torch)
+    out = layer.forward(x, **options)
+    assert_agrees("output", out, out_torch)
+    dout = np.random.default_rng(2).standard_normal(out.shape)
+    out_torch.backward(torch.tensor(dout))
+    assert_agrees("input gradient", layer.backward(dout), x_torch.grad)
+    grads = _grads_as_torch(layer, "book." + name)
+    for torch_name, parameter in module.named_parameters():
+        assert_agrees(f"grad {torch_name}", grads[torch_name], parameter.grad)
+
+
+# (E, H, kdim, vdim, bias): packed in_proj_weight; separate q/k/v_proj_weight; no biases
+MHA_CASES = [(8, 2, None, None, True), (6, 3, 5, 4, True), (8, 4, None, None, False)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast", "tiled"])
+@pytest.mark.parametrize("E, H, kdim, vdim, bias", MHA_CASES)
+def test_torch_multihead_attention_loads_with_outputs_and_all_gradients(torch, impl, E, H,
+                                                                         kdim, vdim, bias):
+    """Oracle: ``nn.MultiheadAttention(batch_first=True)`` autograd, float64."""
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim,
+                                         batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.uniform_(-0.5, 0.5)  # nonzero biases too
+    layer = qkvnp.MultiHeadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, impl=impl)
+    from_torch(layer, module.state_dict(), MHA)
+    rng = np.random.default_rng(3)
+    query = rng.standard_normal((2, 4, E))
+    key = rng.standard_normal((2, 5, kdim or E))
+    value = rng.standard_normal((2, 5, vdim or E))
+    tensors = [torch.tensor(a, requires_grad=True) for a in (query, key, value)]
+    causal = torch.triu(torch.ones(4, 5, dtype=torch.bool), diagonal=1)  # True = blocked
+    out_torch, _ = module(*tensors, attn_mask=causal, need_weights=False)
+    out = layer.forward(query, key, value, attn_mask=~causal.numpy())  # True = may attend
+    assert_agrees("output", out, out_torch)
+    dout = rng.standard_normal(out.shape)
+    out_torch.backward(torch.tensor(dout))
+    for i, grad in enumerate(layer.backward(dout)):
+        assert_agrees(f"input {i} gradient", grad, tensors[i].grad)
+    theirs = torch_mha_param_grads(module, E)
+    assert sorted(theirs) == sorted(layer.grads)
+    for name, grad in layer.grads.items():
+        assert_agrees(f"grad {name}", grad, theirs[name])
+
+
+@pytest.mark.parametrize("E, H, kdim, vdim, bias", MHA_CASES)
+def test_torch_round_trips_give_identical_arrays(torch, E, H, kdim, vdim, bias):
+    """Oracle: exact equality, torch -> qkvnp -> torch and qkvnp -> torch -> qkvnp."""
+    module = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim,
+                                         batch_first=True, dtype=torch.float64)
+    layer = qkvnp.MultiHeadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, rng=5)
+    original = layer.state_dict()
+    state = to_torch(layer, MHA)
+    assert list(state) == list(module.state_dict())  # the names torch itself uses
+    module.load_state_dict({name: torch.from_numpy(value) for name, value in state.items()})
+    back = qkvnp.MultiHeadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, rng=6)
+    from_torch(back, module.state_dict(), MHA)
+    for name, value in original.items():
+        assert np.array_equal(back.params[name], value), name
+    for name, value in to_torch(back, MHA).items():
+        assert np.array_equal(value, module.state_dict()[name].numpy()), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+def test_book_round_trips_and_loads_into_torch(torch, layout):
+    """Oracle: exact equality; to_torch's names and shapes load into the book's module."""
+    name = layout.split(".", 1)[1]
+    seed, args, _, _ = PRINTED[name]
+    module = book_module(torch, name, args, seed)
+    layer, _ = qkvnp_twin(name, args, False, "auto")
+    state = to_torch(layer, layout)
+    missing, unexpected = module.load_state_dict(
+        {key: torch.from_numpy(value) for key, value in state.items()}, strict=False)
+    assert unexpected == [] and set(missing) <= {"mask"}
+    back, _ = qkvnp_twin(name, args, False, "auto")
+    from_torch(back, module.state_dict(), layout)
+    for key, value in layer.params.items():
+        assert np.array_equal(back.params[key], value), key
+
+
+def test_float32_tensors_with_grad_are_cast_by_duck_typing(torch):
+    """Oracle: the tensor's own values, cast exactly; the layer's arrays kept (in place)."""
+    module = torch.nn.MultiheadAttention(4, 2, batch_first=True)  # float32, requires_grad
+    layer = qkvnp.MultiHeadAttention(4, 2, rng=0)
+    W_out = layer.params["W_out"]
+    from_torch(layer, dict(module.named_parameters()), MHA)
+    assert layer.params["W_out"] is W_out and W_out.dtype == np.float64
+    assert np.array_equal(W_out, module.out_proj.weight.detach().numpy().T.astype(np.float64))
+
+
+def test_misfits_are_refused_saying_what_differs(torch):
+    """Oracle: the error names what differs; a refused load leaves the layer unchanged."""
+    module = torch.nn.MultiheadAttention(4, 2, add_bias_kv=True, batch_first=True)
+    layer = qkvnp.MultiHeadAttention(4, 2, rng=0)
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match="bias_k.*add_bias_kv"):
+        from_torch(layer, module.state_dict(), MHA)
+    state = to_torch(layer, MHA)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        from_torch(layer, state, "torch.nn.Transformer")
+    with pytest.raises(ValueError, match="loads a qkvnp.SelfAttention"):
+        from_torch(layer, state, "book.SelfAttention_v2")
+    with pytest.raises(ValueError, match="biases the layer lacks"):
+        from_torch(qkvnp.MultiHeadAttention(4, 2, bias=False), state, MHA)
+    with pytest.raises(ValueError, match=r"missing \['in_proj_bias'\].*biases the state dict lacks"):
+        from_torch(layer, {k: v for k, v in state.items() if k != "in_proj_bias"}, MHA)
+    with pytest.raises(ValueError, match=r"state_dict\['out_proj.weight'\] must have shape \(4, 4\)"):
+        from_torch(layer, {**state, "out_proj.weight": np.ones((4, 3))}, MHA)
+    with pytest.raises(ValueError, match=r"out_proj.bias'\] contains NaN"):
+        from_torch(layer, {**state, "out_proj.bias": np.full(4, np.nan)}, MHA)
+    with pytest.raises(TypeError, match="in_proj_bias"):
+        from_torch(layer, {**state, "in_proj_bias": np.ones(12, complex)}, MHA)
+    for name, value in layer.params.items():
+        assert np.array_equal(value, before[name]), name
+    with pytest.raises(ValueError, match="qdim=3"):
+        to_torch(qkvnp.MultiHeadAttention(4, 2, qdim=3, kdim=3, vdim=3), MHA)
+    with pytest.raises(ValueError, match="qkv_bias=False, out_bias=True"):
+        to_torch(qkvnp.MultiHeadAttention(4, 2, qkv_bias=False, out_bias=True), MHA)
+    with pytest.raises(ValueError, match="out_bias=False"):
+        to_torch(qkvnp.MultiHeadAttention(2, 2, out_bias=False), "book.MultiHeadAttention")
+    with pytest.raises(ValueError, match="no biases"):
+        to_torch(qkvnp.SelfAttention(3, 2, qkv_bias=True), "book.SelfAttention_v1")
+    square = qkvnp.MultiHeadAttention(4, 2, rng=1)  # separate q/k/v weights also load
+    separate = torch.nn.MultiheadAttention(4, 2, kdim=5, vdim=5).state_dict()
+    separate["k_proj_weight"] = separate["k_proj_weight"][:, :4]
+    separate["v_proj_weight"] = separate["v_proj_weight"][:, :4]
+    from_torch(square, separate, MHA)
+    assert np.array_equal(square.params["W_key"], separate["k_proj_weight"].numpy().T)
