@@ -24,6 +24,7 @@ __all__ = [
     "check_indices",
     "owned",
     "as_numpy",
+    "check_state_value",
     "row_norm_max",
     "scores_may_overflow",
 ]
@@ -415,6 +416,29 @@ def as_numpy(value, name):
             raise TypeError(f"{name}: cannot convert {type(value).__name__} to a numpy "
                             f"array ({error})") from None
     return np.asarray(value)
+
+
+def check_state_value(value, name, shape, dtype, context=""):
+    """A parameter value to load: an ndarray of exactly ``shape``, cast to ``dtype``.
+
+    ``value`` may be a torch tensor (:func:`as_numpy`). ``context`` is
+    appended to the shape error (which layer, which layout).
+
+    >>> check_state_value([1, 2], "state_dict['b']", (2,), np.float32)
+    array([1., 2.], dtype=float32)
+
+    Raises
+    ------
+    TypeError
+        If ``value`` is None or does not hold real numbers.
+    ValueError
+        If its shape is not ``shape``, or it holds NaN or inf (also after
+        the cast: float64 1e300 in float32).
+    """
+    arr = as_numpy(value, name)
+    if arr.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}{context}, got shape {arr.shape}")
+    return as_upstream_grad(arr, name, shape, dtype)  # real, cast, finite (after the cast too)
 
 
 def row_norm_max(x):

@@ -52,7 +52,7 @@ True
 """
 import numpy as np
 
-from ._checks import as_float_array, as_numpy
+from ._checks import check_state_value
 from .layers import MultiHeadAttention, SelfAttention
 
 __all__ = ["LAYOUTS", "from_torch", "to_torch"]
@@ -216,12 +216,9 @@ def from_torch(layer, state_dict, layout):
         raise ValueError(_missing_message(layout, layer, missing, unexpected))
     values = {}
     for name, target in expected.items():
-        label = f"state_dict[{name!r}]"
-        value = as_float_array(as_numpy(state_dict[name], label), label, layer.dtype)
-        if value.shape != target.shape:
-            raise ValueError(f"{label} must have shape {target.shape} for {layer!r} "
-                             f"(layout {layout!r}), got shape {value.shape}")
-        values[name] = value
+        values[name] = check_state_value(state_dict[name], f"state_dict[{name!r}]",
+                                         target.shape, layer.dtype,
+                                         f" for {layer!r} (layout {layout!r})")
     layer.load_state_dict(_to_qkvnp(layer, layout, values))
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._checks import as_float_array, as_numpy
+from .._checks import check_state_value
 
 __all__ = ["Layer", "Model", "LoadResult", "xavier_uniform"]
 
@@ -139,12 +139,8 @@ class Layer(ABC):
         for name, target in params.items():
             if name not in state_dict:
                 continue
-            label = f"state_dict[{name!r}]"
-            value = as_float_array(as_numpy(state_dict[name], label), label, target.dtype)
-            if value.shape != target.shape:
-                raise ValueError(f"{label} must have shape {target.shape}, got shape "
-                                 f"{value.shape}")
-            values[name] = value
+            values[name] = check_state_value(state_dict[name], f"state_dict[{name!r}]",
+                                             target.shape, target.dtype)
         for name, value in values.items():  # all checked: now write
             np.copyto(params[name], value)
         return LoadResult(missing, unexpected)
