@@ -235,7 +235,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
 
     Returns
     -------
-    out : ndarray, shape (..., T, E)
+    out : ndarray, shape (..., T, out_dim)
     weights : ndarray or None
     cache : ReferenceLayerCache or FusedLayerCache
         For :func:`layer_backward`.

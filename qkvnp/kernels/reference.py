@@ -74,7 +74,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
 
     Returns
     -------
-    out : ndarray, shape (..., T, E)
+    out : ndarray, shape (..., T, out_dim)
     weights : ndarray or None
     cache : ReferenceLayerCache
     """
@@ -106,7 +106,7 @@ def backward(dout, cache):
 
     Parameters
     ----------
-    dout : ndarray, shape (..., T, E)
+    dout : ndarray, shape (..., T, out_dim)
         Same shape as the forward output (not broadcast); cast to the
         parameters' dtype. Checked here once; the ops below get
         ``check=False`` for the gradients computed from it.
