@@ -9,9 +9,10 @@ Attention is a soft database lookup. Every token asks a question (its
 A query is matched against every key; the match scores, turned by a softmax
 into weights that sum to 1, mix the values into the token's *context vector*.
 
-The walkthrough has three parts, each computed through the public API
+The walkthrough has four parts, each computed through the public API
 (:mod:`qkvnp.functional`, :func:`qkvnp.softmax`,
-:func:`qkvnp.scaled_dot_product_attention`, :class:`qkvnp.SelfAttention`):
+:func:`qkvnp.scaled_dot_product_attention`, :class:`qkvnp.SelfAttention`,
+:class:`qkvnp.MultiHeadAttention`, :mod:`qkvnp.interop`):
 
 1. "Your journey starts with one step": query token 2 ("journey") alone,
    then all six tokens at once with :class:`~qkvnp.SelfAttention` whose
@@ -19,6 +20,9 @@ The walkthrough has three parts, each computed through the public API
    functional ops.
 2. The numpy example: four integer "words" and integer weight matrices.
 3. Attention without trainable weights: ``scores = X X^T``.
+4. The book's chapter 3 multi-head layer (``d_in = 3``, ``d_out = 2``, two
+   heads, causal) with the weights torch gives it under the book's seed
+   (:data:`BOOK_MHA_STATE`), which reproduce the book's printed context vectors.
 
 ``python -m qkvnp demo --precision 8`` prints the 8 digits the seeds print
 for part 2. The command exits with 1 if a cross-check between two code paths
@@ -40,7 +44,8 @@ import numpy as np
 from . import functional as F
 from ._checks import check_int
 from .functional import scaled_dot_product_attention, softmax
-from .layers import SelfAttention
+from .interop import from_torch
+from .layers import MultiHeadAttention, SelfAttention
 
 __all__ = [
     "WORDS",
@@ -52,6 +57,8 @@ __all__ = [
     "NUMPY_W_Q",
     "NUMPY_W_K",
     "NUMPY_W_V",
+    "BOOK_MHA_STATE",
+    "BOOK_MHA_PRINTED",
     "add_arguments",
     "run",
     "walkthrough",
@@ -92,6 +99,27 @@ NUMPY_WORDS = np.array([[1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 1]])
 NUMPY_W_Q = np.array([[2, 0, 2], [2, 0, 0], [2, 1, 2]])
 NUMPY_W_K = np.array([[2, 2, 2], [0, 2, 1], [0, 1, 1]])
 NUMPY_W_V = np.array([[1, 1, 0], [0, 1, 1], [0, 0, 0]])
+
+# Provenance: the book's chapter 3 MultiHeadAttention(d_in=3, d_out=2,
+# context_length=6, dropout=0.0, num_heads=2) built after torch.manual_seed(123),
+# its state_dict (float32, written here exactly as float64, in torch's layout:
+# nn.Linear weights are (out_features, in_features); the mask buffer left out).
+# tests/test_demo.py rebuilds it in torch and checks these values bit for bit.
+BOOK_MHA_STATE = {
+    "W_query.weight": np.array([[-0.23542964458465576, 0.019124476239085197, -0.28674593567848206],
+                                [0.21772661805152893, -0.491934210062027, 0.423223078250885]]),
+    "W_key.weight": np.array([[-0.4196414053440094, -0.45901766419410706, -0.3648201823234558],
+                              [0.2614781856536865, -0.21332639455795288, 0.21605217456817627]]),
+    "W_value.weight": np.array([[-0.49001413583755493, -0.35029205679893494, -0.21198919415473938],
+                                [-0.1134607195854187, -0.440439373254776, 0.37804362177848816]]),
+    "out_proj.weight": np.array([[-0.16675779223442078, 0.2269725799560547],
+                                 [0.5000259876251221, 0.13173823058605194]]),
+    "out_proj.bias": np.array([0.1933588683605194, 0.6825409531593323]),
+}
+# The context vectors the book prints for that layer on its batch of two
+# copies of INPUTS (4 decimals, computed by torch in float32).
+BOOK_MHA_PRINTED = np.array([[0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593],
+                             [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028]])
 
 QUERY_TOKEN = 2  # the seeds count tokens from 1: x^2 = INPUTS[1] = "journey"
 
@@ -223,6 +251,7 @@ def walkthrough(precision=4):
     ok &= _journey_all_tokens(p)
     ok &= _numpy_example(p)
     ok &= _without_weights(p)
+    ok &= _book_multi_head(p)
     print()
     print("All cross-checks agree." if ok else "Some cross-check FAILED (see above).")
     return 0 if ok else 1
@@ -390,3 +419,26 @@ def _without_weights(p):
         f"weights of {word!r} (softmax vs scaled_dot_product_attention)",
         weights_2, weights[QUERY_TOKEN - 1],
     )
+
+
+def _book_multi_head(p):
+    """Part 4: the book's chapter 3 multi-head layer, from weights torch generated."""
+    p.heading("Part 4. The book's MultiHeadAttention(d_in=3, d_out=2, num_heads=2)")
+    p.say(
+        "The book projects d_in = 3 to d_out = 2 (split into 2 heads of 1), with no",
+        "input biases and a biased out_proj, and masks causally. In qkvnp that is",
+        "MultiHeadAttention(embed_dim=2, num_heads=2, qdim=3, kdim=3, vdim=3,",
+        "qkv_bias=False, out_bias=True) called with is_causal=True. Its weights are",
+        "the ones torch.manual_seed(123) gives the book's layer, loaded with",
+        "qkvnp.interop.from_torch(layer, state, 'book.MultiHeadAttention').",
+    )
+    batch = np.stack([INPUTS, INPUTS])  # the book's batch: two copies, (2, T, E)
+    contexts = []
+    for impl in ("fast", "reference"):
+        layer = MultiHeadAttention(embed_dim=2, num_heads=2, qdim=3, kdim=3, vdim=3,
+                                   qkv_bias=False, out_bias=True, impl=impl)
+        from_torch(layer, BOOK_MHA_STATE, "book.MultiHeadAttention")
+        contexts.append(layer.forward(batch, is_causal=True))  # (2, T, E) -> (2, T, 2)
+    p.rows("context vectors (T, 2), first of the batch", contexts[0][0], WORDS)
+    p.rows("the book prints (4 decimals, float32)", BOOK_MHA_PRINTED, WORDS)
+    return _cross_check("context (fast vs reference path)", contexts[0], contexts[1])

@@ -15,6 +15,7 @@ import pytest
 import qkvnp.demo as demo
 from qkvnp import cli
 
+import book_layers as seeds_book
 import test_seeds as seeds
 
 # Numbers a learner must see in the default (4-digit) output.
@@ -131,3 +132,29 @@ def test_python_m_qkvnp_demo_subprocess():
     )
     assert result.returncode == 0, result.stderr
     assert "[0.4306, 1.4551]" in result.stdout
+
+
+def test_demo_prints_the_books_multi_head_numbers(capsys):
+    """Oracle: the book's printed chapter 3 multi-head context vectors (4 decimals).
+
+    Each row appears twice: once computed by the layer, once as the book's
+    printed value shown beside it.
+    """
+    assert demo.walkthrough(precision=4) == 0
+    out = capsys.readouterr().out
+    for row in seeds_book.PRINTED["MultiHeadAttention"][3]:
+        text = "[" + ", ".join(f"{value:.4f}" for value in row) + "]"
+        assert out.count(text) == 2, f"{text} printed {out.count(text)} times, expected 2"
+    np.testing.assert_array_equal(demo.BOOK_MHA_PRINTED, seeds_book.PRINTED["MultiHeadAttention"][3])
+
+
+def test_book_constants_are_the_weights_torch_draws_under_the_books_seed(torch):
+    """Oracle: the book's layer built in torch after ``torch.manual_seed(123)``, bit for bit."""
+    seed, args, _, _ = seeds_book.PRINTED["MultiHeadAttention"]
+    torch.manual_seed(seed)
+    module = seeds_book.book_layers(torch)["MultiHeadAttention"](*args)
+    state = {name: value.numpy().astype(np.float64)
+             for name, value in module.state_dict().items() if name != "mask"}
+    assert sorted(state) == sorted(demo.BOOK_MHA_STATE)
+    for name, value in state.items():
+        np.testing.assert_array_equal(demo.BOOK_MHA_STATE[name], value, err_msg=name)
