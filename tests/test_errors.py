@@ -202,7 +202,7 @@ def test_multihead_bad_inputs(impl):
     for shape in [(3, 6), (1, 3, 6), (2, 3, 1)]:
         check(ValueError, lambda: layer.backward(normal(*shape)), "dout", "(2, 3, 6)", str(shape))
     cross = qkvnp.MultiHeadAttention(6, 2, kdim=4, rng=0, impl=impl)
-    check(ValueError, lambda: cross.forward(x), "kdim == vdim == embed_dim")
+    check(ValueError, lambda: cross.forward(x), "qdim == kdim == vdim", "kdim=4")
 
 
 def test_errors_leave_no_state_behind(impl):
