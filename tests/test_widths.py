@@ -8,11 +8,14 @@ layer built before these options existed (same order, same values).
 """
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qkvnp import MultiHeadAttention, kernels
 from qkvnp.gradcheck import check_layer
 
 from oracles import assert_matches_reference
+from strategies import finite_arrays, mha_cases
 
 # (E, H, qdim, kdim, vdim, out_dim, qkv_bias, out_bias, kind)
 CASES = [
@@ -54,6 +57,26 @@ def test_gradients_match_central_differences_on_every_path(impl, case):
     expected.update({"b_out": (out_dim,)} if out_bias else {})
     assert {name: value.shape for name, value in layer.params.items()} == expected
     report = check_layer(layer, *inputs, forward_kwargs={"is_causal": True})
+    assert report.ok, "\n" + report.table()
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_gradients_with_drawn_widths_and_biases(impl, data):
+    """Oracle: central differences, on mha_cases' masks and kinds with drawn
+    qdim, out_dim, qkv_bias and out_bias (self-attention: qdim = kdim = vdim)."""
+    case = data.draw(mha_cases(), label="case")
+    qdim, out_dim = data.draw(st.integers(1, 6), "qdim"), data.draw(st.integers(1, 6), "out_dim")
+    inputs = list(case["inputs"])
+    inputs[0] = data.draw(finite_arrays(inputs[0].shape[:-1] + (qdim,)), "query")
+    kdim, vdim = case["kdim"], case["vdim"]
+    if case["kind"] == "self":
+        kdim = vdim = qdim
+    layer = MultiHeadAttention(case["embed_dim"], case["num_heads"], kdim=kdim, vdim=vdim,
+                               qdim=qdim, out_dim=out_dim, qkv_bias=data.draw(st.booleans()),
+                               out_bias=data.draw(st.booleans()), rng=case["seed"], impl=impl)
+    forward_kwargs = {name: case[name] for name in ("attn_mask", "is_causal", "key_padding_mask")}
+    report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs)
     assert report.ok, "\n" + report.table()
 
 

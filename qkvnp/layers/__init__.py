@@ -7,8 +7,10 @@ D = E // H head dim. Leading dims are optional: ``(T, E)`` works like
 The package, module by module:
 
 ``base``       :class:`Layer`, the contract every layer keeps (params, grads,
-               the cache of the last forward), and :class:`Model`, a
-               container whose ``params`` gather its sub-layers' arrays
+               the cache of the last forward, ``state_dict`` /
+               ``load_state_dict``), and :class:`Model`, a container whose
+               ``params`` gather the arrays of the layers assigned to its
+               attributes, under dotted names
 ``attention``  :class:`SelfAttention` and :class:`MultiHeadAttention`: they
                check their inputs and ask :mod:`qkvnp.kernels` to run the path
                of their ``impl`` (``last_dispatch`` then says which path ran

@@ -2,7 +2,9 @@
 
 Every layer of :mod:`qkvnp.layers` and every model of :mod:`qkvnp.training`
 is a :class:`Layer`: ``params`` and ``grads`` dicts, ``forward`` keeping the
-cache of its last call, ``backward`` adding into ``grads``.
+cache of its last call, ``backward`` adding into ``grads``, ``state_dict`` /
+``load_state_dict`` for saving and loading weights. A :class:`Model` holds
+layers assigned to its attributes, as a PyTorch ``Module`` does.
 """
 from abc import ABC, abstractmethod
 from collections import namedtuple
@@ -40,7 +42,10 @@ class Layer(ABC):
     raises ``RuntimeError`` unless the first got ``retain_cache=True``). The
     cache owns what the backward reads: editing an input or a returned array
     in place after ``forward`` does not change the gradients.
-    ``zero_grad()`` resets the gradients. Subclasses fill ``self.params`` in
+    ``zero_grad()`` resets the gradients. ``state_dict()`` returns copies of
+    the parameters and ``load_state_dict(d)`` writes into them in place (so
+    that optimizers and models holding the arrays see the new values).
+    Subclasses fill ``self.params`` in
     ``__init__``, call ``self.zero_grad()``, and list their constructor
     arguments in ``_repr_fields`` for ``repr``.
     """
