@@ -73,6 +73,13 @@ def _check_layout(layer, layout):
     if not isinstance(layer, needed):
         raise ValueError(f"layout {layout!r} loads a qkvnp.{needed.__name__}, got "
                          f"{type(layer).__name__}")
+    # NOTE: neither torch's layer nor the book's shares key/value heads: a
+    # layer with fewer key/value heads (num_kv_heads, issue 11 item 4) has no
+    # layout here
+    kv_heads = getattr(layer, "num_kv_heads", None)
+    if needed is MultiHeadAttention and kv_heads not in (None, layer.num_heads):
+        raise ValueError(f"layout {layout!r} has one key/value head per query head; the layer "
+                         f"has num_kv_heads={kv_heads}, num_heads={layer.num_heads}")
     if layout == "torch.nn.MultiheadAttention":
         differs = [f"{name}={getattr(layer, name)}" for name in ("qdim", "out_dim")
                    if getattr(layer, name) != layer.embed_dim]

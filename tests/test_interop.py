@@ -224,6 +224,10 @@ def test_misfits_are_refused_saying_what_differs(torch):
         to_torch(qkvnp.MultiHeadAttention(2, 2, out_bias=False), "book.MultiHeadAttention")
     with pytest.raises(ValueError, match="no biases"):
         to_torch(qkvnp.SelfAttention(3, 2, qkv_bias=True), "book.SelfAttention_v1")
+    shared_kv = qkvnp.MultiHeadAttention(4, 2, rng=0)
+    shared_kv.num_kv_heads = 1  # as a grouped-query layer would say (no torch layout has it)
+    with pytest.raises(ValueError, match="num_kv_heads=1, num_heads=2"):
+        to_torch(shared_kv, MHA)
     square = qkvnp.MultiHeadAttention(4, 2, rng=1)  # separate q/k/v weights also load
     separate = torch.nn.MultiheadAttention(4, 2, kdim=5, vdim=5).state_dict()
     separate["k_proj_weight"] = separate["k_proj_weight"][:, :4]
