@@ -24,8 +24,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_indices,
+from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs,
                       check_int, check_ndim, check_scale, compute_dtype, owned)
+from .dropout import dense_keep, prepare_dropout
+from .embedding import EmbeddingCache, embedding_backward, embedding_forward
 from .masks import prepare_mask
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "softmax_backward",
     "attention_forward",
     "attention_backward",
+    "dropped_weights",
     "split_heads_forward",
     "split_heads_backward",
     "merge_heads_forward",
@@ -53,7 +56,8 @@ __all__ = [
 
 LinearCache = namedtuple("LinearCache", "x W has_bias")
 SoftmaxCache = namedtuple("SoftmaxCache", "weights axis")
-AttentionCache = namedtuple("AttentionCache", "query key value weights scale")
+AttentionCache = namedtuple("AttentionCache", "query key value weights scale dropout_mask dropout_p",
+                            defaults=(None, 0.0))
 HeadsCache = namedtuple("HeadsCache", "num_heads out_shape dtype")
 
 
@@ -302,8 +306,9 @@ def _softmax_backward(dweights, cache):
 # ---------------------------------------------------------------- attention
 
 
-def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
-    """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``.
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
+                      dropout_p=0.0, rng=None, dropout_mask=None):
+    """Scaled dot-product attention ``dropout(softmax(q k^T * scale + mask)) v``.
 
     Parameters
     ----------
@@ -320,27 +325,47 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         removes the positions it forbids.
     scale : float, optional
         Defaults to ``1 / sqrt(D)``.
+    dropout_p : float
+        Drop probability of each weight, in ``[0, 1)``; the kept weights are
+        scaled by ``1 / (1 - dropout_p)`` (PyTorch's ``dropout_p``). 0: no
+        dropout, bitwise the forward without it.
+    rng : numpy.random.Generator or int, optional
+        Draws the dropout mask (one 64-bit draw; see :mod:`qkvnp.dropout`).
+        Unused when ``dropout_p == 0`` or ``dropout_mask`` is given.
+    dropout_mask : ndarray of bool, optional
+        Broadcastable to ``(..., T, S)``, True = keep: replays a mask (from
+        ``cache.dropout_mask``, or one applied in PyTorch by hand). Needs
+        ``0 < dropout_p < 1``.
 
     Returns
     -------
     out : ndarray, shape (..., T, Dv)
     cache : AttentionCache
-        Holds the inputs, the weights ``(..., T, S)`` and the scale.
+        Holds the inputs, the softmax weights ``(..., T, S)`` (before
+        dropout), the scale, and ``dropout_mask`` (bool, True = keep, or
+        None) with ``dropout_p``.
 
     Raises
     ------
     ValueError
-        On mismatched dims, a mask that does not broadcast, non-finite inputs.
+        On mismatched dims, a mask that does not broadcast, non-finite
+        inputs, ``dropout_p`` outside ``[0, 1)``, a ``dropout_mask`` with
+        ``dropout_p == 0``.
     TypeError
-        On a mask that is neither bool nor float, or an input that does not
-        hold real numbers or is wider than float64 (float128); the message
-        names the argument.
+        On a mask that is neither bool nor float, a ``dropout_mask`` that is
+        not bool, or an input that does not hold real numbers or is wider
+        than float64 (float128); the message names the argument.
 
     Notes
     -----
     Forward, with :math:`c` the scale and :math:`M` the additive mask:
 
     .. math:: S = c\\,Q K^T + M, \\quad P = \\mathrm{softmax}_{rows}(S), \\quad O = P V
+
+    With dropout, :math:`O = \\tilde P V` with :math:`\\tilde P = P \\odot Z /
+    (1 - p)` (:math:`Z` the 0/1 mask), and the backward starts with
+    :math:`\\bar V = \\tilde P^T \\bar O`, :math:`\\bar P = (\\bar O V^T) \\odot
+    Z / (1 - p)`; the rest is unchanged (``docs/derivations.md``).
 
     Backward (see ``docs/derivations.md``):
 
@@ -367,6 +392,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)
+    dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
 
     scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (..., T, D) @ (..., D, S) -> (..., T, S)
     scores = _clip_overflow(scores)
@@ -375,9 +401,31 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if keep is not None:
         scores = np.where(keep, scores, -np.inf)
     weights, _ = softmax_forward(scores)  # (..., T, S), rows sum to 1 (or 0 if fully masked)
-    out = weights @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+    if dropout is None:
+        out = weights @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+        query, key, value = owned((query, key, value), originals)  # the cache owns what backward reads
+        return out, AttentionCache(query, key, value, weights, scale)
+    (drop_keep,) = owned((dense_keep(dropout),), (dropout_mask,))  # (..., T, S) bool, True = keep
+    cache = AttentionCache(query, key, value, weights, scale, drop_keep, dropout.p)
+    out = dropped_weights(cache) @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
     query, key, value = owned((query, key, value), originals)  # the cache owns what backward reads
-    return out, AttentionCache(query, key, value, weights, scale)
+    return out, cache._replace(query=query, key=key, value=value)
+
+
+def dropped_weights(cache):
+    """The weights after dropout, ``P * Z / (1 - p)``, of an :class:`AttentionCache` (a new array).
+
+    >>> _, cache = attention_forward(np.zeros((1, 2)), np.zeros((2, 2)), np.ones((2, 1)),
+    ...                              dropout_p=0.5, dropout_mask=np.array([True, False]))
+    >>> dropped_weights(cache)
+    array([[1., 0.]])
+    """
+    if cache.dropout_mask is None:
+        return cache.weights.copy()
+    # NOTE: the mask times 1/(1-p) in the weights' dtype, as PyTorch's dropout scales
+    kept = cache.weights * cache.dropout_mask  # (..., T, S)
+    kept *= cache.weights.dtype.type(1.0 / (1.0 - cache.dropout_p))
+    return kept
 
 
 def _clip_overflow(scores):
@@ -412,7 +460,7 @@ def attention_backward(dout, cache, check=True):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
-    _, _, value, weights, _ = cache
+    value, weights = cache.value, cache.weights
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
     lead = np.broadcast_shapes(weights.shape[:-2], value.shape[:-2])
     if check:
@@ -423,9 +471,15 @@ def attention_backward(dout, cache, check=True):
 
 def _attention_backward(dout, cache):
     """:func:`attention_backward` of a ``dout`` already checked and cast."""
-    query, key, value, weights, scale = cache
-    dvalue = np.swapaxes(weights, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
-    dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    query, key, value, weights, scale = cache[:5]
+    if cache.dropout_mask is None:
+        dvalue = np.swapaxes(weights, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+        dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    else:  # O = (P * Z / (1 - p)) V: dV with the dropped weights, dP = (dO V^T) * Z / (1 - p)
+        dvalue = np.swapaxes(dropped_weights(cache), -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+        dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+        dweights *= cache.dropout_mask
+        dweights *= dweights.dtype.type(1.0 / (1.0 - cache.dropout_p))
     weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
     dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
     dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
@@ -438,19 +492,23 @@ def _attention_backward(dout, cache):
 
 
 def scaled_dot_product_attention(
-    query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False
+    query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False, *,
+    dropout_p=0.0, rng=None, dropout_mask=None
 ):
     """Scaled dot-product attention, the forward alone.
 
     Same arguments as :func:`attention_forward` (and as PyTorch's
     ``torch.nn.functional.scaled_dot_product_attention``, mask polarity
-    included: True = may attend).
+    included: True = may attend; ``dropout_p`` included, plus ``rng`` and
+    ``dropout_mask`` to seed or replay the dropout mask).
 
     Returns
     -------
     out : ndarray, shape (..., T, Dv)
     weights : ndarray, shape (..., T, S)
-        Only when ``return_weights=True``.
+        Only when ``return_weights=True``: after dropout (zeros where
+        dropped, the rest scaled by ``1 / (1 - dropout_p)``), as PyTorch's
+        ``MultiheadAttention`` returns them.
 
     Examples
     --------
@@ -459,8 +517,11 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(np.zeros((1, 2)), np.zeros((2, 2)), np.array([[0., 2.], [4., 6.]]))
     array([[2., 4.]])
     """
-    out, cache = attention_forward(query, key, value, attn_mask, is_causal, scale)
-    return (out, cache.weights) if return_weights else out
+    out, cache = attention_forward(query, key, value, attn_mask, is_causal, scale,
+                                   dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
+    if not return_weights:
+        return out
+    return out, (cache.weights if cache.dropout_mask is None else dropped_weights(cache))
 
 
 # ---------------------------------------------------------------- heads
@@ -602,89 +663,3 @@ def merge_heads_backward(dout, cache, check=True):
 def _merge_heads_backward(dout, cache):
     """:func:`merge_heads_backward` of a ``dout`` already checked and cast."""
     return split_heads_forward(dout, cache.num_heads)[0]
-
-
-# ---------------------------------------------------------------- embedding
-
-
-EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
-
-
-def embedding_forward(indices, weight):
-    """Look up rows of ``weight``: ``out[...] = weight[indices[...]]``.
-
-    Parameters
-    ----------
-    indices : ndarray of int, shape (...)
-        Entries in ``[0, num)``; negative indices are refused (no wrap-around).
-    weight : ndarray, shape (num, dim)
-
-    Returns
-    -------
-    out : ndarray, shape (..., dim)
-    cache : EmbeddingCache
-
-    Raises
-    ------
-    TypeError
-        If ``indices`` is not an integer array.
-    ValueError
-        If ``weight`` is not 2-D or an index is out of range.
-
-    Notes
-    -----
-    Forward: :math:`Y_{\\dots} = W_{i_{\\dots}}` (a one-hot matrix times
-    :math:`W`). Backward: :math:`\\bar W_r = \\sum_{\\dots : i_{\\dots} = r}
-    \\bar Y_{\\dots}`: every occurrence of row :math:`r` adds its upstream
-    gradient (unlike ``dW[indices] += dout``, which drops repeated indices).
-    The indices get no gradient.
-
-    Examples
-    --------
-    >>> out, cache = embedding_forward(np.array([2, 0, 2]), np.arange(6.0).reshape(3, 2))
-    >>> out
-    array([[4., 5.],
-           [0., 1.],
-           [4., 5.]])
-    >>> embedding_backward(np.ones((3, 2)), cache)
-    array([[1., 1.],
-           [0., 0.],
-           [2., 2.]])
-    """
-    weight = as_float_array(weight, "weight")
-    if weight.ndim != 2:
-        raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
-    (indices,) = owned((check_indices(indices, weight.shape[0]),), (indices,))
-    out = weight[indices]  # (...) -> (..., dim)
-    return out, EmbeddingCache(indices, weight.shape, weight.dtype)
-
-
-def embedding_backward(dout, cache):
-    """Backward of :func:`embedding_forward`.
-
-    Parameters
-    ----------
-    dout : ndarray, shape (..., dim)
-    cache : EmbeddingCache
-
-    Returns
-    -------
-    dweight : ndarray, shape (num, dim)
-        Rows never looked up are 0; repeated indices add up.
-
-    Raises
-    ------
-    TypeError
-        If ``dout`` does not hold real numbers (complex, object...).
-    ValueError
-        If ``dout`` is not of the output's shape exactly or holds NaN or inf.
-    """
-    indices, weight_shape, dtype = cache
-    dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
-    num, dim = weight_shape
-    # NOTE: one bincount over flat (row, column) slots: the same sums as
-    # np.add.at(dW, indices, dout), in the same order, measured 6x faster
-    # (1.0 ms -> 0.16 ms for the kv-recall task's (64, 17) ids of width 64)
-    slots = (indices.reshape(-1, 1) * dim + np.arange(dim)).reshape(-1)  # (rows * dim,)
-    dweight = np.bincount(slots, weights=dout.reshape(-1), minlength=num * dim)  # float64 sums
-    return dweight.reshape(num, dim).astype(dtype, copy=False)  # (num * dim,) -> (num, dim)

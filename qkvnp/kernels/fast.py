@@ -62,6 +62,7 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
                        scores_may_overflow)
 from ..functional import sum_to_shape
+from ..dropout import dense_keep, prepare_dropout
 from ..masks import causal_mask, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
 
@@ -85,7 +86,8 @@ MAX_BOUND_GAP = 24
 PROBE_KEYS = 8
 
 FastAttentionCache = namedtuple(
-    "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes"
+    "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes dropout_mask dropout_p",
+    defaults=(None, 0.0),
 )
 FastAttentionCache.__doc__ = """What :func:`attention_backward` reads.
 
@@ -98,6 +100,8 @@ inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row.
 out : (..., T, Dv) the forward output.
 scale : float.
 shapes : the original shapes of query, key and value (for broadcast inputs).
+dropout_mask : bool, broadcastable to (..., T, S), True = keep; None without dropout.
+dropout_p : float, the drop probability (kept weights are scaled by 1 / (1 - p)).
 """
 
 # ---------------------------------------------------------------- core
@@ -210,11 +214,15 @@ def _mask_row_max(mask, dtype):
     return row_max.astype(dtype, copy=False)
 
 
-def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
+def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mask=None,
+                  dropout_p=0.0):
     """Fill ``exp_scores``, ``inv_sum`` and ``out`` (all preallocated, full leading dims).
 
     ``query`` is already scaled; ``mask`` is None or an additive mask whose
-    shape broadcasts to ``exp_scores``' (it is broadcast here).
+    shape broadcasts to ``exp_scores``' (it is broadcast here). With a
+    ``dropout_mask`` (bool, True = keep, broadcastable), ``out`` is
+    ``r ((E * Z) V) / (1 - p)``: ``exp_scores`` and ``inv_sum`` stay those of
+    the softmax before dropout.
     """
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
@@ -226,7 +234,11 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
     dtype = exp_scores.dtype
     mask_max = _mask_row_max(mask, dtype)
     threads = threads_for(flops)
-    if threads == 1 and _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
+    drop = None
+    if dropout_mask is not None:
+        drop = (np.broadcast_to(dropout_mask, lead + (T, S)), dtype.type(1.0 / (1.0 - dropout_p)))
+    if threads == 1 and _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out,
+                                       drop):
         return
     log2e = dtype.type(np.log2(np.e))
     small_mask = small_mask_max = None
@@ -251,7 +263,8 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
                 if len(chunks) == 1 and _small_forward(
                         query[idx], k, v, None if mask is None else small_mask[idx],
                         None if mask is None else small_mask_max[idx],
-                        exp_scores[idx], inv_sum[idx], out[idx]):
+                        exp_scores[idx], inv_sum[idx], out[idx],
+                        None if drop is None else (drop[0][idx], drop[1])):
                     continue  # the block fits in cache: whole-array calls
                 key_aug_t = _augment_t(k, 1)  # (G, S, D) -> (G, D + 1, S)
                 value_aug = _augment(v, 1)  # (G, S, Dv) -> (G, S, Dv + 1)
@@ -261,12 +274,13 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out):
                     _forward_rows(exp_scores[block], query[block], k, key_aug_t, key_norm, value_aug,
                                   None if mask is None else mask[block],
                                   None if mask is None else mask_max[block],
-                                  inv_sum[block], out[block], probes, log2e)
+                                  inv_sum[block], out[block], probes, log2e,
+                                  None if drop is None else (drop[0][block], drop[1]))
 
     run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
 
 
-def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
+def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop=None):
     """:func:`dense_forward` of a problem too small to share, in a few whole-array calls.
 
     The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``), the
@@ -281,6 +295,7 @@ def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
     above a row's max (its largest exponential below ``2**-24``, where the
     terms would lose precision in the subnormals) or a score overflowed: the
     blocked path then takes the exact row max, as the reference does.
+    ``drop``: None or ``(dropout_mask, 1 / (1 - p))``, applied to the output only.
     """
     dtype = exp_scores.dtype
     ones_d, ones_s = _ones(query.shape[-1], dtype), _ones(exp_scores.shape[-1], dtype)
@@ -316,13 +331,17 @@ def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out):
         inv_sum[~live] = 0
     else:
         np.reciprocal(inv_sum, out=inv_sum)
-    np.matmul(exp_scores, value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
-    out *= inv_sum
+    if drop is None:
+        np.matmul(exp_scores, value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+        out *= inv_sum
+    else:  # O = r ((E * Z) V) / (1 - p)
+        np.matmul(exp_scores * drop[0], value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+        out *= inv_sum * drop[1]
     return True
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
-                  probes, log2e):
+                  probes, log2e, drop=None):
     """Forward of one block of rows: scores, softmax numerators, output.
 
     The row max is replaced by the bound ``m = |q| max|k| + max(mask row)``
@@ -338,7 +357,9 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     a lower bound on the row max; a block where bound - probe max exceeds
     :data:`MAX_BOUND_GAP` bits, with overflowed scores or with a fully masked
     row is redone by the reference recipe (:func:`_exp_scores_careful`,
-    with ``mask / log2(e)``), i.e. with the exact row max.
+    with ``mask / log2(e)``), i.e. with the exact row max. With ``drop =
+    (dropout_mask, 1 / (1 - p))`` the output is recomputed from the kept
+    numerators (one more matmul: the row sums need them all).
     """
     bound = np.sqrt(np.sum(q * q, axis=-1, keepdims=True)) * key_norm  # (G, R, 1)
     if mask_max is not None:
@@ -376,7 +397,11 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
         inv[dead] = 0
     else:
         np.reciprocal(row_sum, out=inv)
-    np.multiply(out_aug[..., :-1], inv, out=o)  # (G, R, Dv)
+    if drop is None:
+        np.multiply(out_aug[..., :-1], inv, out=o)  # (G, R, Dv)
+    else:  # O = r ((E * Z) V) / (1 - p)
+        np.matmul(scores * drop[0], value_aug[..., :-1], out=o)  # (G, R, S) @ (G, S, Dv) -> (G, R, Dv)
+        o *= inv * drop[1]
 
 
 def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
@@ -392,9 +417,13 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     T, S = exp_scores.shape[-2:]
     flops = 4 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 1)
     threads = threads_for(flops)
+    drop = None
+    if cache.dropout_mask is not None:
+        drop = (np.broadcast_to(cache.dropout_mask, lead + (T, S)),
+                out.dtype.type(1.0 / (1.0 - cache.dropout_p)))
     if threads == 1:
         _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
-                        dquery_scale)
+                        dquery_scale, drop)
         return
 
     def task(part):
@@ -405,7 +434,8 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             chunks = _row_chunks(G, T, S, exp_scores.itemsize)
             if len(chunks) == 1:  # the block fits in cache: whole-array calls
                 _small_backward(dout[idx], query[idx], k, value[idx], exp_scores[idx], inv_sum[idx],
-                                out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale)
+                                out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale,
+                                None if drop is None else (drop[0][idx], drop[1]))
                 continue
             value_aug_t = _augment_t(value[idx], 1)  # (G, S, Dv) -> (G, Dv + 1, S)
             # NOTE: dK^T = Q^T dS and dV^T = dO^T P measured faster than dS^T Q
@@ -422,7 +452,8 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
                     partial = np.empty_like(dk_t), np.empty_like(dv_t)
                 _backward_rows(dout[block], out[block], query[block], k, value_aug_t, weights_num,
                                inv_sum[block], scratch[..., :R, :], dquery[block], dk_t, dv_t,
-                               dquery_scale, None if n == 0 else partial)
+                               dquery_scale, None if n == 0 else partial,
+                               None if drop is None else (drop[0][block], drop[1]))
             dkey[idx] = dk_t.swapaxes(-1, -2)  # (G, D, S) -> (G, S, D)
             dvalue[idx] = dv_t.swapaxes(-1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
@@ -430,20 +461,29 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
 
 
 def _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
-                    dquery_scale):
+                    dquery_scale, drop=None):
     """:func:`dense_backward` of a problem too small to share, in whole-array calls.
 
     With :math:`E` the numerators and :math:`r = 1/\\mathrm{rowsum}(E)`:
     :math:`\\bar V = E^T (r \\bar O)`, :math:`G = E \\odot (\\bar P - \\delta)` with
     :math:`\\bar P = \\bar O V^T` and :math:`\\delta = r\\,\\mathrm{rowsum}(E \\odot \\bar P)`,
     :math:`\\bar Q = c\\, r \\odot (G K)`, :math:`\\bar K = G^T (r \\odot Q)`.
+    With ``drop = (Z, 1 / (1 - p))``: :math:`\\bar V = (E \\odot Z)^T (r \\bar O) / (1 - p)`
+    and :math:`\\bar P = (\\bar O V^T) \\odot Z / (1 - p)`, the rest unchanged.
     """
     if exp_scores.shape[-1] == 0:  # no key: nothing attended, no gradient
         dquery[...] = 0
         return
-    np.matmul(exp_scores.swapaxes(-1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
     dscores = recycled_empty(exp_scores.shape, exp_scores.dtype)  # no page faults for a new (T, S)
-    np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    if drop is None:
+        np.matmul(exp_scores.swapaxes(-1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
+        np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    else:
+        np.multiply(exp_scores, drop[0], out=dscores)  # E * Z, (..., T, S)
+        np.matmul(dscores.swapaxes(-1, -2), dout * (inv_sum * drop[1]), out=dvalue)  # (..., S, T) @ (..., T, Dv)
+        np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+        dscores *= drop[0]
+        dscores *= drop[1]  # dP = (dO V^T) * Z / (1 - p)
     # NOTE: delta = rowsum(P * dP) from the dP just computed, not rowsum(dO * O):
     # on a saturated row dP - delta cancels, and the two must carry the same
     # rounding (a float32 W_key gradient whose exact value is ~0: rowsum(dO * O)
@@ -463,18 +503,28 @@ def _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, d
 
 
 def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,
-                   partial):
+                   partial, drop=None):
     """Backward of one block of rows; ``dk_t``, ``dv_t`` (transposed) are
     written (``partial`` is None) or accumulated through ``partial`` buffers.
 
-    ``dP - delta`` comes out of one matmul: ``[dO | -delta] @ [V | 1]^T``.
+    ``dP - delta`` comes out of one matmul: ``[dO | -delta] @ [V | 1]^T``;
+    with ``drop = (Z, 1 / (1 - p))`` it is ``(dO V^T) * Z / (1 - p) - delta``
+    (``delta = rowsum(dO * O)`` still: see ``docs/derivations.md``).
     """
     delta = np.sum(do * o, axis=-1, keepdims=True)  # rowsum(P * dP) = rowsum(dO * O), (G, R, 1)
-    # dV^T = dO^T P = (dO / rowsum)^T E
     dv_rows = dv_t if partial is None else partial[1]
-    np.matmul((do * inv).swapaxes(-1, -2), weights_num, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
-    dout_aug = _augment(do, -delta)  # (G, R, Dv) -> (G, R, Dv + 1)
-    np.matmul(dout_aug, value_aug_t, out=dscores)  # dP - delta: (G, R, Dv+1) @ (G, Dv+1, S) -> (G, R, S)
+    if drop is None:
+        # dV^T = dO^T P = (dO / rowsum)^T E
+        np.matmul((do * inv).swapaxes(-1, -2), weights_num, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
+        dout_aug = _augment(do, -delta)  # (G, R, Dv) -> (G, R, Dv + 1)
+        np.matmul(dout_aug, value_aug_t, out=dscores)  # dP - delta: (G, R, Dv+1) @ (G, Dv+1, S) -> (G, R, S)
+    else:
+        np.multiply(weights_num, drop[0], out=dscores)  # E * Z, (G, R, S)
+        np.matmul((do * (inv * drop[1])).swapaxes(-1, -2), dscores, out=dv_rows)  # (G, Dv, R) @ (G, R, S) -> (G, Dv, S)
+        np.matmul(do, value_aug_t[..., :-1, :], out=dscores)  # (G, R, Dv) @ (G, Dv, S) -> (G, R, S)
+        dscores *= drop[0]
+        dscores *= drop[1]
+        dscores -= delta  # dP - delta
     dscores *= weights_num  # = rowsum * dS, with dS = P * (dP - delta)
     np.matmul(dscores, k, out=dq)  # (G, R, S) @ (G, S, D) -> (G, R, D)
     dq *= inv * dq_scale
@@ -485,11 +535,13 @@ def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t
         dk_t += dk_rows
 
 
-def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None):
+def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
+                      dropout_p=0.0, rng=None, dropout_mask=None):
     """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``, fast path.
 
     Same arguments, semantics and errors as
-    :func:`qkvnp.functional.attention_forward`.
+    :func:`qkvnp.functional.attention_forward`, dropout included (the same
+    ``rng`` draws the same mask, :mod:`qkvnp.dropout`).
 
     Parameters
     ----------
@@ -570,24 +622,27 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         # NOTE: scores near the float maximum: the reference's exact clipping
         # (its cache type tells attention_backward which backward to run)
         with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
-            return F.attention_forward(*originals, attn_mask, is_causal, scale)
+            return F.attention_forward(*originals, attn_mask, is_causal, scale, dropout_p=dropout_p,
+                                       rng=rng, dropout_mask=dropout_mask)
     (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
     dtype = query.dtype
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
+    dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
+    drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
     mask = additive_mask(bias, keep, dtype)
     scaled_query = np.empty(lead + (T, D), dtype)
     np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
-    key, value = owned((key, value), originals)  # the cache owns what backward reads
+    key, value, drop_keep = owned((key, value, drop_keep), originals + (dropout_mask,))  # the cache owns what backward reads
     key_b = np.broadcast_to(key, lead + (S, D))
     value_b = np.broadcast_to(value, lead + (S, Dv))
     exp_scores = recycled_empty(lead + (T, S), dtype)
     inv_sum = np.empty(lead + (T, 1), dtype)
     out = np.empty(lead + (T, Dv), dtype)
-    dense_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out)
+    dense_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out, drop_keep, drop_p)
     # NOTE: the cache keeps its own copy of out (a (T, Dv) copy): a caller
     # editing the returned array in place must not change the gradients.
     cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores, inv_sum, out.copy(),
-                               scale, (query.shape, key.shape, value.shape))
+                               scale, (query.shape, key.shape, value.shape), drop_keep, drop_p)
     return out, cache
 
 
@@ -615,7 +670,7 @@ def attention_backward(dout, cache):
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
         with np.errstate(over="ignore"):
             return F.attention_backward(dout, cache)
-    query, key, value, exp_scores, inv_sum, out, scale, shapes = cache
+    query, key, value, exp_scores, inv_sum, out, scale, shapes = cache[:8]
     dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype
     dquery = np.empty(query.shape, out.dtype)
     dkey = np.empty(key.shape, out.dtype)
@@ -626,12 +681,16 @@ def attention_backward(dout, cache):
 
 
 def attention_weights(cache):
-    """The attention weights ``(..., T, S)`` of a forward (a new array).
+    """The attention weights ``(..., T, S)`` of a forward (a new array), after dropout.
 
     >>> _, cache = attention_forward(np.zeros((1, 2)), np.zeros((2, 2)), np.ones((2, 1)))
     >>> attention_weights(cache)
     array([[0.5, 0.5]])
     """
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
-        return cache.weights.copy()
-    return cache.exp_scores * cache.inv_sum
+        return F.dropped_weights(cache)
+    weights = cache.exp_scores * cache.inv_sum  # (..., T, S)
+    if cache.dropout_mask is not None:
+        weights *= cache.dropout_mask
+        weights *= weights.dtype.type(1.0 / (1.0 - cache.dropout_p))
+    return weights

@@ -28,6 +28,7 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
                        scores_may_overflow)
 from ..functional import sum_to_shape
+from ..dropout import block_keep, dense_keep, prepare_dropout
 from ..masks import prepare_mask
 from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
 
@@ -42,11 +43,11 @@ _MIN_DEFAULT_BLOCK = 32
 # number of offsets is bounded by (bq + bk) / gcd(bq, bk), so cap the cache.
 _CAUSAL_CACHE_SIZE = 8
 
-TiledAttentionCache = namedtuple(
-    "TiledAttentionCache",
-    "query key value bias keep is_causal scale out row_max row_sum block_q block_k live safe",
-)
-TiledAttentionCache.__doc__ = """What :func:`attention_backward` reads.
+class TiledAttentionCache(namedtuple(
+        "TiledAttentionCache",
+        "query key value bias keep is_causal scale out row_max row_sum block_q block_k live safe "
+        "dropout", defaults=(None,))):
+    """What :func:`attention_backward` reads.
 
 query, key, value : the (cast) inputs, with their own shapes
 bias, keep : the additive and boolean parts of the user's mask (or None),
@@ -60,7 +61,21 @@ block_q, block_k : block sizes
 live : ndarray of bool, shape (ceil(T/bq), ceil(S/bk)), False for block
     pairs that are entirely masked (skipped in both passes)
 safe : bool, True when no score can overflow (no clipping check needed)
+dropout : :class:`qkvnp.dropout.Dropout` or None: a drawn mask is kept as its
+    key, and each block's mask is recomputed from it (never ``(T, S)``)
 """
+
+    __slots__ = ()
+
+    @property
+    def dropout_mask(self):
+        """The dense dropout mask ``(..., T, S)`` (bool, True = keep), built on request; or None."""
+        return None if self.dropout is None else dense_keep(self.dropout)
+
+    @property
+    def dropout_p(self):
+        """The drop probability (0.0 without dropout)."""
+        return 0.0 if self.dropout is None else self.dropout.p
 
 
 def _check_block_size(block_size, T, S, lead_size):
@@ -178,7 +193,7 @@ def _view(buf, shape):
 
 
 _Problem = namedtuple(
-    "_Problem", "q k v bias keep is_causal safe scale block_q block_k live"
+    "_Problem", "q k v bias keep is_causal safe scale block_q block_k live dropout"
 )  # q, k, v broadcast to the common leading dims; scale of the compute dtype
 
 
@@ -187,7 +202,7 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
 
     Writes rows ``i0:i0+bq`` of ``out``, ``row_maxes`` and ``row_sums``.
     """
-    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live = problem
+    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live, dropout = problem
     lead = out.shape[:-2]
     T, Dv = out.shape[-2:]
     S = k.shape[-2]
@@ -226,10 +241,14 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
             row_sum *= rescale
             row_sum += scores.sum(axis=-1, keepdims=True)
             acc *= rescale
+            if dropout is not None:  # the row sum counts every weight, the output the kept ones
+                np.multiply(scores, block_keep(dropout, i0, i1, j0, j1), out=scores)
             acc += np.matmul(scores, v[..., j0:j1, :], out=_view(pv_buf, lead + (bq, Dv)))  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
             row_max = new_max
         dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
         np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
+        if dropout is not None:
+            acc *= dtype.type(1.0 / (1.0 - dropout.p))
         row_maxes[..., i0:i1] = row_max[..., 0]  # (..., bq, 1) -> (..., bq)
         row_sums[..., i0:i1] = row_sum[..., 0]  # (..., bq, 1) -> (..., bq)
 
@@ -240,7 +259,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
     Writes rows ``j0:j0+bk`` of ``dkey`` and ``dvalue`` and adds into ``dq``
     (full leading dims, owned by this call).
     """
-    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live = problem
+    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live, dropout = problem
     lead = dout.shape[:-2]
     T, Dv = dout.shape[-2:]
     S, D = k.shape[-2:]
@@ -274,10 +293,18 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
             np.exp(weights, out=weights)  # (..., bq, bk), l * P = exp(S - m); 0 on masked rows
             dout_block = np.multiply(dout[..., i0:i1, :], inv_sum[..., i0:i1, :],
                                      out=_view(dout_buf, lead + (bq, Dv)))  # (..., bq, Dv), dO / l
-            dv_block += np.matmul(np.swapaxes(weights, -1, -2), dout_block,
+            if dropout is None:
+                kept = weights
+            else:  # the same block mask as the forward's, recomputed; Z / (1 - p) goes into dO
+                drop_keep = block_keep(dropout, i0, i1, j0, j1)  # (..., bq, bk)
+                kept = np.multiply(weights, drop_keep, out=_view(dweights_buf, lead + (bq, bk)))
+                dout_block *= dtype.type(1.0 / (1.0 - dropout.p))
+            dv_block += np.matmul(np.swapaxes(kept, -1, -2), dout_block,
                                   out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
             dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
                                 out=_view(dweights_buf, lead + (bq, bk)))  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
+            if dropout is not None:
+                np.multiply(dscores, drop_keep, out=dscores)  # dP = (dO V^T) Z / (1 - p), over l
             np.subtract(dscores, delta[..., i0:i1, :], out=dscores)
             np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = l P * (dP - Delta) / l
             dq[..., i0:i1, :] += np.matmul(dscores, k_block, out=_view(small_buf, lead + (bq, D)))  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
@@ -288,7 +315,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None,
-                      out=None):
+                      out=None, *, dropout_p=0.0, rng=None, dropout_mask=None):
     """Scaled dot-product attention computed by blocks, without the ``(T, S)`` weights.
 
     Parameters
@@ -319,6 +346,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         Array (possibly a strided view) to write the output into, of the
         inputs' dtype; the cache then refers to it. A layer passes a view of
         its merged-heads buffer and so saves a copy.
+    dropout_p, rng, dropout_mask
+        As in :func:`qkvnp.functional.attention_forward` (the same ``rng``
+        draws the same mask). A drawn mask is never built: the cache keeps its
+        key and each block's mask is recomputed from it, the same whatever
+        the block sizes and threads; ``cache.dropout_mask`` builds the dense
+        mask on request. A given mask is referenced, sliced per block.
 
     Returns
     -------
@@ -423,9 +456,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     originals = (query, key, value, attn_mask)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
+    dropout_args = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     if scores_may_overflow(abs(scale) * row_norm_max(query) * row_norm_max(key), query.dtype):
         # NOTE: scores near the float maximum: the reference's exact clipping
-        return _reference_forward(originals, is_causal, scale, block_size, out)
+        return _reference_forward(originals, is_causal, scale, block_size, out, dropout_args)
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]
     dtype = query.dtype
@@ -435,8 +469,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
     bias, keep = _at_least_2d(bias), _at_least_2d(keep)
-    # NOTE: the backward re-reads the inputs and the mask: the cache owns them
+    dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
+    # NOTE: the backward re-reads the inputs and the masks: the cache owns them
     query, key, value, bias, keep = owned((query, key, value, bias, keep), originals)
+    if dropout is not None and dropout.mask is not None:
+        dropout = dropout._replace(mask=owned((dropout.mask,), (dropout_mask,))[0])
     is_causal = bool(is_causal)
     lead_size = math.prod(lead)
     block_q, block_k = _check_block_size(block_size, T, S, lead_size)
@@ -457,26 +494,27 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     row_maxes = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     row_sums = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
-                       block_q, block_k, live)
+                       block_q, block_k, live, dropout)
     # query blocks are independent: threads share them, each writing its own rows
     flops = 2 * math.prod(lead) * T * S * (D + Dv)
     run(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
         list(enumerate(range(0, T, block_q))), flops)
     cache = TiledAttentionCache(
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
-        block_q, block_k, live, safe,
+        block_q, block_k, live, safe, dropout,
     )
     # the backward reads out: a caller editing the returned array must not change it
     return (out.copy() if returned_out else out), cache
 
 
-def _reference_forward(originals, is_causal, scale, block_size, out):
+def _reference_forward(originals, is_causal, scale, block_size, out, dropout_args):
     """The reference forward, for scores near the float maximum, with this path's checks."""
     query, key, value, attn_mask = originals
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
-        result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale)
+        result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale,
+                                            **dropout_args)
     lead = cache.weights.shape[:-2]
     _check_block_size(block_size, cache.weights.shape[-2], cache.weights.shape[-1],
                       math.prod(lead))
@@ -569,7 +607,7 @@ def attention_backward(dout, cache, grads_out=None, check=True):
 def _attention_backward(dout, cache, grads_out=None):
     """:func:`attention_backward` of a ``dout`` already checked and cast."""
     (query, key, value, bias, keep, is_causal, scale, out, row_max, row_sum,
-     block_q, block_k, live, safe) = cache
+     block_q, block_k, live, safe, dropout) = cache
     dtype = out.dtype
     lead = out.shape[:-2]
     T, D = query.shape[-2:]
@@ -596,7 +634,7 @@ def _attention_backward(dout, cache, grads_out=None):
         for grad in grads_out:
             grad[...] = 0
     problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
-                       block_q, block_k, live)
+                       block_q, block_k, live, dropout)
     blocks = list(enumerate(range(0, S, block_k)))
     # NOTE: key blocks are independent but for dquery, their sum over key
     # blocks. A thread given a share of the key blocks other than the first
