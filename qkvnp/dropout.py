@@ -83,7 +83,7 @@ def draw_key(rng):
     return make_rng(rng).integers(0, _MOD, dtype=np.uint64)
 
 
-def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape):
+def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape, draw=True):
     """Check the dropout arguments of a forward; return a :class:`Dropout` or None.
 
     Parameters
@@ -97,6 +97,8 @@ def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape):
         True = keep; broadcastable to ``scores_shape``; needs ``0 < dropout_p < 1``.
     scores_shape : tuple of int
         ``(..., T, S)``.
+    draw : bool
+        False: only check (``rng`` is not drawn from; the key is None).
 
     Returns
     -------
@@ -118,6 +120,9 @@ def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape):
     if dropout_mask is None:
         if p == 0.0:
             return None
+        if not draw:
+            make_rng(rng)  # checks its type
+            return Dropout(p, None, None, scores_shape)
         return Dropout(p, draw_key(rng), None, scores_shape)
     mask = np.asarray(dropout_mask)
     if mask.dtype != np.bool_:

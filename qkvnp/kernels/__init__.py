@@ -201,7 +201,8 @@ def layer_score_bound(params, inputs, num_heads, out_proj=True):
 
 
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
-                  need_weights=False, out_proj=True, previous=None, originals=()):
+                  need_weights=False, out_proj=True, previous=None, originals=(), *,
+                  dropout_p=0.0, rng=None, dropout_mask=None):
     """Run an attention layer's forward on the path :func:`choose_path` picks.
 
     Parameters
@@ -232,6 +233,9 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
         memory with one of them is copied before the fused kernels keep it
         (the reference ops copy theirs themselves), so that the caller may
         edit its arrays after the forward without changing the gradients.
+    dropout_p, rng, dropout_mask
+        Dropout on the attention weights (:mod:`qkvnp.dropout`); every path
+        has it, and the same ``rng`` state draws the same mask on each.
 
     Returns
     -------
@@ -247,16 +251,18 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights, bound,
                            is_causal=bool(is_causal) if isinstance(is_causal, (bool, np.bool_)) else False)
     mha, reference = _layer_kernels()
+    dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     if dispatch.path == "reference":
         out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,
-                                                need_weights=need_weights, out_proj=out_proj)
+                                                need_weights=need_weights, out_proj=out_proj,
+                                                **dropout)
     else:
         workspace = previous if isinstance(previous, mha.FusedLayerCache) else None
         inputs = owned(inputs, originals)
         with single_threaded_blas():  # one setting for the whole call, not one per matmul
             out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,
                                               path=dispatch.path, need_weights=need_weights,
-                                              out_proj=out_proj, workspace=workspace)
+                                              out_proj=out_proj, workspace=workspace, **dropout)
     return out, weights, cache, dispatch
 
 

@@ -21,7 +21,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import as_upstream_grad
+from .._checks import as_upstream_grad, owned
+from ..dropout import dense_keep, prepare_dropout
 from ..masks import prepare_mask
 from . import fast, tiled
 from ._runtime import matmul
@@ -84,7 +85,8 @@ def _unheads(x):
 
 
 def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
-            need_weights=False, out_proj=True, block_size=None, workspace=None):
+            need_weights=False, out_proj=True, block_size=None, workspace=None, *,
+            dropout_p=0.0, rng=None, dropout_mask=None):
     """Attention layer forward on the fast or tiled core.
 
     Parameters
@@ -117,12 +119,17 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         page-faulting them on every call (the layers pass their previous
         cache, which they drop first). Input errors (``ValueError``,
         ``TypeError``) are raised before anything is written into it.
+    dropout_p, rng, dropout_mask
+        Dropout on the attention weights, as in
+        :func:`qkvnp.functional.attention_forward` (the same ``rng`` draws
+        the same mask on every path).
 
     Returns
     -------
     out : ndarray, shape (..., T, out_dim)
         ``out_dim = E`` without ``out_proj``.
     weights : ndarray or None
+        After dropout.
     cache : FusedLayerCache
 
     Raises
@@ -158,6 +165,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     # NOTE: every check that can refuse the input runs here, before anything
     # is written into ``workspace``, so that a refused call leaves it intact.
     bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
+    # the tiled core draws (or slices) its own mask by blocks: only checked here
+    dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=path == "fast")
 
     def fused(names):
         W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, len(names)*E)
@@ -191,16 +200,20 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
     if path == "tiled":
         _, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
-                                                block_size=block_size, out=out_heads)
+                                                block_size=block_size, out=out_heads,
+                                                dropout_p=dropout_p, rng=rng,
+                                                dropout_mask=dropout_mask)
         weights = None
     else:
         add = fast.additive_mask(bias, keep, dtype)
         exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
         inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)
-        fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads)
+        drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
+        (drop_keep,) = owned((drop_keep,), (dropout_mask,))  # the cache owns what backward reads
+        fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads, drop_keep, drop_p)
         core_cache = fast.FastAttentionCache(q, k, v, exp_scores, inv_sum, out_heads, 1.0,
-                                             (q.shape, k.shape, v.shape))
-        weights = exp_scores * inv_sum if need_weights else None
+                                             (q.shape, k.shape, v.shape), drop_keep, drop_p)
+        weights = fast.attention_weights(core_cache) if need_weights else None
     if out_proj:
         y = matmul(merged, p["W_out"])  # (N, E) @ (E, out_dim) -> (N, out_dim)
         if "b_out" in p:

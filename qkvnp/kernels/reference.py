@@ -51,7 +51,8 @@ def _inputs_by_role(inputs, kind):
     return inputs
 
 
-def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False, out_proj=True):
+def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False, out_proj=True, *,
+            dropout_p=0.0, rng=None, dropout_mask=None):
     """Attention layer forward on :mod:`qkvnp.functional`.
 
     Parameters
@@ -71,34 +72,40 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
         Also return the attention weights ``(..., H, T, S)`` (``(..., T, S)``
         without ``out_proj``).
     out_proj : bool
+    dropout_p, rng, dropout_mask
+        Dropout on the attention weights, as in
+        :func:`qkvnp.functional.attention_forward`.
 
     Returns
     -------
     out : ndarray, shape (..., T, out_dim)
     weights : ndarray or None
+        After dropout.
     cache : ReferenceLayerCache
     """
+    dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     p = params
     query, key, value = _inputs_by_role(inputs, kind)
     q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, in) -> (..., T, E)
     k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, in) -> (..., S, E)
     v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, in) -> (..., S, E)
     if not out_proj:  # SelfAttention: one head, no head axis, no output projection
-        out, attention_cache = F.attention_forward(q, k, v, mask, is_causal)  # -> (..., T, E)
+        out, attention_cache = F.attention_forward(q, k, v, mask, is_causal, **dropout)  # -> (..., T, E)
         cache = ReferenceLayerCache(kind, q_cache, k_cache, v_cache, None, None, None,
                                     attention_cache, None, None, out.shape)
-        return out, attention_cache.weights.copy() if need_weights else None, cache
+        return out, F.dropped_weights(attention_cache) if need_weights else None, cache
     q_heads, q_split = F.split_heads_forward(q, num_heads)  # (..., T, E) -> (..., H, T, D)
     k_heads, k_split = F.split_heads_forward(k, num_heads)  # (..., S, E) -> (..., H, S, D)
     v_heads, v_split = F.split_heads_forward(v, num_heads)  # (..., S, E) -> (..., H, S, D)
     # NOTE: the scale is 1/sqrt(head_dim). The seeds' tutorial divides by
     # sqrt(embed_size), a known bug that over-smooths the softmax.
-    heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads, mask, is_causal)  # -> (..., H, T, D)
+    heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads, mask, is_causal,
+                                                 **dropout)  # -> (..., H, T, D)
     merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
     out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, E)
     cache = ReferenceLayerCache(kind, q_cache, k_cache, v_cache, q_split, k_split, v_split,
                                 attention_cache, merge_cache, out_cache, out.shape)
-    return out, attention_cache.weights.copy() if need_weights else None, cache
+    return out, F.dropped_weights(attention_cache) if need_weights else None, cache
 
 
 def backward(dout, cache):

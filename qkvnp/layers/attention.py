@@ -12,6 +12,7 @@ import numpy as np
 from .. import kernels
 from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng)
+from ..dropout import check_dropout_p, spawn_generator
 from ..masks import fold_key_padding_mask
 from .base import Layer, xavier_uniform
 
@@ -22,9 +23,41 @@ class _AttentionLayer(Layer):
     """What both attention layers share: the path, asked of :mod:`qkvnp.kernels`."""
 
     last_dispatch = None
+    dropout = 0.0
+    dropout_rng = None
+
+    def _init_dropout(self, dropout, rng):
+        """``dropout`` checked, and the layer's own Generator, spawned from ``rng``.
+
+        Called after the weights are drawn: spawning does not consume ``rng``'s
+        draws, so the weights of this layer and of layers built after it from
+        the same ``rng`` are those of a layer without dropout.
+        """
+        self.dropout = check_dropout_p(dropout, "dropout")
+        self.dropout_rng = spawn_generator(rng)
+
+    def generators(self):
+        """``{"dropout_rng": the Generator that draws the dropout masks}``."""
+        return {"dropout_rng": self.dropout_rng}
+
+    def _repr_items(self):
+        """``dropout`` only when not 0."""
+        return [(name, value) for name, value in super()._repr_items()
+                if name != "dropout" or value]
+
+    def _dropout_args(self, dropout_mask, rng):
+        """The dropout arguments of one forward: a given mask always, a drawn one in training."""
+        if dropout_mask is not None:
+            if self.dropout == 0.0:
+                raise ValueError(f"dropout_mask needs a layer built with 0 < dropout < 1, this "
+                                 f"{type(self).__name__} has dropout=0.0")
+            return {"dropout_p": self.dropout, "dropout_mask": dropout_mask}
+        if not self.training or self.dropout == 0.0:
+            return {}
+        return {"dropout_p": self.dropout, "rng": self.dropout_rng if rng is None else rng}
 
     def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj,
-                        originals):
+                        originals, dropout=None):
         """Run :func:`qkvnp.kernels.layer_forward`, keep its cache and its dispatch."""
         saved = self._cache, getattr(self, "_used_cache", None)
         previous = saved[0] if saved[0] is not None else saved[1]
@@ -33,7 +66,7 @@ class _AttentionLayer(Layer):
             out, weights, self._cache, self.last_dispatch = kernels.layer_forward(
                 self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
                 need_weights=need_weights, out_proj=out_proj, previous=previous,
-                originals=originals)
+                originals=originals, **(dropout or {}))
         except (ValueError, TypeError):
             self._cache, self._used_cache = saved  # refused before any buffer was written
             raise
@@ -70,6 +103,11 @@ class SelfAttention(_AttentionLayer):
         fused kernels, the tiled ones (memory linear in length), or the
         default ``"auto"`` (fast, or tiled for long sequences; see
         :func:`qkvnp.kernels.choose_path`). Same results up to rounding.
+    dropout : float
+        Keyword-only. Drop probability of the attention weights in training
+        mode, in ``[0, 1)`` (the book's and PyTorch's ``dropout``). The masks
+        come from the layer's own ``dropout_rng``, spawned from ``rng`` after
+        the weights are drawn (the weights do not depend on ``dropout``).
 
     Attributes
     ----------
@@ -80,6 +118,10 @@ class SelfAttention(_AttentionLayer):
         Same keys and shapes as ``params``.
     last_dispatch : qkvnp.kernels.Dispatch or None
         The path the last forward ran and why (``None`` before a forward).
+    training : bool
+        True (the default) until ``eval()``; drawn dropout only in training.
+    dropout_rng : numpy.random.Generator
+        Draws the dropout masks (a checkpoint saves its state).
 
     Notes
     -----
@@ -101,7 +143,8 @@ class SelfAttention(_AttentionLayer):
     (6, 3)
     """
 
-    def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto"):
+    def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto", *,
+                 dropout=0.0):
         self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
@@ -115,12 +158,14 @@ class SelfAttention(_AttentionLayer):
             for name in ("b_query", "b_key", "b_value"):
                 self.params[name] = np.zeros(self.d_out, dtype=self.dtype)
         self.qkv_bias = bool(qkv_bias)
+        self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
 
-    _repr_fields = ("d_in", "d_out", "qkv_bias", "dtype", "impl")
+    _repr_fields = ("d_in", "d_out", "qkv_bias", "dtype", "impl", "dropout")
 
-    def forward(self, x, attn_mask=None, is_causal=False, return_weights=False):
+    def forward(self, x, attn_mask=None, is_causal=False, return_weights=False, *,
+                dropout_mask=None, rng=None):
         """Attend over the tokens of ``x``.
 
         Parameters
@@ -131,12 +176,19 @@ class SelfAttention(_AttentionLayer):
             Broadcastable to ``(..., T, T)``; bool True = may attend.
         is_causal : bool
         return_weights : bool
+        dropout_mask : ndarray of bool, optional
+            Broadcastable to ``(..., T, T)``, True = keep: applied (with the
+            layer's ``dropout``) in training and evaluation mode alike, to
+            replay a mask.
+        rng : numpy.random.Generator or int, optional
+            Draws this forward's mask instead of ``dropout_rng`` (training
+            mode, ``dropout > 0``).
 
         Returns
         -------
         out : ndarray, shape (..., T, d_out)
         weights : ndarray, shape (..., T, T)
-            Only with ``return_weights=True``.
+            Only with ``return_weights=True``; after dropout, as PyTorch's.
 
         Raises
         ------
@@ -150,7 +202,8 @@ class SelfAttention(_AttentionLayer):
         check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
         check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
         out, weights = self._kernel_forward((x,), "self", 1, attn_mask, is_causal,
-                                            return_weights, out_proj=False, originals=(x_in,))
+                                            return_weights, out_proj=False, originals=(x_in,),
+                                            dropout=self._dropout_args(dropout_mask, rng))
         return (out, weights) if return_weights else out
 
     def backward(self, dout, retain_cache=False):
@@ -208,6 +261,10 @@ class MultiHeadAttention(_AttentionLayer):
         Biases of the input projections and of the output projection; None
         (default) follows ``bias``. The book's layer is ``qkv_bias=False``
         (its default) with ``out_bias=True``.
+    dropout : float
+        Keyword-only: dropout on the attention weights in training mode; see
+        :class:`SelfAttention`. (Keyword-only because PyTorch's third
+        positional argument is ``dropout`` and qkvnp's is ``bias``.)
 
     Attributes
     ----------
@@ -258,7 +315,8 @@ class MultiHeadAttention(_AttentionLayer):
 
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto", *,
-                 qdim=None, out_dim=None, qkv_bias=None, out_bias=None):
+                 qdim=None, out_dim=None, qkv_bias=None, out_bias=None,
+                 dropout=0.0):
         self.impl = kernels.check_impl(impl)
         self.embed_dim = check_int(embed_dim, "embed_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -291,11 +349,12 @@ class MultiHeadAttention(_AttentionLayer):
                 self.params[name] = np.zeros(E, dtype=self.dtype)
         if self.out_bias:
             self.params["b_out"] = np.zeros(self.out_dim, dtype=self.dtype)
+        self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
 
     _repr_fields = ("embed_dim", "num_heads", "bias", "kdim", "vdim", "dtype", "impl",
-                    "qdim", "out_dim", "qkv_bias", "out_bias")
+                    "qdim", "out_dim", "qkv_bias", "out_bias", "dropout")
 
     def _repr_items(self):
         """Widths only where they differ from embed_dim (as PyTorch prints), biases from bias."""
@@ -338,7 +397,7 @@ class MultiHeadAttention(_AttentionLayer):
         return query, key, value, "key_only" if value_omitted else "cross"
 
     def forward(self, query, key=None, value=None, attn_mask=None, is_causal=False,
-                key_padding_mask=None, return_weights=False):
+                key_padding_mask=None, return_weights=False, *, dropout_mask=None, rng=None):
         """Multi-head attention of ``query`` over ``key``/``value``.
 
         Parameters
@@ -357,12 +416,17 @@ class MultiHeadAttention(_AttentionLayer):
             True = real token (may be attended). Opposite of PyTorch.
         return_weights : bool
             Also return the per-head weights ``(..., H, T, S)``.
+        dropout_mask : ndarray of bool, optional
+            Broadcastable to ``(..., H, T, S)``, True = keep; applied in
+            either mode (see :class:`SelfAttention`).
+        rng : numpy.random.Generator or int, optional
+            Draws this forward's mask instead of ``dropout_rng``.
 
         Returns
         -------
         out : ndarray, shape (..., T, out_dim)
         weights : ndarray, shape (..., H, T, S)
-            Only with ``return_weights=True``.
+            Only with ``return_weights=True``; after dropout, as PyTorch's.
 
         Raises
         ------
@@ -379,7 +443,8 @@ class MultiHeadAttention(_AttentionLayer):
         inputs = {"self": (query,), "key_only": (query, key), "cross": (query, key, value)}[kind]
         out, weights = self._kernel_forward(inputs, kind, self.num_heads, mask, is_causal,
                                             return_weights, out_proj=True,
-                                            originals=(query_in, key_in, value_in))
+                                            originals=(query_in, key_in, value_in),
+                                            dropout=self._dropout_args(dropout_mask, rng))
         return (out, weights) if return_weights else out
 
     def backward(self, dout, retain_cache=False):

@@ -48,11 +48,39 @@ class Layer(ABC):
     Subclasses fill ``self.params`` in
     ``__init__``, call ``self.zero_grad()``, and list their constructor
     arguments in ``_repr_fields`` for ``repr``.
+
+    ``training`` (True by default, as in PyTorch) is set by ``train()`` and
+    ``eval()``: drawn dropout runs only in training mode.
     """
 
     params: dict
     grads: dict
     _repr_fields: tuple = ()
+    training = True
+
+    def train(self, mode=True):
+        """Set training mode (``mode=True``) or evaluation mode; return the layer.
+
+        In training mode a layer with ``dropout > 0`` draws a dropout mask on
+        every forward; in evaluation mode it draws none (a ``dropout_mask``
+        given to ``forward`` still applies).
+        """
+        if not isinstance(mode, (bool, np.bool_)):
+            raise TypeError(f"mode must be a bool, got {type(mode).__name__} {mode!r}")
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        """Evaluation mode: ``train(False)``. Returns the layer."""
+        return self.train(False)
+
+    def generators(self):
+        """The layer's own random Generators by name (dropout's), for checkpoints.
+
+        Their states (``bit_generator.state``) are what a training checkpoint
+        saves so that a resumed run draws the same dropout masks.
+        """
+        return {}
 
     @abstractmethod
     def forward(self, *inputs, **options):
@@ -272,6 +300,21 @@ class Model(Layer):
             for name, value in layer.grads.items():
                 flat[f"{prefix}.{name}"] = value
         return flat
+
+    def train(self, mode=True):
+        """Set the mode of the model and of every sub-layer; return the model."""
+        super().train(mode)
+        for layer in self.__dict__.get("_layers", {}).values():
+            layer.train(mode)
+        return self
+
+    def generators(self):
+        """The model's own Generators and its sub-layers', under dotted names."""
+        found = dict(getattr(self, "_own_generators", {}))
+        for prefix, layer in self.__dict__.get("_layers", {}).items():
+            for name, generator in layer.generators().items():
+                found[f"{prefix}.{name}"] = generator
+        return found
 
     def zero_grad(self):
         """Reset every gradient (the sub-layers' and the model's own) to zeros."""
