@@ -14,6 +14,9 @@ Layout of the archive (every entry a plain numeric or unicode array)::
     meta/step              int64, optimizer steps taken (N)
     meta/config            JSON text of the configuration
     meta/rng_state         JSON text of ``Generator.bit_generator.state``
+    meta/generator_states  JSON text ``{name: bit_generator.state}`` of the model's
+                           own Generators (the layers' dropout draws); optional
+                           (files written before it existed had none to save)
     param/<name>           one array per model parameter
     optim/<key>            one array per entry of ``optimizer.state_dict()``
     history/step           int64, shape (N,): 1, 2, ..., N
@@ -69,6 +72,7 @@ __all__ = [
 FORMAT_VERSION = 2
 MAGIC = "qkvnp-checkpoint"
 _META = ("meta/magic", "meta/format_version", "meta/step", "meta/config", "meta/rng_state")
+_GENERATORS = "meta/generator_states"  # optional
 # the training history: fields with one entry per step, then one per held-out evaluation
 _PER_STEP = ("step", "loss", "accuracy", "lr")
 _PER_EVAL = ("eval_step", "eval_loss", "eval_accuracy")
@@ -77,7 +81,8 @@ _STEP_FIELDS = ("step", "eval_step")  # int64; every other field is float64
 _HISTORY = tuple("history/" + name for name in HISTORY_FIELDS)
 
 Checkpoint = namedtuple("Checkpoint",
-                        "params optimizer_state step rng_state config history format_version path")
+                        "params optimizer_state step rng_state config history format_version path "
+                        "generator_states", defaults=({},))
 ArraySpec = namedtuple("ArraySpec", "shape dtype")
 ArraySpec.__doc__ = "What an ``.npy`` header declares: ``shape`` (tuple) and ``dtype``."
 MAX_TEXT = 2**16  # characters of meta/config and meta/rng_state (a real one has < 2,000)
@@ -115,7 +120,8 @@ def write_npz_atomic(path, arrays):
     return path
 
 
-def save_checkpoint(path, params, optimizer_state, step, rng_state, config, history):
+def save_checkpoint(path, params, optimizer_state, step, rng_state, config, history, *,
+                    generator_states=None):
     """Save a training state to ``path`` atomically.
 
     Parameters
@@ -138,6 +144,9 @@ def save_checkpoint(path, params, optimizer_state, step, rng_state, config, hist
         strictly increasing, within ``1 .. step``), ``eval_loss``,
         ``eval_accuracy`` (one number or None per evaluation).
         :func:`load_checkpoint` gives it back equal, None included.
+    generator_states : dict of str to dict, optional
+        ``{name: generator.bit_generator.state}`` of the model's own
+        Generators (``model.generators()``: the layers' dropout masks).
 
     Returns
     -------
@@ -179,6 +188,8 @@ def save_checkpoint(path, params, optimizer_state, step, rng_state, config, hist
         "meta/config": np.array(json.dumps(config, sort_keys=True)),
         "meta/rng_state": np.array(json.dumps(rng_state, sort_keys=True)),
     }
+    if generator_states is not None:
+        arrays[_GENERATORS] = np.array(json.dumps(generator_states, sort_keys=True))
     for name, value in params.items():
         arrays["param/" + name] = np.asarray(value)
     for name, value in optimizer_state.items():
@@ -363,11 +374,12 @@ def _read_entry(archive, path, name):
 
 
 def _check_meta_headers(headers, path):
-    """The five ``meta/`` entries exist, are scalars of their kind, and the texts are short."""
+    """The five ``meta/`` entries exist (and the optional one may), are scalars of their
+    kind, and the texts are short."""
     missing = [name for name in _META if name not in headers]
     if missing:
         raise CheckpointError(f"{path!r} is not a qkvnp checkpoint: missing {missing}")
-    for name in _META:
+    for name in _META + ((_GENERATORS,) if _GENERATORS in headers else ()):
         spec = headers[name]
         integer = name in ("meta/format_version", "meta/step")
         if spec.shape != () or spec.dtype.kind not in ("iu" if integer else "U"):
@@ -405,7 +417,7 @@ def load_checkpoint(path, layout=None):
         ``params`` and ``optimizer_state`` (dicts of ndarray), ``step`` (int),
         ``rng_state`` and ``config`` (dicts), ``history`` (dict of lists, as
         given to :func:`save_checkpoint`), ``format_version`` (int), ``path``
-        (str).
+        (str), ``generator_states`` (dict, ``{}`` when the file has none).
 
     Raises
     ------
@@ -449,9 +461,12 @@ def load_checkpoint(path, layout=None):
             raise CheckpointError(f"{path!r}: meta/step must be >= 0, got {step}")
         config = _json(meta["meta/config"], "meta/config", path)
         rng_state = _json(meta["meta/rng_state"], "meta/rng_state", path)
+        generator_states = {}
+        if _GENERATORS in headers:
+            generator_states = _json(_read_entry(archive, path, _GENERATORS), _GENERATORS, path)
         _check_layout(headers, path, step, config, layout)
         arrays = {name: _read_entry(archive, path, name) for name in headers
-                  if name not in _META}
+                  if name not in _META and name != _GENERATORS}
     problem = _history_problem(arrays, step)
     if problem is not None:
         raise CheckpointError(f"{path!r}: {problem}")
@@ -467,7 +482,7 @@ def load_checkpoint(path, layout=None):
                     f"{tuple(int(i) for i in index)}; a checkpoint holds finite numbers only"
                 )
     return Checkpoint(params, optimizer_state, step, rng_state, config, _history_lists(arrays),
-                      version, path)
+                      version, path, generator_states)
 
 
 def _version_message(path, version):
@@ -491,7 +506,7 @@ def _check_layout(headers, path, step, config, layout):
     if missing:
         raise CheckpointError(f"{path!r}: missing history entries {missing}")
     unexpected = [name for name in headers if name not in _META and name not in _HISTORY
-                  and not name.startswith(("param/", "optim/"))]
+                  and name != _GENERATORS and not name.startswith(("param/", "optim/"))]
     if unexpected:
         raise CheckpointError(f"{path!r}: unexpected entry {unexpected[0]!r}")
     if layout is not None:

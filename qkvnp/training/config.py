@@ -95,6 +95,9 @@ class TrainConfig:
         kv-recall task and model (see :class:`qkvnp.training.models.KVRecallModel`).
     embed_dim, num_heads, seq_len
         teacher task and student.
+    dropout : float
+        Dropout on the attention weights while training, in ``[0, 1)``
+        (default 0: none); the held-out evaluations run without it.
     """
 
     task: str = "kv-recall"
@@ -118,6 +121,7 @@ class TrainConfig:
     embed_dim: int = 16
     num_heads: int = 2
     seq_len: int = 8
+    dropout: float = 0.0
 
     def resolved(self):
         """A copy with defaults filled in and every field checked.
@@ -158,6 +162,9 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
             setattr(config, name, float(value))
+        from ..dropout import check_dropout_p
+
+        config.dropout = check_dropout_p(config.dropout, "dropout")
         if config.lr <= 0:
             raise ValueError(f"lr must be > 0, got {config.lr}")
         for name in ("momentum", "weight_decay"):  # what the optimizers accept

@@ -118,9 +118,10 @@ def build_model(config, rng):
 
     if config.task == "kv-recall":
         return KVRecallModel(config.num_keys, config.num_values, config.dim,
-                             variant=config.variant, rng=rng, dtype=np.dtype(config.dtype))
+                             variant=config.variant, rng=rng, dtype=np.dtype(config.dtype),
+                             dropout=config.dropout)
     return AttentionRegressor(config.embed_dim, config.num_heads, rng=rng,
-                              dtype=np.dtype(config.dtype))
+                              dtype=np.dtype(config.dtype), dropout=config.dropout)
 
 
 def build_optimizer(config, params):
@@ -171,9 +172,15 @@ def _loss(task, out, batch):
 def evaluate(model, task, batch):
     """Held-out metrics of ``model`` on ``batch``: dict ``loss`` and ``accuracy``.
 
-    ``accuracy`` is None for the (regression) teacher task.
+    ``accuracy`` is None for the (regression) teacher task. The model runs in
+    evaluation mode (no dropout), then goes back to its mode.
     """
-    out = _forward(model, batch)
+    training = model.training
+    model.eval()
+    try:
+        out = _forward(model, batch)
+    finally:
+        model.train(training)
     loss, acc, _ = _loss(task, out, batch)
     return {"loss": loss, "accuracy": acc}
 
@@ -344,6 +351,23 @@ def _restore(checkpoint, config, model, optimizer, data_rng):
     Returns its history (lists from step 1), which the run extends.
     """
     check_resume(checkpoint, config)
+    generators = model.generators()
+    saved = checkpoint.generator_states
+    unknown = sorted(set(saved) - set(generators))
+    missing = sorted(set(generators) - set(saved)) if saved else []
+    if unknown or missing:
+        raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' does not match "
+                              f"the model's generators (unexpected {unknown}, missing {missing})")
+    states = {}
+    for name, state in saved.items():  # checked on a copy: a refused state changes nothing
+        probe = np.random.Generator(type(generators[name].bit_generator)())
+        try:
+            probe.bit_generator.state = state
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
+            raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' holds a "
+                                  f"state for {name!r} that is not a generator state "
+                                  f"({type(exc).__name__}: {exc})") from None
+        states[name] = probe.bit_generator.state
     try:
         optimizer.load_state_dict(checkpoint.optimizer_state)
     except (TypeError, ValueError) as exc:
@@ -353,6 +377,8 @@ def _restore(checkpoint, config, model, optimizer, data_rng):
     for name, value in checkpoint.params.items():
         params[name][...] = value  # in place: the layers share these arrays
     data_rng.bit_generator.state = checkpoint.rng_state
+    for name, state in states.items():  # the dropout masks continue where they stopped
+        generators[name].bit_generator.state = state
     return checkpoint.history
 
 
@@ -360,7 +386,9 @@ def _save(path, model, optimizer, step, data_rng, config, history):
     """Write the checkpoint atomically; any OSError becomes a :class:`SaveError`."""
     try:
         save_checkpoint(path, model.params, optimizer.state_dict(), step,
-                        data_rng.bit_generator.state, config.to_dict(), history)
+                        data_rng.bit_generator.state, config.to_dict(), history,
+                        generator_states={name: generator.bit_generator.state
+                                          for name, generator in model.generators().items()})
     except OSError as exc:
         reason = exc.strerror or str(exc)
         if exc.errno == errno.ENOSPC:

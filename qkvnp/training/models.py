@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
+from ..dropout import check_dropout_p, spawn_generator
 from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
 
 __all__ = ["KVRecallModel", "AttentionRegressor", "VARIANTS"]
@@ -56,6 +57,10 @@ class KVRecallModel(Model):
         for all three.
     rng : numpy.random.Generator or int, optional
     dtype : float dtype
+    dropout : float
+        Dropout on the attention weights in training mode (keyword-only);
+        the masks come from ``dropout_rng``, spawned from ``rng`` after
+        every weight is drawn.
 
     Attributes
     ----------
@@ -95,7 +100,8 @@ class KVRecallModel(Model):
     True
     """
 
-    def __init__(self, num_keys, num_values, dim, variant="separate", rng=None, dtype=np.float64):
+    def __init__(self, num_keys, num_values, dim, variant="separate", rng=None, dtype=np.float64,
+                 *, dropout=0.0):
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
         rng = make_rng(rng)
@@ -111,6 +117,9 @@ class KVRecallModel(Model):
         for name in dict.fromkeys(self.roles):  # each distinct matrix once, in order
             if name is not None:
                 self._own[name] = xavier_uniform(rng, dim, dim, self.dtype)
+        self.dropout = check_dropout_p(dropout, "dropout")
+        self.dropout_rng = spawn_generator(rng)
+        self._own_generators = {"dropout_rng": self.dropout_rng}
         self._cache = None  # the sub-layers registered by assignment, in this order
         self.zero_grad()
 
@@ -154,11 +163,13 @@ class KVRecallModel(Model):
             v, v_cache = items, None  # NOTE: no value projection: values are the items
         else:
             v, v_cache = F.linear_forward(items, own[role_v])  # (B, P, E) -> (B, P, E)
-        attended, attention_cache = F.attention_forward(q, k, v)  # -> (B, 1, E)
+        drawn = self.training and self.dropout > 0
+        attended, attention_cache = F.attention_forward(
+            q, k, v, dropout_p=self.dropout if drawn else 0.0, rng=self.dropout_rng)  # -> (B, 1, E)
         logits = self.readout.forward(attended[:, 0])  # (B, E) -> (B, V)
         self._cache = (q_cache, k_cache, v_cache, attention_cache, P, logits.shape)
         if return_weights:
-            return logits, attention_cache.weights[:, 0]  # (B, 1, P) -> (B, P)
+            return logits, F.dropped_weights(attention_cache)[:, 0]  # (B, 1, P) -> (B, P)
         return logits
 
     def backward(self, dlogits, retain_cache=False):
@@ -220,6 +231,8 @@ class AttentionRegressor(Model):
     embed_dim, num_heads : int
     rng : numpy.random.Generator or int, optional
     dtype : float dtype
+    dropout : float
+        The attention layer's ``dropout`` (keyword-only).
 
     Attributes
     ----------
@@ -236,9 +249,9 @@ class AttentionRegressor(Model):
     ['attention.W_key', 'attention.W_out']
     """
 
-    def __init__(self, embed_dim, num_heads, rng=None, dtype=np.float64):
+    def __init__(self, embed_dim, num_heads, rng=None, dtype=np.float64, *, dropout=0.0):
         self.attention = MultiHeadAttention(embed_dim, num_heads, bias=True, rng=make_rng(rng),
-                                            dtype=dtype)
+                                            dtype=dtype, dropout=dropout)
         self.dtype = self.attention.dtype
         self._cache = None
         self.zero_grad()

@@ -133,14 +133,19 @@ def test_object_arrays_are_never_written(tmp_path):
 # ---------------------------------------------------------------- bitwise resume
 
 
-@pytest.mark.parametrize("task", [
-    "kv-recall",  # embeddings, tied-free attention, Adam + cosine schedule
-    "teacher",  # MultiHeadAttention student, MSE
+@pytest.mark.parametrize("task, dropout", [
+    ("kv-recall", 0.0),  # embeddings, tied-free attention, Adam + cosine schedule
+    ("teacher", 0.0),  # MultiHeadAttention student, MSE
+    ("kv-recall", 0.3),  # dropout: the model's own Generator is saved and restored
+    ("teacher", 0.3),  # dropout: the layer's own Generator is saved and restored
 ])
-def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path, task):
+def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path, task, dropout):
     # oracle: the uninterrupted run with the same configuration
-    config = tiny(task=task, steps=24, embed_dim=8, seq_len=4)
+    config = tiny(task=task, steps=24, embed_dim=8, seq_len=4, dropout=dropout)
     straight = train(config)
+    if dropout:  # the masks change the run (else this case would test nothing new)
+        assert straight.history["loss"] != train(tiny(task=task, steps=24, embed_dim=8,
+                                                      seq_len=4)).history["loss"]
     path = tmp_path / "ckpt.npz"
     stopped = train(config, save=path, callback=interrupt_at(9))
     assert stopped.interrupted and stopped.step == 9 and stopped.checkpoint == os.fspath(path)
