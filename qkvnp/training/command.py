@@ -67,6 +67,9 @@ def add_arguments(parser):
                         help="held-out evaluation period (default steps/10)")
     parser.add_argument("--eval-size", type=int, default=None, metavar="N",
                         help="held-out sequences (default 2000)")
+    parser.add_argument("--dropout", type=float, default=None, metavar="P",
+                        help="dropout on the attention weights while training, in [0, 1) "
+                             "(default 0)")
     kv = parser.add_argument_group("kv-recall")
     kv.add_argument("--num-keys", type=int, default=None, help="key vocabulary (default 64)")
     kv.add_argument("--num-values", type=int, default=None, help="value vocabulary (default 64)")

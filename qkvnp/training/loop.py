@@ -313,7 +313,8 @@ def check_resume(checkpoint, config):
         Naming the file and the entry: another configuration (except
         ``steps``, ``eval_every``, ``eval_size``), a step beyond
         ``config.steps``, an optimizer step count other than the
-        checkpoint's step, an RNG state that is not PCG64's.
+        checkpoint's step, an RNG state that is not PCG64's, generator states
+        (``meta/generator_states``) that are not the model's.
     """
     path = checkpoint.path
     _check_resume_config(checkpoint, config)
@@ -343,6 +344,32 @@ def check_resume(checkpoint, config):
             f"{path!r}: entry 'meta/rng_state' is not a PCG64 generator state "
             f"({type(exc).__name__}: {exc})"
         ) from None
+    _generator_states(checkpoint, build_model(config, 0).generators())
+
+
+def _generator_states(checkpoint, generators):
+    """The checkpoint's states of the model's ``generators`` (dropout), checked on copies.
+
+    A file without the entry (written before it existed, by a model that drew
+    nothing from them) gives ``{}``: the fresh generators are then right.
+    """
+    saved = checkpoint.generator_states
+    unknown = sorted(set(saved) - set(generators))
+    missing = sorted(set(generators) - set(saved)) if saved else []
+    if unknown or missing:
+        raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' does not match "
+                              f"the model's generators (unexpected {unknown}, missing {missing})")
+    states = {}
+    for name, state in saved.items():
+        probe = np.random.Generator(type(generators[name].bit_generator)())
+        try:
+            probe.bit_generator.state = state
+        except (TypeError, ValueError, KeyError, OverflowError) as exc:
+            raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' holds a "
+                                  f"state for {name!r} that is not a generator state "
+                                  f"({type(exc).__name__}: {exc})") from None
+        states[name] = probe.bit_generator.state
+    return states
 
 
 def _restore(checkpoint, config, model, optimizer, data_rng):
@@ -352,22 +379,7 @@ def _restore(checkpoint, config, model, optimizer, data_rng):
     """
     check_resume(checkpoint, config)
     generators = model.generators()
-    saved = checkpoint.generator_states
-    unknown = sorted(set(saved) - set(generators))
-    missing = sorted(set(generators) - set(saved)) if saved else []
-    if unknown or missing:
-        raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' does not match "
-                              f"the model's generators (unexpected {unknown}, missing {missing})")
-    states = {}
-    for name, state in saved.items():  # checked on a copy: a refused state changes nothing
-        probe = np.random.Generator(type(generators[name].bit_generator)())
-        try:
-            probe.bit_generator.state = state
-        except (TypeError, ValueError, KeyError, OverflowError) as exc:
-            raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' holds a "
-                                  f"state for {name!r} that is not a generator state "
-                                  f"({type(exc).__name__}: {exc})") from None
-        states[name] = probe.bit_generator.state
+    states = _generator_states(checkpoint, generators)
     try:
         optimizer.load_state_dict(checkpoint.optimizer_state)
     except (TypeError, ValueError) as exc:

@@ -92,6 +92,22 @@ def test_an_rng_state_of_minus_one(saved, capsys):
     refused(saved, "'meta/rng_state'", capsys, match="not a PCG64 generator state")
 
 
+@pytest.mark.parametrize("change, match", [
+    (lambda states: states.update(extra=states["dropout_rng"]), "unexpected ['extra']"),
+    (lambda states: states.pop("dropout_rng") and states.update(other={}), "missing ['dropout_rng']"),
+    (lambda states: states.update(dropout_rng={"bit_generator": "PCG64", "state": 3}),
+     "not a generator state"),
+])
+def test_generator_states_that_do_not_fit_the_model(saved, capsys, change, match):
+    # the dropout Generators' states (meta/generator_states) are checked like the others
+    def rewrite(arrays):
+        states = json.loads(str(arrays["meta/generator_states"]))
+        change(states)
+        arrays["meta/generator_states"] = np.array(json.dumps(states))
+    _rewrite(saved, rewrite)
+    refused(saved, "'meta/generator_states'", capsys, match=match)
+
+
 def test_an_optimizer_entry_of_inf(saved, capsys):
     def inf(arrays):
         arrays["optim/exp_avg_sq/readout.W"][2, 3] = np.inf
