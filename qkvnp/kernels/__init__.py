@@ -120,7 +120,9 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     back to the fast core, and says so. Scores that may come near the float
     maximum (``score_bound >= sqrt(finfo.max)``) take the reference path
     whatever ``impl`` says: only it clips overflowing scores exactly, and the
-    others would return inf or NaN gradients where it is finite.
+    others would return inf or NaN gradients where it is finite. Dropout
+    does not enter the choice: every path has it, and draws the same mask
+    from the same Generator state (:mod:`qkvnp.dropout`).
 
     Examples
     --------
