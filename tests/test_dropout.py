@@ -12,7 +12,7 @@ Shape key: B batch, H heads, T query length, S key length, E embedding.
 """
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import qkvnp
@@ -193,7 +193,6 @@ def test_dropout_is_unbiased(rng):
 # ---------------------------------------------------------------- gradients, mask held fixed
 
 
-@settings(max_examples=10)
 @pytest.mark.parametrize("core", sorted(CORES))
 @given(data=st.data())
 def test_gradients_with_dropout_on_every_core(core, data):
