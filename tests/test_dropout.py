@@ -301,3 +301,17 @@ def test_model_propagates_train_and_eval_and_gathers_generators():
     assert model.generators()["attention.dropout_rng"] is model.attention.dropout_rng
     with pytest.raises(TypeError, match="mode must be a bool"):
         model.train("yes")
+
+
+def test_the_readme_dropout_example_runs():
+    # oracle: the example's own shapes (the README's "### Dropout" block)
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Dropout\n", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    namespace = {}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["weights"].shape == (2, 2, 5, 5) and namespace["out"].shape == (2, 5, 8)
+    assert not namespace["mha"].training

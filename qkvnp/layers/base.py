@@ -228,7 +228,8 @@ class Model(Layer):
     hold its arrays under dotted names (``"attn.W_query"``), the very arrays,
     not copies, so that one optimizer built on ``model.params`` trains every
     layer. Models nest (``"block.attn.W_query"``). ``zero_grad``,
-    ``state_dict`` and ``load_state_dict`` reach every sub-layer.
+    ``state_dict``, ``load_state_dict``, ``train``/``eval`` and
+    ``generators`` reach every sub-layer.
 
     A subclass defines ``forward``/``backward`` (calling its sub-layers') and
     may keep its own arrays in ``self._own`` (name -> array, listed first in
