@@ -13,7 +13,9 @@ Then
   in training mode (``need_weights=True``: the path that calls
   ``dropout(attn_output_weights)`` on ``(B*H, T, S)`` weights), weights copied
   over, its mask extracted the same way and given to ours as
-  ``dropout_mask``.
+  ``dropout_mask``;
+- the book's ``CausalAttention`` and ``MultiHeadAttention`` (``nn.Dropout``
+  on the weights) in training mode, loaded by ``qkvnp.interop``.
 
 Agreement: ``max|ours - torch| / max(1, max|torch|)`` below 1e-10 in float64
 (1e-5 in float32), outputs, weights, input and parameter gradients.
@@ -112,3 +114,41 @@ def test_multihead_with_torch_dropout_matches_torch(torch, impl, seed):
     assert_close("dkey", dkey, tk.grad, np.float64)
     for name, grad in torch_mha_param_grads(t_layer, E).items():
         assert_close(name, layer.grads[name], grad, np.float64)
+
+
+@pytest.mark.parametrize("name", ["CausalAttention", "MultiHeadAttention"])
+def test_book_layers_with_dropout_match_torch(torch, impl, name):
+    """The book's layers in training mode with dropout 0.5 (weights loaded by
+    ``qkvnp.interop``, the book's ``nn.Dropout`` mask extracted and replayed)."""
+    from book_layers import INPUTS, book_layers
+    from qkvnp.interop import from_torch, to_torch
+
+    p, num_heads, seed = 0.5, 2, 7
+    args = (3, 4, 6, p) + ((num_heads,) if name == "MultiHeadAttention" else ())
+    torch.manual_seed(123)
+    module = book_layers(torch)[name](*args).double().train()
+    if name == "MultiHeadAttention":
+        layer = qkvnp.MultiHeadAttention(embed_dim=4, num_heads=num_heads, qdim=3, kdim=3, vdim=3,
+                                         qkv_bias=False, out_bias=True, impl=impl, dropout=p)
+        shape = (2, num_heads, 6, 6)
+    else:
+        layer = qkvnp.SelfAttention(3, 4, impl=impl, dropout=p)
+        shape = (2, 6, 6)
+    from_torch(layer, module.state_dict(), "book." + name)
+    x = np.stack([INPUTS, INPUTS[::-1]])  # (2, 6, 3)
+    dout = np.random.default_rng(0).standard_normal((2, 6, 4))
+    x_torch = torch.tensor(x, requires_grad=True)
+    torch.manual_seed(seed)
+    out_torch = module(x_torch)
+    out_torch.backward(torch.tensor(dout))
+    mask = torch_mask(torch, seed, shape, p, np.float64)
+    assert 0 < mask.mean() < 1
+
+    out = layer.forward(x, is_causal=True, dropout_mask=mask)
+    assert_close("output", out, out_torch, np.float64)
+    assert_close("input gradient", layer.backward(dout), x_torch.grad, np.float64)
+    for name_, value in layer.params.items():  # the gradients, in torch's names and layout
+        value[...] = layer.grads[name_]
+    grads = to_torch(layer, "book." + name)
+    for torch_name, parameter in module.named_parameters():
+        assert_close(f"grad {torch_name}", grads[torch_name], parameter.grad, np.float64)
