@@ -4,7 +4,9 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument, what was
 expected and what was received, so that a user never meets an ``IndexError``
 from deep inside a matmul or a silent broadcast.
 """
+import contextlib
 import math
+import threading
 
 import numpy as np
 
@@ -27,7 +29,40 @@ __all__ = [
     "check_state_value",
     "row_norm_max",
     "scores_may_overflow",
+    "complex_step_mode",
+    "complex_step_active",
 ]
+
+_COMPLEX_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def complex_step_mode():
+    """Let complex128 arrays through the input checks, in this thread, for a while.
+
+    The gradient checker's complex step (:mod:`qkvnp.gradcheck`,
+    ``method="complex_step"``) runs the reference forwards on ``x + i h u``.
+    Outside this context every public function refuses complex input as
+    before; inside it, :func:`check_real_dtype` and :func:`compute_dtype`
+    accept complex128 and :func:`as_float_array` keeps an imaginary part
+    instead of dropping it. Not for users: only forwards that declare
+    ``supports_complex_step`` are meant to run under it.
+    """
+    previous = getattr(_COMPLEX_STEP, "on", False)
+    _COMPLEX_STEP.on = True
+    try:
+        yield
+    finally:
+        _COMPLEX_STEP.on = previous
+
+
+def complex_step_active():
+    """True inside :func:`complex_step_mode` (in the calling thread)."""
+    return getattr(_COMPLEX_STEP, "on", False)
+
+
+def _complex_allowed(dtype):
+    return dtype == np.complex128 and complex_step_active()
 
 
 def check_real_dtype(dtype, name=None):
@@ -40,7 +75,7 @@ def check_real_dtype(dtype, name=None):
     ...
     TypeError: dout must hold real numbers (bool, int or float), got dtype complex128
     """
-    if np.dtype(dtype).kind not in "biuf":
+    if np.dtype(dtype).kind not in "biuf" and not _complex_allowed(np.dtype(dtype)):
         what = "expected" if name is None else f"{name} must hold"
         raise TypeError(f"{what} real numbers (bool, int or float), got dtype {np.dtype(dtype)}")
 
@@ -87,7 +122,7 @@ def compute_dtype(*dtypes, names=None):
         if d.kind == "f" and d.itemsize > 8:
             what = "expected" if name is None else f"{name} must be"
             raise TypeError(f"{what} float16, float32 or float64, got dtype {d}")
-    floats = [d for d in dtypes if d.kind == "f"]
+    floats = [d for d in dtypes if d.kind == "f" or _complex_allowed(d)]
     if not floats:
         return np.dtype(np.float64)
     result = np.result_type(*floats)
@@ -127,6 +162,8 @@ def as_float_array(x, name, dtype=None, finite=True):
     arr = np.asarray(x)
     check_real_dtype(arr.dtype, name)
     target = compute_dtype(arr.dtype, names=(name,)) if dtype is None else np.dtype(dtype)
+    if _complex_allowed(arr.dtype):
+        target = np.result_type(target, arr.dtype)  # NOTE: complex step: keep the imaginary part
     arr = arr.astype(target, copy=False)
     if finite and not np.isfinite(arr).all():
         raise ValueError(f"{name} contains NaN or inf; expected finite values")

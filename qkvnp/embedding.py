@@ -65,6 +65,9 @@ def embedding_forward(indices, weight):
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 
 
+embedding_forward.supports_complex_step = True  # see qkvnp._checks.complex_step_mode
+
+
 def embedding_backward(dout, cache):
     """Backward of :func:`embedding_forward`.
 

@@ -17,6 +17,7 @@ import qkvnp.cli
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp.gradcheck import (
+    METHODS,
     TOLERANCES,
     GradcheckError,
     GradcheckReport,
@@ -63,16 +64,19 @@ def attention_inputs(rng):
 # ---------------------------------------------------------------- the table of tolerances
 
 
-def test_tolerance_table_is_keyed_by_dtype_and_certifies_1e_6_in_float64():
+def test_tolerance_table_is_keyed_by_dtype_and_method_and_certifies_1e_6_in_float64():
     assert set(TOLERANCES) == {FLOAT64, FLOAT32}
+    assert set(TOLERANCES[FLOAT64]) == set(METHODS)
+    assert set(TOLERANCES[FLOAT32]) == set(METHODS) - {"complex_step"}  # complex128 only
     for dtype in TOLERANCES:
-        assert set(TOLERANCES[dtype]) == {"elementwise", "direction"}
         for tol in TOLERANCES[dtype].values():
-            assert tol.eps > 0 and tol.rtol > 0 and tol.atol > 0
-    assert TOLERANCES[FLOAT64]["elementwise"].rtol <= 1e-6
-    assert TOLERANCES[FLOAT64]["direction"].rtol <= 1e-6
+            assert tol.eps > 0 and tol.rtol > 0 and (tol.atol > 0 or tol.floor > 0)
+    assert TOLERANCES[FLOAT64]["central"].rtol <= 1e-6
+    # the higher-order methods certify more than central differences can
+    assert TOLERANCES[FLOAT64]["complex_step"].rtol <= 1e-12
+    assert TOLERANCES[FLOAT64]["central4"].rtol < TOLERANCES[FLOAT64]["central"].rtol
     # float32 is coarser than float64, never finer
-    assert TOLERANCES[FLOAT32]["elementwise"].rtol > TOLERANCES[FLOAT64]["elementwise"].rtol
+    assert TOLERANCES[FLOAT32]["central"].rtol > TOLERANCES[FLOAT64]["central"].rtol
 
 
 # ---------------------------------------------------------------- right gradients pass
@@ -157,7 +161,7 @@ def test_check_layer_in_float32_uses_a_cast_copy(rng):
     layer = MultiHeadAttention(4, 2, rng=0)
     before = {name: p.copy() for name, p in layer.params.items()}
     report = check_layer(layer, rng.normal(size=(1, 3, 4)), dtype=np.float32)
-    assert report.dtype == FLOAT32 and report.rtol == TOLERANCES[FLOAT32]["elementwise"].rtol
+    assert report.dtype == FLOAT32 and report.rtol == TOLERANCES[FLOAT32]["central"].rtol
     assert report.ok, report.table()
     assert all(p.dtype == np.float64 for p in layer.params.values())  # original untouched
     for name, p in layer.params.items():
@@ -279,13 +283,19 @@ def test_table_shows_names_values_index_and_verdicts():
     table = report.table()
     assert str(report) == table
     lines = table.splitlines()
-    assert lines[0].startswith("gradcheck (elementwise, float64, eps=1e-05, rtol=1e-06")
+    # the method and its truncation order, then the settings
+    assert lines[0].startswith("gradcheck (central O(h^2), elementwise, float64, eps=1e-05, "
+                               "rtol=1e-06")
     assert lines[0].endswith("FAILED")
+    # the failing row's diagnosis, in words, under the table: a constant ratio
+    # 3/2, which is not among the documented forms (integers, roots, reciprocals)
+    assert lines[-2] == "diagnosis:"
+    assert lines[-1].startswith("  y: constant ratio analytic / numeric = 1.5 (no simple form)")
     for column in ("tensor", "shape", "max abs err", "max rel err", "worst index",
                    "analytic", "numeric"):
         assert column in lines[1]
     x_line = next(line for line in lines if line.startswith("x "))
-    y_line = next(line for line in lines if line.startswith("y "))
+    y_line = next(line for line in lines if line.startswith("y ") and "(2, 3)" in line)
     assert x_line.endswith("ok") and y_line.endswith("FAIL")
     row = report.row("y")
     assert str(row.worst_index) in y_line and "(2, 3)" in y_line
@@ -492,7 +502,7 @@ def test_cli_refuses_bad_options_under_its_usage_before_any_work(monkeypatch, ca
     import qkvnp.gradcheck.command as command
 
     monkeypatch.setattr(command, "check_layer", lambda *a, **k: pytest.fail("work started"))
-    monkeypatch.setattr(command, "sweep_eps", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(command, "sweep_steps", lambda *a, **k: pytest.fail("work started"))
     assert qkvnp.cli.main(["gradcheck", *argv]) == 2
     captured = capsys.readouterr()
     lines = captured.err.splitlines()

@@ -1,4 +1,4 @@
-"""Numerical gradient checks: central differences against hand-derived backwards.
+"""The checks: a hand-derived backward against a numerical derivative of its forward.
 
 Shape key: B batch, H heads, T query length, S key length, E embedding,
 D head dim. A checked tensor may have any shape; the checker never looks
@@ -7,298 +7,82 @@ inside it.
 A backward pass is checked through the scalar ``L = <dout, f(x)>`` with a
 *random* upstream gradient ``dout`` (an all-ones ``dout`` hides errors that
 cancel along a softmax row). Its exact gradient is ``vjp(dout)``, the
-analytic vector-Jacobian product; its numerical gradient is the central
-difference
-
-.. math:: \\frac{\\partial L}{\\partial x_i} \\approx
-          \\frac{\\langle dout, f(x + h e_i) - f(x - h e_i)\\rangle}{2h}
-
-whose truncation error is :math:`O(h^2)` and whose round-off error is
-:math:`O(\\epsilon_{mach} / h)`; ``python -m qkvnp gradcheck --sweep-eps``
-shows both.
+analytic vector-Jacobian product; the numerical one comes from one of the
+methods of :mod:`qkvnp.gradcheck.stencils`: central differences (the
+default), the five-point stencil, Ridders' extrapolation, or complex step.
 
 Two modes:
 
 ``"elementwise"``
-    Perturb every entry of every tensor (two forwards per entry) and report,
-    per tensor, the max absolute error, the max relative error and the worst
-    index with the analytic value beside the numeric one.
+    Perturb every entry of every tensor and report, per tensor, the max
+    absolute error, the max relative error and the worst index with the
+    analytic value beside the numeric one.
 ``"direction"``
     For a few random unit directions ``u`` per tensor, compare
-    ``<u, vjp(dout)>`` with ``<dout, (f(x + h u) - f(x - h u)) / 2h>``: two
+    ``<u, vjp(dout)>`` with the derivative of ``L`` along ``u``: a few
     forwards per direction whatever the tensor's size.
 
-Relative errors are ``|a - n| / max(|a|, |n|, atol)``: the absolute floor
-``atol`` lets a gradient that is zero pass, where the round-off of the
-numeric side would otherwise give a relative error of 1. Attention has
-such a gradient: ``b_key`` adds ``q . b_key`` to *every* score of a query's
-row, and softmax ignores a constant added to a row, so the output never
-depends on ``b_key``: its gradient is zero in exact arithmetic (round-off as computed).
+Relative errors are ``|a - n| / max(|a|, |n|, atol, floor * max|n|)``: the
+absolute floor ``atol`` lets a gradient that is zero pass, where the
+round-off of the numeric side would otherwise give a relative error of 1.
+Attention has such a gradient: ``b_key`` adds ``q . b_key`` to *every* score
+of a query's row, and softmax ignores a constant added to a row, so its
+gradient is zero in exact arithmetic (round-off as computed). A failing row
+gets a diagnosis (:mod:`qkvnp.gradcheck.diagnosis`).
 
-``import qkvnp.gradcheck`` imports numpy only; the layers are imported by the
-command line (:mod:`qkvnp.gradcheck.command`) when it runs.
+Complex step runs the forward on complex arrays: only forwards (and layers)
+that declare ``supports_complex_step`` can, and only inside the checker
+(:func:`qkvnp._checks.complex_step_mode`); a layer is then checked on its
+reference path whatever its ``impl``. With ``oracle_dtype``, :func:`check_op`
+and :func:`check_layer` compare a float32 backward with the float64 one
+instead (:mod:`qkvnp.gradcheck.oracle`).
+
+``import qkvnp.gradcheck`` imports numpy only.
 """
 import copy
-import time
 from collections import namedtuple
 
 import numpy as np
 
 from .._checks import check_int, make_rng
+from .diagnosis import diagnose
+from .oracle import oracle_report
+from .report import TOLERANCES, GradcheckReport, GradcheckRow, Tolerance, relative_error
+from .stencils import METHODS, ORDERS, numeric_directions, numeric_elementwise
 
 __all__ = [
-    "TOLERANCES",
-    "Tolerance",
-    "GradcheckRow",
-    "GradcheckReport",
-    "GradcheckError",
+    "MODES",
+    "Problem",
     "check_function",
     "check_op",
     "check_layer",
-    "MODES",
-    "SWEEP_EPS",
-    "sweep_eps",
+    "layer_problem",
+    "function_problem",
+    "op_pair",
+    "draw_dout",
+    "resolve",
 ]
 
 MODES = ("elementwise", "direction")
 
-Tolerance = namedtuple("Tolerance", "eps rtol atol")
-Tolerance.__doc__ = """Default step and tolerances of one dtype and mode.
+Problem = namedtuple("Problem", "slots evaluate analytic layer")
+Problem.__doc__ = """A function to check, in the checker's terms.
 
-eps : central-difference step ``h``.
-rtol : largest accepted relative error.
-atol : absolute floor of the relative error's denominator.
-"""
-
-# NOTE: the one table of defaults, keyed by the dtype the check computes in.
-# float64: h = 1e-5 sits near the optimum (eps_mach)^(1/3) ~ 6e-6; measured
-# errors of attention gradients are ~1e-8 relative (truncation, ~h^2) and
-# ~1e-10 absolute (round-off, ~eps_mach |L| / h), so rtol = 1e-6 certifies
-# with margin and the floor atol = 1e-3 turns the round-off of an exactly
-# zero gradient into a relative error ~1e-7: entries below 1e-3 are checked
-# to 1e-9 absolute. float32 (eps_mach 1.2e-7) cannot certify more than a few
-# digits: at h = 1e-2 truncation and round-off are both ~5e-3 relative (see
-# --sweep-eps), so rtol = 5e-2 still catches a missing term, a transpose or a
-# wrong factor, not a subtle 1e-3 error: certify in float64.
-TOLERANCES = {
-    np.dtype(np.float64): {
-        "elementwise": Tolerance(eps=1e-5, rtol=1e-6, atol=1e-3),
-        "direction": Tolerance(eps=1e-5, rtol=1e-6, atol=1e-3),
-    },
-    np.dtype(np.float32): {
-        "elementwise": Tolerance(eps=1e-2, rtol=5e-2, atol=1e-2),
-        "direction": Tolerance(eps=1e-2, rtol=5e-2, atol=1e-2),
-    },
-}
-
-GradcheckRow = namedtuple(
-    "GradcheckRow",
-    "name shape max_abs_err max_rel_err worst_index analytic numeric ok",
-)
-GradcheckRow.__doc__ = """Result of one checked tensor.
-
-name : str, e.g. ``"x"``, ``"param W_query"``, ``"input 0"``.
-shape : tuple, the tensor's shape.
-max_abs_err, max_rel_err : float, over entries (or directions).
-worst_index : tuple (entry) or int (direction number) of the largest
-    relative error.
-analytic, numeric : float, the two values at ``worst_index``.
-ok : bool, ``max_rel_err <= rtol``.
+slots : dict name -> (container, key); ``container[key]`` is the array of
+    that name that ``evaluate`` reads (perturbed in place, or replaced).
+evaluate : callable, ``evaluate() -> output``.
+analytic : callable, ``analytic(dout) -> dict name -> float64 gradient``.
+layer : the layer checked (a copy), or None for a function.
 """
 
 
-class GradcheckError(ValueError):
-    """Raised by :meth:`GradcheckReport.raise_if_failed`; its message is the table."""
+def resolve(method, mode, dtype, eps, rtol, atol, num_directions=1):
+    """Check the options of a check and fill in the defaults of :data:`TOLERANCES`.
 
-
-class GradcheckReport:
-    """Outcome of a gradient check: one :class:`GradcheckRow` per tensor.
-
-    Attributes
-    ----------
-    ok : bool
-        True when every row is within ``rtol``.
-    rows : list of GradcheckRow
-    mode, dtype, eps, rtol, atol
-        The settings the check ran with.
-
-    Examples
-    --------
-    >>> report = check_function(lambda x: 3 * x, {"x": np.ones(2)},
-    ...                         lambda dout, x: {"x": 2 * dout})
-    >>> report.ok, report.row("x").worst_index
-    (False, (0,))
+    Returns ``(dtype, Tolerance, num_directions)``.
     """
-
-    def __init__(self, rows, mode, dtype, eps, rtol, atol):
-        self.rows = list(rows)
-        self.mode = mode
-        self.dtype = np.dtype(dtype)
-        self.eps = eps
-        self.rtol = rtol
-        self.atol = atol
-        self.ok = bool(self.rows) and all(row.ok for row in self.rows)
-
-    def row(self, name):
-        """Return the row named ``name`` (``KeyError`` listing the names if absent)."""
-        for row in self.rows:
-            if row.name == name:
-                return row
-        raise KeyError(f"no row named {name!r}; rows are {[row.name for row in self.rows]}")
-
-    @property
-    def max_rel_err(self):
-        """Largest relative error over all rows (NaN counts as infinite)."""
-        return max((_nan_to_inf(row.max_rel_err) for row in self.rows), default=0.0)
-
-    def table(self):
-        """Return the report as a readable fixed-width table."""
-        where = "direction" if self.mode == "direction" else "worst index"
-        header = (
-            f"gradcheck ({self.mode}, {self.dtype}, eps={self.eps:g}, "
-            f"rtol={self.rtol:g}, atol={self.atol:g}): {'OK' if self.ok else 'FAILED'}"
-        )
-        columns = ("tensor", "shape", "max abs err", "max rel err", where,
-                   "analytic", "numeric", "")
-        lines = []
-        for row in self.rows:
-            index = f"u{row.worst_index}" if self.mode == "direction" else str(row.worst_index)
-            lines.append((
-                row.name, str(row.shape), f"{row.max_abs_err:.3e}", f"{row.max_rel_err:.3e}",
-                index, f"{row.analytic:+.9e}", f"{row.numeric:+.9e}",
-                "ok" if row.ok else "FAIL",
-            ))
-        widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c)
-                  for i, c in enumerate(columns)]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        body = [fmt.format(*columns).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
-        body += [fmt.format(*line).rstrip() for line in lines]
-        return "\n".join([header] + body)
-
-    __str__ = table
-
-    def __repr__(self):
-        return (f"<GradcheckReport ok={self.ok} mode={self.mode!r} dtype={self.dtype} "
-                f"rows={len(self.rows)} max_rel_err={self.max_rel_err:.3e}>")
-
-    def raise_if_failed(self):
-        """Raise :class:`GradcheckError` (a ``ValueError``) with the table unless ``ok``."""
-        if not self.ok:
-            raise GradcheckError("gradient check failed\n" + self.table())
-        return self
-
-
-# ------------------------------------------------------------------ engine
-
-
-def _nan_to_inf(value):
-    return np.inf if np.isnan(value) else float(value)
-
-
-def _relative_error(analytic, numeric, atol):
-    """``|a - n| / max(|a|, |n|, atol)`` elementwise, NaN mapped to inf."""
-    analytic = np.asarray(analytic, dtype=np.float64)
-    numeric = np.asarray(numeric, dtype=np.float64)
-    abs_err = np.abs(analytic - numeric)
-    denom = np.maximum(np.maximum(np.abs(analytic), np.abs(numeric)), atol)
-    with np.errstate(invalid="ignore"):
-        rel = abs_err / denom
-    return np.where(np.isnan(rel), np.inf, rel), np.where(np.isnan(abs_err), np.inf, abs_err)
-
-
-def _snapshot(evaluate):
-    """``evaluate()`` as a float64 copy: an output may be a view of the perturbed input."""
-    out = evaluate()
-    return np.array(out, dtype=np.float64) if np.asarray(out).dtype.kind == "f" else np.asarray(out)
-
-
-def _inner_difference(dout, plus, minus):
-    """``<dout, plus - minus>`` in float64 (the difference first: no cancellation in a sum)."""
-    plus = np.asarray(plus)
-    minus = np.asarray(minus)
-    if plus.shape != dout.shape or minus.shape != dout.shape:
-        raise ValueError(
-            f"the checked function must keep its output shape {dout.shape} under "
-            f"perturbation, got shapes {plus.shape} and {minus.shape}"
-        )
-    return float(np.sum(dout * (plus.astype(np.float64) - minus.astype(np.float64))))
-
-
-def _numeric_elementwise(array, evaluate, dout, eps):
-    """Central-difference gradient of ``<dout, evaluate()>`` w.r.t. ``array``, in place.
-
-    ``array`` is perturbed entry by entry and restored exactly. The divisor
-    is the step actually taken, ``(x + h) - (x - h)`` as rounded in
-    ``array``'s dtype, not ``2h``: in float32 the two differ by up to 1e-4
-    relative, which would otherwise show up as gradient error.
-    """
-    numeric = np.empty(array.shape, dtype=np.float64)
-    for index in np.ndindex(array.shape):
-        original = array[index].copy()
-        array[index] = original + eps
-        high = float(array[index])
-        plus = _snapshot(evaluate)
-        array[index] = original - eps
-        low = float(array[index])
-        minus = _snapshot(evaluate)
-        array[index] = original
-        step = high - low
-        # NOTE: a step below the spacing of floats at x rounds to 0: no derivative.
-        numeric[index] = _inner_difference(dout, plus, minus) / step if step else np.nan
-    return numeric
-
-
-def _row_from_errors(name, shape, analytic, numeric, tol):
-    rel, abs_err = _relative_error(analytic, numeric, tol.atol)
-    if rel.size == 0:
-        return GradcheckRow(name, tuple(shape), 0.0, 0.0, (), 0.0, 0.0, True)
-    worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
-    max_rel = float(rel.max())
-    return GradcheckRow(
-        name=name,
-        shape=tuple(shape),
-        max_abs_err=float(abs_err.max()),
-        max_rel_err=max_rel,
-        worst_index=tuple(int(i) for i in worst),
-        analytic=float(np.asarray(analytic)[worst]),
-        numeric=float(np.asarray(numeric)[worst]),
-        ok=bool(max_rel <= tol.rtol),
-    )
-
-
-def _check_elementwise(name, array, analytic, evaluate, dout, tol):
-    numeric = _numeric_elementwise(array, evaluate, dout, tol.eps)
-    return _row_from_errors(name, array.shape, analytic, numeric, tol)
-
-
-def _check_directions(name, array, analytic, evaluate, dout, tol, rng, num_directions):
-    """Compare ``<u, analytic>`` with ``<dout, f(x + h u) - f(x - h u)> / 2h``.
-
-    Both sides use the displacement actually stored in ``array``'s dtype, so
-    that rounding the perturbed input does not count as gradient error.
-    """
-    saved = array.copy()
-    analytic_values = np.empty(num_directions)
-    numeric_values = np.empty(num_directions)
-    for k in range(num_directions):
-        u = rng.standard_normal(array.shape)
-        norm = np.linalg.norm(u)
-        u = u / norm if norm > 0 else u
-        np.copyto(array, saved + tol.eps * u, casting="unsafe")
-        high = array.astype(np.float64)
-        plus = _snapshot(evaluate)
-        np.copyto(array, saved - tol.eps * u, casting="unsafe")
-        low = array.astype(np.float64)
-        minus = _snapshot(evaluate)
-        np.copyto(array, saved)
-        step = high - low  # ~ 2h u, as rounded in array's dtype
-        analytic_values[k] = float(np.sum(analytic * step)) / (2 * tol.eps)
-        numeric_values[k] = _inner_difference(dout, plus, minus) / (2 * tol.eps)
-    row = _row_from_errors(name, array.shape, analytic_values, numeric_values, tol)
-    return row._replace(worst_index=row.worst_index[0] if row.worst_index else 0)
-
-
-def _resolve(mode, dtype, eps, rtol, atol, num_directions):
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     try:
@@ -310,7 +94,10 @@ def _resolve(mode, dtype, eps, rtol, atol, num_directions):
             f"dtype must be one of {[str(d) for d in TOLERANCES]} (the keys of "
             f"TOLERANCES), got {dtype}"
         )
-    default = TOLERANCES[dtype][mode]
+    if method not in TOLERANCES[dtype]:
+        raise ValueError(f"method={method!r} runs in float64 only (complex128 forwards), "
+                         f"got dtype {dtype}")
+    default = TOLERANCES[dtype][method]
     values = {}
     for name, value, fallback in (("eps", eps, default.eps), ("rtol", rtol, default.rtol),
                                   ("atol", atol, default.atol)):
@@ -325,18 +112,18 @@ def _resolve(mode, dtype, eps, rtol, atol, num_directions):
                              f"number, got {value}")
         values[name] = value
     num_directions = check_int(num_directions, "num_directions", 1, expected="a positive int")
-    return dtype, Tolerance(**values), num_directions
+    return dtype, Tolerance(floor=default.floor, **values), num_directions
 
 
-def _draw_dout(out, dtype, rng):
+def draw_dout(out, dtype, rng):
+    """A random standard normal ``dout`` of ``out``'s shape, in ``dtype`` (``out`` checked)."""
     out = np.asarray(out)
     if out.dtype.kind != "f":
         raise TypeError(f"the checked function must return a float array, got dtype {out.dtype}")
     if not np.isfinite(out).all():
         raise ValueError("the checked function returned NaN or inf at the unperturbed input")
     # NOTE: random, never all ones: ones hide errors that cancel along a softmax row.
-    dout = rng.standard_normal(out.shape).astype(dtype)
-    return dout, dout.astype(np.float64)
+    return rng.standard_normal(out.shape).astype(dtype)
 
 
 def _check_grad_shape(grad, name, shape):
@@ -349,21 +136,91 @@ def _check_grad_shape(grad, name, shape):
     return grad.astype(np.float64)
 
 
-def _run(tensors, analytic, evaluate, dout64, mode, dtype, tol, rng, num_directions):
-    for name, array in tensors.items():
-        if not np.isfinite(array).all():
+def _numeric(problem, name, analytic, dout64, method, mode, tol, directions):
+    """``(analytic side, numeric side, estimate)`` of tensor ``name``, by mode."""
+    slot = problem.slots[name]
+    if mode == "elementwise":
+        numeric, estimate = numeric_elementwise(slot, problem.evaluate, dout64, method, tol.eps)
+        return analytic, numeric, estimate
+    a, n = numeric_directions(slot, analytic, problem.evaluate, dout64, method, tol.eps,
+                              directions)
+    return a, n, None
+
+
+def _directions(shape, rng, num_directions):
+    units = []
+    for _ in range(num_directions):
+        u = rng.standard_normal(shape)
+        norm = np.linalg.norm(u)
+        units.append(u / norm if norm > 0 else u)
+    return units
+
+
+def _row(name, shape, a, n, atol, rtol):
+    rel, abs_err = relative_error(a, n, atol)
+    if rel.size == 0:
+        return GradcheckRow(name, tuple(shape), 0.0, 0.0, (), 0.0, 0.0, True)
+    worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
+    max_rel = float(rel.max())
+    return GradcheckRow(name=name, shape=tuple(shape), max_abs_err=float(abs_err.max()),
+                        max_rel_err=max_rel, worst_index=tuple(int(i) for i in worst),
+                        analytic=float(np.asarray(a)[worst]),
+                        numeric=float(np.asarray(n)[worst]), ok=bool(max_rel <= rtol))
+
+
+def _run(problem, grads, dout64, method, mode, dtype, tol, rng, num_directions):
+    """Numerical side, rows, diagnoses (and the all-ones ``dout`` re-run) of a check."""
+    for name in grads:
+        container, key = problem.slots[name]
+        if not np.isfinite(container[key]).all():
             raise ValueError(
-                f"{name!r} contains NaN or inf: central differences need finite inputs "
+                f"{name!r} contains NaN or inf: numerical derivatives need finite inputs "
                 "(express a -inf mask as a mask argument, not as a checked input)"
             )
+    sides, estimates = {}, {}
+    for name, analytic in grads.items():
+        shape = problem.slots[name][0][problem.slots[name][1]].shape
+        directions = _directions(shape, rng, num_directions) if mode == "direction" else None
+        a, n, estimate = _numeric(problem, name, analytic, dout64, method, mode, tol, directions)
+        sides[name] = (a, n, directions)
+        if estimate is not None:
+            estimates[name] = float(estimate.max(initial=0.0))
+    scale = max((float(np.abs(n).max(initial=0.0)) for _, n, _ in sides.values()), default=0.0)
+    atol = max(tol.atol, tol.floor * scale)
     rows = []
-    for name, array in tensors.items():
-        if mode == "elementwise":
-            rows.append(_check_elementwise(name, array, analytic[name], evaluate, dout64, tol))
-        else:
-            rows.append(_check_directions(name, array, analytic[name], evaluate, dout64, tol,
-                                          rng, num_directions))
-    return GradcheckReport(rows, mode, dtype, tol.eps, tol.rtol, tol.atol)
+    for name, (a, n, directions) in sides.items():
+        row = _row(name, grads[name].shape, a, n, atol, tol.rtol)
+        if mode == "direction":
+            row = row._replace(worst_index=row.worst_index[0] if row.worst_index else 0)
+        if not row.ok:
+            code, words = diagnose(a, n, tol.rtol, mode)
+            if code == "unknown" and _matches_for_ones(problem, name, dout64, method, mode, tol,
+                                                       directions, atol):
+                code, words = "ones_dout", (
+                    "matches only for an all-ones dout: the backward ignores dout's values "
+                    "(errors that cancel along a row)")
+            row = row._replace(diagnosis=code, detail=words)
+        rows.append(row)
+    report = GradcheckReport(rows, mode, dtype, tol.eps, tol.rtol, tol.atol, method=method,
+                             order=ORDERS[method], floor=tol.floor)
+    report.error_estimates = estimates
+    return report
+
+
+def _matches_for_ones(problem, name, dout64, method, mode, tol, directions, atol):
+    """Re-run tensor ``name``'s check with ``dout`` all ones: does it pass then?"""
+    ones = np.ones_like(dout64)
+    analytic = problem.analytic(ones)[name]
+    a, n, _ = _numeric(problem, name, analytic, ones, method, mode, tol, directions)
+    rel, _ = relative_error(a, n, atol)
+    return bool(rel.max(initial=0.0) <= tol.rtol)
+
+
+def _check_complex_support(owner, what):
+    if not getattr(owner, "supports_complex_step", False):
+        raise ValueError(f"method='complex_step' needs a {what} that runs on complex arrays "
+                         f"and declares supports_complex_step = True; "
+                         f"{getattr(owner, '__name__', type(owner).__name__)} does not")
 
 
 # ------------------------------------------------------------------ public API
@@ -381,9 +238,38 @@ def _working_inputs(inputs, dtype):
     return work
 
 
-def check_function(fun, inputs, vjp, *, mode="elementwise", dtype=np.float64, eps=None,
-                   rtol=None, atol=None, rng=None, num_directions=5):
-    """Check a vector-Jacobian product ``vjp`` against central differences of ``fun``.
+def function_problem(fun, inputs, vjp, dtype):
+    """The :class:`Problem` of ``fun`` and ``vjp`` at ``inputs`` (copies cast to ``dtype``)."""
+    if not callable(fun) or not callable(vjp):
+        raise TypeError("fun and vjp must be callables")
+    work = _working_inputs(inputs, dtype)
+
+    def analytic(dout):
+        grads = vjp(dout.astype(dtype), **work)
+        if not isinstance(grads, dict):
+            raise TypeError(f"vjp must return a dict name -> gradient, got {type(grads).__name__}")
+        unknown = [name for name in grads if name not in work]
+        if unknown:
+            raise ValueError(f"vjp returned gradients for unknown inputs {unknown}; "
+                             f"inputs are {list(work)}")
+        checked = {}
+        for name, value in work.items():
+            grad = grads.get(name)
+            if grad is None:
+                continue
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"vjp returned a gradient for {name!r}, which is not a float "
+                                f"array (got {type(value).__name__}); map it to None")
+            checked[name] = _check_grad_shape(grad, name, value.shape)
+        return checked
+
+    slots = {name: (work, name) for name, value in work.items() if isinstance(value, np.ndarray)}
+    return Problem(slots, lambda: fun(**work), analytic, None)
+
+
+def check_function(fun, inputs, vjp, *, method="central", mode="elementwise", dtype=np.float64,
+                   eps=None, rtol=None, atol=None, rng=None, num_directions=5):
+    """Check a vector-Jacobian product ``vjp`` against numerical derivatives of ``fun``.
 
     Parameters
     ----------
@@ -397,15 +283,19 @@ def check_function(fun, inputs, vjp, *, mode="elementwise", dtype=np.float64, ep
         ``vjp(dout, **inputs) -> dict name -> gradient``: the gradient of
         ``<dout, fun(**inputs)>`` w.r.t. each input, of that input's shape. A
         name mapped to None (or absent) is skipped.
+    method : {"central", "central4", "richardson", "complex_step"}
+        The numerical derivative (:mod:`qkvnp.gradcheck.stencils`).
+        ``"complex_step"`` needs ``fun.supports_complex_step = True`` (it
+        runs ``fun`` on complex arrays) and float64.
     mode : {"elementwise", "direction"}
-        ``"elementwise"`` perturbs every entry (2 forwards each);
-        ``"direction"`` checks ``num_directions`` random directions per
-        tensor (2 forwards each), for tensors too large to sweep.
+        ``"elementwise"`` perturbs every entry; ``"direction"`` checks
+        ``num_directions`` random directions per tensor, for tensors too
+        large to sweep.
     dtype : {float64, float32}
         Precision of the check; it selects the defaults in :data:`TOLERANCES`.
     eps, rtol, atol : float, optional
         Step ``h``, accepted relative error, absolute floor of the relative
-        error's denominator. Default: ``TOLERANCES[dtype][mode]``.
+        error's denominator. Default: ``TOLERANCES[dtype][method]``.
     rng : numpy.random.Generator or int, optional
         Source of ``dout`` and of the directions; default seed 0, so that a
         check reproduces.
@@ -415,25 +305,25 @@ def check_function(fun, inputs, vjp, *, mode="elementwise", dtype=np.float64, ep
     Returns
     -------
     GradcheckReport
-        One row per differentiable input; ``report.ok`` and ``report.table()``.
+        One row per differentiable input; ``report.ok`` and ``report.table()``;
+        a failing row carries a ``diagnosis``.
 
     Raises
     ------
     TypeError, ValueError
-        On a bad mode, dtype, eps/rtol/atol, on non-dict inputs or gradients,
-        a gradient of the wrong shape, a gradient for an unknown or
-        non-differentiable input, or no differentiable input at all.
+        On a bad method, mode, dtype, eps/rtol/atol, on non-dict inputs or
+        gradients, a gradient of the wrong shape, a gradient for an unknown
+        or non-differentiable input, no differentiable input at all, or
+        complex step on a ``fun`` that does not declare it.
 
     Notes
     -----
     With a random ``dout`` (standard normal), ``L = <dout, fun(x)>``. The
     analytic side is ``g = vjp(dout)``; elementwise, the numeric side is
-    ``(L(x + h e_i) - L(x - h e_i)) / 2h`` and the error per entry is
-    ``|g_i - n_i| / max(|g_i|, |n_i|, atol)``. In direction mode it compares
-    ``<u, g>`` with ``(L(x + h u) - L(x - h u)) / 2h`` for unit vectors ``u``.
-    A gradient that is zero in exact arithmetic (``b_key`` of attention:
-    softmax ignores the constant ``q . b_key`` added to a row), computed as
-    round-off on both sides, passes thanks to ``atol``.
+    the method's estimate of ``dL/dx_i`` (central:
+    ``(L(x + h e_i) - L(x - h e_i)) / 2h``) and the error per entry is
+    ``|g_i - n_i| / max(|g_i|, |n_i|, atol, floor max|n|)``. In direction
+    mode it compares ``<u, g>`` with the derivative along unit vectors ``u``.
 
     Examples
     --------
@@ -443,80 +333,24 @@ def check_function(fun, inputs, vjp, *, mode="elementwise", dtype=np.float64, ep
     >>> report.ok, report.row("x").shape
     (True, (3,))
     """
-    dtype, tol, num_directions = _resolve(mode, dtype, eps, rtol, atol, num_directions)
-    if not callable(fun) or not callable(vjp):
-        raise TypeError("fun and vjp must be callables")
+    dtype, tol, num_directions = resolve(method, mode, dtype, eps, rtol, atol, num_directions)
+    if method == "complex_step":
+        _check_complex_support(fun, "fun")
     rng = make_rng(0 if rng is None else rng)
-    work = _working_inputs(inputs, dtype)
-    dout, dout64 = _draw_dout(fun(**work), dtype, rng)
-    grads = vjp(dout, **work)
-    if not isinstance(grads, dict):
-        raise TypeError(f"vjp must return a dict name -> gradient, got {type(grads).__name__}")
-    unknown = [name for name in grads if name not in work]
-    if unknown:
-        raise ValueError(f"vjp returned gradients for unknown inputs {unknown}; "
-                         f"inputs are {list(work)}")
-    tensors, analytic = {}, {}
-    for name, value in work.items():
-        grad = grads.get(name)
-        if grad is None:
-            continue
-        if not isinstance(value, np.ndarray):
-            raise TypeError(f"vjp returned a gradient for {name!r}, which is not a float "
-                            f"array (got {type(value).__name__}); map it to None")
-        tensors[name] = value
-        analytic[name] = _check_grad_shape(grad, name, value.shape)
-    if not tensors:
+    problem = function_problem(fun, inputs, vjp, dtype)
+    dout = draw_dout(problem.evaluate(), dtype, rng)
+    grads = problem.analytic(dout)
+    if not grads:
         raise ValueError("vjp returned no gradient: nothing to check")
-    return _run(tensors, analytic, lambda: fun(**work), dout64, mode, dtype, tol, rng,
+    return _run(problem, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
                 num_directions)
 
 
-def check_op(forward, backward, inputs, *, forward_kwargs=None, wrt=None, **options):
-    """Check a functional pair ``forward -> (out, cache)``, ``backward(dout, cache)``.
+def op_pair(forward, backward, names, forward_kwargs, wrt):
+    """``fun`` and ``vjp`` of :func:`check_function` for a functional op pair.
 
-    Parameters
-    ----------
-    forward : callable
-        ``forward(**inputs, **forward_kwargs) -> (out, cache)``.
-    backward : callable
-        ``backward(dout, cache) -> tuple`` of gradients in the order of
-        ``inputs`` (a single array for a one-input op). Trailing extra
-        entries must be None (``linear_backward`` returns ``db=None`` when
-        called without a bias).
-    inputs : dict of str -> ndarray
-        Differentiable inputs, in the order ``backward`` returns them.
-    forward_kwargs : dict, optional
-        Non-differentiable arguments (masks, ``axis``, ``num_heads``...).
-    wrt : iterable of str, optional
-        Names to check (default: every input whose gradient is not None).
-    **options
-        ``mode, dtype, eps, rtol, atol, rng, num_directions`` of
-        :func:`check_function`.
-
-    Returns
-    -------
-    GradcheckReport
-
-    Examples
-    --------
-    >>> from qkvnp.functional import attention_forward, attention_backward
-    >>> rng = np.random.default_rng(0)
-    >>> inputs = {"query": rng.normal(size=(3, 4)), "key": rng.normal(size=(5, 4)),
-    ...           "value": rng.normal(size=(5, 2))}
-    >>> check_op(attention_forward, attention_backward, inputs,
-    ...          forward_kwargs={"is_causal": True}).ok
-    True
+    ``fun`` inherits ``forward``'s ``supports_complex_step``.
     """
-    forward_kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
-    if not isinstance(inputs, dict):
-        raise TypeError(f"inputs must be a dict name -> array, got {type(inputs).__name__}")
-    names = list(inputs)
-    if wrt is not None:
-        wrt = [wrt] if isinstance(wrt, str) else list(wrt)
-        missing = [name for name in wrt if name not in inputs]
-        if missing:
-            raise ValueError(f"wrt names {missing} are not inputs; inputs are {names}")
 
     def fun(**values):
         return forward(**values, **forward_kwargs)[0]
@@ -534,23 +368,106 @@ def check_op(forward, backward, inputs, *, forward_kwargs=None, wrt=None, **opti
         return {name: grad for name, grad in zip(names, grads)
                 if wrt is None or name in wrt}
 
+    fun.supports_complex_step = getattr(forward, "supports_complex_step", False)
+    fun.__name__ = getattr(forward, "__name__", "forward")
+    return fun, vjp
+
+
+def check_op(forward, backward, inputs, *, forward_kwargs=None, wrt=None, oracle_dtype=None,
+             **options):
+    """Check a functional pair ``forward -> (out, cache)``, ``backward(dout, cache)``.
+
+    Parameters
+    ----------
+    forward : callable
+        ``forward(**inputs, **forward_kwargs) -> (out, cache)``.
+    backward : callable
+        ``backward(dout, cache) -> tuple`` of gradients in the order of
+        ``inputs`` (a single array for a one-input op). Trailing extra
+        entries must be None (``linear_backward`` returns ``db=None`` when
+        called without a bias).
+    inputs : dict of str -> ndarray
+        Differentiable inputs, in the order ``backward`` returns them.
+    forward_kwargs : dict, optional
+        Non-differentiable arguments (masks, ``axis``, ``num_heads``...).
+    wrt : iterable of str, optional
+        Names to check (default: every input whose gradient is not None).
+    oracle_dtype : dtype, optional
+        Instead of a numerical derivative, compare the backward in ``dtype``
+        (float32) with the same op's backward in ``oracle_dtype`` (float64)
+        at the same point, normwise per tensor in units of ``dtype``'s
+        epsilon (:func:`qkvnp.gradcheck.oracle.oracle_report`).
+    **options
+        ``method, mode, dtype, eps, rtol, atol, rng, num_directions`` of
+        :func:`check_function`. ``method="complex_step"`` needs
+        ``forward.supports_complex_step`` (every forward of
+        :mod:`qkvnp.functional` has it).
+
+    Returns
+    -------
+    GradcheckReport
+
+    Examples
+    --------
+    >>> from qkvnp.functional import attention_forward, attention_backward
+    >>> rng = np.random.default_rng(0)
+    >>> inputs = {"query": rng.normal(size=(3, 4)), "key": rng.normal(size=(5, 4)),
+    ...           "value": rng.normal(size=(5, 2))}
+    >>> check_op(attention_forward, attention_backward, inputs,
+    ...          forward_kwargs={"is_causal": True}, method="complex_step").ok
+    True
+    """
+    forward_kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
+    if not isinstance(inputs, dict):
+        raise TypeError(f"inputs must be a dict name -> array, got {type(inputs).__name__}")
+    names = list(inputs)
+    if wrt is not None:
+        wrt = [wrt] if isinstance(wrt, str) else list(wrt)
+        missing = [name for name in wrt if name not in inputs]
+        if missing:
+            raise ValueError(f"wrt names {missing} are not inputs; inputs are {names}")
+    fun, vjp = op_pair(forward, backward, names, forward_kwargs, wrt)
+    if oracle_dtype is not None:
+        return _oracle_check(fun, vjp, inputs, oracle_dtype, options)
     return check_function(fun, inputs, vjp, **options)
 
 
-def _layer_copy_in_dtype(layer, dtype):
-    """Return ``layer`` itself if its params are in ``dtype``, else a cast deep copy."""
-    if all(p.dtype == dtype for p in layer.params.values()):
+def _oracle_check(fun, vjp, inputs, oracle_dtype, options):
+    """:func:`check_op` with ``oracle_dtype``: the op's backward in two precisions."""
+    allowed = {"dtype", "rtol", "rng"}
+    extra = sorted(set(options) - allowed)
+    if extra:
+        raise TypeError(f"with oracle_dtype, check_op takes only {sorted(allowed)}, got {extra}")
+    dtype = np.dtype(options.get("dtype", np.float32))
+    rng = make_rng(0 if options.get("rng") is None else options["rng"])
+    test = _working_inputs(inputs, dtype)
+    dout = draw_dout(fun(**test), dtype, rng)
+    grads = {name: np.asarray(g) for name, g in vjp(dout, **test).items() if g is not None}
+    oracle = {name: (value.astype(oracle_dtype) if isinstance(value, np.ndarray) else value)
+              for name, value in test.items()}
+    reference = vjp(dout.astype(oracle_dtype), **oracle)
+    return oracle_report(grads, reference, dtype, oracle_dtype, options.get("rtol"))
+
+
+def _layer_copy(layer, dtype, reference):
+    """``layer`` itself, or a deep copy cast to ``dtype`` (on the reference path if asked)."""
+    if not reference and all(p.dtype == dtype for p in layer.params.values()):
         return layer
     layer = copy.deepcopy(layer)
     layer.params = {name: p.astype(dtype) for name, p in layer.params.items()}
     if hasattr(layer, "dtype"):
         layer.dtype = dtype
+    if reference and hasattr(layer, "impl"):
+        layer.impl = "reference"  # NOTE: the math, whatever path the original runs
     layer.zero_grad()
     return layer
 
 
-def _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs):
-    """Tensors to perturb, a forward closure and the analytic gradients of a layer."""
+def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=False):
+    """The :class:`Problem` of a layer: its params and inputs, a forward, the gradients.
+
+    ``reference=True`` checks a copy on the reference path (complex step, oracles).
+    """
     for attribute in ("params", "grads", "forward", "backward", "zero_grad"):
         if not hasattr(layer, attribute):
             raise TypeError(f"layer must have params, grads, forward, backward and "
@@ -559,7 +476,7 @@ def _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs):
     if forward_kwargs.get("return_weights"):
         raise ValueError("forward_kwargs must not set return_weights: the check needs "
                          "the output alone")
-    layer = _layer_copy_in_dtype(layer, dtype)
+    layer = _layer_copy(layer, dtype, reference)
     arrays = [np.array(x, dtype=dtype) for x in inputs]  # copies, perturbed in place
 
     def evaluate():
@@ -568,7 +485,7 @@ def _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs):
     def analytic(dout):
         layer.zero_grad()
         evaluate()
-        dinputs = layer.backward(dout)
+        dinputs = layer.backward(dout.astype(dtype))
         if not isinstance(dinputs, tuple):
             dinputs = (dinputs,)
         if len(dinputs) < len(arrays):
@@ -582,13 +499,14 @@ def _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs):
                     grads[f"input {i}"] = _check_grad_shape(dx, f"input {i}", x.shape)
         return grads
 
-    tensors = {f"param {name}": p for name, p in layer.params.items()}
-    tensors.update({f"input {i}": x for i, x in enumerate(arrays)})
-    return tensors, evaluate, analytic
+    slots = {f"param {name}": (layer.params, name) for name in layer.params}
+    slots.update({f"input {i}": (arrays, i) for i in range(len(arrays))})
+    return Problem(slots, evaluate, analytic, layer)
 
 
-def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, mode="elementwise",
-                dtype=np.float64, eps=None, rtol=None, atol=None, rng=None, num_directions=5):
+def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, method="central",
+                mode="elementwise", dtype=np.float64, eps=None, rtol=None, atol=None, rng=None,
+                num_directions=5, oracle_dtype=None):
     """Check every parameter gradient and input gradient of a layer.
 
     Parameters
@@ -608,11 +526,18 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, mode="elem
     wrt_inputs : bool
         Also check the input gradients returned by ``backward`` (one array,
         or a tuple whose None entries are skipped).
-    mode, dtype, eps, rtol, atol, rng, num_directions
+    method, mode, dtype, eps, rtol, atol, rng, num_directions
         As in :func:`check_function`. ``dtype`` is float64 whatever the
         layer's dtype (a float32 layer is checked through a float64 copy, to
         certify its math); pass ``dtype=np.float32`` to check float32
-        arithmetic with the float32 tolerances.
+        arithmetic with the float32 tolerances. ``method="complex_step"``
+        checks a float64 copy on the reference path (the layer must declare
+        ``supports_complex_step``), whatever the layer's ``impl``.
+    oracle_dtype : dtype, optional
+        Instead of a numerical derivative, compare the layer's backward in
+        ``dtype`` (its own path: fast, tiled...) with the float64 backward
+        of a reference-path copy at the same point, normwise per tensor in
+        units of ``dtype``'s epsilon; default pass at 64 epsilons.
 
     Returns
     -------
@@ -621,8 +546,9 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, mode="elem
 
     Examples
     --------
-    ``b_key`` has a zero gradient (0 in exact arithmetic, round-off as computed) (softmax ignores the constant
-    ``q . b_key`` added to each row), and passes thanks to the floor ``atol``:
+    ``b_key`` has a zero gradient (0 in exact arithmetic, round-off as
+    computed: softmax ignores the constant ``q . b_key`` added to each row),
+    and passes thanks to the floor ``atol``:
 
     >>> from qkvnp import MultiHeadAttention
     >>> layer = MultiHeadAttention(4, 2, rng=0)
@@ -633,54 +559,33 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, mode="elem
     """
     if not inputs:
         raise ValueError("check_layer needs at least one input array for layer.forward")
-    dtype, tol, num_directions = _resolve(mode, dtype, eps, rtol, atol, num_directions)
+    if oracle_dtype is not None:
+        return _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype,
+                             rtol, rng)
+    dtype, tol, num_directions = resolve(method, mode, dtype, eps, rtol, atol, num_directions)
+    complex_step = method == "complex_step"
+    if complex_step:
+        _check_complex_support(layer, "layer")
     rng = make_rng(0 if rng is None else rng)
-    tensors, evaluate, analytic = _layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs)
-    dout, dout64 = _draw_dout(evaluate(), dtype, rng)
-    grads = analytic(dout)
-    tensors = {name: array for name, array in tensors.items() if name in grads}
-    return _run(tensors, grads, evaluate, dout64, mode, dtype, tol, rng, num_directions)
+    problem = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, complex_step)
+    dout = draw_dout(problem.evaluate(), dtype, rng)
+    grads = problem.analytic(dout)
+    if complex_step:  # the original's grads, as the other methods leave them
+        layer.grads = {name: problem.layer.grads[name].astype(layer.params[name].dtype)
+                       for name in layer.params}
+    return _run(problem, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
+                num_directions)
 
 
-SWEEP_EPS = tuple(10.0 ** -k for k in range(1, 11))
-
-
-def sweep_eps(problems, eps_values=SWEEP_EPS, dtypes=(np.float64, np.float32), seed=0):
-    """Max relative error of numerical gradients over ``eps``, per dtype.
-
-    The analytic gradients are computed once in float64; the numerical ones
-    in each dtype with each ``eps``. The relative error of an entry is
-    ``|a - n| / max(|a|, |n|, atol)`` with the elementwise ``atol`` of that
-    dtype in :data:`TOLERANCES`.
-
-    Parameters
-    ----------
-    problems : list of (title, layer, inputs, forward_kwargs)
-    eps_values : sequence of float
-    dtypes : sequence of dtype
-    seed : int
-        Seed of the random ``dout``.
-
-    Returns
-    -------
-    dict dtype -> ndarray of shape (len(eps_values),)
-    """
-    errors = {np.dtype(d): np.zeros(len(eps_values)) for d in dtypes}
-    for _, layer, inputs, forward_kwargs in problems:
-        rng = np.random.default_rng(seed)
-        tensors64, evaluate64, analytic64 = _layer_problem(
-            layer, inputs, forward_kwargs, np.dtype(np.float64), True)
-        dout = rng.standard_normal(np.shape(evaluate64()))
-        grads = analytic64(dout)
-        for dtype in errors:
-            tensors, evaluate, _ = _layer_problem(layer, inputs, forward_kwargs, dtype, True)
-            dout_cast = dout.astype(dtype).astype(np.float64)
-            atol = TOLERANCES[dtype]["elementwise"].atol
-            for j, eps in enumerate(eps_values):
-                for name, array in tensors.items():
-                    if name not in grads:
-                        continue
-                    numeric = _numeric_elementwise(array, evaluate, dout_cast, eps)
-                    rel, _ = _relative_error(grads[name], numeric, atol)
-                    errors[dtype][j] = max(errors[dtype][j], float(rel.max(initial=0.0)))
-    return errors
+def _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype, rtol, rng):
+    """:func:`check_layer` with ``oracle_dtype``: the layer's path against the reference."""
+    dtype = np.dtype(dtype)
+    rng = make_rng(0 if rng is None else rng)
+    test = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs)
+    dout = draw_dout(test.evaluate(), dtype, rng)
+    grads = test.analytic(dout)
+    point = [test.slots[f"input {i}"][0][i] for i in range(len(inputs))]
+    oracle = layer_problem(test.layer, point, forward_kwargs, np.dtype(oracle_dtype), wrt_inputs,
+                           reference=True)
+    reference = oracle.analytic(dout.astype(oracle_dtype))
+    return oracle_report(grads, reference, dtype, oracle_dtype, rtol)

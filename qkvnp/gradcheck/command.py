@@ -2,9 +2,13 @@
 
 Builds :class:`qkvnp.SelfAttention` and :class:`qkvnp.MultiHeadAttention`
 with the options' shapes and masks, runs :func:`qkvnp.gradcheck.check_layer`
-on each and prints the tables (exit status 1 on a failure), or with
-``--sweep-eps`` the error against the central-difference step
-(:func:`qkvnp.gradcheck.sweep_eps`).
+on each with ``--method`` and prints the tables (exit status 1 on a
+failure). Other studies of the same layers: ``--sweep-eps`` (the error
+against the step, per tensor and method, with fitted slopes; ``--json``,
+``--plot``), ``--oracle`` (the float32 backward of ``--impl`` against the
+float64 reference), ``--second-order`` (symmetry of Hessian-vector
+products); ``--gallery`` runs the broken backwards of
+:mod:`qkvnp.gradcheck.gallery` instead.
 
 Every option is checked before any layer is built: a bad one is argparse's
 ``error:`` line under the command's usage, exit status 2.
@@ -15,7 +19,10 @@ import time
 
 import numpy as np
 
-from .checker import MODES, SWEEP_EPS, TOLERANCES, check_layer, sweep_eps
+from .checker import MODES, check_layer
+from .report import TOLERANCES
+from .stencils import METHODS
+from .sweep import SWEEP_EPS, sweep_steps
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,10 +49,28 @@ def add_arguments(parser):
     parser.add_argument("--eps", type=float, default=None,
                         help="central-difference step (default: from TOLERANCES by dtype)")
     parser.add_argument("--mode", choices=MODES, default=None, help="default elementwise")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="numerical derivative (default central; complex_step checks the "
+                             "reference path in float64)")
+    parser.add_argument("--impl", choices=("auto", "reference", "fast", "tiled"), default="auto",
+                        help="the layers' path (default auto)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="compare the float32 backward of --impl with the float64 reference "
+                             "backward (in float32 epsilons) instead of differences")
+    parser.add_argument("--second-order", action="store_true",
+                        help="check <v, Hu> = <u, Hv> with Hessian-vector products from "
+                             "differences of the backward")
+    parser.add_argument("--gallery", action="store_true",
+                        help="run the gallery of deliberately broken backwards")
+    parser.add_argument("--json", metavar="F", default=None,
+                        help="with --sweep-eps: write the curves and fits to F as JSON")
+    parser.add_argument("--plot", metavar="F", default=None,
+                        help="with --sweep-eps: draw the curves to F (png/pdf/svg; needs "
+                             "matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep-eps", action="store_true",
-                        help="print the max relative error over eps = 1e-1 .. 1e-10 for "
-                             "float64 and float32 instead of checking")
+                        help="print the max relative error over eps = 1e-1 .. 1e-10 per "
+                             "tensor, method and dtype, with fitted slopes, instead of checking")
 
 
 # NOTE: an elementwise check costs two forwards per scalar: far beyond these
@@ -81,12 +106,32 @@ def _check_options(args):
                                            f"{args.eps}")
     if args.seed < 0:
         raise argparse.ArgumentError(None, f"--seed must be >= 0, got {args.seed}")
-    if args.sweep_eps:
-        given = [f"--{name}" for name in ("eps", "mode", "dtype") if getattr(args, name) is not None]
+    studies = [f"--{name.replace('_', '-')}" for name in ("sweep_eps", "gallery", "oracle",
+                                                          "second_order") if getattr(args, name)]
+    if len(studies) > 1:
+        raise argparse.ArgumentError(None, f"{' and '.join(studies)} are separate studies: "
+                                           "choose one")
+    if args.sweep_eps or args.gallery:
+        given = [f"--{name}" for name in ("eps", "mode", "dtype", "method")
+                 if getattr(args, name) is not None]
         if given:
+            what = "--sweep-eps (it sweeps eps in both dtypes)" if args.sweep_eps else "--gallery"
             raise argparse.ArgumentError(None, f"{', '.join(given)} "
                                                f"{'does' if len(given) == 1 else 'do'} not apply "
-                                               "to --sweep-eps (it sweeps eps in both dtypes)")
+                                               f"to {what}")
+    for name in ("json", "plot"):
+        if getattr(args, name) is not None:
+            if not args.sweep_eps:
+                raise argparse.ArgumentError(None, f"--{name} applies to --sweep-eps only")
+            from .._io import check_writable
+
+            try:
+                check_writable(getattr(args, name), f"--{name}")
+            except (ValueError, OSError) as exc:
+                raise argparse.ArgumentError(None, str(exc)) from None
+    if args.method == "complex_step" and args.dtype == "float32":
+        raise argparse.ArgumentError(None, "--method complex_step runs in float64 only "
+                                           "(complex128 forwards)")
 
 
 def _problems(args):
@@ -134,10 +179,11 @@ def _problems(args):
         mask = padding[:, None, :]  # (B, S) -> (B, 1, S): broadcasts to (B, T, S)
     elif mask is not None:
         mask = mask[:, 0]  # (B, 1, T, S) -> (B, T, S)
-    self_attention = random_biases(SelfAttention(E, d_out, qkv_bias=args.bias, rng=args.seed))
+    self_attention = random_biases(SelfAttention(E, d_out, qkv_bias=args.bias, rng=args.seed,
+                                                 impl=args.impl))
     problems.append((f"SelfAttention(d_in={E}, d_out={d_out}, qkv_bias={args.bias})",
                      self_attention, (x,), {"attn_mask": mask, "is_causal": args.causal}))
-    mha = random_biases(MultiHeadAttention(E, H, bias=args.bias, rng=args.seed))
+    mha = random_biases(MultiHeadAttention(E, H, bias=args.bias, rng=args.seed, impl=args.impl))
     mask, padding = masks(T, S)
     kwargs = {"attn_mask": mask, "is_causal": args.causal, "key_padding_mask": padding}
     if args.kv_seq is None:
@@ -150,22 +196,79 @@ def _problems(args):
     return problems
 
 
-def _print_sweep(problems):
-    print("max relative error of central differences vs the float64 analytic gradient")
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _print_sweep(problems, args):
+    """The sweep's tables: worst central error per dtype, fits per method, best step per tensor."""
+    print("max relative error of numerical gradients vs the float64 analytic gradient")
     print("(every param and input of: " + "; ".join(p[0] for p in problems) + ")")
     start = time.perf_counter()
-    errors = sweep_eps(problems)
-    print(f"{'eps':>8}  " + "  ".join(f"{str(d):>10}" for d in errors))
+    result = sweep_steps(problems)
+    central = {}
+    for entry in result["summary"]:
+        if entry["method"] == "central":
+            worst = central.setdefault(entry["dtype"], np.zeros(len(SWEEP_EPS)))
+            np.maximum(worst, entry["errors"], out=worst)
+    print(f"{'eps':>8}  " + "  ".join(f"{d:>10}" for d in central))
     for j, eps in enumerate(SWEEP_EPS):
-        print(f"{eps:>8.0e}  " + "  ".join(f"{e[j]:>10.2e}" for e in errors.values()))
-    for dtype, e in errors.items():
+        print(f"{eps:>8.0e}  " + "  ".join(f"{e[j]:>10.2e}" for e in central.values()))
+    for dtype, e in central.items():
         j = int(np.argmin(e))
         print(f"best eps for {dtype}: {SWEEP_EPS[j]:.0e} (max rel err {e[j]:.2e}; "
-              f"default eps {TOLERANCES[dtype]['elementwise'].eps:g})")
+              f"default eps {TOLERANCES[np.dtype(dtype)]['central'].eps:g})")
     print("large eps: truncation error O(eps^2); small eps: round-off O(eps_mach / eps)")
-    if any(np.isinf(e).any() for e in errors.values()):
+    print()
+    print("fitted slopes of log(error) vs log(h), per layer, method and dtype:")
+    print(f"{'method':<13} {'dtype':<8} {'truncation':>10} {'round-off':>9} {'best h':>7} "
+          f"{'its error':>9} {'optimum h':>9}  layer")
+    for entry in result["summary"]:
+        print(f"{entry['method']:<13} {entry['dtype']:<8} "
+              f"{_fmt(entry['truncation_slope'], '+.2f'):>10} "
+              f"{_fmt(entry['roundoff_slope'], '+.2f'):>9} {_fmt(entry['best_eps'], '.0e'):>7} "
+              f"{_fmt(entry['best_error'], '.2e'):>9} {_fmt(entry['optimal_eps'], '.1e'):>9}  "
+              f"{entry['problem'].split('(')[0]}")
+    print()
+    print("best step and its error per tensor (float64):")
+    for title in dict.fromkeys(c["problem"] for c in result["curves"]):
+        print(f"  {title}")
+        names = dict.fromkeys(c["tensor"] for c in result["curves"] if c["problem"] == title)
+        for name in names:
+            cells = []
+            for curve in result["curves"]:
+                if (curve["problem"], curve["tensor"], curve["dtype"]) == (title, name, "float64"):
+                    j = int(np.argmin(curve["errors"]))
+                    cells.append(f"{curve['method']} {SWEEP_EPS[j]:.0e}: {curve['errors'][j]:.1e}")
+            print(f"    {name:<14} " + ";  ".join(cells))
+    if any(np.isinf(c["errors"]).any() for c in result["curves"]):
         print("inf: x + eps rounds back to x for some entry (eps below the float spacing)")
+    if args.json is not None:
+        import json
+
+        from .._io import atomic_write
+
+        with atomic_write(args.json, mode="w") as f:
+            json.dump(result, f, indent=1)
+        print(f"curves written to {args.json}")
+    if args.plot is not None:
+        from .plot import plot_sweep
+
+        plot_sweep(result, args.plot)
     print(f"({time.perf_counter() - start:.1f} s)")
+
+
+def _print_second_order(problems, dtype):
+    all_ok = True
+    for title, layer, inputs, forward_kwargs in problems:
+        from .second_order import check_symmetry_layer
+
+        report = check_symmetry_layer(layer, *inputs, forward_kwargs=forward_kwargs, dtype=dtype)
+        print(f"{title}\n  <v, Hu> = {report.v_hu:+.12e}, <u, Hv> = {report.u_hv:+.12e}, "
+              f"relative asymmetry {report.relative:.2e} (h = {report.eps:g}, pass <= "
+              f"{report.rtol:g}): {'OK' if report.ok else 'FAILED'}")
+        all_ok &= report.ok
+    return all_ok
 
 
 def run(args):
@@ -178,16 +281,38 @@ def run(args):
         the command's usage and returns 2.
     """
     _check_options(args)
+    if args.plot is not None:
+        from .plot import have_matplotlib
+
+        if not have_matplotlib():
+            print(f"--plot {args.plot}: matplotlib is not installed; install it with "
+                  "pip install 'qkvnp[plot]'  (or pip install matplotlib); sweeping without "
+                  "the plot")
+    if args.gallery:
+        from .gallery import run_gallery
+
+        ok = run_gallery()
+        print("every broken backward caught and diagnosed, every correct one passed" if ok
+              else "GALLERY: a case did not behave as documented")
+        return 0 if ok else 1
     problems = _problems(args)
     if args.sweep_eps:
-        _print_sweep(problems)
+        _print_sweep(problems, args)
         return 0
     dtype = np.dtype(args.dtype or "float64")
+    if args.second_order:
+        return 0 if _print_second_order(problems, dtype) else 1
     mode = args.mode or "elementwise"
     all_ok = True
     for title, layer, inputs, forward_kwargs in problems:
-        report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs, mode=mode,
-                             dtype=dtype, eps=args.eps, rng=args.seed)
+        if args.oracle:
+            report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs,
+                                 dtype=np.dtype(args.dtype or "float32"),
+                                 oracle_dtype=np.float64, rng=args.seed)
+        else:
+            report = check_layer(layer, *inputs, forward_kwargs=forward_kwargs, mode=mode,
+                                 method=args.method or "central", dtype=dtype, eps=args.eps,
+                                 rng=args.seed)
         print(title)
         print(report.table())
         print()

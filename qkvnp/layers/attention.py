@@ -23,6 +23,7 @@ class _AttentionLayer(Layer):
     """What both attention layers share: the path, asked of :mod:`qkvnp.kernels`."""
 
     last_dispatch = None
+    supports_complex_step = True  # on the reference path (qkvnp.gradcheck, method="complex_step")
     dropout = 0.0
     dropout_rng = None
 

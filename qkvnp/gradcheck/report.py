@@ -1,0 +1,210 @@
+"""What a gradient check reports: the tolerance table, the rows and the table.
+
+Shape key: none; a row summarises one checked tensor of any shape.
+
+:data:`TOLERANCES` is the one table of defaults, keyed by the dtype the
+check computes in and then by method (:data:`qkvnp.gradcheck.stencils.METHODS`).
+A :class:`GradcheckReport` holds one :class:`GradcheckRow` per tensor and
+prints them as a fixed-width table, with the method, its truncation order
+and, on a failing row, the diagnosis in words
+(:mod:`qkvnp.gradcheck.diagnosis`).
+"""
+from collections import namedtuple
+
+import numpy as np
+
+__all__ = [
+    "TOLERANCES",
+    "Tolerance",
+    "GradcheckRow",
+    "GradcheckReport",
+    "GradcheckError",
+    "relative_error",
+    "nan_to_inf",
+]
+
+Tolerance = namedtuple("Tolerance", "eps rtol atol floor", defaults=(0.0,))
+Tolerance.__doc__ = """Default step and tolerances of one dtype and method.
+
+eps : the step ``h`` (the first, largest step for ``"richardson"``).
+rtol : largest accepted relative error.
+atol : absolute floor of the relative error's denominator.
+floor : floor relative to the check's largest numeric gradient entry (over
+    every tensor): the denominator is ``max(|a|, |n|, atol, floor * max|n|)``.
+"""
+
+# NOTE: the one table of defaults, keyed by the dtype the check computes in.
+# central, float64: h = 1e-5 sits near the optimum (eps_mach)^(1/3) ~ 6e-6;
+# measured errors of attention gradients are ~1e-8 relative (truncation,
+# ~h^2) and ~1e-10 absolute (round-off, ~eps_mach |L| / h), so rtol = 1e-6
+# certifies with margin and the floor atol = 1e-3 turns the round-off of an
+# exactly zero gradient into a relative error ~1e-7. float32 (eps_mach 1.2e-7)
+# cannot certify more than a few digits: at h = 1e-2 truncation and round-off
+# are both ~5e-3 relative (see --sweep-eps), so rtol = 5e-2.
+# central4: optimum h ~ eps_mach^(1/5) (7e-4 in float64), error ~eps^(4/5) relative
+# to |L|: measured 1.4e-9 against the floor atol on the multi-head layer.
+# richardson: Ridders' tableau from h0 = 0.1 (its error estimate picks the step).
+# complex_step: no subtraction, so no round-off / h term: h = 1e-30 leaves
+# only the forward's own round-off (measured <= 1e-15 relative on the layers);
+# the floor is relative to the largest gradient entry of the check, so that an
+# exactly zero gradient (b_key) is held to 1e-15 of the layer's scale.
+TOLERANCES = {
+    np.dtype(np.float64): {
+        "central": Tolerance(eps=1e-5, rtol=1e-6, atol=1e-3),
+        "central4": Tolerance(eps=1e-3, rtol=1e-8, atol=1e-3),
+        "richardson": Tolerance(eps=1e-1, rtol=1e-9, atol=1e-3),
+        "complex_step": Tolerance(eps=1e-30, rtol=1e-12, atol=0.0, floor=1e-3),
+    },
+    np.dtype(np.float32): {
+        "central": Tolerance(eps=1e-2, rtol=5e-2, atol=1e-2),
+        "central4": Tolerance(eps=5e-2, rtol=2e-2, atol=1e-2),
+        "richardson": Tolerance(eps=2e-1, rtol=2e-2, atol=1e-2),
+    },
+}
+
+GradcheckRow = namedtuple(
+    "GradcheckRow",
+    "name shape max_abs_err max_rel_err worst_index analytic numeric ok diagnosis detail",
+    defaults=(None, ""),
+)
+GradcheckRow.__doc__ = """Result of one checked tensor.
+
+name : str, e.g. ``"x"``, ``"param W_query"``, ``"input 0"``.
+shape : tuple, the tensor's shape.
+max_abs_err, max_rel_err : float, over entries (or directions). With
+    ``oracle_dtype``, the normwise error ``max|g - g_oracle| / max|g_oracle|``.
+worst_index : tuple (entry) or int (direction number) of the largest
+    relative error.
+analytic, numeric : float, the two values at ``worst_index`` (the oracle's
+    value in place of the numeric one with ``oracle_dtype``).
+ok : bool, ``max_rel_err <= rtol``.
+diagnosis : str or None, a code of :data:`qkvnp.gradcheck.diagnosis.DIAGNOSES`
+    on a failing row.
+detail : str, the diagnosis in words.
+"""
+
+
+class GradcheckError(ValueError):
+    """Raised by :meth:`GradcheckReport.raise_if_failed`; its message is the table."""
+
+
+class GradcheckReport:
+    """Outcome of a gradient check: one :class:`GradcheckRow` per tensor.
+
+    Attributes
+    ----------
+    ok : bool
+        True when every row is within ``rtol``.
+    rows : list of GradcheckRow
+    mode, dtype, eps, rtol, atol
+        The settings the check ran with.
+    method : str
+        ``"central"``, ``"central4"``, ``"richardson"``, ``"complex_step"``,
+        or ``"oracle float64"`` for a mixed-precision check.
+    order : str
+        The method's truncation order, e.g. ``"O(h^2)"``.
+    floor : float
+        Floor of the denominator relative to the largest numeric entry.
+
+    Examples
+    --------
+    >>> from qkvnp.gradcheck import check_function
+    >>> report = check_function(lambda x: 3 * x, {"x": np.ones(2)},
+    ...                         lambda dout, x: {"x": 2 * dout})
+    >>> report.ok, report.row("x").worst_index, report.row("x").diagnosis
+    (False, (0,), 'ratio')
+    """
+
+    def __init__(self, rows, mode, dtype, eps, rtol, atol, method="central", order="O(h^2)",
+                 floor=0.0):
+        self.rows = list(rows)
+        self.mode = mode
+        self.dtype = np.dtype(dtype)
+        self.eps = eps
+        self.rtol = rtol
+        self.atol = atol
+        self.method = method
+        self.order = order
+        self.floor = floor
+        self.ok = bool(self.rows) and all(row.ok for row in self.rows)
+
+    def row(self, name):
+        """Return the row named ``name`` (``KeyError`` listing the names if absent)."""
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(f"no row named {name!r}; rows are {[row.name for row in self.rows]}")
+
+    @property
+    def max_rel_err(self):
+        """Largest relative error over all rows (NaN counts as infinite)."""
+        return max((nan_to_inf(row.max_rel_err) for row in self.rows), default=0.0)
+
+    def _header(self):
+        verdict = "OK" if self.ok else "FAILED"
+        if self.method.startswith("oracle"):
+            eps = float(np.finfo(self.dtype).eps)
+            return (f"gradcheck ({self.method}, {self.dtype} backward vs the oracle's, normwise "
+                    f"max|g - g_oracle| / max|g_oracle|, pass <= {self.rtol / eps:.0f} eps "
+                    f"= {self.rtol:.3g}): {verdict}")
+        floor = f", floor={self.floor:g}*max|n|" if self.floor else ""
+        return (f"gradcheck ({self.method} {self.order}, {self.mode}, {self.dtype}, "
+                f"eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}{floor}): {verdict}")
+
+    def table(self):
+        """Return the report as a readable fixed-width table; failing rows say why."""
+        oracle = self.method.startswith("oracle")
+        where = "direction" if self.mode == "direction" else "worst index"
+        columns = ("tensor", "shape", "max abs err",
+                   "err / eps" if oracle else "max rel err", where,
+                   "analytic", "oracle" if oracle else "numeric", "")
+        eps = float(np.finfo(self.dtype).eps)
+        lines = []
+        for row in self.rows:
+            index = f"u{row.worst_index}" if self.mode == "direction" else str(row.worst_index)
+            error = f"{row.max_rel_err / eps:.2f}" if oracle else f"{row.max_rel_err:.3e}"
+            lines.append((
+                row.name, str(row.shape), f"{row.max_abs_err:.3e}", error,
+                index, f"{row.analytic:+.9e}", f"{row.numeric:+.9e}",
+                "ok" if row.ok else "FAIL",
+            ))
+        widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c)
+                  for i, c in enumerate(columns)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        body = [fmt.format(*columns).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
+        body += [fmt.format(*line).rstrip() for line in lines]
+        why = [f"  {row.name}: {row.detail}" for row in self.rows if not row.ok and row.detail]
+        if why:
+            body += ["diagnosis:"] + why
+        return "\n".join([self._header()] + body)
+
+    __str__ = table
+
+    def __repr__(self):
+        return (f"<GradcheckReport ok={self.ok} method={self.method!r} mode={self.mode!r} "
+                f"dtype={self.dtype} rows={len(self.rows)} max_rel_err={self.max_rel_err:.3e}>")
+
+    def raise_if_failed(self):
+        """Raise :class:`GradcheckError` (a ``ValueError``) with the table unless ``ok``."""
+        if not self.ok:
+            raise GradcheckError("gradient check failed\n" + self.table())
+        return self
+
+
+def nan_to_inf(value):
+    """``value`` as a float, NaN mapped to inf (a NaN error is the worst error)."""
+    return np.inf if np.isnan(value) else float(value)
+
+
+def relative_error(analytic, numeric, atol):
+    """``|a - n| / max(|a|, |n|, atol)`` elementwise, NaN mapped to inf, 0 where ``a == n``.
+
+    Returns ``(relative, absolute)`` float64 arrays.
+    """
+    analytic = np.asarray(analytic, dtype=np.float64)
+    numeric = np.asarray(numeric, dtype=np.float64)
+    abs_err = np.abs(analytic - numeric)
+    denom = np.maximum(np.maximum(np.abs(analytic), np.abs(numeric)), atol)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(abs_err == 0, 0.0, abs_err / denom)  # 0 / 0: both exactly zero
+    return np.where(np.isnan(rel), np.inf, rel), np.where(np.isnan(abs_err), np.inf, abs_err)

@@ -1,0 +1,170 @@
+"""Error against step: the curves of ``--sweep-eps``, per tensor, method and dtype.
+
+Shape key: ``K`` steps in the sweep.
+
+For each step ``h`` of :data:`SWEEP_EPS` and each method, the numerical
+gradient of every tensor is compared with the float64 analytic gradient; the
+error of a tensor is its largest relative error
+``|a - n| / max(|a|, |n|, atol)`` (``atol`` of ``TOLERANCES[dtype]["central"]``).
+Each curve is a V on log-log axes: truncation on the right (slope 2 for
+central, 4 for central4), round-off on the left (slope -1: ``eps_mach / h``).
+:func:`fit_branches` fits both slopes; :data:`OPTIMAL_STEPS` gives the
+textbook optimum of each method (``(3 eps)^(1/3)``, ``eps^(1/5)``).
+"""
+import numpy as np
+
+from .checker import layer_problem
+from .report import TOLERANCES, relative_error
+from .stencils import numeric_elementwise
+
+__all__ = ["SWEEP_EPS", "SWEEP_METHODS", "OPTIMAL_STEPS", "sweep_steps", "sweep_eps",
+           "fit_branches"]
+
+SWEEP_EPS = tuple(10.0 ** -k for k in range(1, 11))
+
+#: Methods swept by default; complex step in float64 only (complex128 forwards).
+SWEEP_METHODS = ("central", "central4", "complex_step")
+
+
+def _optimal_steps():
+    steps = {}
+    for dtype in (np.dtype(np.float64), np.dtype(np.float32)):
+        eps = float(np.finfo(dtype).eps)
+        steps[("central", dtype.name)] = (3 * eps) ** (1 / 3)
+        steps[("central4", dtype.name)] = eps ** (1 / 5)
+    return steps
+
+
+#: Textbook optimum step of each (method, dtype name): truncation = round-off
+#: for a function and derivatives of order one.
+OPTIMAL_STEPS = _optimal_steps()
+
+
+def fit_branches(eps_values, errors, saturation=0.1):
+    """Fit ``log err = slope log h + c`` on each side of the best step.
+
+    Parameters
+    ----------
+    eps_values, errors : sequence of float, shape (K,)
+    saturation : float
+        Errors above it are left out (the relative error saturates near 1).
+
+    Returns
+    -------
+    dict
+        ``best_eps``, ``best_error``, ``truncation_slope`` (points with
+        larger steps) and ``roundoff_slope`` (smaller steps); a slope is None
+        when its branch has fewer than two usable points.
+
+    Examples
+    --------
+    >>> h = np.array([1e-1, 1e-2, 1e-3, 1e-4, 1e-5])
+    >>> fit = fit_branches(h, h ** 2 + 1e-12 / h)
+    >>> round(fit["truncation_slope"], 2), round(fit["roundoff_slope"], 2), fit["best_eps"]
+    (2.0, -1.0, 0.0001)
+    """
+    h = np.asarray(eps_values, dtype=np.float64)
+    err = np.asarray(errors, dtype=np.float64)
+    usable = np.isfinite(err) & (err > 0) & (err <= saturation)
+    if not usable.any():
+        return {"best_eps": None, "best_error": None, "truncation_slope": None,
+                "roundoff_slope": None}
+    best = int(np.argmin(np.where(usable, err, np.inf)))
+
+    def slope(mask):
+        if mask.sum() < 2:
+            return None
+        return float(np.polyfit(np.log10(h[mask]), np.log10(err[mask]), 1)[0])
+
+    index = np.arange(len(h))
+    larger = usable & (h > h[best]) & (index != best)
+    smaller = usable & (h < h[best]) & (index != best)
+    return {"best_eps": float(h[best]), "best_error": float(err[best]),
+            "truncation_slope": slope(larger), "roundoff_slope": slope(smaller)}
+
+
+def sweep_steps(problems, eps_values=SWEEP_EPS, methods=SWEEP_METHODS,
+                dtypes=(np.float64, np.float32), seed=0, progress=None):
+    """Error of every tensor's numerical gradient over the steps, per method and dtype.
+
+    Parameters
+    ----------
+    problems : list of (title, layer, inputs, forward_kwargs)
+    eps_values : sequence of float
+    methods : sequence of str
+        Of :data:`qkvnp.gradcheck.stencils.METHODS` except ``"richardson"``
+        (which picks its own steps); ``"complex_step"`` runs in float64 only,
+        on the reference path.
+    dtypes : sequence of dtype
+    seed : int
+        Seed of the random ``dout``.
+    progress : callable, optional
+        Called with a short string before each curve.
+
+    Returns
+    -------
+    dict
+        ``{"eps": [...], "curves": [...], "summary": [...]}``: a curve is
+        ``{"problem", "tensor", "method", "dtype", "errors"}``; a summary
+        entry is the worst error over every tensor of one ``(problem,
+        method, dtype)`` with its :func:`fit_branches` and ``optimal_eps``.
+    """
+    eps_values = [float(e) for e in eps_values]
+    curves = []
+    for title, layer, inputs, forward_kwargs in problems:
+        rng = np.random.default_rng(seed)
+        exact = layer_problem(layer, inputs, forward_kwargs, np.dtype(np.float64), True)
+        dout = rng.standard_normal(np.shape(exact.evaluate()))
+        grads = exact.analytic(dout)
+        for dtype in (np.dtype(d) for d in dtypes):
+            dout_cast = dout.astype(dtype).astype(np.float64)
+            atol = TOLERANCES[dtype]["central"].atol
+            for method in methods:
+                if method not in TOLERANCES[dtype]:
+                    continue  # complex step: float64 only
+                problem = layer_problem(layer, inputs, forward_kwargs, dtype, True,
+                                        reference=method == "complex_step")
+                for name in grads:
+                    if progress is not None:
+                        progress(f"{title}: {name}, {method}, {dtype}")
+                    errors = []
+                    for eps in eps_values:
+                        numeric, _ = numeric_elementwise(problem.slots[name], problem.evaluate,
+                                                         dout_cast, method, eps)
+                        rel, _ = relative_error(grads[name], numeric, atol)
+                        errors.append(float(rel.max(initial=0.0)))
+                    curves.append({"problem": title, "tensor": name, "method": method,
+                                   "dtype": dtype.name, "errors": errors})
+    summary = []
+    for title in dict.fromkeys(c["problem"] for c in curves):
+        for method in methods:
+            for dtype in (np.dtype(d).name for d in dtypes):
+                mine = [c["errors"] for c in curves if c["problem"] == title
+                        and c["method"] == method and c["dtype"] == dtype]
+                if not mine:
+                    continue
+                worst = np.max(np.array(mine), axis=0)
+                summary.append({"problem": title, "method": method, "dtype": dtype,
+                                "errors": worst.tolist(),
+                                "optimal_eps": OPTIMAL_STEPS.get((method, dtype)),
+                                **fit_branches(eps_values, worst)})
+    return {"eps": eps_values, "curves": curves, "summary": summary}
+
+
+def sweep_eps(problems, eps_values=SWEEP_EPS, dtypes=(np.float64, np.float32), seed=0):
+    """Max relative error of central differences over ``eps``, per dtype.
+
+    The analytic gradients are computed once in float64; the numerical ones
+    in each dtype with each ``eps``. :func:`sweep_steps` with
+    ``methods=("central",)``, reduced to the worst tensor.
+
+    Returns
+    -------
+    dict dtype -> ndarray of shape (len(eps_values),)
+    """
+    result = sweep_steps(problems, eps_values, ("central",), dtypes, seed)
+    errors = {np.dtype(d): np.zeros(len(eps_values)) for d in dtypes}
+    for entry in result["summary"]:
+        errors[np.dtype(entry["dtype"])] = np.maximum(errors[np.dtype(entry["dtype"])],
+                                                      entry["errors"])
+    return errors
