@@ -165,7 +165,8 @@ def numeric_elementwise(slot, evaluate, dout, method, h):
                 for index in np.ndindex(array.shape):
                     original = work[index]
                     work[index] = original + 1j * h
-                    out = _checked_output(np.asarray(evaluate()), dout)
+                    # a copy before the restore: the output may be a view of ``work``
+                    out = _checked_output(np.array(evaluate(), dtype=np.complex128), dout)
                     work[index] = original
                     numeric[index] = float(np.sum(dout * out.imag)) / h
         finally:
@@ -208,7 +209,7 @@ def numeric_directions(slot, analytic, evaluate, dout, method, h, directions):
             container[key] = saved + 1j * h * u
             try:
                 with complex_step_mode():
-                    out = _checked_output(np.asarray(evaluate()), dout)
+                    out = _checked_output(np.array(evaluate(), dtype=np.complex128), dout)
             finally:
                 container[key] = array
             analytic_values[k] = float(np.sum(analytic * u))
