@@ -15,6 +15,7 @@ Every option is checked before any layer is built: a bad one is argparse's
 """
 import argparse
 import math
+import sys
 import time
 
 import numpy as np
@@ -69,7 +70,8 @@ def add_arguments(parser):
                              "matplotlib)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep-eps", action="store_true",
-                        help="print the max relative error over eps = 1e-1 .. 1e-10 per "
+                        help="print the max relative error over eps = 1e-1 .. 1e-10 (half "
+                             "decades) per "
                              "tensor, method and dtype, with fitted slopes, instead of checking")
 
 
@@ -205,7 +207,13 @@ def _print_sweep(problems, args):
     print("max relative error of numerical gradients vs the float64 analytic gradient")
     print("(every param and input of: " + "; ".join(p[0] for p in problems) + ")")
     start = time.perf_counter()
-    result = sweep_steps(problems)
+    progress = None
+    if sys.stderr.isatty():
+        def progress(what):
+            print(f"\r\033[K{what}", end="", file=sys.stderr, flush=True)
+    result = sweep_steps(problems, progress=progress)
+    if progress is not None:
+        progress("")
     central = {}
     for entry in result["summary"]:
         if entry["method"] == "central":

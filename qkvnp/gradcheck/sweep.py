@@ -20,7 +20,8 @@ from .stencils import numeric_elementwise
 __all__ = ["SWEEP_EPS", "SWEEP_METHODS", "OPTIMAL_STEPS", "sweep_steps", "sweep_eps",
            "fit_branches"]
 
-SWEEP_EPS = tuple(10.0 ** -k for k in range(1, 11))
+#: Half a decade apart, 1e-1 .. 1e-10: enough points on each branch to fit its slope.
+SWEEP_EPS = tuple(10.0 ** (-k / 2) for k in range(2, 21))
 
 #: Methods swept by default; complex step in float64 only (complex128 forwards).
 SWEEP_METHODS = ("central", "central4", "complex_step")
@@ -40,7 +41,7 @@ def _optimal_steps():
 OPTIMAL_STEPS = _optimal_steps()
 
 
-def fit_branches(eps_values, errors, saturation=0.1):
+def fit_branches(eps_values, errors, saturation=0.5, above=3.0):
     """Fit ``log err = slope log h + c`` on each side of the best step.
 
     Parameters
@@ -48,6 +49,9 @@ def fit_branches(eps_values, errors, saturation=0.1):
     eps_values, errors : sequence of float, shape (K,)
     saturation : float
         Errors above it are left out (the relative error saturates near 1).
+    above : float
+        Only points at least ``above`` times the best error are fitted: near
+        the bottom of the V both errors mix (and complex step's is flat).
 
     Returns
     -------
@@ -58,10 +62,10 @@ def fit_branches(eps_values, errors, saturation=0.1):
 
     Examples
     --------
-    >>> h = np.array([1e-1, 1e-2, 1e-3, 1e-4, 1e-5])
-    >>> fit = fit_branches(h, h ** 2 + 1e-12 / h)
+    >>> h = np.logspace(-1, -8, 8)
+    >>> fit = fit_branches(h, h ** 2 + 1e-14 / h)
     >>> round(fit["truncation_slope"], 2), round(fit["roundoff_slope"], 2), fit["best_eps"]
-    (2.0, -1.0, 0.0001)
+    (2.0, -1.0, 1e-05)
     """
     h = np.asarray(eps_values, dtype=np.float64)
     err = np.asarray(errors, dtype=np.float64)
@@ -76,9 +80,9 @@ def fit_branches(eps_values, errors, saturation=0.1):
             return None
         return float(np.polyfit(np.log10(h[mask]), np.log10(err[mask]), 1)[0])
 
-    index = np.arange(len(h))
-    larger = usable & (h > h[best]) & (index != best)
-    smaller = usable & (h < h[best]) & (index != best)
+    clear = usable & (err >= above * err[best])
+    larger = clear & (h > h[best])
+    smaller = clear & (h < h[best])
     return {"best_eps": float(h[best]), "best_error": float(err[best]),
             "truncation_slope": slope(larger), "roundoff_slope": slope(smaller)}
 
