@@ -6,6 +6,7 @@ backward without the row-sum term, a transposed weight gradient, a gradient
 off by a factor, one wrong entry): the checker must report failure on the
 right row at the right index. A checker that cannot fail is worthless.
 """
+import json
 import re
 import subprocess
 import sys
@@ -511,8 +512,11 @@ def test_cli_refuses_bad_options_under_its_usage_before_any_work(monkeypatch, ca
     assert " gradcheck: error: " in lines[-1] and message in lines[-1], lines[-1]
 
 
-def test_cli_sweep_eps_shows_truncation_and_round_off(cli):
-    code, out = cli("--sweep-eps")
+def test_cli_sweep_eps_shows_truncation_and_round_off(cli, tmp_path):
+    # small layers (the sweep costs 19 steps x 3 methods x 2 dtypes per entry)
+    curves, picture = tmp_path / "curves.json", tmp_path / "sweep.png"
+    code, out = cli("--sweep-eps", "--batch", "1", "--seq", "3", "--embed", "4", "--d-out", "3",
+                    "--json", str(curves), "--plot", str(picture))
     assert code == 0, out
     rows = re.findall(r"^\s*(\de-\d\d)\s+(\S+)\s+(\S+)$", out, flags=re.M)
     eps = np.array([float(e) for e, _, _ in rows])
@@ -538,3 +542,52 @@ def test_cli_sweep_eps_shows_truncation_and_round_off(cli):
     assert float(slopes["central", "float64"][0]) == pytest.approx(2, abs=0.3)
     assert float(slopes["central", "float64"][1]) == pytest.approx(-1, abs=0.3)
     assert float(slopes["central4", "float64"][0]) == pytest.approx(4, abs=0.6)
+    # the curves as JSON: every tensor of both layers, per method and dtype
+    result = json.loads(curves.read_text())
+    assert {(c["method"], c["dtype"]) for c in result["curves"]} == {
+        ("central", "float64"), ("central", "float32"), ("central4", "float64"),
+        ("central4", "float32"), ("complex_step", "float64")}
+    assert {c["tensor"] for c in result["curves"]} >= {"param W_query", "param W_out", "input 0"}
+    # the picture, or how to install matplotlib (an optional extra)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in out and not picture.exists()
+    else:
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_gallery_catches_every_broken_backward(cli):
+    code, out = cli("--gallery")
+    assert code == 0, out
+    assert "every broken backward caught and diagnosed, every correct one passed" in out
+    assert "~ 1/sqrt(2)" in out and "diagnosis transposed (expected transposed)" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--method", "complex_step", "--mask", "bool", "--causal", "--kv-seq", "3", "--impl", "fast"],
+     "complex_step O(h^2), no cancellation, elementwise, float64, eps=1e-30"),
+    (["--method", "central4", "--mask", "float"], "central4 O(h^4)"),
+    (["--method", "richardson", "--mode", "direction"], "richardson O(h^2k), Ridders, direction"),
+    (["--oracle", "--impl", "tiled", "--mask", "padding"], "oracle float64, float32 backward"),
+    (["--second-order", "--mask", "bool", "--causal"], "relative asymmetry"),
+])
+def test_cli_methods_and_studies_pass_on_the_layers(cli, argv, expected):
+    code, out = cli(*argv)
+    assert code == 0, out
+    assert expected in out
+    assert "FAILED" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gallery", "--sweep-eps"], "--sweep-eps and --gallery are separate studies"),
+    (["--gallery", "--method", "central4"], "--method does not apply to --gallery"),
+    (["--json", "out.json"], "--json applies to --sweep-eps only"),
+    (["--method", "complex_step", "--dtype", "float32"], "complex_step runs in float64 only"),
+])
+def test_cli_refuses_bad_study_combinations(capsys, monkeypatch, argv, message):
+    import qkvnp.gradcheck.command as command
+
+    monkeypatch.setattr(command, "check_layer", lambda *a, **k: pytest.fail("work started"))
+    assert qkvnp.cli.main(["gradcheck", *argv]) == 2
+    assert message in capsys.readouterr().err
