@@ -114,7 +114,7 @@ def test_nearest_forms_are_small_integers_their_roots_and_reciprocals():
 
 
 def test_diagnosis_codes_are_the_documented_set():
-    assert set(DIAGNOSES) == {"nonfinite", "zero", "sign", "ratio", "transposed", "zero_slices",
+    assert set(DIAGNOSES) == {"nonfinite", "noise", "zero", "sign", "ratio", "transposed", "zero_slices",
                               "softmax_axis", "ones_dout", "unknown"}
 
 
@@ -132,6 +132,7 @@ def zero_sum_noise(shape):
     (lambda n: n + 1.0, "softmax_axis"),  # n's rows sum to 0, a's do not
     (lambda n: np.full_like(n, np.nan), "nonfinite"),
     (lambda n: n + zero_sum_noise(n.shape), "unknown"),  # keeps the invariance: no pattern
+    (lambda n: n + 1e-7 * zero_sum_noise(n.shape), "noise"),  # within 10 rtol normwise
 ])
 def test_each_rule_on_a_planted_pattern(make, code):
     numeric = np.random.default_rng(0).normal(size=(4, 4))
@@ -191,3 +192,47 @@ def test_run_gallery_prints_every_case(capsys):
         assert f"{number}. {case.name}: " in out
     assert out.count("correct backward: OK") == len(CASES)
     assert "passed (missed!)" not in out
+
+
+def test_a_constant_ratio_near_one_reads_as_a_common_relative_error():
+    numeric = np.random.default_rng(0).normal(size=(3, 3))
+    code, words = diagnose(numeric * (1 + 1e-10), numeric, 1e-12)
+    assert code == "ratio" and "= 1 +1.00e-10: the same relative error in every entry" in words
+
+
+# ---------------------------------------------------------------- the round-off floor
+
+
+def test_the_default_floor_follows_the_round_off_model_at_embed_128():
+    # `gradcheck --embed 128` failed: L = <dout, f> sums 1024 outputs, its
+    # round-off over h = 1e-5 reaches 1e-9 (measured), which the constant floor
+    # atol = 1e-3 turned into relative errors of 1.1e-6 on b_key, a gradient
+    # that is zero in exact arithmetic. The default floor is now the model's
+    # noise / (h rtol), noise = u sum|dout * f| / h: derived from the inputs.
+    rng = np.random.default_rng(0)
+    layer = MultiHeadAttention(128, 2, rng=0)
+    layer.params["b_key"][...] = rng.normal(scale=0.5, size=128)
+    x = rng.normal(size=(2, 4, 128))
+
+    def fun(b_key):
+        layer.params["b_key"] = b_key
+        return layer.forward(x)
+
+    def vjp(dout, b_key):
+        layer.params["b_key"] = b_key
+        layer.zero_grad()
+        layer.forward(x)
+        layer.backward(dout)
+        return {"b_key": layer.grads["b_key"]}
+
+    point = {"b_key": layer.params["b_key"].copy()}
+    report = check_function(fun, point, vjp)
+    dout = np.random.default_rng(0).standard_normal((2, 4, 128))  # the check's draw
+    out = fun(point["b_key"].copy())
+    noise = 2.0 ** -53 * np.sum(np.abs(dout * out)) / 1e-5
+    assert report.round_off == pytest.approx(noise, rel=1e-9)
+    assert report.atol == pytest.approx(max(1e-3, noise / 1e-6)) and report.atol > 1e-3
+    assert report.ok and report.row("b_key").max_abs_err < noise, report.table()
+    # the old constant floor: fails, and the diagnosis says why
+    constant = check_function(fun, point, vjp, atol=1e-3)
+    assert not constant.ok and constant.row("b_key").diagnosis == "noise", constant.table()

@@ -61,6 +61,8 @@ __all__ = [
     "op_pair",
     "draw_dout",
     "resolve",
+    "round_off_noise",
+    "ROUND_OFF_GAIN",
 ]
 
 MODES = ("elementwise", "direction")
@@ -168,8 +170,34 @@ def _row(name, shape, a, n, atol, rtol):
                         numeric=float(np.asarray(n)[worst]), ok=bool(max_rel <= rtol))
 
 
-def _run(problem, grads, dout64, method, mode, dtype, tol, rng, num_directions):
-    """Numerical side, rows, diagnoses (and the all-ones ``dout`` re-run) of a check."""
+#: Round-off of a difference quotient in units of ``noise(L) / h``: central
+#: ``(d+ + d-) / 2h``, the five-point stencil ``(8 + 8 + 1 + 1) / 12h``.
+ROUND_OFF_GAIN = {"central": 1.0, "central4": 1.5}
+
+
+def round_off_noise(out, dout64, method, dtype, h):
+    """Model of the round-off of a numerical derivative of ``L = <dout, f(x)>``.
+
+    ``L`` is computed to about ``u sum|dout * f(x)|`` (``u`` the unit
+    round-off of ``dtype``); a difference quotient divides that noise by the
+    step. Returns the absolute error ``gain * u * sum|dout * f| / h`` (0 for
+    methods without a model: complex step subtracts nothing, Ridders'
+    tableau estimates its own error).
+    """
+    if method not in ROUND_OFF_GAIN:
+        return 0.0
+    unit = float(np.finfo(dtype).eps) / 2
+    return ROUND_OFF_GAIN[method] * unit * float(np.sum(np.abs(dout64 * out))) / h
+
+
+def _run(problem, out, grads, dout64, method, mode, dtype, tol, rng, num_directions,
+         model_floor=False):
+    """Numerical side, rows, diagnoses (and the all-ones ``dout`` re-run) of a check.
+
+    ``out`` is the forward at the unperturbed point. ``model_floor``: raise
+    ``atol`` to the round-off model's floor ``round_off_noise / rtol`` (when
+    the caller left ``atol`` to its default).
+    """
     for name in grads:
         container, key = problem.slots[name]
         if not np.isfinite(container[key]).all():
@@ -186,14 +214,20 @@ def _run(problem, grads, dout64, method, mode, dtype, tol, rng, num_directions):
         if estimate is not None:
             estimates[name] = float(estimate.max(initial=0.0))
     scale = max((float(np.abs(n).max(initial=0.0)) for _, n, _ in sides.values()), default=0.0)
+    noise = round_off_noise(np.asarray(out, dtype=np.float64), dout64, method, dtype, tol.eps)
     atol = max(tol.atol, tol.floor * scale)
+    if model_floor and tol.rtol > 0:
+        # NOTE: derived, not loosened: an entry is held to the accuracy the
+        # differences can have, noise / h, relative to rtol (E = 128: 5e-3).
+        atol = max(atol, noise / tol.rtol)
+    tol = tol._replace(atol=atol)
     rows = []
     for name, (a, n, directions) in sides.items():
         row = _row(name, grads[name].shape, a, n, atol, tol.rtol)
         if mode == "direction":
             row = row._replace(worst_index=row.worst_index[0] if row.worst_index else 0)
         if not row.ok:
-            code, words = diagnose(a, n, tol.rtol, mode)
+            code, words = diagnose(a, n, tol.rtol, mode, noise)
             if code == "unknown" and _matches_for_ones(problem, name, dout64, method, mode, tol,
                                                        directions, atol):
                 code, words = "ones_dout", (
@@ -201,8 +235,9 @@ def _run(problem, grads, dout64, method, mode, dtype, tol, rng, num_directions):
                     "(errors that cancel along a row)")
             row = row._replace(diagnosis=code, detail=words)
         rows.append(row)
-    report = GradcheckReport(rows, mode, dtype, tol.eps, tol.rtol, tol.atol, method=method,
+    report = GradcheckReport(rows, mode, dtype, tol.eps, tol.rtol, atol, method=method,
                              order=ORDERS[method], floor=tol.floor)
+    report.round_off = noise
     report.error_estimates = estimates
     return report
 
@@ -338,12 +373,14 @@ def check_function(fun, inputs, vjp, *, method="central", mode="elementwise", dt
         _check_complex_support(fun, "fun")
     rng = make_rng(0 if rng is None else rng)
     problem = function_problem(fun, inputs, vjp, dtype)
-    dout = draw_dout(problem.evaluate(), dtype, rng)
+    out = problem.evaluate()
+    dout = draw_dout(out, dtype, rng)
+    out = np.array(out, dtype=np.float64)  # a copy: it may be a view of a perturbed input
     grads = problem.analytic(dout)
     if not grads:
         raise ValueError("vjp returned no gradient: nothing to check")
-    return _run(problem, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
-                num_directions)
+    return _run(problem, out, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
+                num_directions, model_floor=atol is None)
 
 
 def op_pair(forward, backward, names, forward_kwargs, wrt):
@@ -568,13 +605,15 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, method="ce
         _check_complex_support(layer, "layer")
     rng = make_rng(0 if rng is None else rng)
     problem = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, complex_step)
-    dout = draw_dout(problem.evaluate(), dtype, rng)
+    out = problem.evaluate()
+    dout = draw_dout(out, dtype, rng)
+    out = np.array(out, dtype=np.float64)  # a copy: it may be a view of a perturbed input
     grads = problem.analytic(dout)
     if complex_step:  # the original's grads, as the other methods leave them
         layer.grads = {name: problem.layer.grads[name].astype(layer.params[name].dtype)
                        for name in layer.params}
-    return _run(problem, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
-                num_directions)
+    return _run(problem, out, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
+                num_directions, model_floor=atol is None)
 
 
 def _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype, rtol, rng):

@@ -9,6 +9,12 @@ in the order of the table and the first that fits wins:
 
 ``nonfinite``
     ``a`` holds NaN or inf.
+``noise``
+    ``a`` matches ``n`` normwise to ``10 rtol``, or every difference is
+    within ten times the round-off model of the numerical side
+    (:func:`qkvnp.gradcheck.checker.round_off_noise`): the failing entries
+    are small ones, at the noise of the differences; a step or tolerance
+    too tight for the problem, not a bug of the backward.
 ``zero``
     ``a`` is exactly zero, ``n`` is not: a gradient that is never
     accumulated, or a softmax taken over a single score (its derivative is 0).
@@ -18,7 +24,8 @@ in the order of the table and the first that fits wins:
     ``a = c n`` for a constant ``c``: a missing or extra factor, printed as a
     number and as the nearest of :data:`FORMS` (small integers ``k <= 16``,
     ``sqrt(k)``, ``1/k``, ``1/sqrt(k)``) when it is within 0.1%, e.g.
-    ``1/sqrt(2)`` for a scale of ``1/sqrt(E)`` where ``1/sqrt(E/2)`` belongs.
+    ``1/sqrt(2)`` for a scale of ``1/sqrt(E)`` where ``1/sqrt(E/2)`` belongs
+    (near 1 it is printed as ``1 + d``: an error common to every entry).
 ``transposed``
     ``a = n^T`` over the last two (square) axes.
 ``zero_slices``
@@ -50,6 +57,7 @@ __all__ = ["DIAGNOSES", "FORMS", "diagnose", "nearest_form"]
 #: The documented codes and what each says in words.
 DIAGNOSES = {
     "nonfinite": "the analytic gradient holds NaN or inf",
+    "noise": "errors at the noise of the numerical derivative: the step or tolerance, not a bug",
     "zero": "the analytic gradient is zero where the numeric one is not",
     "sign": "sign flip: analytic = -numeric",
     "ratio": "constant ratio analytic / numeric: a missing or extra factor",
@@ -107,6 +115,8 @@ def _ratio(a, n, rtol):
 def _zero_slices(a, n, rtol):
     """``(axis, indices)`` of slices where ``a`` is exactly 0 and ``n`` is not, else None."""
     scale = float(np.abs(n).max())
+    if a.ndim < 2:  # rows and columns need two axes
+        return None
     for axis in range(a.ndim):
         if a.shape[axis] < 2:
             continue
@@ -131,7 +141,7 @@ def _invariant_axes(g, rtol):
     return axes
 
 
-def diagnose(analytic, numeric, rtol, mode="elementwise"):
+def diagnose(analytic, numeric, rtol, mode="elementwise", noise=0.0):
     """Return ``(code, words)`` for a failing row: the first rule of the table that fits.
 
     Parameters
@@ -143,6 +153,9 @@ def diagnose(analytic, numeric, rtol, mode="elementwise"):
         The check's tolerance: the rules accept a pattern that explains the
         analytic gradient to ``max(10 rtol, 1e-6)``.
     mode : {"elementwise", "direction"}
+    noise : float
+        Absolute round-off of the numerical side, by the checker's model
+        (0: unknown).
 
     Returns
     -------
@@ -162,6 +175,8 @@ def diagnose(analytic, numeric, rtol, mode="elementwise"):
         return "nonfinite", DIAGNOSES["nonfinite"]
     if not np.isfinite(n).all() or not np.abs(n).max(initial=0.0) > 0:
         return "unknown", DIAGNOSES["unknown"]
+    if (noise > 0 and np.abs(a - n).max() <= 10 * noise) or _close(a, n, 10 * rtol):
+        return "noise", DIAGNOSES["noise"]
     if not np.abs(a).max(initial=0.0) > 0:
         return "zero", DIAGNOSES["zero"] + " (all of it)"
     c, fits = _ratio(a, n, fit)
@@ -169,6 +184,9 @@ def diagnose(analytic, numeric, rtol, mode="elementwise"):
         return "sign", DIAGNOSES["sign"]
     if fits:
         form = nearest_form(c)
+        if form == "1":  # an error common to every entry, not a factor
+            return "ratio", (f"constant ratio analytic / numeric = 1 {c - 1:+.2e}: the same "
+                             "relative error in every entry")
         where = f" ~ {'-' if c < 0 else ''}{form}" if form else " (no simple form)"
         return "ratio", f"constant ratio analytic / numeric = {c:.6g}{where}: a missing or extra factor"
     if mode != "elementwise":
