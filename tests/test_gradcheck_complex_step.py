@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from qkvnp import MultiHeadAttention, SelfAttention
+from qkvnp.layers import Embedding, Linear
 from qkvnp import functional as F
 from qkvnp.gradcheck import TOLERANCES, check_function, check_layer, check_op
 from qkvnp.gradcheck.checker import function_problem, layer_problem, op_pair
@@ -180,6 +181,20 @@ def test_check_layer_complex_step_checks_the_reference_math_whatever_the_impl(im
     for name, p in layer.params.items():  # ... and its exact parameters
         np.testing.assert_array_equal(p, before[name])
         assert p.dtype == np.float64 and layer.grads[name].shape == p.shape
+
+
+def test_small_layers_and_the_book_layout_pass_complex_step(rng):
+    # Linear and Embedding run their op, which supports complex step; token ids
+    # stay integers (not differentiated); qdim/out_dim, no qkv bias (the book's layer)
+    assert check_layer(Linear(4, 3, rng=0), rng.normal(size=(2, 4)), method="complex_step").ok
+    report = check_layer(Embedding(5, 3, rng=0), np.array([[0, 4, 4], [1, 2, 0]]),
+                         method="complex_step")
+    assert report.ok and [row.name for row in report.rows] == ["param weight"]
+    book = MultiHeadAttention(4, 2, qdim=3, kdim=3, vdim=3, out_dim=5, qkv_bias=False, rng=0,
+                              impl="fast")
+    report = check_layer(book, rng.normal(size=(2, 3, 3)), forward_kwargs={"is_causal": True},
+                         method="complex_step")
+    assert report.ok and report.max_rel_err < 1e-13, report.table()
 
 
 def test_default_complex_step_tolerance_is_1e_12():

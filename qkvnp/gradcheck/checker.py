@@ -514,7 +514,9 @@ def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=Fa
         raise ValueError("forward_kwargs must not set return_weights: the check needs "
                          "the output alone")
     layer = _layer_copy(layer, dtype, reference)
-    arrays = [np.array(x, dtype=dtype) for x in inputs]  # copies, perturbed in place
+    # copies, perturbed in place; integer inputs (token ids) stay integers, not differentiated
+    arrays = [np.array(x) if np.asarray(x).dtype.kind in "iub" else np.array(x, dtype=dtype)
+              for x in inputs]
 
     def evaluate():
         return layer.forward(*arrays, **forward_kwargs)
@@ -532,12 +534,12 @@ def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=Fa
                  for name, p in layer.params.items()}
         if wrt_inputs:
             for i, (x, dx) in enumerate(zip(arrays, dinputs)):
-                if dx is not None:
+                if dx is not None and x.dtype.kind == "f":
                     grads[f"input {i}"] = _check_grad_shape(dx, f"input {i}", x.shape)
         return grads
 
     slots = {f"param {name}": (layer.params, name) for name in layer.params}
-    slots.update({f"input {i}": (arrays, i) for i in range(len(arrays))})
+    slots.update({f"input {i}": (arrays, i) for i, x in enumerate(arrays) if x.dtype.kind == "f"})
     return Problem(slots, evaluate, analytic, layer)
 
 
@@ -557,7 +559,9 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, method="ce
         ``dtype`` differs from the params' dtype, a cast deep copy is checked
         and ``layer`` is left untouched.
     *inputs : ndarray
-        Positional inputs of ``layer.forward`` (copied and cast to ``dtype``).
+        Positional inputs of ``layer.forward`` (copied and cast to ``dtype``;
+        integer and bool arrays, such as token ids, stay as they are and
+        are not differentiated).
     forward_kwargs : dict, optional
         Keyword arguments of ``layer.forward`` (masks, ``is_causal``).
     wrt_inputs : bool

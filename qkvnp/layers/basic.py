@@ -73,6 +73,7 @@ class Linear(Layer):
         self.zero_grad()
 
     _repr_fields = ("in_features", "out_features", "bias", "dtype")
+    supports_complex_step = True  # its op runs on complex (qkvnp.gradcheck, method="complex_step")
 
     def forward(self, x):
         """Apply the affine map to the last axis of ``x``.
@@ -180,6 +181,7 @@ class Embedding(Layer):
         self.zero_grad()
 
     _repr_fields = ("num_embeddings", "embedding_dim", "dtype")
+    supports_complex_step = True  # its op runs on complex (qkvnp.gradcheck, method="complex_step")
 
     def forward(self, indices):
         """Return the vectors of ``indices``.
