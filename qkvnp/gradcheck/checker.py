@@ -631,4 +631,6 @@ def _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype
     oracle = layer_problem(test.layer, point, forward_kwargs, np.dtype(oracle_dtype), wrt_inputs,
                            reference=True)
     reference = oracle.analytic(dout.astype(oracle_dtype))
-    return oracle_report(grads, reference, dtype, oracle_dtype, rtol)
+    report = oracle_report(grads, reference, dtype, oracle_dtype, rtol)
+    report.dispatch = getattr(test.layer, "last_dispatch", None)  # the path that was checked
+    return report

@@ -53,7 +53,9 @@ def add_arguments(parser):
     parser.add_argument("--method", choices=METHODS, default=None,
                         help="numerical derivative (default central; complex_step checks the "
                              "reference path in float64)")
-    parser.add_argument("--impl", choices=("auto", "reference", "fast", "tiled"), default="auto",
+    from ..kernels import IMPLS
+
+    parser.add_argument("--impl", choices=IMPLS, default="auto",
                         help="the layers' path (default auto)")
     parser.add_argument("--oracle", action="store_true",
                         help="compare the float32 backward of --impl with the float64 reference "
@@ -322,6 +324,8 @@ def run(args):
                                  method=args.method or "central", dtype=dtype, eps=args.eps,
                                  rng=args.seed)
         print(title)
+        if getattr(report, "dispatch", None) is not None:
+            print(f"path checked: {report.dispatch.path} ({report.dispatch.reason})")
         print(report.table())
         print()
         all_ok &= report.ok

@@ -105,6 +105,11 @@ class GradcheckReport:
         The method's truncation order, e.g. ``"O(h^2)"``.
     floor : float
         Floor of the denominator relative to the largest numeric entry.
+    round_off : float
+        The round-off model's absolute error of the numerical side
+        (``u sum|dout f| / h``, central methods; 0 otherwise).
+    error_estimates : dict
+        ``"richardson"``: Ridders' error estimate per tensor (largest entry).
 
     Examples
     --------
@@ -126,6 +131,8 @@ class GradcheckReport:
         self.method = method
         self.order = order
         self.floor = floor
+        self.round_off = 0.0
+        self.error_estimates = {}
         self.ok = bool(self.rows) and all(row.ok for row in self.rows)
 
     def row(self, name):
@@ -173,6 +180,9 @@ class GradcheckReport:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         body = [fmt.format(*columns).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
         body += [fmt.format(*line).rstrip() for line in lines]
+        if self.error_estimates:
+            body.append("Ridders' error estimates: " + ", ".join(
+                f"{name} {value:.1e}" for name, value in self.error_estimates.items()))
         why = [f"  {row.name}: {row.detail}" for row in self.rows if not row.ok and row.detail]
         if why:
             body += ["diagnosis:"] + why
