@@ -165,7 +165,7 @@ def test_fit_branches_recovers_known_slopes():
     fit = fit_branches(h, 3 * h ** 4 + 1e-16 / h)
     assert fit["truncation_slope"] == pytest.approx(4, abs=0.05)
     assert fit["roundoff_slope"] == pytest.approx(-1, abs=0.05)
-    assert fit["best_eps"] == 1e-4  # 3e-16 + 1e-12, against 3e-12 + 1e-13 at 1e-3
+    assert fit["best_eps"] == pytest.approx(1e-4)  # 3e-16 + 1e-12, vs 3e-12 + 1e-13 at 1e-3
     assert fit_branches(h, np.full(10, np.inf))["best_eps"] is None
 
 
