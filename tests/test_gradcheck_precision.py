@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qkvnp import MultiHeadAttention, SelfAttention, kernels
+from qkvnp.layers import Embedding, Linear
 from qkvnp import functional as F
 from qkvnp.gradcheck import (ORACLE_EPS, check_layer, check_op, check_symmetry_function,
                              check_symmetry_layer, check_symmetry_op, sweep_steps)
@@ -107,6 +108,8 @@ OPS = [
     ("split heads", F.split_heads_forward, F.split_heads_backward, {"x": (2, 3, 6)},
      {"num_heads": 3}),
     ("merge heads", F.merge_heads_forward, F.merge_heads_backward, {"x": (2, 3, 4, 2)}, {}),
+    ("embedding", F.embedding_forward, F.embedding_backward, {"weight": (5, 3)},
+     {"indices": np.array([[0, 4, 4], [2, 0, 1]])}),
 ]
 
 
@@ -116,7 +119,7 @@ def test_hessian_vector_products_are_symmetric_for_every_op(name, forward, backw
     inputs = {key: rng.normal(size=shape) for key, shape in shapes.items()}
     report = check_symmetry_op(forward, backward, inputs, forward_kwargs=kwargs)
     assert report.ok and report.relative <= 1e-6, report
-    if name.endswith("heads"):  # a permutation: its Hessian is zero, both products round-off
+    if name in ("split heads", "merge heads", "embedding"):  # linear: a zero Hessian
         assert report.hvp_max == 0.0
 
 
@@ -131,6 +134,9 @@ def test_hessian_vector_products_are_symmetric_for_both_layers(rng, impl):
         report = check_symmetry_layer(randomize_biases(layer, rng), x, forward_kwargs=kwargs)
         assert report.ok and report.relative <= 1e-6, report
         assert abs(report.v_hu) > 1e-3  # a real curvature was measured, not two zeros
+    # the small layers: a bilinear x @ W (a symmetric off-diagonal Hessian) and a lookup
+    assert check_symmetry_layer(Linear(6, 3, rng=0), x).ok
+    assert check_symmetry_layer(Embedding(5, 3, rng=0), np.array([[0, 4, 4]])).ok
 
 
 def test_a_backward_that_is_no_gradient_fails_the_symmetry_check(rng):
