@@ -294,10 +294,11 @@ def run(args):
     if args.plot is not None:
         from .plot import have_matplotlib
 
-        if not have_matplotlib():
+        if not have_matplotlib():  # said before the sweep, which takes a while
             print(f"--plot {args.plot}: matplotlib is not installed; install it with "
                   "pip install 'qkvnp[plot]'  (or pip install matplotlib); sweeping without "
                   "the plot")
+            args.plot = None
     if args.gallery:
         from .gallery import run_gallery
 
