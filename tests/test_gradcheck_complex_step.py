@@ -11,6 +11,8 @@ and fully masked rows are among the cases.
 """
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp.layers import Embedding, Linear
@@ -18,6 +20,8 @@ from qkvnp import functional as F
 from qkvnp.gradcheck import TOLERANCES, check_function, check_layer, check_op
 from qkvnp.gradcheck.checker import function_problem, layer_problem, op_pair
 from qkvnp.gradcheck.stencils import numeric_elementwise
+
+from strategies import MASK_KINDS, attention_cases, mha_cases
 
 TARGET = 1e-13
 
@@ -266,3 +270,31 @@ def test_complex_step_needs_a_forward_that_declares_it(rng):
         check_op(F.attention_forward, F.attention_backward,
                  {"query": np.ones((2, 2)), "key": np.ones((2, 2)), "value": np.ones((2, 2))},
                  method="complex_step", dtype=np.float32)
+
+
+# ---------------------------------------------------------------- drawn cases
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+@given(data=st.data())
+def test_drawn_attention_cases_pass_the_complex_step_check(mask_kind, data):
+    # Broadcast leading dims, bool and float masks with fully masked rows,
+    # causal, any scale: the checker's complex-step check at its default 1e-12.
+    inputs, options = data.draw(attention_cases(mask_kind), label="case")
+    report = check_op(F.attention_forward, F.attention_backward, inputs,
+                      forward_kwargs=options, method="complex_step")
+    assert report.ok, report.table()
+
+
+@given(mha_cases())
+def test_drawn_multi_head_cases_pass_the_complex_step_check(case):
+    # Self-, cross-, key-only attention, kdim/vdim, 4-D masks, key padding with
+    # fully padded sequences; the layer asks for the fast path, complex step
+    # checks the reference math.
+    layer = MultiHeadAttention(case["embed_dim"], case["num_heads"], bias=case["bias"],
+                               kdim=case["kdim"], vdim=case["vdim"], rng=case["seed"],
+                               impl="fast")
+    forward_kwargs = {name: case[name] for name in ("attn_mask", "is_causal", "key_padding_mask")}
+    report = check_layer(layer, *case["inputs"], forward_kwargs=forward_kwargs,
+                         method="complex_step")
+    assert report.ok, report.table()
