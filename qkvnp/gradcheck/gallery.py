@@ -21,7 +21,8 @@ import numpy as np
 from .. import functional as F
 from .checker import check_op
 
-__all__ = ["Case", "CASES", "run_case", "run_gallery"]
+__all__ = ["Case", "CASES", "HeadsAttentionCache", "heads_attention_forward", "run_case",
+           "run_gallery"]
 
 Case = namedtuple("Case", "name bug forward broken correct inputs forward_kwargs row diagnosis")
 Case.__doc__ = """One broken backward.
@@ -52,8 +53,8 @@ def _single_score(dout, cache):
 
 def _attention_parts(dout, cache, row_sum_axis=-1, weights=None):
     """Attention backward written out, with its softmax reduction axis as a knob."""
-    query, key, value, cached_weights, scale = cache
-    weights = cached_weights if weights is None else weights
+    query, key, value, scale = cache.query, cache.key, cache.value, cache.scale
+    weights = cache.weights if weights is None else weights
     dvalue = np.swapaxes(weights, -1, -2) @ dout  # (B, S, T) @ (B, T, Dv) -> (B, S, Dv)
     dweights = dout @ np.swapaxes(value, -1, -2)  # (B, T, Dv) @ (B, Dv, S) -> (B, T, S)
     dscores = weights * (dweights - np.sum(weights * dweights, axis=row_sum_axis, keepdims=True))
@@ -69,7 +70,7 @@ def _wrong_axis(dout, cache):
 
 def _flipped_mask(dout, cache):
     """The causal mask applied with the opposite polarity when the weights are rebuilt."""
-    query, key, _, _, scale = cache
+    query, key, scale = cache.query, cache.key, cache.scale
     T, S = query.shape[-2], key.shape[-2]
     scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (B, T, S)
     flipped = ~np.tril(np.ones((T, S), dtype=bool))  # NOTE: the bug: False = may attend
@@ -103,6 +104,10 @@ def _bias_averaged(dout, cache):
     return dx, dW, db / math.prod(dout.shape[:-1])
 
 
+HeadsAttentionCache = namedtuple("HeadsAttentionCache",
+                                 "query_split key_split value_split attention_cache merge_cache")
+
+
 def heads_attention_forward(query, key, value, num_heads):
     """Multi-head attention without projections: split, attend with 1/sqrt(D), merge."""
     q_heads, q_split = F.split_heads_forward(query, num_heads)  # (B, T, E) -> (B, H, T, D)
@@ -110,18 +115,18 @@ def heads_attention_forward(query, key, value, num_heads):
     v_heads, v_split = F.split_heads_forward(value, num_heads)  # (B, S, E) -> (B, H, S, D)
     heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads)  # (B, H, T, D)
     out, merge_cache = F.merge_heads_forward(heads)  # (B, H, T, D) -> (B, T, E)
-    return out, (q_split, k_split, v_split, attention_cache, merge_cache)
+    return out, HeadsAttentionCache(q_split, k_split, v_split, attention_cache, merge_cache)
 
 
 def _heads_backward(dout, cache, embed_scale=False):
-    q_split, k_split, v_split, attention_cache, merge_cache = cache
-    dheads = F.merge_heads_backward(dout, merge_cache)
-    dq, dk, dv = F.attention_backward(dheads, attention_cache)
+    dheads = F.merge_heads_backward(dout, cache.merge_cache)
+    dq, dk, dv = F.attention_backward(dheads, cache.attention_cache)
     if embed_scale:  # NOTE: the bug: 1/sqrt(E) where the forward used 1/sqrt(D)
         E = dout.shape[-1]
-        dq, dk = (g / attention_cache.scale / math.sqrt(E) for g in (dq, dk))
-    return (F.split_heads_backward(dq, q_split), F.split_heads_backward(dk, k_split),
-            F.split_heads_backward(dv, v_split))
+        dq, dk = (g / cache.attention_cache.scale / math.sqrt(E) for g in (dq, dk))
+    return (F.split_heads_backward(dq, cache.query_split),
+            F.split_heads_backward(dk, cache.key_split),
+            F.split_heads_backward(dv, cache.value_split))
 
 
 heads_attention_forward.supports_complex_step = True
