@@ -9,6 +9,7 @@ time a softmax runs, and PyTorch never.
 from . import functional, interop
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
+from .kv_cache import KVCache
 from .layers import Embedding, Linear, Model, MultiHeadAttention, SelfAttention
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "Linear",
     "Embedding",
     "Model",
+    "KVCache",
     "set_num_threads",
     "get_num_threads",
     "num_threads",

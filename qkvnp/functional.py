@@ -28,6 +28,7 @@ from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs,
                       check_int, check_ndim, check_scale, compute_dtype, owned)
 from .dropout import dense_keep, prepare_dropout
 from .embedding import EmbeddingCache, embedding_backward, embedding_forward
+from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from .masks import prepare_mask
 
 __all__ = [
@@ -310,7 +311,7 @@ def _softmax_backward(dweights, cache):
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-                      dropout_p=0.0, rng=None, dropout_mask=None):
+                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False):
     """Scaled dot-product attention ``dropout(softmax(q k^T * scale + mask)) v``.
 
     Parameters
@@ -322,10 +323,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     attn_mask : ndarray of bool or float, optional
         Broadcastable to ``(..., T, S)``. Bool: True = may attend. Float: added
         to the scores.
-    is_causal : bool
-        Query ``i`` attends to keys ``0..i`` (top-left aligned). Combined with
-        ``attn_mask``: the float mask is added first, then every boolean mask
-        removes the positions it forbids.
+    is_causal : bool or "bottom_right"
+        Query ``i`` attends to keys ``0..i`` (True) or ``0..i + S - T`` (``"bottom_right"``).
+        The float mask is added first, then every boolean mask removes what it forbids.
     scale : float, optional
         Defaults to ``1 / sqrt(D)``.
     dropout_p : float
@@ -339,11 +339,13 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         Broadcastable to ``(..., T, S)``, True = keep: replays a mask (from
         ``cache.dropout_mask``, or one applied in PyTorch by hand). Needs
         ``0 < dropout_p < 1``.
+    enable_gqa : bool, keyword-only
+        ``key``/``value`` may have ``K`` heads dividing the query's ``H`` (:mod:`qkvnp.gqa`).
 
     Returns
     -------
     out : ndarray, shape (..., T, Dv)
-    cache : AttentionCache
+    cache : AttentionCache (or :class:`qkvnp.gqa.GroupedCache` around one)
         Holds the inputs, the softmax weights ``(..., T, S)`` (before
         dropout), the scale, and ``dropout_mask`` (bool, True = keep, or
         None) with ``dropout_p``.
@@ -390,6 +392,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     array([[3., 5.],
            [3., 5.]])
     """
+    grouped = split_groups(query, key, value, attn_mask, enable_gqa)
+    if grouped is not None:  # K < H key/value heads, broadcast over each group
+        return grouped_forward(attention_forward, grouped, is_causal, scale, dropout_p=dropout_p,
+                               rng=rng, dropout_mask=dropout_mask)
     originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
@@ -463,6 +469,8 @@ def attention_backward(dout, cache, check=True):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
+    if isinstance(cache, GroupedCache):  # the core's backward sums each group
+        return grouped_backward(attention_backward, dout, cache, check=False)
     value, weights = cache.value, cache.weights
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
     lead = np.broadcast_shapes(weights.shape[:-2], value.shape[:-2])
@@ -496,14 +504,15 @@ def _attention_backward(dout, cache):
 
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False, *,
-    dropout_p=0.0, rng=None, dropout_mask=None
+    dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False
 ):
     """Scaled dot-product attention, the forward alone.
 
     Same arguments as :func:`attention_forward` (and as PyTorch's
     ``torch.nn.functional.scaled_dot_product_attention``, mask polarity
-    included: True = may attend; ``dropout_p`` included, plus ``rng`` and
-    ``dropout_mask`` to seed or replay the dropout mask).
+    included: True = may attend; ``"bottom_right"`` is ``causal_lower_right``;
+    ``dropout_p`` included, plus ``rng`` and ``dropout_mask`` to seed or replay
+    the dropout mask).
 
     Returns
     -------
@@ -521,7 +530,8 @@ def scaled_dot_product_attention(
     array([[2., 4.]])
     """
     out, cache = attention_forward(query, key, value, attn_mask, is_causal, scale,
-                                   dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
+                                   dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask,
+                                   enable_gqa=enable_gqa)
     if not return_weights:
         return out
     return out, (cache.weights if cache.dropout_mask is None else dropped_weights(cache))

@@ -13,18 +13,59 @@ scores) is refused with a ``ValueError`` naming the mask, never silently
 turned into ``-inf``. A 0-d mask (or a Python bool) applies to every score.
 """
 import functools
+import weakref
 
 import numpy as np
 
-__all__ = ["causal_mask", "prepare_mask", "float_mask", "fold_key_padding_mask"]
+__all__ = ["causal_mask", "causal_offset", "check_is_causal", "prepare_mask", "float_mask",
+           "fold_key_padding_mask", "additive_mask", "is_causal_additive", "CAUSAL_ALIGNMENTS"]
+
+#: What ``is_causal`` may be: no causal mask, top-left aligned (PyTorch's SDPA
+#: ``is_causal=True``) or bottom-right aligned (PyTorch's ``causal_lower_right``).
+CAUSAL_ALIGNMENTS = (False, True, "bottom_right")
 
 
-@functools.lru_cache(maxsize=16)
-def causal_mask(T, S):
+def check_is_causal(is_causal):
+    """``is_causal`` as ``False``, ``True`` (top-left) or ``"bottom_right"``; else raise.
+
+    >>> check_is_causal(np.bool_(True)), check_is_causal("bottom_right")
+    (True, 'bottom_right')
+    """
+    if isinstance(is_causal, (bool, np.bool_)):
+        return bool(is_causal)
+    if isinstance(is_causal, str) and is_causal == "bottom_right":
+        return "bottom_right"
+    raise TypeError(
+        f"is_causal must be a bool (True: top-left aligned) or \"bottom_right\", got "
+        f"{is_causal!r} ({type(is_causal).__name__})"
+    )
+
+
+def causal_offset(is_causal, T, S):
+    """The diagonal of a causal mask: query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+
+    None without a causal mask, 0 top-left aligned, ``S - T`` bottom-right
+    aligned (the last query sees every key: the alignment of decoding with a
+    KV cache, where the ``T`` new queries are the last ``T`` of ``S`` keys).
+
+    >>> causal_offset(True, 2, 5), causal_offset("bottom_right", 2, 5), causal_offset(False, 2, 5)
+    (0, 3, None)
+    """
+    is_causal = check_is_causal(is_causal)
+    if is_causal is False:
+        return None
+    return S - T if is_causal == "bottom_right" else 0
+
+
+def causal_mask(T, S, bottom_right=False):
     """Boolean ``(T, S)`` mask where query ``i`` may attend to keys ``0..i``.
 
     Top-left aligned, as ``torch.nn.functional.scaled_dot_product_attention``:
     with ``S > T`` the last ``S - T`` keys are never visible to query 0.
+    ``bottom_right=True`` aligns the last query with the last key instead
+    (PyTorch's ``causal_lower_right``): query ``i`` attends keys
+    ``0..i + S - T``, and with ``T > S`` the first ``T - S`` queries attend to
+    nothing (fully masked rows: output 0).
     The array is read-only and shared: the same ``(T, S)`` returns the same
     array (a training loop asks for it on every step).
 
@@ -32,8 +73,17 @@ def causal_mask(T, S):
     array([[1, 0, 0],
            [1, 1, 0],
            [1, 1, 1]])
+    >>> causal_mask(2, 3, bottom_right=True).astype(int)
+    array([[1, 1, 0],
+           [1, 1, 1]])
     """
-    mask = np.tril(np.ones((T, S), dtype=bool))
+    return _causal_mask(T, S, S - T if bottom_right else 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_mask(T, S, offset):
+    """The read-only ``(T, S)`` mask ``j <= i + offset``, one shared array per shape."""
+    mask = np.tril(np.ones((T, S), dtype=bool), k=offset)
     mask.flags.writeable = False
     return mask
 
@@ -45,8 +95,9 @@ def prepare_mask(attn_mask, is_causal, scores_shape, dtype, name="attn_mask"):
     ----------
     attn_mask : None or ndarray of bool or float
         Broadcastable to ``scores_shape``.
-    is_causal : bool
-        If True, AND the causal mask of shape ``scores_shape[-2:]`` into ``keep``.
+    is_causal : bool or "bottom_right"
+        If True (top-left) or ``"bottom_right"``, AND the causal mask of shape
+        ``scores_shape[-2:]`` into ``keep`` (see :func:`causal_mask`).
     scores_shape : tuple of int
         ``(..., T, S)``.
     dtype : dtype
@@ -65,12 +116,12 @@ def prepare_mask(attn_mask, is_causal, scores_shape, dtype, name="attn_mask"):
     Raises
     ------
     TypeError
-        If the mask is neither bool nor float, or ``is_causal`` is not a bool.
+        If the mask is neither bool nor float, or ``is_causal`` is not a bool
+        or ``"bottom_right"``.
     ValueError
         If the mask does not broadcast to ``scores_shape`` or contains NaN/+inf.
     """
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    offset = causal_offset(is_causal, *scores_shape[-2:])
     bias = keep = None
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
@@ -89,8 +140,8 @@ def prepare_mask(attn_mask, is_causal, scores_shape, dtype, name="attn_mask"):
                 f"{name} must broadcast to the scores' shape {tuple(scores_shape)} "
                 f"(..., T, S), got shape {mask.shape}"
             )
-    if is_causal:
-        causal = causal_mask(*scores_shape[-2:])
+    if offset is not None:
+        causal = _causal_mask(*scores_shape[-2:], offset)
         keep = causal if keep is None else keep & causal
     return bias, keep
 
@@ -145,10 +196,13 @@ def fold_key_padding_mask(attn_mask, key_padding_mask, batch, num_heads, T, S, d
     Parameters
     ----------
     attn_mask : None or array_like of bool or float
-        0-d, ``(T, S)`` or ``(..., H or 1, T, S)``.
-    key_padding_mask : None or array_like of bool, shape (..., S)
-        **True = a real token that may be attended** (PyTorch's
-        ``nn.MultiheadAttention`` uses the opposite polarity).
+        0-d, ``(T, S)``, ``(..., H or 1, T, S)``, or PyTorch's 3-D
+        ``(B*H, T, S)`` (batch ``b``, head ``h`` at row ``b*H + h``) when
+        ``batch`` is ``(B,)``.
+    key_padding_mask : None or array_like of bool or float, shape (..., S)
+        Bool: **True = a real token that may be attended** (PyTorch's
+        ``nn.MultiheadAttention`` uses the opposite polarity, True = pad).
+        Float: added to the scores (0 keeps, ``-inf`` removes), as PyTorch's.
     batch : tuple of int
         The leading dims ``...`` of the query.
     num_heads, T, S : int
@@ -161,11 +215,24 @@ def fold_key_padding_mask(attn_mask, key_padding_mask, batch, num_heads, T, S, d
         Broadcastable to ``(..., H, T, S)``: bool, or float with ``-inf``
         where padding removes a key (a float mask is added, then the padding
         removes keys: ``-inf`` does both).
+
+    Notes
+    -----
+    NOTE: a 3-D mask is ambiguous: ``(B*H, T, S)`` (PyTorch's
+    ``nn.MultiheadAttention``) or ``(B, T, S)`` / ``(H, T, S)`` broadcast
+    over the other axis. As PyTorch, the shape decides: with a batch of one
+    dim ``(B,)``, a 3-D mask must have ``B*H`` rows and is read as
+    ``(B, H, T, S)``; when ``H = 1`` or ``B = 1`` the readings coincide. Any
+    other first dim is refused with the shapes to use instead. Without a
+    batch dim, a 3-D mask is ``(H, T, S)``, as before (and as PyTorch's
+    unbatched input).
     """
     scores_shape = batch + (num_heads, T, S)
     if attn_mask is not None:
         attn_mask = np.asarray(attn_mask)
-        if attn_mask.ndim not in (0, 2, len(scores_shape)):
+        if attn_mask.ndim == 3 and len(batch) == 1:
+            attn_mask = _unfold_batch_heads(attn_mask, batch, num_heads, T, S)
+        elif attn_mask.ndim not in (0, 2, len(scores_shape)):
             raise ValueError(
                 f"attn_mask must have shape (T, S) = {(T, S)} or "
                 f"{batch + ('H or 1', T, S)}, got shape {attn_mask.shape}"
@@ -173,17 +240,72 @@ def fold_key_padding_mask(attn_mask, key_padding_mask, batch, num_heads, T, S, d
     if key_padding_mask is None:
         return attn_mask
     key_padding_mask = np.asarray(key_padding_mask)
-    if key_padding_mask.dtype != np.bool_:
+    if key_padding_mask.dtype != np.bool_ and key_padding_mask.dtype.kind != "f":
         raise TypeError(
-            "key_padding_mask must be bool (True = real token that may be attended), "
-            f"got dtype {key_padding_mask.dtype}"
+            "key_padding_mask must be bool (True = real token that may be attended; "
+            "PyTorch's bool key_padding_mask has True = pad, pass ~mask) or float (added to "
+            f"the scores: 0 keeps a key, -inf removes it), got dtype {key_padding_mask.dtype}"
         )
     if key_padding_mask.shape != batch + (S,):
         raise ValueError(
             f"key_padding_mask must have shape {batch + (S,)} (batch, S), "
             f"got shape {key_padding_mask.shape}"
         )
+    if key_padding_mask.dtype != np.bool_:  # additive, as PyTorch's float masks
+        padding = float_mask(key_padding_mask, dtype, "key_padding_mask")
+        padding = padding.reshape(batch + (1, 1, S))  # (B, S) -> (B, 1, 1, S)
+        if attn_mask is None:
+            return padding
+        if attn_mask.dtype == np.bool_:
+            return np.where(attn_mask, padding, -np.inf)
+        return float_mask(attn_mask, dtype) + padding  # -inf + finite stays -inf
     padding = key_padding_mask.reshape(batch + (1, 1, S))  # (B, S) -> (B, 1, 1, S)
     if attn_mask is None or attn_mask.dtype == np.bool_:
         return padding if attn_mask is None else attn_mask & padding
     return np.where(padding, float_mask(attn_mask, dtype), -np.inf)
+
+
+def _unfold_batch_heads(attn_mask, batch, num_heads, T, S):
+    """PyTorch's 3-D ``(B*H, T, S)`` mask as ``(B, H, T, S)`` (a view); else ``ValueError``."""
+    (B,) = batch
+    if attn_mask.shape != (B * num_heads, T, S):
+        raise ValueError(
+            f"a 3-D attn_mask must have shape (B*H, T, S) = {(B * num_heads, T, S)} "
+            f"(PyTorch's nn.MultiheadAttention layout, batch b and head h at b*H + h), got "
+            f"shape {attn_mask.shape}; for one mask per batch entry pass (B, 1, T, S), per "
+            f"head (1, H, T, S) or (H, T, S)[None]"
+        )
+    return attn_mask.reshape(batch + (num_heads, T, S))  # (B*H, T, S) -> (B, H, T, S)
+
+
+def additive_mask(bias, keep, dtype):
+    """One additive mask: ``bias`` where allowed, ``-inf`` where ``keep`` forbids.
+
+    The shared causal masks of :func:`causal_mask` (either alignment) give
+    shared read-only 0 / ``-inf`` arrays, which :func:`is_causal_additive` recognises.
+    """
+    if keep is None:
+        return bias
+    if bias is None and keep.ndim == 2 and not keep.flags.writeable:  # maybe a shared causal mask
+        for bottom_right in (False, True):
+            if keep is causal_mask(*keep.shape, bottom_right=bottom_right):
+                return _causal_additive(*keep.shape, bottom_right, np.dtype(dtype))
+    return np.where(keep, 0 if bias is None else bias, -np.inf).astype(dtype, copy=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_additive(T, S, bottom_right, dtype):
+    """The causal mask as 0 / -inf in ``dtype``, read-only and shared (see causal_mask)."""
+    mask = np.where(causal_mask(T, S, bottom_right=bottom_right), 0, -np.inf).astype(dtype)
+    mask.flags.writeable = False
+    _CAUSAL_ADDITIVES[id(mask)] = mask
+    return mask
+
+
+# The arrays :func:`_causal_additive` made, by id, for as long as they live.
+_CAUSAL_ADDITIVES = weakref.WeakValueDictionary()
+
+
+def is_causal_additive(mask, dtype):
+    """True for a shared causal mask of :func:`additive_mask` (0 / -inf, either alignment)."""
+    return _CAUSAL_ADDITIVES.get(id(mask)) is mask and mask.dtype == np.dtype(dtype)

@@ -180,9 +180,10 @@ def test_multihead_bad_inputs(impl):
     check(ValueError, lambda: layer.forward(x, None, normal(2, 3, 6)), "key must be given")
     check(ValueError, lambda: layer.forward(x, normal(2, 3, 6), np.full((2, 3, 6), np.nan)),
           "value", "NaN or inf")
-    # a 3-D mask on batched input is ambiguous ((B, T, S) or (H, T, S)?): refused
+    # a 3-D mask on batched input is PyTorch's (B*H, T, S); (B, T, S) with B = 2, H = 2
+    # is ambiguous ((B, T, S) or (H, T, S)?): refused, naming the shapes to use
     check(ValueError, lambda: layer.forward(x, attn_mask=np.ones((2, 3, 3), bool)),
-          "attn_mask", "(T, S) = (3, 3)", "(2, 3, 3)")
+          "attn_mask", "(B*H, T, S) = (4, 3, 3)", "(2, 3, 3)", "(B, 1, T, S)")
     check(ValueError, lambda: layer.forward(x, attn_mask=np.ones((2, 3, 3, 3), bool)),
           "attn_mask", "(2, 2, 3, 3)", "(2, 3, 3, 3)")
     check(TypeError, lambda: layer.forward(x, attn_mask=np.ones((3, 3), int)),
@@ -195,9 +196,10 @@ def test_multihead_bad_inputs(impl):
     check(ValueError, lambda: layer.forward(x, key_padding_mask=np.ones((3,), bool)),
           "key_padding_mask", "(2, 3)", "(3,)")
     check(TypeError, lambda: layer.forward(x, key_padding_mask=np.ones((2, 3), int)),
-          "key_padding_mask", "bool", "int64")
-    check(TypeError, lambda: layer.forward(x, key_padding_mask=np.zeros((2, 3))),
-          "key_padding_mask", "bool", "float64")
+          "key_padding_mask", "bool", "True = real token", "True = pad", "float", "int64")
+    # a float key padding mask is additive (0 / -inf): NaN and +inf are refused
+    check(ValueError, lambda: layer.forward(x, key_padding_mask=np.full((2, 3), np.nan)),
+          "key_padding_mask", "NaN")
     layer.forward(x)
     for shape in [(3, 6), (1, 3, 6), (2, 3, 1)]:
         check(ValueError, lambda: layer.backward(normal(*shape)), "dout", "(2, 3, 6)", str(shape))

@@ -448,6 +448,8 @@ def cli(monkeypatch, capsys):
     ["--mask", "bool", "--causal", "--kv-seq", "3"],  # cross-attention, fully masked row
     ["--mask", "float", "--no-bias", "--mode", "direction"],
     ["--mask", "padding", "--dtype", "float32", "--batch", "2", "--seq", "3"],
+    # grouped-query (one key/value head for two), bottom-right causal, T > S: dead rows
+    ["--kv-heads", "1", "--causal", "bottom_right", "--kv-seq", "3"],
 ])
 def test_cli_passes_on_the_layers(cli, argv):
     code, out = cli(*argv)
@@ -457,6 +459,8 @@ def test_cli_passes_on_the_layers(cli, argv):
     assert "param W_out" in out and "param W_query" in out and "input 0" in out
     if "--kv-seq" in argv:
         assert "input 2" in out and "cross-attention T=4, S=3" in out
+    if "--kv-heads" in argv:
+        assert "num_kv_heads=1)" in out
     if "--no-bias" in argv:
         assert "b_key" not in out
     else:
@@ -491,6 +495,7 @@ def test_cli_reports_bad_sizes(cli):
     (["--seed", "-1"], "--seed must be >= 0, got -1"),  # was numpy's "expected non-negative"
     (["--batch", "0"], "--batch must be a positive int <= 4096, got 0"),
     (["--kv-seq", "0"], "--kv-seq must be a positive int <= 4096, got 0"),
+    (["--heads", "2", "--kv-heads", "3"], "--kv-heads must divide --heads, got heads=2 and kv-heads=3"),
     (["--embed", "100000"], "--embed must be a positive int <= 4096"),  # was a MemoryError
     (["--embed", "1024", "--heads", "2"], "sizes too large for a numerical check"),
     (["--sweep-eps", "--eps", "1e-3"], "--eps does not apply to --sweep-eps"),

@@ -44,7 +44,12 @@ def add_arguments(parser):
     parser.add_argument("--mask", choices=("none", "bool", "float", "padding"), default="none",
                         help="attention mask: random bool (with a fully masked row), random "
                              "float (with -inf entries) or key padding (one sequence fully padded)")
-    parser.add_argument("--causal", action="store_true", help="causal (top-left aligned) mask")
+    parser.add_argument("--causal", nargs="?", const="top_left", default=None,
+                        choices=("top_left", "bottom_right"),
+                        help="causal mask, top-left aligned (--causal alone) or bottom_right")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="MultiHeadAttention's num_kv_heads, a divisor of --heads "
+                             "(grouped-query attention; default --heads)")
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
                         help="projection biases (default: on)")
     parser.add_argument("--eps", type=float, default=None,
@@ -101,6 +106,9 @@ def _check_options(args):
     if E % H:
         raise argparse.ArgumentError(None, f"--heads must divide --embed, got embed={E} and "
                                            f"heads={H}")
+    if args.kv_heads is not None and not (1 <= args.kv_heads <= H and H % args.kv_heads == 0):
+        raise argparse.ArgumentError(None, f"--kv-heads must divide --heads, got heads={H} and "
+                                           f"kv-heads={args.kv_heads}")
     largest = max(B * max(T, S) * E, E * max(E, d_out))
     if largest > MAX_ELEMENTS:
         raise argparse.ArgumentError(None, f"sizes too large for a numerical check: an array "
@@ -147,6 +155,7 @@ def _problems(args):
 
     B, T, E, H, d_out = args.batch, args.seq, args.embed, args.heads, args.d_out
     S = T if args.kv_seq is None else args.kv_seq
+    is_causal = {None: False, "top_left": True, "bottom_right": "bottom_right"}[args.causal]
     rng = np.random.default_rng(args.seed)
     x = rng.normal(size=(B, T, E))
 
@@ -186,17 +195,18 @@ def _problems(args):
     self_attention = random_biases(SelfAttention(E, d_out, qkv_bias=args.bias, rng=args.seed,
                                                  impl=args.impl))
     problems.append((f"SelfAttention(d_in={E}, d_out={d_out}, qkv_bias={args.bias})",
-                     self_attention, (x,), {"attn_mask": mask, "is_causal": args.causal}))
-    mha = random_biases(MultiHeadAttention(E, H, bias=args.bias, rng=args.seed, impl=args.impl))
+                     self_attention, (x,), {"attn_mask": mask, "is_causal": is_causal}))
+    mha = random_biases(MultiHeadAttention(E, H, bias=args.bias, rng=args.seed, impl=args.impl,
+                                           num_kv_heads=args.kv_heads))
     mask, padding = masks(T, S)
-    kwargs = {"attn_mask": mask, "is_causal": args.causal, "key_padding_mask": padding}
+    kwargs = {"attn_mask": mask, "is_causal": is_causal, "key_padding_mask": padding}
+    title = f"MultiHeadAttention(embed_dim={E}, num_heads={H}, bias={args.bias}"
+    title += ")" if args.kv_heads is None else f", num_kv_heads={args.kv_heads})"
     if args.kv_seq is None:
-        problems.append((f"MultiHeadAttention(embed_dim={E}, num_heads={H}, bias={args.bias}),"
-                         " self-attention", mha, (x,), kwargs))
+        problems.append((title + ", self-attention", mha, (x,), kwargs))
     else:
         key, value = rng.normal(size=(B, S, E)), rng.normal(size=(B, S, E))
-        problems.append((f"MultiHeadAttention(embed_dim={E}, num_heads={H}, bias={args.bias}),"
-                         f" cross-attention T={T}, S={S}", mha, (x, key, value), kwargs))
+        problems.append((title + f", cross-attention T={T}, S={S}", mha, (x, key, value), kwargs))
     return problems
 
 

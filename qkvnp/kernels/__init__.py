@@ -34,6 +34,7 @@ from collections import namedtuple
 import numpy as np
 
 from .._checks import owned, scores_may_overflow
+from ..masks import check_is_causal
 from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block_sizes,
                        get_num_threads, num_threads, release_buffers, set_block_sizes,
                        set_num_threads, single_threaded_blas)
@@ -103,7 +104,8 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     score_bound : float
         An upper bound of ``|score|`` (see :func:`layer_score_bound`).
     is_causal : bool
-        A causal mask: the tiled core skips the blocks above the diagonal.
+        A causal mask (either alignment): the tiled core skips the blocks
+        above the diagonal.
 
     Returns
     -------
@@ -122,7 +124,8 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     whatever ``impl`` says: only it clips overflowing scores exactly, and the
     others would return inf or NaN gradients where it is finite. Dropout
     does not enter the choice: every path has it, and draws the same mask
-    from the same Generator state (:mod:`qkvnp.dropout`).
+    from the same Generator state (:mod:`qkvnp.dropout`). Nor do grouped-query
+    attention and both causal alignments: every path runs them.
 
     Examples
     --------
@@ -220,7 +223,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     num_heads : int
     mask : ndarray or None
         bool (True = may attend) or float (added to the scores).
-    is_causal : bool
+    is_causal : bool or "bottom_right"
     impl : {"auto", "reference", "fast", "tiled"}
     need_weights : bool
         Also return the attention weights.
@@ -251,7 +254,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
     bound = 0.0 if impl == "reference" else layer_score_bound(params, inputs, num_heads, out_proj)
     dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights, bound,
-                           is_causal=bool(is_causal) if isinstance(is_causal, (bool, np.bool_)) else False)
+                           is_causal=check_is_causal(is_causal) is not False)
     mha, reference = _layer_kernels()
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     if dispatch.path == "reference":

@@ -63,7 +63,8 @@ from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, ow
                        scores_may_overflow)
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, prepare_dropout
-from ..masks import causal_mask, prepare_mask
+from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
+from ..masks import additive_mask, is_causal_additive, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
 
 __all__ = [
@@ -72,7 +73,6 @@ __all__ = [
     "attention_weights",
     "dense_forward",
     "dense_backward",
-    "additive_mask",
     "FastAttentionCache",
     "MAX_BOUND_GAP",
     "PROBE_KEYS",
@@ -107,31 +107,9 @@ dropout_p : float, the drop probability (kept weights are scaled by 1 / (1 - p))
 # ---------------------------------------------------------------- core
 
 
-def additive_mask(bias, keep, dtype):
-    """One additive mask: ``bias`` where allowed, ``-inf`` where ``keep`` forbids."""
-    if keep is None:
-        return bias
-    if bias is None and keep.ndim == 2 and keep is causal_mask(*keep.shape):
-        return _causal_additive(*keep.shape, np.dtype(dtype))
-    return np.where(keep, 0 if bias is None else bias, -np.inf).astype(dtype, copy=False)
-
-
-@functools.lru_cache(maxsize=16)
-def _causal_additive(T, S, dtype):
-    """The causal mask as 0 / -inf in ``dtype``, read-only and shared (see causal_mask)."""
-    mask = np.where(causal_mask(T, S), 0, -np.inf).astype(dtype)
-    mask.flags.writeable = False
-    return mask
-
-
 #: Score blocks of at least this many entries take the variants that save passes
 #: over (T, S) (exp2, einsum) at the price of a few more numpy calls.
 _LARGE_SCORES = 1 << 15
-
-
-def _is_zero_or_minus_inf(mask, dtype):
-    """True for the cached causal mask, which multiplying by log2(e) leaves as it is."""
-    return mask.ndim == 2 and mask is _causal_additive(*mask.shape, np.dtype(dtype))
 
 
 @functools.lru_cache(maxsize=16)
@@ -206,8 +184,10 @@ def _mask_row_max(mask, dtype):
     """Largest finite entry of each row of the additive mask, 0 if none (broadcastable)."""
     if mask is None:
         return None
-    if mask.ndim == 2 and mask is _causal_additive(*mask.shape, np.dtype(dtype)):
-        return _zeros_column(mask.shape[0], np.dtype(dtype))  # every causal row may attend key 0
+    if is_causal_additive(mask, dtype):
+        # every top-left causal row may attend key 0; a bottom-right one too, or
+        # none (T > S): 0 is the value given to rows with no finite entry
+        return _zeros_column(mask.shape[0], np.dtype(dtype))
     finite = np.where(np.isneginf(mask), -np.inf, mask)
     row_max = finite.max(axis=-1, keepdims=True)  # (..., T, S) -> (..., T, 1)
     row_max[np.isneginf(row_max)] = 0
@@ -316,7 +296,7 @@ def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, 
             log2e = dtype.type(np.log2(np.e))
             np.matmul(query * log2e, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
             if mask is not None:
-                exp_scores += mask if _is_zero_or_minus_inf(mask, dtype) else mask * log2e
+                exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
             exp_scores -= bound * log2e
             np.exp2(exp_scores, out=exp_scores)
         np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
@@ -536,7 +516,7 @@ def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-                      dropout_p=0.0, rng=None, dropout_mask=None):
+                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False):
     """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``, fast path.
 
     Same arguments, semantics and errors as
@@ -551,11 +531,15 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         Leading dims of the three broadcast against each other.
     attn_mask : ndarray of bool or float, optional
         Broadcastable to ``(..., T, S)``. Bool: True = may attend. Float: added.
-    is_causal : bool
-        Query ``i`` attends to keys ``0..i`` (top-left aligned), combined with
-        ``attn_mask`` as in the reference.
+    is_causal : bool or "bottom_right"
+        Query ``i`` attends to keys ``0..i`` (True, top-left aligned) or
+        ``0..i + S - T`` (``"bottom_right"``), combined with ``attn_mask`` as
+        in the reference.
     scale : float, optional
         Defaults to ``1 / sqrt(D)``.
+    enable_gqa : bool, keyword-only
+        Grouped-query attention, as in the reference: K/V are broadcast over
+        each group of query heads, never repeated (:mod:`qkvnp.gqa`).
 
     Returns
     -------
@@ -615,6 +599,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     >>> [g.shape for g in attention_backward(np.ones((2, 2)), cache)]
     [(2, 4), (1, 4), (1, 2)]
     """
+    grouped = split_groups(query, key, value, attn_mask, enable_gqa)
+    if grouped is not None:  # K < H key/value heads: broadcast over each group
+        return grouped_forward(attention_forward, grouped, is_causal, scale, dropout_p=dropout_p,
+                               rng=rng, dropout_mask=dropout_mask)
     originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
@@ -667,6 +655,8 @@ def attention_backward(dout, cache):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
+    if isinstance(cache, GroupedCache):  # the core's backward sums each group
+        return grouped_backward(attention_backward, dout, cache)
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
         with np.errstate(over="ignore"):
             return F.attention_backward(dout, cache)
@@ -687,6 +677,8 @@ def attention_weights(cache):
     >>> attention_weights(cache)
     array([[0.5, 0.5]])
     """
+    if isinstance(cache, GroupedCache):  # (..., K, G, T, S) -> (..., H, T, S)
+        return ungroup_weights(attention_weights(cache.inner), cache)
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
         return F.dropped_weights(cache)
     weights = cache.exp_scores * cache.inv_sum  # (..., T, S)

@@ -23,7 +23,8 @@ import numpy as np
 
 from .._checks import as_upstream_grad, owned
 from ..dropout import dense_keep, prepare_dropout
-from ..masks import prepare_mask
+from ..gqa import split_head_axis
+from ..masks import additive_mask, prepare_mask
 from . import fast, tiled
 from ._runtime import matmul
 
@@ -35,7 +36,7 @@ PATHS = ("fast", "tiled")
 FusedLayerCache = namedtuple(
     "FusedLayerCache",
     "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
-    "out_proj has_bias out_shape buffers has_out_bias",
+    "out_proj has_bias out_shape buffers has_out_bias H_kv",
 )
 FusedLayerCache.__doc__ = """What :func:`backward` reads.
 
@@ -60,6 +61,8 @@ buffers : dict of the large arrays above by name, offered for reuse to the
     next forward (``workspace=``).
 has_out_bias : bool, the output projection has ``b_out`` (the book's layer
     has it without input biases).
+H_kv : key/value heads (``H`` but for grouped-query attention, where the
+    core ran on ``(..., H_kv, G, T, D)`` queries; see :mod:`qkvnp.gqa`).
 """
 
 
@@ -77,6 +80,13 @@ def _heads(x2d, batch, T, H):
     E = x2d.shape[-1]
     heads = x2d.reshape(batch + (T, H, E // H))  # (N, E) -> (..., T, H, D)
     return heads.swapaxes(-2, -3)  # (..., T, H, D) -> (..., H, T, D)
+
+
+def _group_heads(x2d, batch, T, K, G):
+    """View ``(N, H*D)`` rows as grouped heads: ``(N, E) -> (..., K, G, T, D)``, no copy."""
+    E = x2d.shape[-1]
+    heads = x2d.reshape(batch + (T, K, G, E // (K * G)))  # (N, E) -> (..., T, K, G, D)
+    return np.moveaxis(heads, -4, -2)  # (..., T, K, G, D) -> (..., K, G, T, D)
 
 
 def _unheads(x):
@@ -154,9 +164,11 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     query = inputs[0]
     batch, T = query.shape[:-2], query.shape[-2]
     S = inputs[1].shape[-2] if kind != "self" else T
-    E = p["W_query"].shape[1]
+    E, E_kv = p["W_query"].shape[1], p["W_key"].shape[1]
     H = num_heads
     D = E // H
+    H_kv = E_kv // D  # < H: grouped-query attention (W_key, W_value have H_kv heads)
+    widths = {"query": E, "key": E_kv, "value": E_kv}
     scale = 1.0 / np.sqrt(D)
     dtype = p["W_query"].dtype
     c = dtype.type(scale)
@@ -169,7 +181,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=path == "fast")
 
     def fused(names):
-        W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, len(names)*E)
+        W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, sum of widths)
         b = np.concatenate([p["b_" + n] for n in names]) if has_bias else None
         if names[0] == "query":
             W[:, :E] *= c
@@ -185,17 +197,28 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
         W, b = fused(names)
         y = _buffer(workspace, f"projected{i}", (x2d.shape[0], W.shape[1]), dtype, buffers)
-        matmul(x2d, W, y)  # (N, in) @ (in, k*E) -> (N, k*E)
+        matmul(x2d, W, y)  # (N, in) @ (in, widths) -> (N, widths)
         if b is not None:
             y += b
         rows.append(x2d)
         W_in.append(W)
-        projected.extend(y[:, i * E:(i + 1) * E] for i in range(len(names)))  # (N, E) views
-    q = _heads(projected[0], batch, T, H)  # (N, E) -> (..., H, T, D)
-    k = _heads(projected[1], batch, S, H)  # (N, E) -> (..., H, S, D)
-    v = _heads(projected[2], batch, S, H)  # (N, E) -> (..., H, S, D)
+        projected.extend(_columns(y, names, widths))  # (N, E) or (N, E_kv) views
+    k = _heads(projected[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
+    v = _heads(projected[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     merged = _buffer(workspace, "merged", (projected[0].shape[0], E), dtype, buffers)  # (N, E)
-    out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
+    if H_kv != H:  # grouped-query attention: K/V broadcast over each group (qkvnp.gqa)
+        G = H // H_kv
+        lead = batch + (H_kv, G)
+        q = _group_heads(projected[0], batch, T, H_kv, G)  # (N, E) -> (..., H_kv, G, T, D)
+        k, v = k[..., None, :, :], v[..., None, :, :]  # (..., H_kv, 1, S, D): broadcast over G
+        out_heads = _group_heads(merged, batch, T, H_kv, G)  # (..., H_kv, G, T, D) view of merged
+        mask = None if mask is None else split_head_axis(np.asarray(mask), H, H_kv, G)
+        if dropout_mask is not None:  # checked against (..., H, T, S) above
+            dropout_mask = split_head_axis(np.asarray(dropout_mask), H, H_kv, G)
+        bias, keep = (None if m is None else split_head_axis(m, H, H_kv, G) for m in (bias, keep))
+    else:
+        q = _heads(projected[0], batch, T, H)  # (N, E) -> (..., H, T, D)
+        out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
     if not out_proj:  # SelfAttention: no head axis in the mask
         q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
     if path == "tiled":
@@ -205,15 +228,20 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
                                                 dropout_mask=dropout_mask)
         weights = None
     else:
-        add = fast.additive_mask(bias, keep, dtype)
+        add = additive_mask(bias, keep, dtype)
         exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
         inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)
         drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
         (drop_keep,) = owned((drop_keep,), (dropout_mask,))  # the cache owns what backward reads
+        if H_kv != H:  # the dense core reads full leading dims: (..., H_kv, G, S, D) views
+            k, v = np.broadcast_to(k, lead + k.shape[-2:]), np.broadcast_to(v, lead + v.shape[-2:])
+            drop_keep = None if drop_keep is None else split_head_axis(drop_keep, H, H_kv, G)
         fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads, drop_keep, drop_p)
         core_cache = fast.FastAttentionCache(q, k, v, exp_scores, inv_sum, out_heads, 1.0,
                                              (q.shape, k.shape, v.shape), drop_keep, drop_p)
         weights = fast.attention_weights(core_cache) if need_weights else None
+        if weights is not None and H_kv != H:
+            weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
     if out_proj:
         y = matmul(merged, p["W_out"])  # (N, E) @ (E, out_dim) -> (N, out_dim)
         if "b_out" in p:
@@ -224,8 +252,17 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
                             p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
-                            buffers, "b_out" in p)
+                            buffers, "b_out" in p, H_kv)
     return out, weights, cache
+
+
+def _columns(y, names, widths):
+    """The ``(N, width)`` column views of a fused projection, one per name."""
+    views, start = [], 0
+    for name in names:
+        views.append(y[:, start:start + widths[name]])
+        start += widths[name]
+    return views
 
 
 def backward(dout, cache):
@@ -269,27 +306,44 @@ def backward(dout, cache):
         dmerged = matmul(dy, c.W_out.T)  # (N, out_dim) @ (out_dim, E) -> (N, E)
     else:
         dmerged = dy
-    dprojected = [np.empty((x2d.shape[0], len(names) * E), dtype)
-                  for x2d, names in zip(rows, groups)]  # (N, k*E) per projection
-    dcols = [d[:, i * E:(i + 1) * E] for d in dprojected for i in range(d.shape[1] // E)]
-    dq = _heads(dcols[0], batch, T, H)  # (N, E) -> (..., H, T, D)
-    dk = _heads(dcols[1], batch, S, H)  # (N, E) -> (..., H, S, D)
-    dv = _heads(dcols[2], batch, S, H)  # (N, E) -> (..., H, S, D)
-    dheads = _heads(dmerged, batch, T, H)  # (N, E) -> (..., H, T, D)
+    H_kv = c.H_kv
+    widths = {"query": E, "key": H_kv * (E // H), "value": H_kv * (E // H)}
+    dprojected = [np.empty((x2d.shape[0], sum(widths[n] for n in names)), dtype)
+                  for x2d, names in zip(rows, groups)]  # (N, widths) per projection
+    dcols = [col for d, names in zip(dprojected, groups) for col in _columns(d, names, widths)]
+    dk = _heads(dcols[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
+    dv = _heads(dcols[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
+    if H_kv != H:  # grouped-query attention: the core gives each query head's dK, dV
+        G = H // H_kv
+        dq = _group_heads(dcols[0], batch, T, H_kv, G)  # (N, E) -> (..., H_kv, G, T, D)
+        dheads = _group_heads(dmerged, batch, T, H_kv, G)  # (N, E) -> (..., H_kv, G, T, D)
+        dk_heads = np.empty(batch + (H_kv, G) + dk.shape[-2:], dtype)  # (..., H_kv, G, S, D)
+        dv_heads = np.empty(batch + (H_kv, G) + dv.shape[-2:], dtype)  # (..., H_kv, G, S, D)
+    else:
+        dq = _heads(dcols[0], batch, T, H)  # (N, E) -> (..., H, T, D)
+        dheads = _heads(dmerged, batch, T, H)  # (N, E) -> (..., H, T, D)
+        dk_heads, dv_heads = dk, dv
     if not out_proj:
-        dq, dk, dv, dheads = _unheads(dq), _unheads(dk), _unheads(dv), _unheads(dheads)
+        dq, dk_heads, dv_heads, dheads = (_unheads(dq), _unheads(dk_heads), _unheads(dv_heads),
+                                          _unheads(dheads))
     if c.path == "tiled":
-        tiled.attention_backward(dheads, c.core_cache, grads_out=(dq, dk, dv), check=False)
+        tiled.attention_backward(dheads, c.core_cache, grads_out=(dq, dk_heads, dv_heads),
+                                 check=False)
     else:
         # gradient w.r.t. the *scaled* query: the scale lives in the fused W
-        fast.dense_backward(dheads, c.core_cache, dq, dk, dv, dtype.type(1))
+        fast.dense_backward(dheads, c.core_cache, dq, dk_heads, dv_heads, dtype.type(1))
+    if H_kv != H:  # a key/value head's gradient sums those of its G query heads
+        np.sum(dk_heads, axis=-3, out=dk)  # (..., H_kv, G, S, D) -> (..., H_kv, S, D)
+        np.sum(dv_heads, axis=-3, out=dv)
     scale = dtype.type(c.scale)
     dinputs = []
     for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
-        dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, k*E) -> (in, k*E)
-        db = d.sum(axis=0) if c.has_bias else None  # (N, k*E) -> (k*E,)
-        for i, name in enumerate(names):
-            columns = slice(i * E, (i + 1) * E)
+        dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, widths) -> (in, widths)
+        db = d.sum(axis=0) if c.has_bias else None  # (N, widths) -> (widths,)
+        start = 0
+        for name in names:
+            columns = slice(start, start + widths[name])
+            start += widths[name]
             grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
             if db is not None:
                 grads["b_" + name] = db[columns]
@@ -297,6 +351,6 @@ def backward(dout, cache):
                 grads["W_query"] = grads["W_query"] * scale
                 if db is not None:
                     grads["b_query"] = grads["b_query"] * scale
-        dx = matmul(d, W.T)  # (N, k*E) @ (k*E, in) -> (N, in)
+        dx = matmul(d, W.T)  # (N, widths) @ (widths, in) -> (N, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)

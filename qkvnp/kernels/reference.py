@@ -59,7 +59,10 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     ----------
     params : dict
         ``W_query, W_key, W_value`` ``(in, E)``, optional ``b_*`` ``(E,)``, and
-        with ``out_proj`` also ``W_out (E, out_dim)`` (optional ``b_out``).
+        with ``out_proj`` also ``W_out (E, out_dim)`` (optional ``b_out``). ``W_key``
+        and ``W_value`` of ``E_kv = H_kv * D < E`` columns (and ``b_key``,
+        ``b_value`` of ``(E_kv,)``): grouped-query attention with ``H_kv``
+        key/value heads.
     inputs : tuple of ndarray
         ``(x,)``, ``(query, key)`` or ``(query, key, value)`` by ``kind``,
         already cast to the parameters' dtype.
@@ -67,7 +70,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     num_heads : int
     mask : ndarray or None
         bool (True = may attend) or float (added), broadcastable to the scores.
-    is_causal : bool
+    is_causal : bool or "bottom_right"
     need_weights : bool
         Also return the attention weights ``(..., H, T, S)`` (``(..., T, S)``
         without ``out_proj``).
@@ -94,12 +97,15 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
         cache = ReferenceLayerCache(kind, q_cache, k_cache, v_cache, None, None, None,
                                     attention_cache, None, None, out.shape)
         return out, F.dropped_weights(attention_cache) if need_weights else None, cache
+    # grouped-query attention: W_key, W_value project to H_kv = E_kv / D heads
+    num_kv_heads = num_heads * p["W_key"].shape[1] // p["W_query"].shape[1]
     q_heads, q_split = F.split_heads_forward(q, num_heads)  # (..., T, E) -> (..., H, T, D)
-    k_heads, k_split = F.split_heads_forward(k, num_heads)  # (..., S, E) -> (..., H, S, D)
-    v_heads, v_split = F.split_heads_forward(v, num_heads)  # (..., S, E) -> (..., H, S, D)
+    k_heads, k_split = F.split_heads_forward(k, num_kv_heads)  # (..., S, E_kv) -> (..., H_kv, S, D)
+    v_heads, v_split = F.split_heads_forward(v, num_kv_heads)  # (..., S, E_kv) -> (..., H_kv, S, D)
     # NOTE: the scale is 1/sqrt(head_dim). The seeds' tutorial divides by
     # sqrt(embed_size), a known bug that over-smooths the softmax.
     heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads, mask, is_causal,
+                                                 enable_gqa=num_kv_heads != num_heads,
                                                  **dropout)  # -> (..., H, T, D)
     merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
     out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, E)

@@ -29,7 +29,8 @@ from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, ow
                        scores_may_overflow)
 from ..functional import sum_to_shape
 from ..dropout import block_keep, dense_keep, prepare_dropout
-from ..masks import prepare_mask
+from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
+from ..masks import causal_offset, check_is_causal, prepare_mask
 from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
 
 __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
@@ -117,8 +118,12 @@ def _mask_block(mask, i0, i1, j0, j1):
     return mask[..., rows, cols]  # (..., T or 1, S or 1) -> (..., bq or 1, bk or 1)
 
 
-def _live_blocks(bias, keep, is_causal, T, S, block_q, block_k):
-    """Table of the block pairs that have at least one position not masked."""
+def _live_blocks(bias, keep, causal, T, S, block_q, block_k):
+    """Table of the block pairs that have at least one position not masked.
+
+    ``causal`` is None or the causal offset (:func:`qkvnp.masks.causal_offset`:
+    query ``i`` may attend key ``j`` iff ``j <= i + causal``).
+    """
     q_starts = range(0, T, block_q)
     k_starts = range(0, S, block_k)
     live = np.ones((len(q_starts), len(k_starts)), dtype=bool)  # (nq, nk)
@@ -126,7 +131,7 @@ def _live_blocks(bias, keep, is_causal, T, S, block_q, block_k):
         i1 = min(i0 + block_q, T)
         for b, j0 in enumerate(k_starts):
             j1 = min(j0 + block_k, S)
-            if is_causal and j0 > i1 - 1:  # every key of the block is after every query
+            if causal is not None and j0 > i1 - 1 + causal:  # every key is after every query
                 live[a, b] = False
             elif keep is not None and not _mask_block(keep, i0, i1, j0, j1).any():
                 live[a, b] = False
@@ -150,11 +155,12 @@ def _no_overflow(query, key, scale):
     return bound < big / 4
 
 
-def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe, scores, causal_cache):
+def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, causal, safe, scores, causal_cache):
     """Masked scores of one block pair, written into ``scores`` (..., bq, bk).
 
     Same steps as the reference: scores, clip overflow, add the float mask
-    (clipped to the dtype's max), then every boolean mask sets ``-inf``.
+    (clipped to the dtype's max), then every boolean mask sets ``-inf``
+    (``causal``: None or the causal offset, as in :func:`_live_blocks`).
     """
     if safe:
         np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
@@ -170,13 +176,13 @@ def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe
         np.minimum(scores, np.finfo(scores.dtype).max, out=scores)  # -inf stays -inf
     if keep is not None:
         np.copyto(scores, -np.inf, where=~_mask_block(keep, i0, i1, j0, j1))
-    if is_causal and j1 - 1 > i0:  # the block crosses the diagonal
+    if causal is not None and j1 - 1 > i0 + causal:  # the block crosses the diagonal
         shape = (i1 - i0, j1 - j0)
-        key_ = (i0 - j0, shape)
+        key_ = (i0 + causal - j0, shape)
         above = causal_cache.get(key_)
         if above is None:
-            # key j0 + c is after query i0 + r  <=>  c - r > i0 - j0
-            above = np.subtract.outer(np.arange(shape[0]), np.arange(shape[1])) < j0 - i0  # (bq, bk)
+            # key j0 + c is after query i0 + r  <=>  c - r > i0 + causal - j0
+            above = np.subtract.outer(np.arange(shape[0]), np.arange(shape[1])) < j0 - i0 - causal  # (bq, bk)
             if len(causal_cache) < _CAUSAL_CACHE_SIZE:
                 causal_cache[key_] = above
         np.copyto(scores, -np.inf, where=above)
@@ -193,8 +199,8 @@ def _view(buf, shape):
 
 
 _Problem = namedtuple(
-    "_Problem", "q k v bias keep is_causal safe scale block_q block_k live dropout"
-)  # q, k, v broadcast to the common leading dims; scale of the compute dtype
+    "_Problem", "q k v bias keep causal safe scale block_q block_k live dropout"
+)  # q, k, v broadcast to the common leading dims; scale of the compute dtype; causal offset
 
 
 def _forward_rows(problem, part, out, row_maxes, row_sums):
@@ -202,7 +208,7 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
 
     Writes rows ``i0:i0+bq`` of ``out``, ``row_maxes`` and ``row_sums``.
     """
-    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live, dropout = problem
+    q, k, v, bias, keep, causal, safe, scale, block_q, block_k, live, dropout = problem
     lead = out.shape[:-2]
     T, Dv = out.shape[-2:]
     S = k.shape[-2]
@@ -211,7 +217,7 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
     scores_buf = _workspace(lead_size * block_q * block_k, dtype)
     pv_buf = _workspace(lead_size * block_q * Dv, dtype)
     causal_cache = {}
-    masked = bias is not None or keep is not None or is_causal
+    masked = bias is not None or keep is not None or causal is not None
     for a, i0 in part:
         i1 = min(i0 + block_q, T)
         bq = i1 - i0
@@ -225,7 +231,7 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
                 continue
             j1 = min(j0 + block_k, S)
             scores = _block_scores(
-                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, is_causal, safe,
+                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, causal, safe,
                 _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
             )  # (..., bq, bk)
             new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
@@ -259,7 +265,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
     Writes rows ``j0:j0+bk`` of ``dkey`` and ``dvalue`` and adds into ``dq``
     (full leading dims, owned by this call).
     """
-    q, k, v, bias, keep, is_causal, safe, scale, block_q, block_k, live, dropout = problem
+    q, k, v, bias, keep, causal, safe, scale, block_q, block_k, live, dropout = problem
     lead = dout.shape[:-2]
     T, Dv = dout.shape[-2:]
     S, D = k.shape[-2:]
@@ -285,7 +291,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
             bq = i1 - i0
             qs = np.multiply(q[..., i0:i1, :], scale, out=_view(qs_buf, lead + (bq, D)))  # (..., bq, D), scaled Q
             weights = _block_scores(
-                qs, k_block, i0, i1, j0, j1, bias, keep, is_causal, safe,
+                qs, k_block, i0, i1, j0, j1, bias, keep, causal, safe,
                 _view(scores_buf, lead + (bq, bk)), causal_cache,
             )  # (..., bq, bk)
             with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
@@ -315,7 +321,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None,
-                      out=None, *, dropout_p=0.0, rng=None, dropout_mask=None):
+                      out=None, *, dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False):
     """Scaled dot-product attention computed by blocks, without the ``(T, S)`` weights.
 
     Parameters
@@ -329,10 +335,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         to the scores. Give size-1 dims where the mask does not vary (e.g. a
         key-padding mask of shape ``(B, 1, 1, S)``): it is then sliced per
         block and never expanded to ``(..., T, S)``.
-    is_causal : bool
-        Query ``i`` attends to keys ``0..i`` (top-left aligned). Blocks entirely
-        above the diagonal are skipped. The float mask is added first, then
-        every boolean mask removes the positions it forbids.
+    is_causal : bool or "bottom_right"
+        Query ``i`` attends to keys ``0..i`` (True, top-left aligned) or
+        ``0..i + S - T`` (``"bottom_right"``). Blocks entirely above the
+        diagonal are skipped, in both alignments. The float mask is added
+        first, then every boolean mask removes the positions it forbids.
     scale : float, optional
         Defaults to ``1 / sqrt(D)``.
     block_size : int or (int, int), optional
@@ -352,6 +359,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         key and each block's mask is recomputed from it, the same whatever
         the block sizes and threads; ``cache.dropout_mask`` builds the dense
         mask on request. A given mask is referenced, sliced per block.
+    enable_gqa : bool, keyword-only
+        Grouped-query attention, as in the reference: K/V are broadcast over
+        each group of query heads, never repeated (:mod:`qkvnp.gqa`).
 
     Returns
     -------
@@ -453,6 +463,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     >>> bool(np.allclose(tiled, reference, rtol=1e-12, atol=1e-12))
     True
     """
+    grouped = split_groups(query, key, value, attn_mask, enable_gqa)
+    if grouped is not None:  # K < H key/value heads: broadcast over each group
+        result, cache = grouped_forward(attention_forward, grouped, is_causal, scale,
+                                        block_size=block_size, dropout_p=dropout_p, rng=rng,
+                                        dropout_mask=dropout_mask)
+        return _write_out(result, out), cache
     originals = (query, key, value, attn_mask)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
@@ -465,8 +481,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     dtype = query.dtype
     # NOTE: the causal mask is applied per block (never built as (T, S)), so
     # prepare_mask only validates and splits the user's mask.
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    is_causal = check_is_causal(is_causal)
     bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
     bias, keep = _at_least_2d(bias), _at_least_2d(keep)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
@@ -474,10 +489,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     query, key, value, bias, keep = owned((query, key, value, bias, keep), originals)
     if dropout is not None and dropout.mask is not None:
         dropout = dropout._replace(mask=owned((dropout.mask,), (dropout_mask,))[0])
-    is_causal = bool(is_causal)
+    causal = causal_offset(is_causal, T, S)
     lead_size = math.prod(lead)
     block_q, block_k = _check_block_size(block_size, T, S, lead_size)
-    live = _live_blocks(bias, keep, is_causal, T, S, block_q, block_k)  # (nq, nk)
+    live = _live_blocks(bias, keep, causal, T, S, block_q, block_k)  # (nq, nk)
     safe = _no_overflow(query, key, scale)
 
     q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
@@ -493,7 +508,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         )
     row_maxes = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     row_sums = np.empty(lead + (T,), dtype=dtype)  # (..., T)
-    problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
+    problem = _Problem(q, k, v, bias, keep, causal, safe, dtype.type(scale),
                        block_q, block_k, live, dropout)
     # query blocks are independent: threads share them, each writing its own rows
     flops = 2 * math.prod(lead) * T * S * (D + Dv)
@@ -510,21 +525,25 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
 def _reference_forward(originals, is_causal, scale, block_size, out, dropout_args):
     """The reference forward, for scores near the float maximum, with this path's checks."""
     query, key, value, attn_mask = originals
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_is_causal(is_causal)
     with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
         result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale,
                                             **dropout_args)
     lead = cache.weights.shape[:-2]
     _check_block_size(block_size, cache.weights.shape[-2], cache.weights.shape[-1],
                       math.prod(lead))
+    return _write_out(result, out), cache
+
+
+def _write_out(result, out):
+    """``result``, or ``out`` holding it when the caller gave ``out``."""
     if out is None:
-        return result, cache
+        return result
     if not isinstance(out, np.ndarray) or out.shape != result.shape or out.dtype != result.dtype:
         raise ValueError(f"out must be an ndarray of shape {result.shape} and dtype "
                          f"{result.dtype}, got {getattr(out, 'shape', type(out).__name__)}")
     out[...] = result
-    return out, cache
+    return out
 
 
 def _check_grads_out(grads_out, lead, inputs, dtype):
@@ -590,9 +609,12 @@ def attention_backward(dout, cache, grads_out=None, check=True):
     >>> all(np.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(tiled, reference))
     True
     """
-    if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
+    if isinstance(cache, (F.AttentionCache, GroupedCache)):  # reference, or grouped heads
         with np.errstate(over="ignore"):
-            grads = F.attention_backward(dout, cache, check=check)
+            if isinstance(cache, GroupedCache):  # the core's backward sums each group
+                grads = grouped_backward(attention_backward, dout, cache)
+            else:  # a forward deferred to the reference
+                grads = F.attention_backward(dout, cache, check=check)
         if grads_out is None:
             return grads
         for target, grad in zip(grads_out, grads):
@@ -633,7 +655,7 @@ def _attention_backward(dout, cache, grads_out=None):
         dq, dkey, dvalue = _check_grads_out(grads_out, lead, (query, key, value), dtype)
         for grad in grads_out:
             grad[...] = 0
-    problem = _Problem(q, k, v, bias, keep, is_causal, safe, dtype.type(scale),
+    problem = _Problem(q, k, v, bias, keep, causal_offset(is_causal, T, S), safe, dtype.type(scale),
                        block_q, block_k, live, dropout)
     blocks = list(enumerate(range(0, S, block_k)))
     # NOTE: key blocks are independent but for dquery, their sum over key

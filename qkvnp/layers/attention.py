@@ -13,7 +13,8 @@ from .. import kernels
 from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng)
 from ..dropout import check_dropout_p, spawn_generator
-from ..masks import fold_key_padding_mask
+from ..kv_cache import KVCache, cached_forward
+from ..masks import check_is_causal, fold_key_padding_mask
 from .base import Layer, xavier_uniform
 
 __all__ = ["SelfAttention", "MultiHeadAttention"]
@@ -175,7 +176,7 @@ class SelfAttention(_AttentionLayer):
             Cast to the layer's dtype (ints and float128 included).
         attn_mask : ndarray of bool or float, optional
             Broadcastable to ``(..., T, T)``; bool True = may attend.
-        is_causal : bool
+        is_causal : bool or "bottom_right"
         return_weights : bool
         dropout_mask : ndarray of bool, optional
             Broadcastable to ``(..., T, T)``, True = keep: applied (with the
@@ -266,6 +267,11 @@ class MultiHeadAttention(_AttentionLayer):
         Keyword-only: dropout on the attention weights in training mode; see
         :class:`SelfAttention`. (Keyword-only because PyTorch's third
         positional argument is ``dropout`` and qkvnp's is ``bias``.)
+    num_kv_heads : int, keyword-only, optional
+        ``K``, a divisor of ``H`` (default ``H``): grouped-query attention
+        (``K = 1``: multi-query). Keys and values are projected to ``K`` heads
+        of ``D`` features, query head ``h`` using key/value head
+        ``h // (H / K)`` (PyTorch's ``enable_gqa`` order), on every path.
 
     Attributes
     ----------
@@ -273,6 +279,8 @@ class MultiHeadAttention(_AttentionLayer):
         ``W_query (qdim, E)``, ``W_key (kdim, E)``, ``W_value (vdim, E)``,
         ``W_out (E, out_dim)``; with ``qkv_bias`` also ``b_query, b_key,
         b_value (E,)``, with ``out_bias`` also ``b_out (out_dim,)``.
+        With ``num_kv_heads=K``, ``W_key``, ``W_value`` are ``(kdim or vdim, K*D)``
+        and ``b_key``, ``b_value`` ``(K*D,)``.
         Head ``h`` uses columns ``h*D:(h+1)*D`` of the input projections and
         rows ``h*D:(h+1)*D`` of ``W_out``. PyTorch stores the transposes:
         ``W_query = in_proj_weight[:E].T``, ``W_out = out_proj.weight.T``.
@@ -314,10 +322,12 @@ class MultiHeadAttention(_AttentionLayer):
     (2, 6, 2)
     """
 
+    _decoded = False  # the last forward was a kv_cache decoding step (no backward)
+
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto", *,
                  qdim=None, out_dim=None, qkv_bias=None, out_bias=None,
-                 dropout=0.0):
+                 dropout=0.0, num_kv_heads=None):
         self.impl = kernels.check_impl(impl)
         self.embed_dim = check_int(embed_dim, "embed_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -327,6 +337,7 @@ class MultiHeadAttention(_AttentionLayer):
                 f"and num_heads={num_heads}"
             )
         self.head_dim = self.embed_dim // self.num_heads
+        self.num_kv_heads = self._check_kv_heads(num_kv_heads)
         self.kdim = self.embed_dim if kdim is None else check_int(kdim, "kdim", 1)
         self.vdim = self.embed_dim if vdim is None else check_int(vdim, "vdim", 1)
         self.qdim = self.embed_dim if qdim is None else check_int(qdim, "qdim", 1)
@@ -337,17 +348,18 @@ class MultiHeadAttention(_AttentionLayer):
         self.out_bias = self.bias if out_bias is None else bool(out_bias)
         rng = make_rng(rng)
         E = self.embed_dim
+        E_kv = self.num_kv_heads * self.head_dim  # E unless grouped-query attention
         # NOTE: drawn in this order whatever the options, so that a seed gives
-        # the same weights as before qdim/out_dim existed
+        # the same weights as before qdim/out_dim/num_kv_heads existed
         self.params = {
             "W_query": xavier_uniform(rng, self.qdim, E, self.dtype),
-            "W_key": xavier_uniform(rng, self.kdim, E, self.dtype),
-            "W_value": xavier_uniform(rng, self.vdim, E, self.dtype),
+            "W_key": xavier_uniform(rng, self.kdim, E_kv, self.dtype),
+            "W_value": xavier_uniform(rng, self.vdim, E_kv, self.dtype),
             "W_out": xavier_uniform(rng, E, self.out_dim, self.dtype),
         }
         if self.qkv_bias:
             for name in ("b_query", "b_key", "b_value"):
-                self.params[name] = np.zeros(E, dtype=self.dtype)
+                self.params[name] = np.zeros(E if name == "b_query" else E_kv, dtype=self.dtype)
         if self.out_bias:
             self.params["b_out"] = np.zeros(self.out_dim, dtype=self.dtype)
         self._init_dropout(dropout, rng)
@@ -355,14 +367,26 @@ class MultiHeadAttention(_AttentionLayer):
         self.zero_grad()
 
     _repr_fields = ("embed_dim", "num_heads", "bias", "kdim", "vdim", "dtype", "impl",
-                    "qdim", "out_dim", "qkv_bias", "out_bias", "dropout")
+                    "qdim", "out_dim", "qkv_bias", "out_bias", "dropout", "num_kv_heads")
 
     def _repr_items(self):
         """Widths only where they differ from embed_dim (as PyTorch prints), biases from bias."""
         defaults = {"kdim": self.embed_dim, "vdim": self.embed_dim, "qdim": self.embed_dim,
-                    "out_dim": self.embed_dim, "qkv_bias": self.bias, "out_bias": self.bias}
+                    "out_dim": self.embed_dim, "qkv_bias": self.bias, "out_bias": self.bias,
+                    "num_kv_heads": self.num_heads}
         return [(name, value) for name, value in super()._repr_items()
                 if name not in defaults or value != defaults[name]]
+
+    def _check_kv_heads(self, num_kv_heads):
+        """``num_kv_heads`` (default ``num_heads``), a positive divisor of ``num_heads``."""
+        if num_kv_heads is None:
+            return self.num_heads
+        num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1,
+                                 expected=f"a positive divisor of num_heads={self.num_heads}")
+        if self.num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must be a positive divisor of num_heads="
+                             f"{self.num_heads}, got {num_kv_heads}")
+        return num_kv_heads
 
     def _check_inputs(self, query, key, value):
         self_attention = key is None and value is None
@@ -398,7 +422,8 @@ class MultiHeadAttention(_AttentionLayer):
         return query, key, value, "key_only" if value_omitted else "cross"
 
     def forward(self, query, key=None, value=None, attn_mask=None, is_causal=False,
-                key_padding_mask=None, return_weights=False, *, dropout_mask=None, rng=None):
+                key_padding_mask=None, return_weights=False, *, dropout_mask=None, rng=None,
+                kv_cache=None, average_weights=False):
         """Multi-head attention of ``query`` over ``key``/``value``.
 
         Parameters
@@ -411,10 +436,21 @@ class MultiHeadAttention(_AttentionLayer):
         value : ndarray, shape (..., S, vdim), optional
             Omitted with ``key`` given: ``value = key``.
         attn_mask : ndarray of bool or float, optional
-            ``(T, S)`` or ``(..., H or 1, T, S)``; bool True = may attend.
-        is_causal : bool
-        key_padding_mask : ndarray of bool, shape (..., S), optional
-            True = real token (may be attended). Opposite of PyTorch.
+            ``(T, S)``, ``(..., H or 1, T, S)``, or ``(B*H, T, S)`` as
+            PyTorch's 3-D masks (batch ``b``, head ``h`` at ``b*H + h``); bool
+            True = may attend. A 3-D mask is read as ``(B*H, T, S)`` when the
+            batch has one dim ``(B,)``: its first dim must then be ``B*H``
+            (with ``H = 1`` or ``B = 1`` that is also a per-batch or per-head
+            mask, the same thing); a ``(B, T, S)`` mask for every head is
+            refused as ambiguous: pass ``mask[:, None]``.
+        is_causal : bool or "bottom_right"
+            True: top-left aligned (query ``i`` sees keys ``0..i``);
+            ``"bottom_right"``: keys ``0..i + S - T`` (PyTorch's ``causal_lower_right``).
+        key_padding_mask : ndarray of bool or float, shape (..., S), optional
+            Bool: **True = real token** (may be attended), the opposite of
+            PyTorch's bool ``key_padding_mask`` (True = pad): pass ``~mask``
+            when porting. Float: added to the scores (``0`` keeps a key,
+            ``-inf`` removes it), the same as PyTorch's float masks.
         return_weights : bool
             Also return the per-head weights ``(..., H, T, S)``.
         dropout_mask : ndarray of bool, optional
@@ -422,11 +458,23 @@ class MultiHeadAttention(_AttentionLayer):
             either mode (see :class:`SelfAttention`).
         rng : numpy.random.Generator or int, optional
             Draws this forward's mask instead of ``dropout_rng``.
+        kv_cache : qkvnp.KVCache, keyword-only, optional
+            Incremental decoding (self-attention only, inference only):
+            ``query`` holds the ``T`` new tokens; their keys and values are
+            appended to the cache and they attend to every cached token,
+            causally with the bottom-right alignment, whatever ``is_causal``
+            says (decoding is causal); masks cover all ``S`` cached keys. No
+            dropout, even in training mode; a later ``backward`` raises
+            ``RuntimeError``.
+        average_weights : bool, keyword-only
+            With ``return_weights``, return the weights averaged over the
+            heads, ``(..., T, S)`` (PyTorch's ``average_attn_weights``, whose
+            default is True; here False).
 
         Returns
         -------
         out : ndarray, shape (..., T, out_dim)
-        weights : ndarray, shape (..., H, T, S)
+        weights : ndarray, shape (..., H, T, S), or (..., T, S) averaged
             Only with ``return_weights=True``; after dropout, as PyTorch's.
 
         Raises
@@ -434,9 +482,13 @@ class MultiHeadAttention(_AttentionLayer):
         TypeError
             If an input does not hold real numbers, or a mask has the wrong dtype.
         ValueError
-            On a shape mismatch, or NaN or inf in an input.
+            On a shape mismatch, or NaN or inf in an input; with ``kv_cache``,
+            on a cache of another layer or shape (``kv_cache.reset()``).
         """
         query_in, key_in, value_in = query, key, value
+        if kv_cache is not None:
+            return self._decode(query, key, value, attn_mask, is_causal, key_padding_mask,
+                                return_weights, average_weights, kv_cache, dropout_mask)
         query, key, value, kind = self._check_inputs(query, key, value)
         batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
         mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, self.num_heads, T, S,
@@ -446,7 +498,27 @@ class MultiHeadAttention(_AttentionLayer):
                                             return_weights, out_proj=True,
                                             originals=(query_in, key_in, value_in),
                                             dropout=self._dropout_args(dropout_mask, rng))
-        return (out, weights) if return_weights else out
+        self._decoded = False
+        return _returned(out, weights, return_weights, average_weights)
+
+    def _decode(self, query, key, value, attn_mask, is_causal, key_padding_mask, return_weights,
+                average_weights, kv_cache, dropout_mask):
+        """``forward(query, kv_cache=...)``: one inference-only decoding step (no dropout)."""
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"kv_cache must be a qkvnp.KVCache, got {type(kv_cache).__name__}")
+        if key is not None or value is not None:
+            raise ValueError("kv_cache is for self-attention decoding: pass the new tokens as "
+                             "query only (key and value come from the cache)")
+        if dropout_mask is not None:
+            raise ValueError("kv_cache decoding is inference only and drops nothing: "
+                             "dropout_mask cannot be given with kv_cache")
+        check_is_causal(is_causal)
+        query, _, _, _ = self._check_inputs(query, None, None)
+        out, weights, self.last_dispatch = cached_forward(self, query, kv_cache, attn_mask,
+                                                          key_padding_mask, return_weights)
+        self._cache = self._used_cache = None  # nothing for a backward: inference only
+        self._decoded = True
+        return _returned(out, weights, return_weights, average_weights)
 
     def backward(self, dout, retain_cache=False):
         """Accumulate parameter gradients into ``grads``; return input gradients.
@@ -474,8 +546,13 @@ class MultiHeadAttention(_AttentionLayer):
         ValueError
             If ``dout`` has another shape or holds NaN or inf.
         RuntimeError
-            Without a forward cache to use (see :class:`Layer`).
+            Without a forward cache to use (see :class:`Layer`), or after a
+            ``kv_cache`` decoding step (inference only).
         """
+        if self._cache is None and self._decoded:
+            raise RuntimeError("MultiHeadAttention.backward after a kv_cache decoding step: "
+                               "forward(x, kv_cache=...) is inference only and keeps nothing "
+                               "for a backward; train with forward(x, is_causal=True)")
         kind = self._need_cache().kind
         dinputs = self._kernel_backward(dout, retain_cache)
         if kind == "self":
@@ -483,3 +560,12 @@ class MultiHeadAttention(_AttentionLayer):
         if kind == "key_only":
             return dinputs + (None,)  # (dquery, dkey): key fed both key and value
         return dinputs
+
+
+def _returned(out, weights, return_weights, average_weights):
+    """``out``, or ``(out, weights)`` with the weights averaged over heads if asked."""
+    if not return_weights:
+        return out
+    if average_weights:
+        weights = weights.mean(axis=-3)  # (..., H, T, S) -> (..., T, S)
+    return out, weights

@@ -1,0 +1,183 @@
+"""Incremental decoding: :class:`KVCache` and the cached forward of a multi-head layer.
+
+Shape key: B batch (any leading dims), H query heads, K key/value heads
+(``H_kv``), T new tokens, S = past + T keys, E embedding, D = E // H head dim.
+
+``mha.forward(x_t, kv_cache=cache)`` projects the ``T`` new tokens ``x_t``,
+appends their keys and values to ``cache`` and lets them attend to every
+cached token with the bottom-right causal alignment (new token ``i`` sees the
+past and the new tokens ``0..i``): decoding a sequence chunk by chunk gives
+the outputs of one causal forward over the whole sequence. It is inference
+only: the layer keeps no cache for a backward (which then raises
+``RuntimeError``), as PyTorch's ``torch.no_grad()`` decoding loops.
+"""
+import weakref
+
+import numpy as np
+
+from . import functional as F
+from . import kernels
+from .masks import fold_key_padding_mask, prepare_mask
+
+__all__ = ["KVCache", "cached_forward"]
+
+
+class KVCache:
+    """The keys and values of one :class:`~qkvnp.MultiHeadAttention` layer's past tokens.
+
+    Empty when built; the first ``layer.forward(x, kv_cache=cache)`` binds it
+    to that layer and to the batch shape, head count, head dim and dtype of
+    its keys. Later calls with another layer or another shape raise
+    ``ValueError``; :meth:`reset` empties it for a new sequence (and frees
+    the binding). Storage grows by doubling, so decoding ``S`` tokens one by
+    one copies ``O(S)`` keys, not ``O(S^2)``.
+
+    Attributes
+    ----------
+    key, value : ndarray, shape (..., K, S, D), or None when empty
+        Views of the cached (projected, per key/value head) keys and values.
+
+    Examples
+    --------
+    >>> import qkvnp
+    >>> mha = qkvnp.MultiHeadAttention(8, 2, rng=0)
+    >>> cache = qkvnp.KVCache()
+    >>> x = np.random.default_rng(0).standard_normal((1, 3, 8))
+    >>> steps = [mha.forward(x[:, t:t + 1], kv_cache=cache) for t in range(3)]
+    >>> len(cache), bool(np.allclose(np.concatenate(steps, axis=1), mha.forward(x, is_causal=True)))
+    (3, True)
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        """Forget every cached token and the layer it was bound to."""
+        self._layer = None  # weakref.ref to the layer, once bound
+        self._key = self._value = None  # (..., K, capacity, D) buffers
+        self._length = 0
+
+    def __len__(self):
+        """The number of cached tokens ``S``."""
+        return self._length
+
+    @property
+    def key(self):
+        return None if self._key is None else self._key[..., :self._length, :]
+
+    @property
+    def value(self):
+        return None if self._value is None else self._value[..., :self._length, :]
+
+    def __repr__(self):
+        if self._key is None:
+            return "KVCache(empty)"
+        shape = self._key.shape[:-2] + (self._length, self._key.shape[-1])
+        return f"KVCache(length={self._length}, key shape={shape}, dtype={self._key.dtype.name})"
+
+    def check(self, layer, key):
+        """Raise ``ValueError`` unless ``key`` ``(..., K, T, D)`` of ``layer`` fits this cache."""
+        if self._layer is None:
+            return
+        owner = self._layer()
+        if owner is not layer:
+            other = "a layer that no longer exists" if owner is None else repr(owner)
+            raise ValueError(
+                f"kv_cache holds the keys of another layer ({other}), not of {layer!r}: "
+                "use one KVCache per layer, or call kv_cache.reset() to start over"
+            )
+        expected = self._key.shape[:-2] + (key.shape[-2], self._key.shape[-1])
+        if key.shape != expected or key.dtype != self._key.dtype:
+            raise ValueError(
+                f"kv_cache holds {self._length} tokens of keys (batch dims, heads, D) = "
+                f"{self._key.shape[:-2] + (self._key.shape[-1],)} in {self._key.dtype}; the new "
+                f"tokens give {key.shape[:-2] + (key.shape[-1],)} in {key.dtype}: call "
+                "kv_cache.reset() to start a new sequence"
+            )
+
+    def append(self, layer, key, value):
+        """Append the ``T`` new keys and values ``(..., K, T, D)``; return all ``S`` of each."""
+        self.check(layer, key)
+        T = key.shape[-2]
+        if self._key is None:
+            self._layer = weakref.ref(layer)
+            self._key = np.empty(key.shape[:-2] + (max(T, 16), key.shape[-1]), key.dtype)
+            self._value = np.empty(value.shape[:-2] + (max(T, 16), value.shape[-1]), value.dtype)
+        elif self._length + T > self._key.shape[-2]:
+            capacity = max(2 * self._key.shape[-2], self._length + T)
+            self._key = _grown(self._key, self._length, capacity)
+            self._value = _grown(self._value, self._length, capacity)
+        self._key[..., self._length:self._length + T, :] = key
+        self._value[..., self._length:self._length + T, :] = value
+        self._length += T
+        return self.key, self.value
+
+
+def _grown(buffer, length, capacity):
+    """A ``(..., capacity, D)`` buffer starting with the ``length`` rows of ``buffer``."""
+    grown = np.empty(buffer.shape[:-2] + (capacity, buffer.shape[-1]), buffer.dtype)
+    grown[..., :length, :] = buffer[..., :length, :]
+    return grown
+
+
+def _project_heads(x, params, name, num_heads):
+    """``x W + b`` split into heads: ``(..., T, in) -> (..., n, T, D)``."""
+    y = x @ params["W_" + name]  # (..., T, in) @ (in, n*D) -> (..., T, n*D)
+    if "b_" + name in params:
+        y = y + params["b_" + name]
+    return F.split_heads_forward(y, num_heads)[0]  # (..., T, n*D) -> (..., n, T, D)
+
+
+def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
+    """One decoding step of ``layer`` (a MultiHeadAttention) on the new tokens ``x``.
+
+    Parameters
+    ----------
+    layer : MultiHeadAttention
+    x : ndarray, shape (..., T, E)
+        The new tokens, already cast and checked by the layer.
+    kv_cache : KVCache
+    attn_mask : None or ndarray, as the layer's, against all ``S`` keys
+    key_padding_mask : None or ndarray, shape (..., S)
+        Of every cached token and the new ones.
+    need_weights : bool
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, E)
+    weights : ndarray, shape (..., H, T, S), or None
+    dispatch : qkvnp.kernels.Dispatch
+    """
+    from .kernels import fast, tiled  # as kernels does: only when a layer runs
+
+    params, H = layer.params, layer.num_heads
+    D = params["W_query"].shape[1] // H
+    K = params["W_key"].shape[1] // D
+    batch, T = x.shape[:-2], x.shape[-2]
+    S = len(kv_cache) + T
+    # every check that can refuse the call runs before the cache grows
+    mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
+    prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
+    q = _project_heads(x, params, "query", H)  # (..., T, E) -> (..., H, T, D)
+    k = _project_heads(x, params, "key", K)  # (..., T, E) -> (..., K, T, D)
+    v = _project_heads(x, params, "value", K)  # (..., T, E) -> (..., K, T, D)
+    # NOTE: the causal mask skips about half the blocks only when the new tokens
+    # are the whole sequence (a first chunk); a step of T << S tokens skips few.
+    dispatch = kernels.choose_path(layer.impl, int(np.prod(batch, dtype=np.int64)) * H, T, S,
+                                   layer.dtype, need_weights, is_causal=T == S)
+    dispatch = dispatch._replace(reason="kv_cache decoding step; " + dispatch.reason)
+    keys, values = kv_cache.append(layer, k, v)  # (..., K, S, D) each
+    core = {"reference": F, "fast": fast, "tiled": tiled}[dispatch.path]
+    # NOTE: the new tokens are the last T of the S keys: bottom-right alignment.
+    # The cores fall back to the reference's exact clipping themselves when
+    # the scores may overflow (the layer's bound covers the new tokens only).
+    heads, cache = core.attention_forward(q, keys, values, mask, "bottom_right",
+                                          enable_gqa=K != H)  # -> (..., H, T, D)
+    weights = None
+    if need_weights:
+        weights = fast.attention_weights(cache) if dispatch.path == "fast" else cache.weights
+    merged = F.merge_heads_forward(heads)[0]  # (..., H, T, D) -> (..., T, E)
+    out = merged @ params["W_out"]  # (..., T, E) @ (E, E) -> (..., T, E)
+    if "b_out" in params:
+        out = out + params["b_out"]
+    return out, weights, dispatch
