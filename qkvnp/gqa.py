@@ -191,4 +191,5 @@ def grouped_backward(core_backward, dout, cache, **options):
 
 def ungroup_weights(weights, cache):
     """``(..., K, G, T, S)`` weights of a grouped forward as ``(..., H, T, S)``."""
-    return weights.reshape(cache.out_shape[:-1] + (weights.shape[-1],))
+    H = cache.out_shape[-3]
+    return weights.reshape(weights.shape[:-4] + (H,) + weights.shape[-2:])
