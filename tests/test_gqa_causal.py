@@ -169,6 +169,10 @@ def test_gqa_needs_enable_gqa_and_a_divisor():
         assert call(q, np.ones((1, 5, 4)), np.ones((1, 5, 4)))[0].shape == (8, 3, 4)  # MQA
     out, weights = qkvnp.scaled_dot_product_attention(q, k, k, enable_gqa=True, return_weights=True)
     assert out.shape == (8, 3, 4) and weights.shape == (8, 3, 5)
+    # a value with a batch dim the query and key lack: the weights keep their own dims
+    out, weights = qkvnp.scaled_dot_product_attention(q, k, np.ones((3, 2, 5, 4)), enable_gqa=True,
+                                                      return_weights=True)
+    assert out.shape == (3, 8, 3, 4) and weights.shape == (8, 3, 5)
 
 
 @pytest.mark.parametrize("path", CORES)
