@@ -1,52 +1,119 @@
-"""Why Q, K and V? Train kv-recall with separate, tied and missing projections.
+"""Why Q, K and V? Train kv-recall and partner with separate, tied and missing projections.
 
-Shape key: P stored pairs, E model width (``dim``).
+Shape key: P stored pairs, E model width (``dim``), K key vocabulary.
 
 The seeds ask: "why do we need key, value and query; could I use only one of
 them?". This command answers by experiment. The same
-:class:`~qkvnp.training.models.KVRecallModel` is trained on the same ``kv-recall``
-data with four projection variants:
+:class:`~qkvnp.training.models.KVRecallModel` is trained with four projection
+variants:
 
 ``separate``  independent ``W_query``, ``W_key``, ``W_value`` (the standard layer)
 ``tied_qk``   one matrix for queries and keys (``Q = K``), its own ``W_value``
 ``no_value``  ``W_query`` and ``W_key``, but values are the tokens themselves
 ``shared``    one matrix for all three
 
-for several seeds each and at several model widths (default 8 and 16, 3000
-steps per run: about 2-3 minutes on 2 cores), and prints the held-out
-accuracy (mean, spread, worst and best) per variant and width. Every run is
-:func:`qkvnp.training.loop.train` with only ``variant``, ``dim`` and ``seed`` changed.
+on two tasks (:mod:`qkvnp.training.tasks`):
+
+``kv-recall``  answer with the value stored under the query's own key. The
+               relation "this item's key is mine" is symmetric, and tied
+               ``Q = K`` learns it as well as separate projections do.
+``partner``    answer with the value stored under the query key's partner
+               (a fixed random pairing). With ``Q = K`` the score is a
+               symmetric form ``x^T W W^T y``; for each pair of partners
+               ``a, b`` the two margins "partner minus own" add up to
+               ``-(a - b)^T W W^T (a - b) <= 0``, so one of the two queries
+               prefers its own entry: tied ``Q = K`` (and ``shared``) can
+               answer about half of the queries at most, at any width.
+               Separate ``W_query``, ``W_key`` give a general bilinear form
+               ``W_query W_key^T`` with no such limit.
+
+Each (task, width, variant, seed) is :func:`qkvnp.training.loop.train` with
+only ``task``, ``variant``, ``dim`` and ``seed`` changed. The command prints
+one table per task (held-out accuracy: mean, spread, min and max over
+seeds), then a takeaway paragraph computed from the numbers. Defaults: 3000
+steps, seeds 0..2, widths 8, 16 (kv-recall) and 8, 16, 32 (partner): about
+3-4 minutes on 2 cores; ``--quick`` (width 16, 2 seeds, 2000 steps) under one
+minute. ``docs/derivations.md`` (section 12) gives the pair argument.
 
 Examples
 --------
 >>> rows = run_ablation(variants=("separate", "shared"), seeds=1, dims=(4,), steps=2,
-...                     base=dict(num_keys=8, num_values=8, num_pairs=4, eval_size=8))
->>> [(row["variant"], row["dim"], row["seed"]) for row in rows]
-[('separate', 4, 0), ('shared', 4, 0)]
+...                     base=dict(num_keys=8, num_values=8, num_pairs=4, eval_size=8),
+...                     task="partner")
+>>> [(row["task"], row["variant"], row["dim"], row["seed"]) for row in rows]
+[('partner', 'separate', 4, 0), ('partner', 'shared', 4, 0)]
 >>> table = summarize(rows)
->>> table[0]["runs"], sorted(table[0])[:3]
-(1, ['accuracies', 'dim', 'max'])
+>>> table[0]["runs"], table[0]["seeds"]
+(1, [0])
 """
+import json
+import os
 import sys
 import time
 
 import numpy as np
 
 from .._checks import check_int
+from .._io import atomic_write, check_writable
 
-__all__ = ["run_ablation", "summarize", "format_table", "add_arguments", "run"]
+__all__ = [
+    "ABLATION_TASKS",
+    "DEFAULT_DIMS",
+    "DEFAULT_STEPS",
+    "QUICK",
+    "run_ablation",
+    "prefers_own",
+    "summarize",
+    "format_table",
+    "takeaway",
+    "to_json",
+    "pair_example",
+    "plot_ablation",
+    "add_arguments",
+    "run",
+]
 
+ABLATION_TASKS = ("kv-recall", "partner")
 # NOTE: measured defaults. At the train command's width (64) every variant
-# reaches 100% held-out accuracy in 1000 steps, so the question is only
-# interesting for narrow models; 3000 steps let them converge (at 1000 the
-# table mixes capacity with learning speed).
-DEFAULT_DIMS = (8, 16)
+# reaches 100% on kv-recall in 1000 steps, so that task is only interesting
+# for narrow models; partner adds width 32, where separate is at 100% and
+# tied Q=K has room to spare but still stops near the bound (about 50%).
+# 3000 steps let every variant converge (at 1000 the table mixes capacity
+# with learning speed).
+DEFAULT_DIMS = {"kv-recall": (8, 16), "partner": (8, 16, 32)}
 DEFAULT_STEPS = 3000
+DEFAULT_SEEDS = 3
+QUICK = {"dims": (16,), "seeds": 2, "steps": 2000}
 
 
-def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS, base=None,
-                 callback=None):
-    """Train every (width, variant, seed) and return one row per run.
+# ---------------------------------------------------------------- runs
+
+
+def prefers_own(model, batch):
+    """Share of partner sequences whose query weighs its own entry above its partner's.
+
+    Parameters
+    ----------
+    model : KVRecallModel
+    batch : PartnerBatch
+
+    Returns
+    -------
+    float
+        In ``[0, 1]``. The pair bound says that a model with ``Q = K`` has
+        at least one query of each pair of partners at or above one half
+        here (for values drawn independently of the keys); separate
+        projections can bring it to 0.
+    """
+    _, weights = model.forward(batch.keys, batch.values, batch.query,
+                               return_weights=True)  # (B, V), (B, P)
+    rows = np.arange(len(batch.query))
+    return float(np.mean(weights[rows, batch.own] > weights[rows, batch.position]))
+
+
+def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_STEPS, base=None,
+                 callback=None, task="kv-recall", keep_models=False):
+    """Train every (width, variant, seed) of one task and return one row per run.
 
     Parameters
     ----------
@@ -54,85 +121,358 @@ def run_ablation(variants=None, seeds=3, dims=DEFAULT_DIMS, steps=DEFAULT_STEPS,
         Default: all of :data:`qkvnp.training.models.VARIANTS`.
     seeds : int
         Seeds ``0 .. seeds-1`` per variant and width.
-    dims : sequence of int
-        Model widths ``E``.
+    dims : sequence of int, optional
+        Model widths ``E`` (default :data:`DEFAULT_DIMS` of ``task``).
     steps : int or None
         Steps per run (default 3000; None: the train command's default, 1000).
     base : dict, optional
         Other :class:`qkvnp.training.loop.TrainConfig` fields shared by every run.
     callback : callable, optional
         Called with each row as it completes.
+    task : {"kv-recall", "partner"}
+    keep_models : bool
+        Also keep each trained model in its row (for :func:`pair_example`).
 
     Returns
     -------
     list of dict
-        ``variant, dim, seed, accuracy, loss, parameters, seconds``.
-    """
-    from .models import VARIANTS
-    from .loop import TrainConfig, train
+        ``task, variant, dim, seed, accuracy, loss, parameters, seconds,
+        prefers_own`` (None on kv-recall; see :func:`prefers_own`), and
+        ``model`` with ``keep_models``.
 
+    Raises
+    ------
+    ValueError, TypeError
+        For an unknown task or variant, ``seeds < 1``, or a configuration
+        that :meth:`TrainConfig.resolved` refuses; every configuration is
+        checked before the first run.
+    """
+    from .loop import TrainConfig, train
+    from .models import VARIANTS
+    from .tasks import make_streams
+
+    if task not in ABLATION_TASKS:
+        raise ValueError(f"task must be one of {ABLATION_TASKS}, got {task!r}")
     variants = tuple(VARIANTS) if variants is None else tuple(variants)
     for variant in variants:
         if variant not in VARIANTS:
             raise ValueError(f"variants must be among {tuple(VARIANTS)}, got {variant!r}")
     seeds = check_int(seeds, "seeds", 1, expected="a positive int")
-    base = dict(base or {})
+    dims = DEFAULT_DIMS[task] if dims is None else tuple(dims)
+    configs = [TrainConfig(**{**dict(base or {}), "task": task, "variant": variant,
+                              "dim": int(dim), "seed": seed, "steps": steps}).resolved()
+               for dim in dims for variant in variants for seed in range(seeds)]
     rows = []
-    for dim in dims:
-        for variant in variants:
-            for seed in range(seeds):
-                config = TrainConfig(**{**base, "task": "kv-recall", "variant": variant,
-                                        "dim": int(dim), "seed": seed, "steps": steps})
-                result = train(config)
-                row = {"variant": variant, "dim": int(dim), "seed": seed,
-                       "accuracy": result.heldout["accuracy"], "loss": result.heldout["loss"],
-                       "parameters": result.model.num_parameters(), "seconds": result.seconds}
-                rows.append(row)
-                if callback is not None:
-                    callback(row)
+    for config in configs:
+        result = train(config)
+        row = {"task": task, "variant": config.variant, "dim": config.dim, "seed": config.seed,
+               "accuracy": result.heldout["accuracy"], "loss": result.heldout["loss"],
+               "parameters": result.model.num_parameters(), "seconds": result.seconds,
+               "prefers_own": None}
+        if task == "partner":
+            heldout = result.task.sample(make_streams(config.seed).heldout, config.eval_size)
+            row["prefers_own"] = prefers_own(result.model, heldout)
+        if keep_models:
+            row["model"] = result.model
+        rows.append(row)
+        if callback is not None:
+            callback(row)
     return rows
 
 
 def summarize(rows):
-    """Group rows by (width, variant): accuracy mean, sample standard deviation, min, max.
+    """Group rows by (task, width, variant): accuracy mean, sample standard deviation, min, max.
 
     Returns
     -------
     list of dict
-        ``dim, variant, runs, mean, std, min, max, parameters, accuracies``
-        in the order the groups first appear. ``std`` is 0 for one run.
+        ``task, dim, variant, runs, seeds, mean, std, min, max, parameters,
+        accuracies, prefers_own`` (the mean over seeds, or None) in the order
+        the groups first appear. ``std`` is 0 for one run.
     """
     groups = {}
     for row in rows:
-        groups.setdefault((row["dim"], row["variant"]), []).append(row)
+        groups.setdefault((row.get("task", "kv-recall"), row["dim"], row["variant"]), []).append(row)
     table = []
-    for (dim, variant), group in groups.items():
+    for (task, dim, variant), group in groups.items():
         accuracies = np.array([row["accuracy"] for row in group])
+        own = [row["prefers_own"] for row in group if row.get("prefers_own") is not None]
         table.append({
-            "dim": dim, "variant": variant, "runs": len(group),
+            "task": task, "dim": dim, "variant": variant, "runs": len(group),
+            "seeds": [row["seed"] for row in group],
             "mean": float(accuracies.mean()),
             "std": float(accuracies.std(ddof=1)) if len(group) > 1 else 0.0,
             "min": float(accuracies.min()), "max": float(accuracies.max()),
             "parameters": group[0]["parameters"], "accuracies": accuracies.tolist(),
+            "prefers_own": float(np.mean(own)) if own else None,
         })
     return table
 
 
+def _percent(fraction):
+    """Percent with two decimals, the one rounding of the table and the takeaway."""
+    return f"{100 * fraction:.2f}%"
+
+
 def format_table(table):
-    """The summary as aligned text lines (accuracies in percent)."""
-    lines = [f"{'width':>5}  {'variant':<9} {'params':>7}  {'runs':>4}  "
-             f"{'held-out accuracy':>19}  {'worst':>6}  {'best':>6}"]
+    """The summary as aligned text lines (accuracies in percent, all rounded to 0.01).
+
+    One run prints its accuracy alone (no spread, no min and max); several
+    print ``mean ± sample standard deviation`` and the min and max over
+    seeds. Partner rows add ``prefers own`` (:func:`prefers_own`).
+    """
+    with_own = any(entry["prefers_own"] is not None for entry in table)
+    header = (f"{'width':>5}  {'variant':<9} {'params':>7}  {'seeds':>5}  "
+              f"{'held-out accuracy':>17}  {'min':>7}  {'max':>7}")
+    lines = [header + (f"  {'prefers own':>11}" if with_own else "")]
     previous_dim = None
     for entry in table:
         if previous_dim is not None and entry["dim"] != previous_dim:
             lines.append("")
         previous_dim = entry["dim"]
-        lines.append(
-            f"{entry['dim']:>5}  {entry['variant']:<9} {entry['parameters']:>7,}  "
-            f"{entry['runs']:>4}  {100 * entry['mean']:>8.2f}% ± {100 * entry['std']:>5.2f}  "
-            f"{100 * entry['min']:>5.1f}%  {100 * entry['max']:>5.1f}%"
-        )
+        if entry["runs"] > 1:
+            accuracy = f"{_percent(entry['mean'])} ± {100 * entry['std']:.2f}"
+            low, high = _percent(entry["min"]), _percent(entry["max"])
+        else:
+            accuracy, low, high = _percent(entry["mean"]), "", ""
+        line = (f"{entry['dim']:>5}  {entry['variant']:<9} {entry['parameters']:>7,}  "
+                f"{entry['runs']:>5}  {accuracy:>17}  {low:>7}  {high:>7}")
+        if with_own:
+            own = entry["prefers_own"]
+            line += f"  {'' if own is None else _percent(own):>11}"
+        lines.append(line.rstrip())
     return lines
+
+
+# ---------------------------------------------------------------- what the numbers say
+
+
+def _by_variant(table, task, variant):
+    return sorted((entry for entry in table if entry["task"] == task and entry["variant"] == variant),
+                  key=lambda entry: entry["dim"])
+
+
+def _widths(entries):
+    return ", ".join(str(entry["dim"]) for entry in entries)
+
+
+def takeaway(table):
+    """One paragraph computed from :func:`summarize`'s table (no sentence is written in advance).
+
+    Parameters
+    ----------
+    table : list of dict
+        Entries of one or both tasks.
+
+    Returns
+    -------
+    str
+        Empty when the table holds neither ``separate`` nor a tied variant.
+    """
+    sentences = []
+    separate = _by_variant(table, "partner", "separate")
+    tied = _by_variant(table, "partner", "tied_qk")
+    shared = _by_variant(table, "partner", "shared")
+    no_value = _by_variant(table, "partner", "no_value")
+    if tied:
+        best = max(entry["max"] for entry in tied)
+        own = [entry["prefers_own"] for entry in tied if entry["prefers_own"] is not None]
+        sentence = (f"On partner, tied Q=K {'reaches at most' if best <= 0.6 else 'reaches up to'} "
+                    f"{_percent(best)} in any run (widths {_widths(tied)}; means "
+                    f"{', '.join(_percent(entry['mean']) for entry in tied)})")
+        if own:
+            sentence += (f", and its query weighs its own entry above its partner's in "
+                         f"{_percent(min(own))} to {_percent(max(own))} of the held-out sequences")
+        top = separate[-1] if separate else None
+        if top is not None:
+            sentence += (f", while separate W_query and W_key reach {_percent(top['mean'])} at "
+                         f"width {top['dim']} (min {_percent(top['min'])})")
+        if best > 0.6:
+            sentence += (": above the pair bound's ceiling of about half (the values' embeddings "
+                         "in the stored tokens can shift it only by chance), so look at the runs")
+        elif top is not None and top["mean"] >= 0.9:
+            sentence += (": for every pair of partners one of the two queries prefers its own "
+                         "entry, as the pair bound says, so about half is tied Q=K's ceiling "
+                         "at any width, and the width is not what stops it")
+        else:
+            sentence += (": separate projections did not learn the task either, so these runs "
+                         "are too short or too narrow to tell the variants apart")
+        sentences.append(sentence + ".")
+    if shared:
+        best = max(entry["max"] for entry in shared)
+        sentences.append(f"One shared matrix for Q, K and V is tied too and stays at "
+                         f"{_percent(best)} at best.")
+    if no_value and separate:
+        gaps = [(s["mean"] - n["mean"], s["dim"], s["mean"], n["mean"])
+                for s, n in zip(separate, no_value) if s["dim"] == n["dim"]]
+        if gaps:
+            gap, dim, with_value, without = max(gaps)
+            if gap > 0.01:
+                sentences.append(
+                    f"Dropping W_value (the attended tokens themselves are the values) costs up "
+                    f"to {100 * gap:.2f} points, at width {dim} ({_percent(without)} against "
+                    f"{_percent(with_value)}): without it the stored key's embedding reaches "
+                    "the readout mixed into every value, and the embeddings must keep the two "
+                    "apart in the dimensions they share.")
+            else:
+                sentences.append(
+                    f"Dropping W_value costs at most {100 * max(gap, 0.0):.2f} points here "
+                    f"(width {dim}: {_percent(without)} against {_percent(with_value)}).")
+    kv_separate = _by_variant(table, "kv-recall", "separate")
+    kv_tied = _by_variant(table, "kv-recall", "tied_qk")
+    if kv_separate and kv_tied:
+        top_s, top_t = kv_separate[-1], kv_tied[-1]
+        difference = top_t["mean"] - top_s["mean"]
+        relation = ("as well as" if abs(difference) <= 0.01
+                    else "better than" if difference > 0 else "less well than")
+        sentences.append(
+            f"On kv-recall, where the query asks for its own key (a symmetric relation), tied "
+            f"Q=K does {relation} separate projections ({_percent(top_t['mean'])} against "
+            f"{_percent(top_s['mean'])} at width {top_s['dim']})"
+            + (": that task alone cannot show why queries and keys need their own matrices."
+               if difference >= -0.01 else "."))
+    return " ".join(sentences)
+
+
+def to_json(table, steps):
+    """The ``--json`` document: ``{task: [entry, ...]}`` (accuracies as fractions in [0, 1]).
+
+    Each entry holds ``variant, width, seeds`` (the list of seeds),
+    ``accuracy_mean, accuracy_min, accuracy_max``, and also ``accuracy_std``
+    (sample standard deviation, 0 for one seed), ``accuracies`` (per seed,
+    in the order of ``seeds``), ``parameters``, ``steps`` and, on partner,
+    ``prefers_own`` (:func:`prefers_own`, mean over seeds).
+    """
+    document = {}
+    for entry in table:
+        item = {"variant": entry["variant"], "width": entry["dim"], "seeds": entry["seeds"],
+                "accuracy_mean": entry["mean"], "accuracy_min": entry["min"],
+                "accuracy_max": entry["max"], "accuracy_std": entry["std"],
+                "accuracies": entry["accuracies"], "parameters": entry["parameters"],
+                "steps": steps}
+        if entry["prefers_own"] is not None:
+            item["prefers_own"] = entry["prefers_own"]
+        document.setdefault(entry["task"], []).append(item)
+    return document
+
+
+# ---------------------------------------------------------------- plot
+
+
+def pair_example(models, seed=0, base=None):
+    """Attention of two partner queries ``a`` and ``b = pi(a)`` over the same stored items.
+
+    The first held-out sequence of the partner task (seed ``seed``) is asked
+    twice: for its query key ``a`` and for ``a``'s partner ``b``; both are
+    stored in it. Separate projections put each query's weight on the
+    other's entry; with ``Q = K`` the pair bound makes at least one of the
+    two rows sit on its own entry.
+
+    Parameters
+    ----------
+    models : dict
+        Label -> trained partner :class:`KVRecallModel` (the same task
+        settings and ``seed``).
+    seed : int
+        The run's seed (it fixes the pairing and the held-out set).
+    base : dict, optional
+        The task's :class:`TrainConfig` fields (``num_keys`` ...).
+
+    Returns
+    -------
+    weights : dict
+        Label -> ndarray ``(2, P)``: row 0 asks ``a``, row 1 asks ``b``.
+    xlabels : list of str
+        ``key:value`` per stored item, ``a`` and ``b`` marked.
+    ylabels : list of str
+    """
+    from .loop import TrainConfig, build_task
+    from .tasks import make_streams
+
+    config = TrainConfig(**{**dict(base or {}), "task": "partner", "seed": seed}).resolved()
+    streams = make_streams(seed)
+    task = build_task(config, streams.teacher)
+    one = task.sample(streams.heldout, config.eval_size)  # the run's held-out set
+    keys = np.repeat(one.keys[:1], 2, axis=0)  # (1, P) -> (2, P)
+    values = np.repeat(one.values[:1], 2, axis=0)  # (1, P) -> (2, P)
+    a = int(one.query[0])
+    b = int(task.partner[a])
+    query = np.array([a, b])  # (2,)
+    weights = {label: model.forward(keys, values, query, return_weights=True)[1]  # (2, P)
+               for label, model in models.items()}
+    xlabels = [f"{k}:{v}" + (" (a)" if k == a else " (b)" if k == b else "")
+               for k, v in zip(keys[0].tolist(), values[0].tolist())]
+    return weights, xlabels, [f"asks a={a}", f"asks b={b}"]
+
+
+def plot_ablation(table, path, example=None, stream=None):
+    """Accuracy against width (one panel per task, one line per variant) and the pair heat maps.
+
+    matplotlib is optional (``pip install 'qkvnp[plot]'``); without it this
+    prints how to install it and returns False. The figure is written
+    atomically (:func:`qkvnp._io.atomic_write`).
+
+    Parameters
+    ----------
+    table : list of dict
+        :func:`summarize`'s entries.
+    path : str or os.PathLike
+        Output file; its extension (png, pdf, svg) picks the format.
+    example : tuple, optional
+        :func:`pair_example`'s result, drawn as one heat map per model.
+    stream : file, optional
+        Where the messages go (default ``sys.stdout``).
+
+    Returns
+    -------
+    bool
+        True if the figure was written.
+    """
+    stream = sys.stdout if stream is None else stream
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed; install it with "
+              "pip install 'qkvnp[plot]'  (or pip install matplotlib). The results above are "
+              "unaffected.", file=stream)
+        return False
+    tasks = list(dict.fromkeys(entry["task"] for entry in table))
+    weights = {} if example is None else example[0]
+    panels = len(tasks) + len(weights)
+    figure = Figure(figsize=(4.5 * panels, 4.2), layout="constrained")
+    axes = np.atleast_1d(figure.subplots(1, panels))
+    for ax, task in zip(axes, tasks):
+        for variant in dict.fromkeys(entry["variant"] for entry in table):
+            entries = _by_variant(table, task, variant)
+            if not entries:
+                continue
+            dims = [entry["dim"] for entry in entries]
+            means = np.array([100 * entry["mean"] for entry in entries])
+            spread = np.array([[100 * (entry["mean"] - entry["min"]) for entry in entries],
+                               [100 * (entry["max"] - entry["mean"]) for entry in entries]])
+            ax.errorbar(dims, means, yerr=spread, marker="o", capsize=3, label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("width E")
+        ax.set_ylabel("held-out accuracy (%), min to max over seeds")
+        ax.set_ylim(0, 102)
+        ax.set_title(task)
+        ax.legend(fontsize=8)
+    for ax, (label, matrix) in zip(axes[len(tasks):], weights.items()):
+        xlabels, ylabels = example[1], example[2]
+        image = ax.imshow(matrix, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_xticks(range(len(xlabels)), xlabels, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(ylabels)), ylabels)
+        ax.set_title(f"partner, {label}: attention of a and of its partner b", fontsize=9)
+        ax.set_xlabel("stored key:value")
+        figure.colorbar(image, ax=ax, label="attention weight")
+    path = os.fspath(path)
+    with atomic_write(path) as f:
+        figure.savefig(f, format=os.path.splitext(path)[1][1:] or "png", dpi=120)
+    print(f"plot written to {path}", file=stream)
+    return True
+
+
+# ---------------------------------------------------------------- command line
 
 
 def _int_list(text):
@@ -152,39 +492,83 @@ def add_arguments(parser):
     """Add the ``ablation`` options to an ``argparse`` parser."""
     from .models import VARIANTS
 
-    parser.add_argument("--seeds", type=int, default=3, metavar="N",
-                        help="seeds per variant and width (default 3)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
+    parser.add_argument("--task", choices=ABLATION_TASKS + ("all",), default="all",
+                        help="kv-recall (symmetric: the query asks for its own key), partner "
+                             "(asymmetric: the value of the key's partner), or all (default)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"width {QUICK['dims'][0]}, {QUICK['seeds']} seeds, "
+                             f"{QUICK['steps']} steps (under a minute; the options below "
+                             "still override)")
+    parser.add_argument("--seeds", type=int, default=None, metavar="N",
+                        help=f"seeds per variant and width (default {DEFAULT_SEEDS})")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help=f"training steps per run (default {DEFAULT_STEPS})")
-    parser.add_argument("--dims", type=_int_list, default=DEFAULT_DIMS, metavar="E,E,...",
-                        help="model widths (default 8,16; at the train command's width 64 "
-                             "every variant reaches 100%%)")
+    parser.add_argument("--dims", type=_int_list, default=None, metavar="E,E,...",
+                        help="model widths (default: kv-recall 8,16; partner 8,16,32)")
     parser.add_argument("--variants", type=lambda text: tuple(text.split(",")),
                         default=tuple(VARIANTS), metavar="V,V,...",
                         help="default: " + ",".join(VARIANTS))
     parser.add_argument("--num-pairs", type=int, default=None, help="pairs per sequence (default 16)")
-    parser.add_argument("--num-keys", type=int, default=None, help="default 64")
+    parser.add_argument("--num-keys", type=int, default=None, help="default 64 (even for partner)")
     parser.add_argument("--num-values", type=int, default=None, help="default 64")
     parser.add_argument("--eval-size", type=int, default=None, help="held-out sequences (default 2000)")
-    parser.add_argument("--quiet", action="store_true", help="print the table only")
+    parser.add_argument("--json", metavar="OUT.json", default=None,
+                        help="also write the summary as JSON: {task: [{variant, width, seeds, "
+                             "accuracy_mean, accuracy_min, accuracy_max, ...}]}")
+    parser.add_argument("--plot", metavar="OUT.png", default=None,
+                        help="accuracy against width per task and the attention of one partner "
+                             "pair, separate vs tied (needs pip install 'qkvnp[plot]')")
+    parser.add_argument("--quiet", action="store_true", help="print the tables only")
+
+
+def _error(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _plan(args):
+    """``[(task, dims)]``, seeds, steps: the defaults, ``--quick``'s, then the options given."""
+    quick = QUICK if args.quick else {}
+    seeds = args.seeds if args.seeds is not None else quick.get("seeds", DEFAULT_SEEDS)
+    steps = args.steps if args.steps is not None else quick.get("steps", DEFAULT_STEPS)
+    tasks = ABLATION_TASKS if args.task == "all" else (args.task,)
+    plan = [(task, args.dims or quick.get("dims") or DEFAULT_DIMS[task]) for task in tasks]
+    return plan, seeds, steps
 
 
 def run(args):
     """Run ``python -m qkvnp ablation``; return the exit code."""
+    from .config import TrainConfig
     from .models import VARIANTS
 
-    if args.seeds < 1:
-        print(f"error: --seeds must be >= 1, got {args.seeds}", file=sys.stderr)
-        return 2
+    plan, seeds, steps = _plan(args)
+    if seeds < 1:
+        return _error(f"--seeds must be >= 1, got {seeds}")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
-        print(f"error: --variants: unknown {unknown}; choose among {','.join(VARIANTS)}",
-              file=sys.stderr)
-        return 2
+        return _error(f"--variants: unknown {unknown}; choose among {','.join(VARIANTS)}")
     base = {name: getattr(args, name) for name in ("num_pairs", "num_keys", "num_values",
                                                    "eval_size")
             if getattr(args, name) is not None}
-    total = len(args.dims) * len(args.variants) * args.seeds
+    try:  # every run's configuration, before the first one trains
+        for task, dims in plan:
+            for dim in dims:
+                TrainConfig(**{**base, "task": task, "dim": dim, "steps": steps}).resolved()
+        for name in ("json", "plot"):
+            if getattr(args, name) is not None:
+                check_writable(getattr(args, name), "--" + name)
+    except (TypeError, ValueError, OSError) as exc:
+        return _error(exc)
+    plot = args.plot
+    if plot is not None:
+        try:
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            print(f"--plot {plot}: matplotlib is not installed; install it with pip install "
+                  "'qkvnp[plot]'  (or pip install matplotlib). Running without the plot.",
+                  flush=True)
+            plot = None
+    total = sum(len(dims) for _, dims in plan) * len(args.variants) * seeds
     done = []
     started = time.perf_counter()
 
@@ -194,19 +578,49 @@ def run(args):
             return
         elapsed = time.perf_counter() - started
         left = elapsed / len(done) * (total - len(done))
-        print(f"[{len(done):>{len(str(total))}}/{total}] width {row['dim']:>3} "
-              f"{row['variant']:<9} seed {row['seed']}: held-out {100 * row['accuracy']:6.2f}% "
+        print(f"[{len(done):>{len(str(total))}}/{total}] {row['task']:<9} width {row['dim']:>3} "
+              f"{row['variant']:<9} seed {row['seed']}: held-out {_percent(row['accuracy']):>7} "
               f"({row['seconds']:.1f}s, about {left:.0f}s left)", file=sys.stderr, flush=True)
 
-    try:
-        rows = run_ablation(args.variants, args.seeds, args.dims, args.steps, base, report)
-    except (TypeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"kv-recall ablation: {args.steps} steps per run, seeds 0..{args.seeds - 1}, "
-          f"{time.perf_counter() - started:.0f}s in total")
-    for line in format_table(summarize(rows)):
-        print(line)
-    print("held-out accuracy: mean ± sample standard deviation over seeds; "
-          f"chance is {100 / (args.num_values or 64):.1f}%")
+    rows = []
+    for task, dims in plan:
+        rows += run_ablation(args.variants, seeds, dims, steps, base, report, task=task,
+                             keep_models=plot is not None)
+    table = summarize(rows)
+    chance = 100 / (args.num_values or 64)
+    for task, _ in plan:
+        print(f"{task} ablation: {steps} steps per run, seeds 0..{seeds - 1}")
+        for line in format_table([entry for entry in table if entry["task"] == task]):
+            print(line)
+        print()
+    print(f"held-out accuracy: mean ± sample standard deviation over seeds (one seed: its "
+          f"value), min and max over seeds; chance is {chance:.1f}%."
+          + (" prefers own: share of held-out partner sequences whose query weighs its own "
+             "entry above its partner's." if any(task == "partner" for task, _ in plan) else ""))
+    paragraph = takeaway(table)
+    if paragraph:
+        print()
+        print(paragraph)
+    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f}s")
+    if args.json is not None:
+        with atomic_write(args.json, "w") as f:
+            json.dump(to_json(table, steps), f, indent=1)
+            f.write("\n")
+        print(f"summary written to {args.json}")
+    if plot is not None:
+        example = None
+        partner_rows = [row for row in rows if row["task"] == "partner" and row["seed"] == 0]
+        if partner_rows:
+            widest = max(row["dim"] for row in partner_rows)
+            models = {row["variant"]: row["model"] for row in partner_rows
+                      if row["dim"] == widest and row["variant"] in ("separate", "tied_qk")}
+            if models:
+                example = pair_example({f"{label}, width {widest}": model
+                                        for label, model in models.items()}, 0, base=base)
+        try:
+            plot_ablation(table, plot, example)
+        except OSError as exc:
+            print(f"error: --plot: could not write {plot!r} ({exc.strerror or exc}); the "
+                  "results above are unaffected", file=sys.stderr)
+            return 1
     return 0

@@ -21,15 +21,15 @@ import sys
 
 from .._io import check_writable
 from .checkpoint import CheckpointError, load_checkpoint
-from .config import TASK_DEFAULTS, TrainConfig
+from .config import LOOKUP_TASKS, TASK_DEFAULTS, TrainConfig
 from .loop import SaveError, build_model, check_resume, checkpoint_layout, scheduled_lr, train
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
 # options that only mean something for one task / optimizer / schedule
-_TASK_OPTIONS = {
-    "kv-recall": ("num_keys", "num_values", "num_pairs", "dim", "variant"),
-    "teacher": ("embed_dim", "num_heads", "seq_len"),
+_TASK_OPTIONS = {  # tasks -> their options
+    LOOKUP_TASKS: ("num_keys", "num_values", "num_pairs", "dim", "variant"),
+    ("teacher",): ("embed_dim", "num_heads", "seq_len"),
 }
 _CONFIG_OPTIONS = [field.name for field in dataclasses.fields(TrainConfig)]
 
@@ -40,14 +40,16 @@ def add_arguments(parser):
 
     parser.add_argument("--task", choices=tuple(TASK_DEFAULTS), default=None,
                         help="kv-recall (default): recall the value stored under a key; "
+                             "partner: recall the value stored under the key's partner "
+                             "(a fixed random pairing; tied Q=K cannot learn it); "
                              "teacher: a student attention layer fits a random teacher")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="total optimizer steps, counting those of a resumed checkpoint, "
                              "and the cosine schedule's horizon "
-                             "(default: kv-recall 1000, teacher 2000)")
+                             "(default: kv-recall and partner 1000, teacher 2000)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="peak learning rate (default: kv-recall 5e-3, teacher 2e-2; "
-                             "sgd: kv-recall 0.05, teacher 0.5)")
+                        help="peak learning rate (default: kv-recall and partner 5e-3, teacher "
+                             "2e-2; sgd: kv-recall and partner 0.05, teacher 0.5)")
     parser.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default=None,
                         help="default adam; sgd uses --momentum")
     parser.add_argument("--momentum", type=float, default=None,
@@ -70,11 +72,12 @@ def add_arguments(parser):
     parser.add_argument("--dropout", type=float, default=None, metavar="P",
                         help="dropout on the attention weights while training, in [0, 1) "
                              "(default 0)")
-    kv = parser.add_argument_group("kv-recall")
-    kv.add_argument("--num-keys", type=int, default=None, help="key vocabulary (default 64)")
+    kv = parser.add_argument_group("kv-recall and partner")
+    kv.add_argument("--num-keys", type=int, default=None,
+                    help="key vocabulary (default 64; even for partner)")
     kv.add_argument("--num-values", type=int, default=None, help="value vocabulary (default 64)")
     kv.add_argument("--num-pairs", type=int, default=None,
-                    help="pairs per sequence, at most --num-keys (default 16)")
+                    help="pairs per sequence, at most --num-keys (default 16; partner: >= 2)")
     kv.add_argument("--dim", type=int, default=None, help="model width (default 64)")
     kv.add_argument("--variant", choices=tuple(VARIANTS), default=None,
                     help="Q/K/V projections: separate (default), tied_qk, no_value, shared")
@@ -125,11 +128,12 @@ def _as_options(message):
 
 def _check_applicable(args, config):
     """Refuse options given for another task, optimizer or schedule than ``config``'s."""
-    for task, names in _TASK_OPTIONS.items():
+    for tasks, names in _TASK_OPTIONS.items():
         given = [_option(name) for name in names if getattr(args, name) is not None]
-        if given and config.task != task:
+        if given and config.task not in tasks:
             raise _usage_error(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
-                               f"to --task {task} only (this run's task is {config.task})")
+                               f"to --task {' and '.join(tasks)} only (this run's task is "
+                               f"{config.task})")
     if args.momentum is not None and config.optimizer != "sgd":
         raise _usage_error(f"--momentum applies to --optimizer sgd only (this run uses "
                            f"{config.optimizer})")

@@ -18,6 +18,7 @@ from .._checks import check_int
 __all__ = [
     "TrainConfig",
     "TASK_DEFAULTS",
+    "LOOKUP_TASKS",
     "SGD_LR",
     "RESUMABLE_CHANGES",
     "MAXIMA",
@@ -28,9 +29,12 @@ __all__ = [
 TASK_DEFAULTS = {
     # task -> defaults that differ between tasks (measured on a 2-core machine)
     "kv-recall": {"steps": 1000, "lr": 5e-3},
+    "partner": {"steps": 1000, "lr": 5e-3},
     "teacher": {"steps": 2000, "lr": 2e-2},
 }
-SGD_LR = {"kv-recall": 0.05, "teacher": 0.5}
+SGD_LR = {"kv-recall": 0.05, "partner": 0.05, "teacher": 0.5}
+# tasks that store key/value pairs and query one key (the same model, the same fields)
+LOOKUP_TASKS = ("kv-recall", "partner")
 # fields that may differ between a checkpoint and the run resuming it
 RESUMABLE_CHANGES = ("steps", "eval_every", "eval_size")
 
@@ -69,7 +73,7 @@ class TrainConfig:
 
     Attributes
     ----------
-    task : {"kv-recall", "teacher"}
+    task : {"kv-recall", "partner", "teacher"}
     steps : int
         Total optimizer steps of the run (a resumed run continues up to it).
         Also the horizon of the cosine schedule.
@@ -92,7 +96,9 @@ class TrainConfig:
     eval_size : int
         Number of held-out sequences.
     num_keys, num_values, num_pairs, dim, variant
-        kv-recall task and model (see :class:`qkvnp.training.models.KVRecallModel`).
+        kv-recall and partner tasks and their model (see
+        :class:`qkvnp.training.models.KVRecallModel`); partner needs an even
+        ``num_keys`` and ``num_pairs >= 2``.
     embed_dim, num_heads, seq_len
         teacher task and student.
     dropout : float
@@ -171,9 +177,15 @@ class TrainConfig:
             if getattr(config, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
         # NOTE: the other task's fields are not used; only their types and ranges are checked
-        if config.task == "kv-recall" and config.num_pairs > config.num_keys:
+        if config.task in LOOKUP_TASKS and config.num_pairs > config.num_keys:
             raise ValueError(f"num_pairs must be <= num_keys={config.num_keys} (keys of a "
                              f"sequence are distinct), got num_pairs={config.num_pairs}")
+        if config.task == "partner" and config.num_keys % 2:
+            raise ValueError(f"num_keys must be even for partner (every key needs a partner), "
+                             f"got num_keys={config.num_keys}")
+        if config.task == "partner" and config.num_pairs < 2:
+            raise ValueError(f"num_pairs must be >= 2 for partner (the query key and its "
+                             f"partner are both stored), got num_pairs={config.num_pairs}")
         if config.task == "teacher" and config.embed_dim % config.num_heads:
             raise ValueError(f"num_heads must divide embed_dim={config.embed_dim}, got "
                              f"num_heads={config.num_heads}")
@@ -207,11 +219,11 @@ def _choice(value, name, choices):
 def parameter_count(config):
     """Number of scalar parameters of ``config``'s model (an upper bound: all three projections).
 
-    kv-recall: embeddings ``(K + V) E``, the query marker ``E``, up to three
+    kv-recall and partner: embeddings ``(K + V) E``, the query marker ``E``, up to three
     ``E x E`` projections, the readout ``E V + V``. teacher: the student's
     ``4 E^2 + 4 E`` (the teacher is as large).
     """
-    if config.task == "kv-recall":
+    if config.task in LOOKUP_TASKS:
         E, K, V = config.dim, config.num_keys, config.num_values
         return (K + V) * E + E + 3 * E * E + E * V + V
     E = config.embed_dim
@@ -221,13 +233,13 @@ def parameter_count(config):
 def largest_batch_array(config):
     """Elements of the largest array one training or held-out batch makes.
 
-    kv-recall: the key permutation draw ``(B, K)``, the items ``(B, P + 1, E)``
+    kv-recall and partner: the key permutation draw ``(B, K)``, the items ``(B, P + 1, E)``
     and the logits ``(B, V)``; teacher: the weights ``(B, H, T, T)`` and the
     activations ``(B, T, E)``; with ``B`` the larger of ``batch_size`` and
     ``eval_size``.
     """
     B = max(config.batch_size, config.eval_size)
-    if config.task == "kv-recall":
+    if config.task in LOOKUP_TASKS:
         return B * max(config.num_keys, (config.num_pairs + 1) * config.dim, config.num_values)
     T = config.seq_len
     return B * T * max(config.num_heads * T, config.embed_dim)
@@ -235,11 +247,11 @@ def largest_batch_array(config):
 
 def _too_big(config, name, size):
     if name == "parameters":
-        fields = ("dim", "num_keys", "num_values") if config.task == "kv-recall" else ("embed_dim",)
+        fields = ("dim", "num_keys", "num_values") if config.task in LOOKUP_TASKS else ("embed_dim",)
         what = f"the model would have {size:,} parameters"
     else:
         fields = (("batch_size", "eval_size", "num_keys", "num_pairs", "dim", "num_values")
-                  if config.task == "kv-recall"
+                  if config.task in LOOKUP_TASKS
                   else ("batch_size", "eval_size", "seq_len", "num_heads", "embed_dim"))
         what = f"one batch would need an array of {size:,} elements"
     settings = ", ".join(f"{field}={getattr(config, field)}" for field in fields)

@@ -3,11 +3,12 @@
 Shape key: B batch, P stored key/value pairs, T sequence length, E embedding,
 V value vocabulary.
 
-``python -m qkvnp train`` trains the ``kv-recall`` model (the default task)
-or the ``teacher`` task's student, prints a live progress line and a final
+``python -m qkvnp train`` trains the ``kv-recall`` model (the default task,
+or ``partner``, its asymmetric variant) or the ``teacher`` task's student, prints a live progress line and a final
 summary, and can save, resume and plot a run::
 
     python -m qkvnp train                              # kv-recall, ~1000 steps
+    python -m qkvnp train --task partner               # answer with the partner key's value
     python -m qkvnp train --task teacher               # student learns a random teacher
     python -m qkvnp train --steps 300 --save run.npz   # stop at step 300 ...
     python -m qkvnp train --steps 1000 --resume run.npz --save run.npz  # ... go on to 1000
@@ -56,7 +57,7 @@ from .._checks import check_int
 from .._io import check_writable
 from .checkpoint import (HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint,
                          save_checkpoint)
-from .config import RESUMABLE_CHANGES, TrainConfig
+from .config import LOOKUP_TASKS, RESUMABLE_CHANGES, TrainConfig
 
 __all__ = [
     "TrainConfig",
@@ -103,11 +104,13 @@ class SaveError(OSError):
 
 
 def build_task(config, rng):
-    """The task of ``config`` (``rng``: the teacher's weights, unused by kv-recall)."""
-    from .tasks import KVRecallTask, TeacherTask
+    """The task of ``config`` (``rng``: the teacher's weights or the partner pairing; unused by kv-recall)."""
+    from .tasks import KVRecallTask, PartnerTask, TeacherTask
 
     if config.task == "kv-recall":
         return KVRecallTask(config.num_keys, config.num_values, config.num_pairs)
+    if config.task == "partner":
+        return PartnerTask(config.num_keys, config.num_values, config.num_pairs, rng=rng)
     return TeacherTask(config.embed_dim, config.num_heads, config.seq_len, rng=rng,
                        dtype=np.dtype(config.dtype))
 
@@ -116,7 +119,7 @@ def build_model(config, rng):
     """The model of ``config``, initialised from ``rng``."""
     from .models import AttentionRegressor, KVRecallModel
 
-    if config.task == "kv-recall":
+    if config.task in LOOKUP_TASKS:  # the same model: only the data differ
         return KVRecallModel(config.num_keys, config.num_values, config.dim,
                              variant=config.variant, rng=rng, dtype=np.dtype(config.dtype),
                              dropout=config.dropout)

@@ -16,8 +16,10 @@ import time
 import numpy as np
 
 from .._io import atomic_write
+from .config import LOOKUP_TASKS
 
-__all__ = ["Progress", "describe", "summary", "attention_example", "plot_run"]
+__all__ = ["Progress", "describe", "summary", "lookup_attention", "attention_example",
+           "plot_run"]
 
 
 # ---------------------------------------------------------------- text
@@ -37,9 +39,11 @@ def describe(config, model):
     -------
     str
     """
-    if config.task == "kv-recall":
-        what = (f"kv-recall: {config.num_pairs} key/value pairs per sequence "
-                f"(keys of {config.num_keys}, values of {config.num_values}), "
+    if config.task in LOOKUP_TASKS:
+        asked = ("" if config.task == "kv-recall"
+                 else ", answer: the value of the query key's partner")
+        what = (f"{config.task}: {config.num_pairs} key/value pairs per sequence "
+                f"(keys of {config.num_keys}, values of {config.num_values}{asked}), "
                 f"variant {config.variant}, width {config.dim}")
     else:
         what = (f"teacher: student MultiHeadAttention(E={config.embed_dim}, H={config.num_heads}) "
@@ -61,7 +65,7 @@ def summary(result):
     list of str
         The speed counts this session's steps only (``result.history`` also
         holds those before a resume); the held-out line gives the accuracy
-        against chance (kv-recall) or the MSE's drop from step 0 (teacher).
+        against chance (kv-recall, partner) or the MSE's drop from step 0 (teacher).
     """
     config = result.config
     steps_done = result.step - result.start_step
@@ -69,7 +73,7 @@ def summary(result):
     lines = [f"{'stopped' if result.interrupted else 'done'} at step {result.step}/{config.steps}: "
              f"{steps_done} steps in {result.seconds:.1f}s ({rate:,.0f} steps/s)"]
     heldout = result.heldout
-    if config.task == "kv-recall":
+    if config.task in LOOKUP_TASKS:
         correct = int(round(heldout["accuracy"] * config.eval_size))
         lines.append(f"held-out accuracy {100 * heldout['accuracy']:.2f}% ({correct}/"
                      f"{config.eval_size} sequences; chance {100 / config.num_values:.1f}%), "
@@ -197,6 +201,41 @@ def _isatty(stream):
 # ---------------------------------------------------------------- plot
 
 
+def lookup_attention(model, batch, index=0):
+    """The query's attention over the stored items of one kv-recall or partner sequence.
+
+    Parameters
+    ----------
+    model : KVRecallModel
+    batch : KVBatch or PartnerBatch
+    index : int
+        Which sequence of ``batch``.
+
+    Returns
+    -------
+    weights : ndarray, shape (1, P)
+    xlabels : list of str
+        ``key:value`` per stored item; on partner, the query's own entry is
+        marked ``(own)`` and the partner's ``(partner)``.
+    ylabels : list of str
+    title : str
+    """
+    one = type(batch)(*(field[index:index + 1] for field in batch))
+    logits, weights = model.forward(one.keys, one.values, one.query,
+                                    return_weights=True)  # (1, V), (1, P)
+    xlabels = [f"{k}:{v}" for k, v in zip(one.keys[0], one.values[0])]
+    predicted = int(np.argmax(logits[0]))
+    query = int(one.query[0])
+    if hasattr(one, "own"):  # partner
+        xlabels[int(one.own[0])] += " (own)"
+        xlabels[int(one.position[0])] += " (partner)"
+        title = (f"query key {query}, partner {int(one.keys[0, one.position[0]])}: "
+                 f"value {int(one.target[0])}, predicted {predicted}")
+    else:
+        title = f"query key {query}: stored value {int(one.target[0])}, predicted {predicted}"
+    return weights, xlabels, ["query"], title
+
+
 def attention_example(result, index=0):
     """Attention weights of one held-out sequence, ready for a heat map.
 
@@ -209,7 +248,7 @@ def attention_example(result, index=0):
     Returns
     -------
     weights : ndarray, 2-D
-        kv-recall: ``(1, P)``, the query over the stored items; teacher:
+        kv-recall and partner: ``(1, P)``, the query over the stored items; teacher:
         ``(T, T)``, head 0 of the student.
     xlabels, ylabels : list of str
     title : str
@@ -218,15 +257,8 @@ def attention_example(result, index=0):
 
     config = result.config
     batch = result.task.sample(make_streams(config.seed).heldout, index + 1)
-    if config.task == "kv-recall":
-        one = type(batch)(*(field[index:index + 1] for field in batch))
-        logits, weights = result.model.forward(one.keys, one.values, one.query,
-                                               return_weights=True)  # (1, V), (1, P)
-        xlabels = [f"{k}:{v}" for k, v in zip(one.keys[0], one.values[0])]
-        predicted = int(np.argmax(logits[0]))
-        title = (f"query key {int(one.query[0])}: stored value {int(one.target[0])}, "
-                 f"predicted {predicted}")
-        return weights, xlabels, ["query"], title
+    if config.task in LOOKUP_TASKS:
+        return lookup_attention(result.model, batch, index)
     _, weights = result.model.forward(batch.x[index:index + 1],
                                       return_weights=True)  # (1, T, E), (1, H, T, T)
     T = weights.shape[-1]
@@ -272,7 +304,8 @@ def plot_run(result, path, stream=None):
         loss_axes.plot(history["eval_step"], history["eval_loss"], "o-", ms=3, label="held-out")
     loss_axes.set_yscale("log")
     loss_axes.set_xlabel("step")
-    loss_axes.set_ylabel("cross-entropy" if result.config.task == "kv-recall" else "MSE")
+    lookup = result.config.task in LOOKUP_TASKS
+    loss_axes.set_ylabel("cross-entropy" if lookup else "MSE")
     loss_axes.set_title(f"{result.config.task}: loss")
     if history["step"] or history["eval_step"]:
         loss_axes.legend()
@@ -281,7 +314,7 @@ def plot_run(result, path, stream=None):
     heat_axes.set_xticks(range(len(xlabels)), xlabels, rotation=90, fontsize=7)
     heat_axes.set_yticks(range(len(ylabels)), ylabels)
     heat_axes.set_title(title, fontsize=9)
-    heat_axes.set_xlabel("stored key:value" if result.config.task == "kv-recall" else "key token")
+    heat_axes.set_xlabel("stored key:value" if lookup else "key token")
     figure.colorbar(image, ax=heat_axes, label="attention weight")
     _save_figure_atomic(figure, os.fspath(path))
     print(f"plot written to {path}", file=stream)

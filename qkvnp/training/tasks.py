@@ -8,13 +8,22 @@ E embedding.
     ``(key, value)`` with distinct keys, then asks for one of the keys; the
     answer is the value stored under it. To answer, attention has to match
     the *query* against the *keys* and return the matching *value*.
+``partner``
+    The asymmetric variant: a fixed random pairing ``pi`` of the key
+    vocabulary (an involution without fixed points, drawn from the run's
+    seed) gives each key a partner. Every sequence stores both the query key
+    ``q`` and ``pi(q)``; the answer is the value stored under ``pi(q)``. The
+    query's own entry is the distractor: with tied ``Q = K`` the score is a
+    symmetric form, and for each pair of partners one of the two queries
+    prefers its own entry (``docs/derivations.md``, section 12).
 ``teacher``
     A student :class:`~qkvnp.MultiHeadAttention` learns to reproduce the
     outputs of a randomly initialised teacher of the same shape (regression).
 
 Every random draw comes from one :class:`numpy.random.SeedSequence` split
 into independent streams (:func:`make_streams`): model initialisation,
-training batches, the held-out set and the teacher's weights. The held-out
+training batches, the held-out set and the task's own draws (the teacher's
+weights, the partner pairing). The held-out
 set therefore never shares a draw with the training stream, and a run is a
 pure function of its seed.
 """
@@ -29,6 +38,9 @@ __all__ = [
     "make_streams",
     "KVBatch",
     "KVRecallTask",
+    "PartnerBatch",
+    "PartnerTask",
+    "draw_pairing",
     "TeacherBatch",
     "TeacherTask",
     "TASKS",
@@ -36,6 +48,7 @@ __all__ = [
 
 Streams = namedtuple("Streams", "init data heldout teacher")
 KVBatch = namedtuple("KVBatch", "keys values query target position")
+PartnerBatch = namedtuple("PartnerBatch", "keys values query target position own")
 TeacherBatch = namedtuple("TeacherBatch", "x target")
 
 
@@ -51,7 +64,8 @@ def make_streams(seed):
     -------
     Streams
         ``init`` (model weights), ``data`` (training batches), ``heldout``
-        (the evaluation set), ``teacher`` (the teacher's weights).
+        (the evaluation set), ``teacher`` (the task's own draws: the
+        teacher's weights, or the partner task's pairing).
 
     Examples
     --------
@@ -133,6 +147,145 @@ class KVRecallTask:
         return 1.0 / self.num_values
 
 
+def draw_pairing(num_keys, rng):
+    """A random pairing of ``0 .. num_keys-1``: an involution without fixed points.
+
+    Parameters
+    ----------
+    num_keys : int
+        ``K``, even and at least 2.
+    rng : numpy.random.Generator or int
+
+    Returns
+    -------
+    ndarray of int64, shape (K,)
+        ``partner`` with ``partner[partner[k]] == k`` and ``partner[k] != k``.
+
+    Raises
+    ------
+    ValueError
+        If ``num_keys`` is odd (some key would be left without a partner).
+
+    Examples
+    --------
+    >>> partner = draw_pairing(6, 0)
+    >>> bool((partner[partner] == np.arange(6)).all()), bool((partner != np.arange(6)).all())
+    (True, True)
+    """
+    K = check_int(num_keys, "num_keys", 2)
+    if K % 2:
+        raise ValueError(f"num_keys must be even (every key needs a partner), got num_keys={K}")
+    order = make_rng(rng).permutation(K)  # (K,); consecutive entries become partners
+    partner = np.empty(K, dtype=np.int64)
+    partner[order[0::2]] = order[1::2]
+    partner[order[1::2]] = order[0::2]
+    return partner
+
+
+class PartnerTask:
+    """Partner recall: store ``num_pairs`` pairs, ask for the value of the query key's partner.
+
+    The asymmetric task of the Q/K/V ablation. The query key ``q`` and its
+    partner ``pi(q)`` are both stored in every sequence (with ``P - 2``
+    other distinct keys, in random order); the target is the value stored
+    under ``pi(q)``. The query's own entry is therefore always present as a
+    distractor.
+
+    Parameters
+    ----------
+    num_keys : int
+        Size of the key vocabulary: even, and at least ``num_pairs``.
+    num_values : int
+        Size of the value vocabulary (values may repeat within a sequence).
+    num_pairs : int
+        ``P >= 2``, pairs stored per sequence.
+    rng : numpy.random.Generator or int
+        Source of the pairing (``make_streams(seed).teacher``): the pairing
+        is a fixed property of the run, the same for every batch.
+
+    Attributes
+    ----------
+    partner : ndarray of int64, shape (K,)
+        The pairing ``pi`` (see :func:`draw_pairing`).
+
+    Notes
+    -----
+    Why ``Q = K`` fails here: with one matrix ``W`` for queries and keys the
+    score of a query token ``x`` for an item ``y`` is ``x^T M y`` with
+    ``M = W W^T`` symmetric positive semi-definite. For partners ``a, b`` and
+    a query marker ``c``, the two margins "partner's score minus own score"
+    add up to ``-(a - b)^T M (a - b) <= 0``: at least one of the two
+    queries does not prefer its partner. ``docs/derivations.md``, section 12.
+
+    Examples
+    --------
+    >>> task = PartnerTask(num_keys=10, num_values=5, num_pairs=3, rng=0)
+    >>> batch = task.sample(np.random.default_rng(0), 4)
+    >>> rows = np.arange(4)
+    >>> bool((batch.keys[rows, batch.position] == task.partner[batch.query]).all())
+    True
+    >>> bool((batch.keys[rows, batch.own] == batch.query).all())
+    True
+    >>> bool((batch.values[rows, batch.position] == batch.target).all())
+    True
+    """
+
+    name = "partner"
+    kind = "classification"
+
+    def __init__(self, num_keys=64, num_values=64, num_pairs=16, rng=None):
+        self.num_keys = check_int(num_keys, "num_keys", 2)
+        self.num_values = check_int(num_values, "num_values", 1)
+        self.num_pairs = check_int(num_pairs, "num_pairs", 2)
+        if self.num_pairs > self.num_keys:
+            raise ValueError(
+                f"num_pairs must be <= num_keys={self.num_keys} (keys of a sequence are "
+                f"distinct), got num_pairs={self.num_pairs}"
+            )
+        self.partner = draw_pairing(self.num_keys, rng)
+
+    def sample(self, rng, batch_size):
+        """Draw ``batch_size`` sequences.
+
+        Parameters
+        ----------
+        rng : numpy.random.Generator or int
+        batch_size : int
+
+        Returns
+        -------
+        PartnerBatch
+            ``keys`` and ``values`` ``(B, P)`` int64, the stored pairs (the
+            query key and its partner among them); ``query`` ``(B,)``;
+            ``target`` ``(B,)``, the value stored under the partner;
+            ``position`` ``(B,)``, the partner's index; ``own`` ``(B,)``,
+            the query key's own index (the distractor).
+        """
+        rng = make_rng(rng)
+        B = check_int(batch_size, "batch_size", 1)
+        K, P = self.num_keys, self.num_pairs
+        rows = np.arange(B)
+        query = rng.integers(0, K, size=B)  # (B,)
+        partner = self.partner[query]  # (B,)
+        # distinct keys: q and pi(q) sort first, then P - 2 others at random
+        draw = rng.random((B, K))  # (B, K)
+        draw[rows, query] = -2.0
+        draw[rows, partner] = -1.0
+        chosen = np.argsort(draw, axis=1)[:, :P]  # (B, K) -> (B, P): q, pi(q), others
+        order = np.argsort(rng.random((B, P)), axis=1)  # (B, P): a random order per row
+        keys = np.take_along_axis(chosen, order, axis=1)  # (B, P)
+        inverse = np.argsort(order, axis=1)  # where each chosen slot went
+        own, position = inverse[:, 0], inverse[:, 1]  # (B,) each
+        values = rng.integers(0, self.num_values, size=(B, P))  # (B, P)
+        return PartnerBatch(keys.astype(np.int64), values.astype(np.int64),
+                            query.astype(np.int64), values[rows, position].astype(np.int64),
+                            position.astype(np.int64), own.astype(np.int64))
+
+    def chance_accuracy(self):
+        """Accuracy of guessing: ``1 / num_values``."""
+        return 1.0 / self.num_values
+
+
 class TeacherTask:
     """Regression onto a random teacher :class:`~qkvnp.MultiHeadAttention`.
 
@@ -190,4 +343,4 @@ class TeacherTask:
         return TeacherBatch(x, self.teacher.forward(x))
 
 
-TASKS = ("kv-recall", "teacher")
+TASKS = ("kv-recall", "partner", "teacher")

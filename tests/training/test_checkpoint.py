@@ -135,8 +135,10 @@ def test_object_arrays_are_never_written(tmp_path):
 
 @pytest.mark.parametrize("task, dropout", [
     ("kv-recall", 0.0),  # embeddings, tied-free attention, Adam + cosine schedule
+    ("partner", 0.0),  # the same model; the pairing is rebuilt from the seed on resume
     ("teacher", 0.0),  # MultiHeadAttention student, MSE
     ("kv-recall", 0.3),  # dropout: the model's own Generator is saved and restored
+    ("partner", 0.3),  # dropout on partner: the same model's Generator
     ("teacher", 0.3),  # dropout: the layer's own Generator is saved and restored
 ])
 def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path, task, dropout):

@@ -47,9 +47,13 @@ def usage_error(argv, capsys):
                            "kv-recall)"),
     (["--momentum", "0.5"], "--momentum applies to --optimizer sgd only (this run uses adam)"),
     (["--optimizer", "adamw", "--momentum", "0.5"], "this run uses adamw"),
-    (["--task", "teacher", "--variant", "shared"], "--variant applies to --task kv-recall only"),
+    (["--task", "teacher", "--variant", "shared"], "--variant applies to --task kv-recall and partner "
+                                                  "only"),
     (["--task", "teacher", "--num-keys", "8", "--dim", "8"], "--num-keys, --dim apply to --task "
-                                                             "kv-recall only"),
+                                                             "kv-recall and partner only"),
+    (["--task", "partner", "--num-keys", "7", "--num-pairs", "4"],
+     "--num-keys must be even for partner (every key needs a partner)"),
+    (["--task", "partner", "--num-pairs", "1"], "--num-pairs must be >= 2 for partner"),
     (["--steps", "10", "--warmup", "20"], "--warmup 20 is longer than the run (--steps 10)"),
     (["--warmup", "20"], "--warmup 20 is longer than the run (--steps 10)"),  # TINY's steps below
     (["--schedule", "constant", "--warmup", "5"], "--warmup applies to --schedule cosine only"),
