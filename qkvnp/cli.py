@@ -18,7 +18,7 @@ COMMANDS = {
     "demo": ("qkvnp.demo", "walk through the seeds' attention example step by step"),
     "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically"),
     "train": ("qkvnp.training.command", "train attention projections by gradient descent"),
-    "ablation": ("qkvnp.training.ablation", "why Q, K and V: train kv-recall with tied projections"),
+    "ablation": ("qkvnp.training.ablation", "why Q, K and V: tied and missing projections on two tasks"),
 }
 
 

@@ -24,6 +24,9 @@ The walkthrough has four parts, each computed through the public API
    heads, causal) with the weights torch gives it under the book's seed
    (:data:`BOOK_MHA_STATE`), which reproduce the book's printed context vectors.
 
+It ends with a pointer to ``python -m qkvnp ablation``, the experiment that
+answers the seeds' last question: why three matrices, and not one?
+
 ``python -m qkvnp demo --precision 8`` prints the 8 digits the seeds print
 for part 2. The command exits with 1 if a cross-check between two code paths
 fails, 0 otherwise.
@@ -252,6 +255,7 @@ def walkthrough(precision=4):
     ok &= _numpy_example(p)
     ok &= _without_weights(p)
     ok &= _book_multi_head(p)
+    _why_three_matrices(p)
     print()
     print("All cross-checks agree." if ok else "Some cross-check FAILED (see above).")
     return 0 if ok else 1
@@ -442,3 +446,21 @@ def _book_multi_head(p):
     p.rows("context vectors (T, 2), first of the batch", contexts[0][0], WORDS)
     p.rows("the book prints (4 decimals, float32)", BOOK_MHA_PRINTED, WORDS)
     return _cross_check("context (fast vs reference path)", contexts[0], contexts[1])
+
+
+def _why_three_matrices(p):
+    """The seeds' last question, and where the answer is: ``python -m qkvnp ablation``."""
+    p.heading("Why W_query, W_key and W_value, and not one matrix?")
+    p.say(
+        "Part 3 used the tokens themselves as queries and keys: its scores X X^T are",
+        "symmetric (token i scores token j exactly as j scores i). One shared matrix W",
+        "keeps them symmetric: x^T W W^T y. Then for two tokens a and b that should each",
+        "look up the other, the two margins 'the other minus myself' add up to",
+        "-(a - b)^T W W^T (a - b) <= 0: one of the two prefers itself. Separate W_query",
+        "and W_key give x^T W_query W_key^T y, which need not be symmetric.",
+        "W_value then decides what a matched token passes on, apart from how it is matched.",
+        "  python -m qkvnp ablation     # trains both on a task built for this (partner):",
+        "                               # tied Q=K stays near half, separate reaches ~100%,",
+        "                               # and no_value / shared show what W_value adds",
+        "The derivation: docs/derivations.md, section 13.",
+    )

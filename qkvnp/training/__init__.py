@@ -5,20 +5,20 @@ imports it. ``python -m qkvnp train`` runs :func:`qkvnp.training.command.run`,
 ``python -m qkvnp ablation`` runs :func:`qkvnp.training.ablation.run`.
 
 ========================  =====================================================
-:mod:`~.tasks`            kv-recall and teacher tasks, the seeded random streams
+:mod:`~.tasks`            kv-recall, partner and teacher tasks, the seeded random streams
 :mod:`~.models`           ``KVRecallModel`` (and its Q/K/V variants), ``AttentionRegressor``
 :mod:`~.config`           ``TrainConfig``: defaults, checks, size limits
 :mod:`~.loop`             ``train``: the loop, resume, Ctrl-C/SIGTERM, periodic saves
 :mod:`~.command`          the ``train`` command: every option checked before training
 :mod:`~.report`           progress line, summary, attention example, plot
 :mod:`~.checkpoint`       ``.npz`` checkpoints, written atomically, headers checked before data
-:mod:`~.ablation`         why separate Q, K and V: the variants side by side
+:mod:`~.ablation`         why separate Q, K and V: the variants side by side on two tasks
 ========================  =====================================================
 """
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .loop import TrainConfig, TrainResult, train
 from .models import VARIANTS, AttentionRegressor, KVRecallModel
-from .tasks import TASKS, KVRecallTask, TeacherTask, make_streams
+from .tasks import TASKS, KVRecallTask, PartnerTask, TeacherTask, make_streams
 
 __all__ = [
     "TrainConfig",
@@ -28,6 +28,7 @@ __all__ = [
     "AttentionRegressor",
     "VARIANTS",
     "KVRecallTask",
+    "PartnerTask",
     "TeacherTask",
     "TASKS",
     "make_streams",

@@ -277,12 +277,15 @@ def takeaway(table):
     if tied:
         best = max(entry["max"] for entry in tied)
         own = [entry["prefers_own"] for entry in tied if entry["prefers_own"] is not None]
+        plural = "s" if len(tied) > 1 else ""
         sentence = (f"On partner, tied Q=K {'reaches at most' if best <= 0.6 else 'reaches up to'} "
-                    f"{_percent(best)} in any run (widths {_widths(tied)}; means "
+                    f"{_percent(best)} in any run (width{plural} {_widths(tied)}; mean{plural} "
                     f"{', '.join(_percent(entry['mean']) for entry in tied)})")
         if own:
+            share = (_percent(own[0]) if min(own) == max(own)
+                     else f"{_percent(min(own))} to {_percent(max(own))}")
             sentence += (f", and its query weighs its own entry above its partner's in "
-                         f"{_percent(min(own))} to {_percent(max(own))} of the held-out sequences")
+                         f"{share} of the held-out sequences")
         top = separate[-1] if separate else None
         if top is not None:
             sentence += (f", while separate W_query and W_key reach {_percent(top['mean'])} at "
@@ -293,7 +296,7 @@ def takeaway(table):
         elif top is not None and top["mean"] >= 0.9:
             sentence += (": for every pair of partners one of the two queries prefers its own "
                          "entry, as the pair bound says, so about half is tied Q=K's ceiling "
-                         "at any width, and the width is not what stops it")
+                         "whatever the width")
         else:
             sentence += (": separate projections did not learn the task either, so these runs "
                          "are too short or too narrow to tell the variants apart")
@@ -440,7 +443,7 @@ def plot_ablation(table, path, example=None, stream=None):
     weights = {} if example is None else example[0]
     panels = len(tasks) + len(weights)
     figure = Figure(figsize=(4.5 * panels, 4.2), layout="constrained")
-    axes = np.atleast_1d(figure.subplots(1, panels))
+    axes = list(figure.subplots(1, panels, squeeze=False)[0])  # (1, panels) -> panels
     for ax, task in zip(axes, tasks):
         for variant in dict.fromkeys(entry["variant"] for entry in table):
             entries = _by_variant(table, task, variant)

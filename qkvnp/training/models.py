@@ -1,4 +1,4 @@
-"""Small models trained by :mod:`qkvnp.training.loop`: kv-recall and the teacher's student.
+"""Small models trained by :mod:`qkvnp.training.loop`: kv-recall (and partner) and the teacher's student.
 
 Shape key: B batch, P stored key/value pairs, T sequence length, E embedding,
 K key vocabulary, V value vocabulary.
@@ -37,6 +37,9 @@ def _int_array(x, name, shape_hint):
 
 class KVRecallModel(Model):
     """One attention layer that looks a query key up among stored key/value pairs.
+
+    The model of both ``kv-recall`` and ``partner``: the tasks differ only in
+    which stored value is the answer (the query key's own, or its partner's).
 
     The sequence ``(k_1, v_1), ..., (k_P, v_P), q`` becomes ``P + 1`` tokens:
     stored item ``i`` is ``embed_key[k_i] + embed_value[v_i]``, the final
