@@ -47,7 +47,6 @@ Examples
 (1, [0])
 """
 import json
-import os
 import sys
 import time
 
@@ -431,13 +430,11 @@ def plot_ablation(table, path, example=None, stream=None):
     bool
         True if the figure was written.
     """
+    from .report import figure_class, save_figure
+
     stream = sys.stdout if stream is None else stream
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed; install it with "
-              "pip install 'qkvnp[plot]'  (or pip install matplotlib). The results above are "
-              "unaffected.", file=stream)
+    Figure = figure_class(f"--plot {path}", "The results above are unaffected.", stream)
+    if Figure is None:
         return False
     tasks = list(dict.fromkeys(entry["task"] for entry in table))
     weights = {} if example is None else example[0]
@@ -468,9 +465,7 @@ def plot_ablation(table, path, example=None, stream=None):
         ax.set_title(f"partner, {label}: attention of a and of its partner b", fontsize=9)
         ax.set_xlabel("stored key:value")
         figure.colorbar(image, ax=ax, label="attention weight")
-    path = os.fspath(path)
-    with atomic_write(path) as f:
-        figure.savefig(f, format=os.path.splitext(path)[1][1:] or "png", dpi=120)
+    save_figure(figure, path)
     print(f"plot written to {path}", file=stream)
     return True
 
@@ -564,12 +559,9 @@ def run(args):
         return _error(exc)
     plot = args.plot
     if plot is not None:
-        try:
-            import matplotlib.figure  # noqa: F401
-        except ImportError:
-            print(f"--plot {plot}: matplotlib is not installed; install it with pip install "
-                  "'qkvnp[plot]'  (or pip install matplotlib). Running without the plot.",
-                  flush=True)
+        from .report import figure_class
+
+        if figure_class(f"--plot {plot}", "Running without the plot.", sys.stdout) is None:
             plot = None
     total = sum(len(dims) for _, dims in plan) * len(args.variants) * seeds
     done = []

@@ -19,7 +19,7 @@ from .._io import atomic_write
 from .config import LOOKUP_TASKS
 
 __all__ = ["Progress", "describe", "summary", "lookup_attention", "attention_example",
-           "plot_run"]
+           "plot_run", "figure_class", "save_figure"]
 
 
 # ---------------------------------------------------------------- text
@@ -288,12 +288,8 @@ def plot_run(result, path, stream=None):
         True if the figure was written.
     """
     stream = sys.stdout if stream is None else stream
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed; install it with "
-              "pip install 'qkvnp[plot]'  (or pip install matplotlib). Training "
-              "results are unaffected.", file=stream)
+    Figure = figure_class(f"--plot {path}", "Training results are unaffected.", stream)
+    if Figure is None:
         return False
     history = result.history
     figure = Figure(figsize=(11, 4), layout="constrained")
@@ -316,12 +312,33 @@ def plot_run(result, path, stream=None):
     heat_axes.set_title(title, fontsize=9)
     heat_axes.set_xlabel("stored key:value" if lookup else "key token")
     figure.colorbar(image, ax=heat_axes, label="attention weight")
-    _save_figure_atomic(figure, os.fspath(path))
+    save_figure(figure, path)
     print(f"plot written to {path}", file=stream)
     return True
 
 
-def _save_figure_atomic(figure, path):
+def figure_class(what, consequence, stream):
+    """matplotlib's ``Figure``, or None after printing how to install matplotlib.
+
+    Parameters
+    ----------
+    what : str
+        What asked for the plot (``"--plot out.png"``), the message's start.
+    consequence : str
+        What the missing plot leaves unaffected, the message's end.
+    stream : file
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(f"{what}: matplotlib is not installed; install it with pip install "
+              f"'qkvnp[plot]'  (or pip install matplotlib). {consequence}", file=stream)
+        return None
+    return Figure
+
+
+def save_figure(figure, path):
     """Write ``figure`` to ``path`` with :func:`qkvnp._io.atomic_write` (format: the extension)."""
+    path = os.fspath(path)
     with atomic_write(path) as f:
         figure.savefig(f, format=os.path.splitext(path)[1][1:] or "png", dpi=120)

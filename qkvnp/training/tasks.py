@@ -182,7 +182,7 @@ def draw_pairing(num_keys, rng):
     return partner
 
 
-class PartnerTask:
+class PartnerTask(KVRecallTask):
     """Partner recall: store ``num_pairs`` pairs, ask for the value of the query key's partner.
 
     The asymmetric task of the Q/K/V ablation. The query key ``q`` and its
@@ -234,14 +234,10 @@ class PartnerTask:
     kind = "classification"
 
     def __init__(self, num_keys=64, num_values=64, num_pairs=16, rng=None):
-        self.num_keys = check_int(num_keys, "num_keys", 2)
-        self.num_values = check_int(num_values, "num_values", 1)
-        self.num_pairs = check_int(num_pairs, "num_pairs", 2)
-        if self.num_pairs > self.num_keys:
-            raise ValueError(
-                f"num_pairs must be <= num_keys={self.num_keys} (keys of a sequence are "
-                f"distinct), got num_pairs={self.num_pairs}"
-            )
+        super().__init__(num_keys, num_values, num_pairs)
+        if self.num_pairs < 2:
+            raise ValueError(f"num_pairs must be >= 2 (the query key and its partner are both "
+                             f"stored), got num_pairs={self.num_pairs}")
         self.partner = draw_pairing(self.num_keys, rng)
 
     def sample(self, rng, batch_size):
@@ -280,10 +276,6 @@ class PartnerTask:
         return PartnerBatch(keys.astype(np.int64), values.astype(np.int64),
                             query.astype(np.int64), values[rows, position].astype(np.int64),
                             position.astype(np.int64), own.astype(np.int64))
-
-    def chance_accuracy(self):
-        """Accuracy of guessing: ``1 / num_values``."""
-        return 1.0 / self.num_values
 
 
 class TeacherTask:
