@@ -99,10 +99,10 @@ def prefers_own(model, batch):
     Returns
     -------
     float
-        In ``[0, 1]``. The pair bound says that a model with ``Q = K`` has
-        at least one query of each pair of partners at or above one half
-        here (for values drawn independently of the keys); separate
-        projections can bring it to 0.
+        In ``[0, 1]``. By the pair bound, with ``Q = K`` at least one query
+        of each pair of partners prefers its own entry (on average over the
+        values, which are drawn independently of the keys), so this stays
+        at about one half or more; separate projections can bring it to 0.
     """
     _, weights = model.forward(batch.keys, batch.values, batch.query,
                                return_weights=True)  # (B, V), (B, P)
@@ -598,9 +598,14 @@ def run(args):
         print(paragraph)
     print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f}s")
     if args.json is not None:
-        with atomic_write(args.json, "w") as f:
-            json.dump(to_json(table, steps), f, indent=1)
-            f.write("\n")
+        try:
+            with atomic_write(args.json, "w") as f:
+                json.dump(to_json(table, steps), f, indent=1)
+                f.write("\n")
+        except OSError as exc:
+            print(f"error: --json: could not write {args.json!r} ({exc.strerror or exc}); the "
+                  "results above are unaffected", file=sys.stderr)
+            return 1
         print(f"summary written to {args.json}")
     if plot is not None:
         example = None
