@@ -61,7 +61,7 @@ __all__ = [
     "DEFAULT_STEPS",
     "QUICK",
     "run_ablation",
-    "prefers_own",
+    "partner_attention",
     "summarize",
     "format_table",
     "takeaway",
@@ -88,8 +88,12 @@ QUICK = {"dims": (16,), "seeds": 2, "steps": 2000}
 # ---------------------------------------------------------------- runs
 
 
-def prefers_own(model, batch):
-    """Share of partner sequences whose query weighs its own entry above its partner's.
+# what partner_attention measures, the keys of its dict and of the partner rows
+ATTENTION_FIELDS = ("prefers_own", "weight_own", "weight_partner")
+
+
+def partner_attention(model, batch):
+    """Where the query's attention goes on partner sequences: its own entry or its partner's.
 
     Parameters
     ----------
@@ -98,16 +102,22 @@ def prefers_own(model, batch):
 
     Returns
     -------
-    float
-        In ``[0, 1]``. By the pair bound, with ``Q = K`` at least one query
-        of each pair of partners prefers its own entry (on average over the
+    dict
+        ``prefers_own``: the share of sequences whose query weighs its own
+        entry above its partner's. By the pair bound, with ``Q = K`` at
+        least one query of each pair of partners does (on average over the
         values, which are drawn independently of the keys), so this stays
         at about one half or more; separate projections can bring it to 0.
+        ``weight_own``, ``weight_partner``: the mean attention weight on
+        the two entries.
     """
     _, weights = model.forward(batch.keys, batch.values, batch.query,
                                return_weights=True)  # (B, V), (B, P)
     rows = np.arange(len(batch.query))
-    return float(np.mean(weights[rows, batch.own] > weights[rows, batch.position]))
+    own = weights[rows, batch.own]  # (B,)
+    partner = weights[rows, batch.position]  # (B,)
+    return {"prefers_own": float(np.mean(own > partner)), "weight_own": float(own.mean()),
+            "weight_partner": float(partner.mean())}
 
 
 def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_STEPS, base=None,
@@ -136,7 +146,8 @@ def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_ST
     -------
     list of dict
         ``task, variant, dim, seed, accuracy, loss, parameters, seconds,
-        prefers_own`` (None on kv-recall; see :func:`prefers_own`), and
+        prefers_own, weight_own, weight_partner`` (None on kv-recall; see
+        :func:`partner_attention`), and
         ``model`` with ``keep_models``.
 
     Raises
@@ -167,10 +178,10 @@ def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_ST
         row = {"task": task, "variant": config.variant, "dim": config.dim, "seed": config.seed,
                "accuracy": result.heldout["accuracy"], "loss": result.heldout["loss"],
                "parameters": result.model.num_parameters(), "seconds": result.seconds,
-               "prefers_own": None}
+               **dict.fromkeys(ATTENTION_FIELDS)}
         if task == "partner":
             heldout = result.task.sample(make_streams(config.seed).heldout, config.eval_size)
-            row["prefers_own"] = prefers_own(result.model, heldout)
+            row.update(partner_attention(result.model, heldout))
         if keep_models:
             row["model"] = result.model
         rows.append(row)
@@ -186,7 +197,8 @@ def summarize(rows):
     -------
     list of dict
         ``task, dim, variant, runs, seeds, mean, std, min, max, parameters,
-        accuracies, prefers_own`` (the mean over seeds, or None) in the order
+        accuracies, prefers_own, weight_own, weight_partner`` (means over
+        seeds, or None) in the order
         the groups first appear. ``std`` is 0 for one run.
     """
     groups = {}
@@ -195,7 +207,6 @@ def summarize(rows):
     table = []
     for (task, dim, variant), group in groups.items():
         accuracies = np.array([row["accuracy"] for row in group])
-        own = [row["prefers_own"] for row in group if row.get("prefers_own") is not None]
         table.append({
             "task": task, "dim": dim, "variant": variant, "runs": len(group),
             "seeds": [row["seed"] for row in group],
@@ -203,8 +214,10 @@ def summarize(rows):
             "std": float(accuracies.std(ddof=1)) if len(group) > 1 else 0.0,
             "min": float(accuracies.min()), "max": float(accuracies.max()),
             "parameters": group[0]["parameters"], "accuracies": accuracies.tolist(),
-            "prefers_own": float(np.mean(own)) if own else None,
         })
+        for field in ATTENTION_FIELDS:
+            values = [row[field] for row in group if row.get(field) is not None]
+            table[-1][field] = float(np.mean(values)) if values else None
     return table
 
 
@@ -218,12 +231,13 @@ def format_table(table):
 
     One run prints its accuracy alone (no spread, no min and max); several
     print ``mean ± sample standard deviation`` and the min and max over
-    seeds. Partner rows add ``prefers own`` (:func:`prefers_own`).
+    seeds. Partner rows add ``prefers own`` and the mean attention weights
+    ``own | partner`` (:func:`partner_attention`).
     """
     with_own = any(entry["prefers_own"] is not None for entry in table)
     header = (f"{'width':>5}  {'variant':<9} {'params':>7}  {'seeds':>5}  "
               f"{'held-out accuracy':>17}  {'min':>7}  {'max':>7}")
-    lines = [header + (f"  {'prefers own':>11}" if with_own else "")]
+    lines = [header + (f"  {'prefers own':>11}  {'own | partner':>13}" if with_own else "")]
     previous_dim = None
     for entry in table:
         if previous_dim is not None and entry["dim"] != previous_dim:
@@ -237,8 +251,9 @@ def format_table(table):
         line = (f"{entry['dim']:>5}  {entry['variant']:<9} {entry['parameters']:>7,}  "
                 f"{entry['runs']:>5}  {accuracy:>17}  {low:>7}  {high:>7}")
         if with_own:
-            own = entry["prefers_own"]
-            line += f"  {'' if own is None else _percent(own):>11}"
+            if entry["prefers_own"] is not None:
+                line += (f"  {_percent(entry['prefers_own']):>11}  "
+                         f"{entry['weight_own']:>6.2f} | {entry['weight_partner']:.2f}")
         lines.append(line.rstrip())
     return lines
 
@@ -300,6 +315,18 @@ def takeaway(table):
             sentence += (": separate projections did not learn the task either, so these runs "
                          "are too short or too narrow to tell the variants apart")
         sentences.append(sentence + ".")
+        widest = tied[-1]
+        if widest["weight_own"] is not None:
+            own_weight, partner_weight = widest["weight_own"], widest["weight_partner"]
+            weights = f"own {own_weight:.2f}, partner {partner_weight:.2f} on average"
+            if min(own_weight, partner_weight) >= 0.25 and abs(own_weight - partner_weight) <= 0.1:
+                sentences.append(
+                    f"At width {widest['dim']} its attention splits between the two entries "
+                    f"({weights}): a symmetric score cannot rank a above b for one query and b "
+                    "above a for the other, so training makes partners alike, and the readout "
+                    "gets half of each value and can only guess which one was asked for.")
+            else:
+                sentences.append(f"At width {widest['dim']} its attention weights are {weights}.")
     if shared:
         best = max(entry["max"] for entry in shared)
         sentences.append(f"One shared matrix for Q, K and V is tied too and stays at "
@@ -343,7 +370,8 @@ def to_json(table, steps):
     ``accuracy_mean, accuracy_min, accuracy_max``, and also ``accuracy_std``
     (sample standard deviation, 0 for one seed), ``accuracies`` (per seed,
     in the order of ``seeds``), ``parameters``, ``steps`` and, on partner,
-    ``prefers_own`` (:func:`prefers_own`, mean over seeds).
+    ``prefers_own``, ``weight_own``, ``weight_partner``
+    (:func:`partner_attention`, means over seeds).
     """
     document = {}
     for entry in table:
@@ -353,7 +381,7 @@ def to_json(table, steps):
                 "accuracies": entry["accuracies"], "parameters": entry["parameters"],
                 "steps": steps}
         if entry["prefers_own"] is not None:
-            item["prefers_own"] = entry["prefers_own"]
+            item.update((field, entry[field]) for field in ATTENTION_FIELDS)
         document.setdefault(entry["task"], []).append(item)
     return document
 
@@ -591,7 +619,8 @@ def run(args):
     print(f"held-out accuracy: mean ± sample standard deviation over seeds (one seed: its "
           f"value), min and max over seeds; chance is {chance:.1f}%."
           + (" prefers own: share of held-out partner sequences whose query weighs its own "
-             "entry above its partner's." if any(task == "partner" for task, _ in plan) else ""))
+             "entry above its partner's; own | partner: the mean attention weights on the "
+             "two entries." if any(task == "partner" for task, _ in plan) else ""))
     paragraph = takeaway(table)
     if paragraph:
         print()
