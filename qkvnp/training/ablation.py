@@ -31,9 +31,9 @@ Each (task, width, variant, seed) is :func:`qkvnp.training.loop.train` with
 only ``task``, ``variant``, ``dim`` and ``seed`` changed. The command prints
 one table per task (held-out accuracy: mean, spread, min and max over
 seeds), then a takeaway paragraph computed from the numbers. Defaults: 3000
-steps, seeds 0..2, widths 8, 16 (kv-recall) and 8, 16, 32 (partner): about
-3-4 minutes on 2 cores; ``--quick`` (width 16, 2 seeds, 2000 steps) under one
-minute. ``docs/derivations.md`` (section 12) gives the pair argument.
+steps, seeds 0..2, widths 8, 16 (kv-recall) and 8, 16, 32 (partner): 60 runs,
+measured at 257 s and 331 s on 2 cores shared with other jobs; ``--quick``
+(width 16, 2 seeds, 2000 steps) 16 runs, 75 s on the same loaded cores. ``docs/derivations.md`` (section 12) gives the pair argument.
 
 Examples
 --------
@@ -523,8 +523,8 @@ def add_arguments(parser):
                              "(asymmetric: the value of the key's partner), or all (default)")
     parser.add_argument("--quick", action="store_true",
                         help=f"width {QUICK['dims'][0]}, {QUICK['seeds']} seeds, "
-                             f"{QUICK['steps']} steps (under a minute; the options below "
-                             "still override)")
+                             f"{QUICK['steps']} steps: 16 runs, about a minute (the options "
+                             "below still override)")
     parser.add_argument("--seeds", type=int, default=None, metavar="N",
                         help=f"seeds per variant and width (default {DEFAULT_SEEDS})")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
