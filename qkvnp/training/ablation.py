@@ -523,8 +523,8 @@ def add_arguments(parser):
                              "(asymmetric: the value of the key's partner), or all (default)")
     parser.add_argument("--quick", action="store_true",
                         help=f"width {QUICK['dims'][0]}, {QUICK['seeds']} seeds, "
-                             f"{QUICK['steps']} steps: 16 runs, about a minute (the options "
-                             "below still override)")
+                             f"{QUICK['steps']} steps: about a minute for both tasks (the "
+                             "options below still override)")
     parser.add_argument("--seeds", type=int, default=None, metavar="N",
                         help=f"seeds per variant and width (default {DEFAULT_SEEDS})")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
@@ -612,7 +612,8 @@ def run(args):
     table = summarize(rows)
     chance = 100 / (args.num_values or 64)
     for task, _ in plan:
-        print(f"{task} ablation: {steps} steps per run, seeds 0..{seeds - 1}")
+        print(f"{task} ablation: {steps} steps per run, "
+              + ("seed 0" if seeds == 1 else f"seeds 0..{seeds - 1}"))
         for line in format_table([entry for entry in table if entry["task"] == task]):
             print(line)
         print()

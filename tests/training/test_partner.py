@@ -277,3 +277,17 @@ def test_demo_ends_with_the_pointer_to_the_ablation(capsys):
     tail = out[out.index("Why W_query, W_key and W_value"):]
     assert "python -m qkvnp ablation" in tail and "-(a - b)^T W W^T (a - b) <= 0" in tail
     assert tail.rstrip().endswith("All cross-checks agree.")
+
+
+def test_ablation_plot_without_matplotlib_says_how_to_install_it_and_runs(monkeypatch, capsys, tmp_path):
+    # oracle: the train command's behaviour (tests/training/test_cli_checks.py), for ablation
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    argv = ["ablation", "--task", "partner", "--seeds", "1", "--steps", "2", "--dims", "4",
+            "--variants", "tied_qk", "--num-keys", "8", "--num-values", "8", "--num-pairs", "4",
+            "--eval-size", "16", "--quiet", "--plot", str(tmp_path / "out.png")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "matplotlib is not installed" in out[0] and "Running without the plot." in out[0]
+    assert out[1] == "partner ablation: 2 steps per run, seed 0"
+    assert not (tmp_path / "out.png").exists()
