@@ -64,6 +64,7 @@ __all__ = [
     "partner_attention",
     "summarize",
     "format_table",
+    "format_attention",
     "takeaway",
     "to_json",
     "pair_example",
@@ -89,7 +90,7 @@ QUICK = {"dims": (16,), "seeds": 2, "steps": 2000}
 
 
 # what partner_attention measures, the keys of its dict and of the partner rows
-ATTENTION_FIELDS = ("prefers_own", "weight_own", "weight_partner")
+ATTENTION_FIELDS = ("prefers_own", "weight_own", "weight_partner", "weight_gap")
 
 
 def partner_attention(model, batch):
@@ -109,7 +110,10 @@ def partner_attention(model, batch):
         values, which are drawn independently of the keys), so this stays
         at about one half or more; separate projections can bring it to 0.
         ``weight_own``, ``weight_partner``: the mean attention weight on
-        the two entries.
+        the two entries. ``weight_gap``: the mean of ``|own - partner|``
+        per sequence, which tells a query that splits its weight evenly
+        between the two entries (near 0) from one that picks one of them
+        (near 1) when the means alone look alike.
     """
     _, weights = model.forward(batch.keys, batch.values, batch.query,
                                return_weights=True)  # (B, V), (B, P)
@@ -117,7 +121,8 @@ def partner_attention(model, batch):
     own = weights[rows, batch.own]  # (B,)
     partner = weights[rows, batch.position]  # (B,)
     return {"prefers_own": float(np.mean(own > partner)), "weight_own": float(own.mean()),
-            "weight_partner": float(partner.mean())}
+            "weight_partner": float(partner.mean()),
+            "weight_gap": float(np.abs(own - partner).mean())}
 
 
 def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_STEPS, base=None,
@@ -146,7 +151,7 @@ def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_ST
     -------
     list of dict
         ``task, variant, dim, seed, accuracy, loss, parameters, seconds,
-        prefers_own, weight_own, weight_partner`` (None on kv-recall; see
+        prefers_own, weight_own, weight_partner, weight_gap`` (None on kv-recall; see
         :func:`partner_attention`), and
         ``model`` with ``keep_models``.
 
@@ -197,7 +202,7 @@ def summarize(rows):
     -------
     list of dict
         ``task, dim, variant, runs, seeds, mean, std, min, max, parameters,
-        accuracies, prefers_own, weight_own, weight_partner`` (means over
+        accuracies, prefers_own, weight_own, weight_partner, weight_gap`` (means over
         seeds, or None) in the order
         the groups first appear. ``std`` is 0 for one run.
     """
@@ -231,13 +236,10 @@ def format_table(table):
 
     One run prints its accuracy alone (no spread, no min and max); several
     print ``mean ± sample standard deviation`` and the min and max over
-    seeds. Partner rows add ``prefers own`` and the mean attention weights
-    ``own | partner`` (:func:`partner_attention`).
+    seeds. Where the attention goes is :func:`format_attention`'s table.
     """
-    with_own = any(entry["prefers_own"] is not None for entry in table)
-    header = (f"{'width':>5}  {'variant':<9} {'params':>7}  {'seeds':>5}  "
-              f"{'held-out accuracy':>17}  {'min':>7}  {'max':>7}")
-    lines = [header + (f"  {'prefers own':>11}  {'own | partner':>13}" if with_own else "")]
+    lines = [f"{'width':>5}  {'variant':<9} {'params':>7}  {'seeds':>5}  "
+             f"{'held-out accuracy':>17}  {'min':>7}  {'max':>7}"]
     previous_dim = None
     for entry in table:
         if previous_dim is not None and entry["dim"] != previous_dim:
@@ -250,12 +252,30 @@ def format_table(table):
             accuracy, low, high = _percent(entry["mean"]), "", ""
         line = (f"{entry['dim']:>5}  {entry['variant']:<9} {entry['parameters']:>7,}  "
                 f"{entry['runs']:>5}  {accuracy:>17}  {low:>7}  {high:>7}")
-        if with_own:
-            if entry["prefers_own"] is not None:
-                line += (f"  {_percent(entry['prefers_own']):>11}  "
-                         f"{entry['weight_own']:>6.2f} | {entry['weight_partner']:.2f}")
         lines.append(line.rstrip())
     return lines
+
+
+def format_attention(table):
+    """Where partner queries put their attention, as aligned text lines (means over seeds).
+
+    ``prefers own`` (percent of held-out sequences), the mean weights ``on
+    own`` and ``on partner``, and ``|own - partner|`` per sequence (see
+    :func:`partner_attention`); entries without these (kv-recall) are left out.
+    """
+    lines = [f"{'width':>5}  {'variant':<9} {'prefers own':>11}  {'on own':>6}  "
+             f"{'on partner':>10}  {'|own - partner|':>15}"]
+    previous_dim = None
+    for entry in table:
+        if entry["prefers_own"] is None:
+            continue
+        if previous_dim is not None and entry["dim"] != previous_dim:
+            lines.append("")
+        previous_dim = entry["dim"]
+        lines.append(f"{entry['dim']:>5}  {entry['variant']:<9} "
+                     f"{_percent(entry['prefers_own']):>11}  {entry['weight_own']:>6.2f}  "
+                     f"{entry['weight_partner']:>10.2f}  {entry['weight_gap']:>15.2f}")
+    return lines if len(lines) > 1 else []
 
 
 # ---------------------------------------------------------------- what the numbers say
@@ -317,16 +337,22 @@ def takeaway(table):
         sentences.append(sentence + ".")
         widest = tied[-1]
         if widest["weight_own"] is not None:
-            own_weight, partner_weight = widest["weight_own"], widest["weight_partner"]
-            weights = f"own {own_weight:.2f}, partner {partner_weight:.2f} on average"
-            if min(own_weight, partner_weight) >= 0.25 and abs(own_weight - partner_weight) <= 0.1:
+            gap = widest["weight_gap"]
+            weights = (f"mean weight {widest['weight_own']:.2f} on its own entry, "
+                       f"{widest['weight_partner']:.2f} on its partner's, {gap:.2f} apart per "
+                       "sequence")
+            if gap <= 0.2 and min(widest["weight_own"], widest["weight_partner"]) >= 0.25:
                 sentences.append(
-                    f"At width {widest['dim']} its attention splits between the two entries "
-                    f"({weights}): a symmetric score cannot rank a above b for one query and b "
-                    "above a for the other, so training makes partners alike, and the readout "
-                    "gets half of each value and can only guess which one was asked for.")
+                    f"At width {widest['dim']} each query splits its attention between the two "
+                    f"entries ({weights}): training made partners alike under W W^T, so the "
+                    "readout gets half of each value and can only guess which one was asked for.")
+            elif gap >= 0.6:
+                sentences.append(
+                    f"At width {widest['dim']} each query puts its attention on one of the two "
+                    f"entries ({weights}): about half on the partner, the rest on their own "
+                    "entry, which is all the bound allows.")
             else:
-                sentences.append(f"At width {widest['dim']} its attention weights are {weights}.")
+                sentences.append(f"At width {widest['dim']}: {weights}.")
     if shared:
         best = max(entry["max"] for entry in shared)
         sentences.append(f"One shared matrix for Q, K and V is tied too and stays at "
@@ -370,7 +396,7 @@ def to_json(table, steps):
     ``accuracy_mean, accuracy_min, accuracy_max``, and also ``accuracy_std``
     (sample standard deviation, 0 for one seed), ``accuracies`` (per seed,
     in the order of ``seeds``), ``parameters``, ``steps`` and, on partner,
-    ``prefers_own``, ``weight_own``, ``weight_partner``
+    ``prefers_own``, ``weight_own``, ``weight_partner``, ``weight_gap``
     (:func:`partner_attention`, means over seeds).
     """
     document = {}
@@ -614,14 +640,21 @@ def run(args):
     for task, _ in plan:
         print(f"{task} ablation: {steps} steps per run, "
               + ("seed 0" if seeds == 1 else f"seeds 0..{seeds - 1}"))
-        for line in format_table([entry for entry in table if entry["task"] == task]):
+        entries = [entry for entry in table if entry["task"] == task]
+        for line in format_table(entries):
             print(line)
+        attention = format_attention(entries)
+        if attention:
+            print("\nwhere the query's attention goes (held-out, means over seeds):")
+            for line in attention:
+                print(line)
         print()
     print(f"held-out accuracy: mean ± sample standard deviation over seeds (one seed: its "
           f"value), min and max over seeds; chance is {chance:.1f}%."
           + (" prefers own: share of held-out partner sequences whose query weighs its own "
-             "entry above its partner's; own | partner: the mean attention weights on the "
-             "two entries." if any(task == "partner" for task, _ in plan) else ""))
+             "entry above its partner's; on own, on partner: mean attention weights; "
+             "|own - partner|: their mean difference per sequence (0: split evenly, 1: one "
+             "of the two)." if any(task == "partner" for task, _ in plan) else ""))
     paragraph = takeaway(table)
     if paragraph:
         print()

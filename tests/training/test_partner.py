@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from qkvnp.cli import main
-from qkvnp.training.ablation import (format_table, pair_example, partner_attention,
+from qkvnp.training.ablation import (format_attention, format_table, pair_example,
+                                     partner_attention,
                                      plot_ablation, run_ablation, summarize, takeaway, to_json)
 from qkvnp.training.loop import TrainConfig, build_task, train
 from qkvnp.training.models import KVRecallModel
@@ -130,6 +131,7 @@ def test_partner_attention_counts_queries_whose_own_entry_outweighs_the_partner(
     assert measured["prefers_own"] == pytest.approx(0.3)
     assert measured["weight_own"] == pytest.approx((3 * 0.8 + 7 * 0.05) / 10)
     assert measured["weight_partner"] == pytest.approx(0.15)
+    assert measured["weight_gap"] == pytest.approx((3 * 0.65 + 7 * 0.1) / 10)
 
 
 # ---------------------------------------------------------------- train and ablation
@@ -168,15 +170,16 @@ def test_pair_example_asks_a_and_its_partner_over_the_same_items():
     assert partner[a] == b
 
 
-def _entries(task, variant, accuracies, dim=16, own=None, weights=(None, None)):
+def _entries(task, variant, accuracies, dim=16, own=None, weights=(None, None, None)):
     return [{"task": task, "dim": dim, "variant": variant, "seed": s, "accuracy": a,
              "parameters": 10, "prefers_own": own, "weight_own": weights[0],
-             "weight_partner": weights[1]} for s, a in enumerate(accuracies)]
+             "weight_partner": weights[1], "weight_gap": weights[2]}
+            for s, a in enumerate(accuracies)]
 
 
 def test_takeaway_is_computed_from_the_numbers():
     rows = (_entries("partner", "separate", [1.0, 0.995, 0.998])
-            + _entries("partner", "tied_qk", [0.41, 0.43, 0.52], own=0.55, weights=(0.45, 0.4))
+            + _entries("partner", "tied_qk", [0.41, 0.43, 0.52], own=0.55, weights=(0.45, 0.4, 0.05))
             + _entries("partner", "shared", [0.40, 0.39, 0.38], own=0.6)
             + _entries("partner", "no_value", [0.99, 0.98, 0.97]))
     text = takeaway(summarize(rows))
@@ -184,7 +187,11 @@ def test_takeaway_is_computed_from_the_numbers():
     assert "(width 16; mean 45.33%)" in text
     assert "own entry above its partner's in 55.00% of" in text and "as the pair bound says" in text
     assert "separate W_query and W_key reach 99.77% at width 16 (min 99.50%)" in text
-    assert "splits between the two entries (own 0.45, partner 0.40 on average)" in text
+    assert ("each query splits its attention between the two entries (mean weight 0.45 on its "
+            "own entry, 0.40 on its partner's, 0.05 apart per sequence)") in text
+    decisive = takeaway(summarize(_entries("partner", "tied_qk", [0.5], own=0.5,
+                                           weights=(0.5, 0.5, 0.9))))
+    assert "each query puts its attention on one of the two entries" in decisive
     assert "stays at 40.00% at best" in text
     assert "costs up to 1.77 points" in text
     # the other numbers, the other words
@@ -199,7 +206,7 @@ def test_takeaway_is_computed_from_the_numbers():
 
 
 def test_json_document_has_the_issues_schema():
-    rows = (_entries("partner", "tied_qk", [0.5, 0.25], own=0.5, weights=(0.5, 0.25))
+    rows = (_entries("partner", "tied_qk", [0.5, 0.25], own=0.5, weights=(0.5, 0.25, 0.3))
             + _entries("kv-recall", "shared", [1.0]))
     document = to_json(summarize(rows), steps=7)
     assert sorted(document) == ["kv-recall", "partner"]
@@ -208,17 +215,19 @@ def test_json_document_has_the_issues_schema():
             "accuracy_max"} <= set(entry)
     assert (entry["variant"], entry["width"], entry["seeds"]) == ("tied_qk", 16, [0, 1])
     assert (entry["accuracy_mean"], entry["accuracy_min"], entry["accuracy_max"]) == (0.375, 0.25, 0.5)
-    assert (entry["prefers_own"], entry["weight_own"], entry["weight_partner"]) == (0.5, 0.5, 0.25)
+    assert (entry["prefers_own"], entry["weight_own"], entry["weight_partner"],
+            entry["weight_gap"]) == (0.5, 0.5, 0.25, 0.3)
     assert "prefers_own" not in document["kv-recall"][0]
     json.dumps(document)  # plain JSON types only
 
 
-def test_format_table_adds_prefers_own_for_partner_only():
-    lines = format_table(summarize(_entries("partner", "tied_qk", [0.5, 0.25], own=0.625,
-                                            weights=(0.5, 0.25))))
-    assert lines[0].split()[-5:] == ["prefers", "own", "own", "|", "partner"]
-    assert lines[1].endswith("62.50%    0.50 | 0.25")
-    assert "prefers" not in format_table(summarize(_entries("kv-recall", "shared", [1.0])))[0]
+def test_attention_table_is_for_partner_only():
+    lines = format_attention(summarize(_entries("partner", "tied_qk", [0.5, 0.25], own=0.625,
+                                                weights=(0.5, 0.25, 0.375))))
+    assert lines[0].split() == ["width", "variant", "prefers", "own", "on", "own", "on",
+                                "partner", "|own", "-", "partner|"]
+    assert lines[1].split() == ["16", "tied_qk", "62.50%", "0.50", "0.25", "0.38"]
+    assert format_attention(summarize(_entries("kv-recall", "shared", [1.0]))) == []
 
 
 def test_ablation_partner_command_writes_json_and_checks_before_training(tmp_path, capsys):
