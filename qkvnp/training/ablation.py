@@ -33,7 +33,8 @@ one table per task (held-out accuracy: mean, spread, min and max over
 seeds), then a takeaway paragraph computed from the numbers. Defaults: 3000
 steps, seeds 0..2, widths 8, 16 (kv-recall) and 8, 16, 32 (partner): 60 runs,
 measured at 257 s and 331 s on 2 cores shared with other jobs; ``--quick``
-(width 16, 2 seeds, 2000 steps) 16 runs, 75 s on the same loaded cores. ``docs/derivations.md`` (section 12) gives the pair argument.
+(width 16, 2 seeds, 2000 steps) 16 runs, 75 s on the same loaded cores.
+``docs/derivations.md`` (section 13) gives the pair argument.
 
 Examples
 --------

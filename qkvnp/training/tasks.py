@@ -15,7 +15,7 @@ E embedding.
     ``q`` and ``pi(q)``; the answer is the value stored under ``pi(q)``. The
     query's own entry is the distractor: with tied ``Q = K`` the score is a
     symmetric form, and for each pair of partners one of the two queries
-    prefers its own entry (``docs/derivations.md``, section 12).
+    prefers its own entry (``docs/derivations.md``, section 13).
 ``teacher``
     A student :class:`~qkvnp.MultiHeadAttention` learns to reproduce the
     outputs of a randomly initialised teacher of the same shape (regression).
@@ -215,7 +215,7 @@ class PartnerTask(KVRecallTask):
     ``M = W W^T`` symmetric positive semi-definite. For partners ``a, b`` and
     a query marker ``c``, the two margins "partner's score minus own score"
     add up to ``-(a - b)^T M (a - b) <= 0``: at least one of the two
-    queries does not prefer its partner. ``docs/derivations.md``, section 12.
+    queries does not prefer its partner. ``docs/derivations.md``, section 13.
 
     Examples
     --------

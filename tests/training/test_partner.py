@@ -92,7 +92,7 @@ def _two_item_logits(model, a, b):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_tied_qk_margins_of_a_pair_add_up_to_minus_a_squared_norm(seed):
-    # oracle: the closed form -(a-b)^T W W^T (a-b) / sqrt(E) of docs/derivations.md section 12
+    # oracle: the closed form -(a-b)^T W W^T (a-b) / sqrt(E) of docs/derivations.md section 13
     model = KVRecallModel(6, 3, 4, variant="tied_qk", rng=seed)
     model.params["embed_value.weight"][...] = 0.0  # values carry nothing: the bound is exact
     a, b = 1, 4
