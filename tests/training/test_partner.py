@@ -197,6 +197,9 @@ def test_takeaway_is_computed_from_the_numbers():
     # the other numbers, the other words
     above = takeaway(summarize(_entries("partner", "tied_qk", [0.7]) + rows[:3]))
     assert "reaches up to 70.00%" in above and "above the pair bound" in above
+    loophole = takeaway(summarize(_entries("partner", "tied_qk", [0.55], dim=64, own=0.45)
+                                  + _entries("partner", "separate", [1.0], dim=64)))
+    assert "a little under half prefer their own entry at width 64 (45.00%)" in loophole
     untrained = takeaway(summarize(_entries("partner", "tied_qk", [0.1])
                                    + _entries("partner", "separate", [0.2])))
     assert "too short or too narrow" in untrained
