@@ -514,7 +514,13 @@ def plot_ablation(table, path, example=None, stream=None):
             spread = np.array([[100 * (entry["mean"] - entry["min"]) for entry in entries],
                                [100 * (entry["max"] - entry["mean"]) for entry in entries]])
             ax.errorbar(dims, means, yerr=spread, marker="o", capsize=3, label=variant)
+        if task == "partner":
+            ax.axhline(50, color="gray", linestyle="--", linewidth=0.8,
+                       label="about half: the pair bound for Q = K")
         ax.set_xscale("log", base=2)
+        widths = sorted({entry["dim"] for entry in table if entry["task"] == task})
+        ax.set_xticks(widths, [str(width) for width in widths])  # 8, 16, 32 rather than 2^3 ...
+        ax.minorticks_off()
         ax.set_xlabel("width E")
         ax.set_ylabel("held-out accuracy (%), min to max over seeds")
         ax.set_ylim(0, 102)
