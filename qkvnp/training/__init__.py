@@ -13,6 +13,7 @@ imports it. ``python -m qkvnp train`` runs :func:`qkvnp.training.command.run`,
 :mod:`~.report`           progress line, summary, attention example, plot
 :mod:`~.checkpoint`       ``.npz`` checkpoints, written atomically, headers checked before data
 :mod:`~.ablation`         why separate Q, K and V: the variants side by side on two tasks
+:mod:`~.ablation_report`  the ablation's tables, takeaway, JSON summary and plot
 ========================  =====================================================
 """
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint

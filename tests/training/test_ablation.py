@@ -6,7 +6,8 @@ ablation run equals a direct :func:`qkvnp.training.loop.train` with the same set
 import numpy as np
 import pytest
 
-from qkvnp.training.ablation import format_table, run_ablation, summarize
+from qkvnp.training.ablation import run_ablation, summarize
+from qkvnp.training.ablation_report import format_table
 from qkvnp.cli import main
 from qkvnp.training.loop import TrainConfig, train
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from qkvnp.cli import main
-from qkvnp.training.ablation import (format_attention, format_table, pair_example,
-                                     partner_attention,
-                                     plot_ablation, run_ablation, summarize, takeaway, to_json)
+from qkvnp.training.ablation import partner_attention, run_ablation, summarize
+from qkvnp.training.ablation_report import (format_attention, format_table, pair_example,
+                                            plot_ablation, takeaway, to_json)
 from qkvnp.training.loop import TrainConfig, build_task, train
 from qkvnp.training.models import KVRecallModel
 from qkvnp.training.report import attention_example, describe
