@@ -865,14 +865,26 @@ _IMPORT_SNIPPET = (
 
 
 def _import_in_fresh_process(module):
+    # NOTE: without PYTHONDONTWRITEBYTECODE (set on some machines, this one
+    # included): the warm-up import writes qkvnp's .pyc files, as `pip install`
+    # does, where numpy's were written at its install. With it, every import
+    # compiled qkvnp's source, which was most of the difference measured (+20
+    # against +8 ms beyond numpy, after issue 11 added six modules).
+    env = {name: value for name, value in os.environ.items()
+           if name != "PYTHONDONTWRITEBYTECODE"}
     child = subprocess.run([sys.executable, "-c", _IMPORT_SNIPPET.format(module=module),
-                            *CHILD_PATH], capture_output=True, text=True, timeout=120, check=True)
+                            *CHILD_PATH], capture_output=True, text=True, timeout=120, check=True,
+                           env=env)
     elapsed, modules = child.stdout.splitlines()[:2]
     return float(elapsed), set(modules.split())
 
 
 def measure_import_time(repeats=7):
     """Median time of ``import numpy`` and of ``import qkvnp`` in fresh interpreters.
+
+    Both from cached bytecode, as an installed package runs (the warm-up
+    imports write qkvnp's ``__pycache__``, even where
+    ``PYTHONDONTWRITEBYTECODE`` is set).
 
     Returns
     -------
@@ -1530,7 +1542,8 @@ def format_report(report):
     imports = report.get("import_time")
     if imports:
         extra = ", ".join(imports["extra_modules"]) or "none outside the standard library"
-        lines.append(f"import time (fresh processes, median of {imports['repeats']}): numpy "
+        lines.append(f"import time (fresh processes, cached bytecode, median of "
+                     f"{imports['repeats']}): numpy "
                      f"{imports['numpy_ms']:.1f} ms, qkvnp {imports['qkvnp_ms']:.1f} ms, "
                      f"ratio {imports['ratio']:.2f} (of the minima: "
                      f"{imports['qkvnp_min_ms'] / imports['numpy_min_ms']:.2f}); "
