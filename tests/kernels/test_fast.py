@@ -19,6 +19,7 @@ import functools
 import subprocess
 import sys
 import warnings
+import zlib
 from contextlib import contextmanager
 
 import numpy as np
@@ -129,7 +130,9 @@ def random_mask(kind, rng, shape, dtype):
 def test_core_random_configurations(q_shape, k_shape, v_shape, mask_shape, mask_kind,
                                     is_causal, dtype):
     """Oracle: reference path, standard normal inputs, every split of the work."""
-    rng = np.random.default_rng(hash((q_shape, mask_kind, is_causal)) % 2**32)
+    # NOTE: crc32, not hash(): hash() of a str changes with each process's
+    # PYTHONHASHSEED, which made these inputs differ from run to run
+    rng = np.random.default_rng(zlib.crc32(repr((q_shape, mask_kind, is_causal)).encode()))
     inputs = {"query": rng.normal(size=q_shape), "key": rng.normal(size=k_shape),
               "value": rng.normal(size=v_shape)}
     options = {"attn_mask": random_mask(mask_kind, rng, mask_shape, dtype), "is_causal": is_causal}
