@@ -21,6 +21,7 @@ __all__ = [
     "make_rng",
     "check_int",
     "check_attention_inputs",
+    "is_real_number",
     "check_scale",
     "layer_dtype",
     "check_indices",
@@ -346,6 +347,19 @@ def check_attention_inputs(query, key, value):
     return query, key, value, lead
 
 
+def is_real_number(value):
+    """True for a Python or numpy int or float scalar, False for a bool and anything else.
+
+    The one "a real number, but not a bool" test of the package (``True`` is
+    an ``int`` in Python); each caller words its own error.
+
+    >>> is_real_number(np.float32(0.5)), is_real_number(True), is_real_number("1")
+    (True, False, False)
+    """
+    return (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, (bool, np.bool_)))
+
+
 def check_scale(scale, head_dim):
     """The attention scale as a Python float: ``1/sqrt(head_dim)`` by default.
 
@@ -364,7 +378,7 @@ def check_scale(scale, head_dim):
         # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
         # the seeds' tutorial) flattens the softmax as heads are added.
         return 1.0 / math.sqrt(head_dim)  # a Python float: np.float64 would upcast float32
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+    if not is_real_number(scale):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
     scale = float(scale)
     if not np.isfinite(scale):

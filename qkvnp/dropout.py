@@ -33,7 +33,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import make_rng
+from ._checks import is_real_number, make_rng
 
 __all__ = [
     "Dropout",
@@ -68,8 +68,7 @@ def check_dropout_p(dropout_p, name="dropout_p"):
     >>> check_dropout_p(0.1)
     0.1
     """
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer,
-                                                                            np.floating)):
+    if not is_real_number(dropout_p):
         raise TypeError(f"{name} must be a float in [0, 1), got {type(dropout_p).__name__} "
                         f"{dropout_p!r}")
     p = float(dropout_p)

@@ -44,7 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import check_int, make_rng
+from .._checks import check_int, is_real_number, make_rng
 from .diagnosis import diagnose
 from .oracle import oracle_report
 from .report import TOLERANCES, GradcheckReport, GradcheckRow, Tolerance, relative_error
@@ -105,8 +105,7 @@ def resolve(method, mode, dtype, eps, rtol, atol, num_directions=1):
                                   ("atol", atol, default.atol)):
         if value is None:
             value = fallback
-        if isinstance(value, (bool, np.bool_)) or not isinstance(
-                value, (int, float, np.integer, np.floating)):
+        if not is_real_number(value):
             raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
         value = float(value)
         if not np.isfinite(value) or value < 0 or (name == "eps" and value == 0):
