@@ -38,6 +38,7 @@ from ._checks import is_real_number, make_rng
 __all__ = [
     "Dropout",
     "check_dropout_p",
+    "keep_scale",
     "prepare_dropout",
     "draw_key",
     "keep_rows",
@@ -75,6 +76,19 @@ def check_dropout_p(dropout_p, name="dropout_p"):
     if not 0.0 <= p < 1.0:  # NaN fails too
         raise ValueError(f"{name} must be in [0, 1) (1 would drop every weight), got {dropout_p!r}")
     return p
+
+
+def keep_scale(p, dtype):
+    """The factor of the kept weights, ``1 / (1 - p)``, as a scalar of ``dtype``.
+
+    In the weights' own dtype, as PyTorch's dropout scales (a Python float
+    would be exact, but a float64 scalar would upcast float32 arrays).
+
+    >>> scale = keep_scale(0.5, np.float32)
+    >>> float(scale), scale.dtype
+    (2.0, dtype('float32'))
+    """
+    return np.dtype(dtype).type(1.0 / (1.0 - p))
 
 
 def draw_key(rng):

@@ -26,7 +26,7 @@ import numpy as np
 
 from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs,
                       check_int, check_ndim, check_scale, compute_dtype, owned)
-from .dropout import dense_keep, prepare_dropout
+from .dropout import dense_keep, keep_scale, prepare_dropout
 from .embedding import EmbeddingCache, embedding_backward, embedding_forward
 from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from .masks import prepare_mask
@@ -433,7 +433,7 @@ def dropped_weights(cache):
         return cache.weights.copy()
     # NOTE: the mask times 1/(1-p) in the weights' dtype, as PyTorch's dropout scales
     kept = cache.weights * cache.dropout_mask  # (..., T, S)
-    kept *= cache.weights.dtype.type(1.0 / (1.0 - cache.dropout_p))
+    kept *= keep_scale(cache.dropout_p, kept.dtype)
     return kept
 
 
@@ -490,7 +490,7 @@ def _attention_backward(dout, cache):
         dvalue = np.swapaxes(dropped_weights(cache), -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
         dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
         dweights *= cache.dropout_mask
-        dweights *= dweights.dtype.type(1.0 / (1.0 - cache.dropout_p))
+        dweights *= keep_scale(cache.dropout_p, dweights.dtype)
     weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
     dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
     dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)

@@ -62,7 +62,7 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
                        scores_may_overflow)
 from ..functional import sum_to_shape
-from ..dropout import dense_keep, prepare_dropout
+from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
 from ..masks import additive_mask, is_causal_additive, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
@@ -216,7 +216,7 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     threads = threads_for(flops)
     drop = None
     if dropout_mask is not None:
-        drop = (np.broadcast_to(dropout_mask, lead + (T, S)), dtype.type(1.0 / (1.0 - dropout_p)))
+        drop = (np.broadcast_to(dropout_mask, lead + (T, S)), keep_scale(dropout_p, dtype))
     if threads == 1 and _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out,
                                        drop):
         return
@@ -400,7 +400,7 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     drop = None
     if cache.dropout_mask is not None:
         drop = (np.broadcast_to(cache.dropout_mask, lead + (T, S)),
-                out.dtype.type(1.0 / (1.0 - cache.dropout_p)))
+                keep_scale(cache.dropout_p, out.dtype))
     if threads == 1:
         _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
                         dquery_scale, drop)
@@ -684,5 +684,5 @@ def attention_weights(cache):
     weights = cache.exp_scores * cache.inv_sum  # (..., T, S)
     if cache.dropout_mask is not None:
         weights *= cache.dropout_mask
-        weights *= weights.dtype.type(1.0 / (1.0 - cache.dropout_p))
+        weights *= keep_scale(cache.dropout_p, weights.dtype)
     return weights

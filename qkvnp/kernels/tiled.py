@@ -28,7 +28,7 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
                        scores_may_overflow)
 from ..functional import sum_to_shape
-from ..dropout import block_keep, dense_keep, prepare_dropout
+from ..dropout import block_keep, dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from ..masks import causal_offset, check_is_causal, prepare_mask
 from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
@@ -254,7 +254,7 @@ def _forward_rows(problem, part, out, row_maxes, row_sums):
         dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
         np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
         if dropout is not None:
-            acc *= dtype.type(1.0 / (1.0 - dropout.p))
+            acc *= keep_scale(dropout.p, dtype)
         row_maxes[..., i0:i1] = row_max[..., 0]  # (..., bq, 1) -> (..., bq)
         row_sums[..., i0:i1] = row_sum[..., 0]  # (..., bq, 1) -> (..., bq)
 
@@ -304,7 +304,7 @@ def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dval
             else:  # the same block mask as the forward's, recomputed; Z / (1 - p) goes into dO
                 drop_keep = block_keep(dropout, i0, i1, j0, j1)  # (..., bq, bk)
                 kept = np.multiply(weights, drop_keep, out=_view(dweights_buf, lead + (bq, bk)))
-                dout_block *= dtype.type(1.0 / (1.0 - dropout.p))
+                dout_block *= keep_scale(dropout.p, dtype)
             dv_block += np.matmul(np.swapaxes(kept, -1, -2), dout_block,
                                   out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
             dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
