@@ -16,6 +16,10 @@ Settings, not globals to patch (the model is ``torch.set_num_threads``):
   the sizes that cut the work into blocks and the thresholds of ``impl="auto"``
   (see :data:`BLOCK_SIZE_DEFAULTS` for each one and why it has its value).
 
+- glibc's malloc thresholds, given once at the first kernel section
+  (:mod:`qkvnp.kernels.heap`, the ``heap_mmap_threshold`` setting): without
+  them the kernels' temporaries were page-faulted anew on every call.
+
 Settings are global to the process, as PyTorch's are. ``import`` of this
 module costs numpy only: ctypes, the thread pool and the BLAS probe are
 loaded at first use. Measurements behind the defaults: ``benchmarks/RESULTS.md``.
@@ -27,6 +31,7 @@ import threading
 import numpy as np
 
 from .._checks import check_int
+from .heap import tune_heap
 
 __all__ = [
     "set_num_threads",
@@ -91,12 +96,18 @@ BLOCK_SIZE_DEFAULTS = {
     "causal_tiled_min_length": 2048,
     # ... or when the dense (..., H, T, S) weights would take more bytes than this.
     "dense_weights_budget": 256 << 20,
+    # glibc's malloc serves blocks below this from its heap and keeps twice
+    # this much freed memory for reuse, set at the first kernel section: the
+    # values its own heuristic reaches after one freed 32 MiB block. Without
+    # it, (16, 32, 64, 4) float32 page-faulted 192 times a step (1.89 ms
+    # against 1.42). 0 leaves malloc alone (see qkvnp/kernels/heap.py).
+    "heap_mmap_threshold": 32 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
             "min_parallel_flops": 0,
             "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
             "causal_tiled_min_length": 1,
-            "dense_weights_budget": 0}
+            "dense_weights_budget": 0, "heap_mmap_threshold": 0}
 
 _SIZES = dict(BLOCK_SIZE_DEFAULTS)
 _NUM_THREADS = None  # None until set or first read (then from the environment)
@@ -398,7 +409,9 @@ class blas_threads:
     """Context manager: run BLAS with ``n`` threads inside, restore after.
 
     Does nothing when numpy's OpenBLAS cannot be found (``available`` is then
-    False). Setting the count is global to the process.
+    False). Setting the count is global to the process. Entering it also
+    gives glibc the heap thresholds, once (:mod:`qkvnp.kernels.heap`): the
+    training loop runs in it.
 
     >>> with blas_threads(1) as pinned:
     ...     _ = np.ones((4, 4)) @ np.ones((4, 4))
@@ -410,6 +423,7 @@ class blas_threads:
         self.available = bool(openblas_thread_functions())
 
     def __enter__(self):
+        tune_heap(_SIZES["heap_mmap_threshold"])
         if self.available:
             get, set_ = openblas_thread_functions()
             self.previous = get()
@@ -447,6 +461,7 @@ class single_threaded_blas:
     __slots__ = ("functions",)
 
     def __enter__(self):
+        tune_heap(_SIZES["heap_mmap_threshold"])  # once (qkvnp/kernels/heap.py)
         self.functions = openblas_thread_functions()
         if self.functions:
             with _PIN_LOCK:
