@@ -169,6 +169,7 @@ __all__ = [
     "measure_attention_gemm_ceiling",
     "measure_import_time",
     "measure_memory",
+    "checkout_commit",
     "environment_info",
     "run_benchmark",
     "target_requirements",
@@ -917,6 +918,22 @@ def measure_import_time(repeats=7):
 # ---------------------------------------------------------------- environment
 
 
+def checkout_commit():
+    """The commit of the qkvnp checkout measured (``git describe --always --dirty``), or None.
+
+    None when qkvnp is not a git checkout (an installed wheel) or git is absent.
+    """
+    root = CHILD_PATH[1]  # the directory that holds the qkvnp measured
+    if not os.path.exists(os.path.join(root, ".git")):  # a worktree has a .git file
+        return None
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root,
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
 def environment_info():
     """What makes the numbers interpretable: machine, versions, BLAS, threads, env vars."""
     from importlib import metadata
@@ -952,6 +969,7 @@ def environment_info():
         "numpy": np.__version__,
         "scipy": version("scipy"),
         "qkvnp": qkvnp.__version__,
+        "commit": checkout_commit(),
         "torch": None,
         "torch_threads": None,
         "blas_build": blas_build,
@@ -1514,7 +1532,8 @@ def format_report(report):
     lines = [f"qkvnp bench{quick}, {env['date_utc']} UTC, {report.get('elapsed_s', 0):.0f} s",
              f"machine: {env['cpu']}, {env['cores_usable']} usable cores; {env['platform']}",
              f"versions: python {env['python']}, numpy {env['numpy']}, scipy {env['scipy']}, "
-             f"qkvnp {env['qkvnp']}, torch {env['torch'] or 'not installed'}"]
+             f"qkvnp {env['qkvnp']}" + (f" ({env['commit']})" if env.get("commit") else "")
+             + f", torch {env['torch'] or 'not installed'}"]
     blas = env["openblas"]
     blas_text = (f"{blas['library']}, core {blas['corename']}, {blas['threads']} threads "
                  f"({blas['config']})" if blas else "runtime not identified")

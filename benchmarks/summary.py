@@ -18,8 +18,8 @@ import math
 import os
 import sys
 
-__all__ = ["SMALL_WORK", "speed_phrase", "default_path_ratios", "summarize", "ratio_table",
-           "plot_ratios"]
+__all__ = ["SMALL_WORK", "speed_phrase", "default_path_ratios", "peak_memory", "summarize",
+           "ratio_table", "plot_ratios"]
 
 #: Shapes with B*L*E up to this are "small": per-call overhead, not
 #: arithmetic, sets their time.
@@ -51,6 +51,16 @@ def default_path_ratios(report):
             rows.append((tuple(r["config"]), r["dtype"], r.get("mask", "none"),
                          stats["ratio_torch"], stats.get("flops")))
     return rows
+
+
+def peak_memory(report):
+    """``{(config, dtype): {"auto": MiB, "torch": MiB}}``: the layers' peak RSS, no mask, where both ran."""
+    memory = {}
+    for r in report.get("records", []):
+        if (r.get("kind") == "layer" and r.get("impl") in ("auto", "torch")
+                and r.get("mask", "none") == "none" and (r.get("memory") or {}).get("rss_mib") is not None):
+            memory.setdefault((tuple(r["config"]), r["dtype"]), {})[r["impl"]] = r["memory"]["rss_mib"]
+    return {key: value for key, value in memory.items() if len(value) == 2}
 
 
 def _groups(rows):
@@ -95,12 +105,7 @@ def summarize(report):
                      f"{speed_phrase(best[3], '')} at {_where(best)} to "
                      f"{speed_phrase(worst[3], '')} at {_where(worst)}")
         lines.append(line + ".")
-    memory = {}
-    for r in report.get("records", []):
-        if (r.get("kind") == "layer" and r.get("impl") in ("auto", "torch")
-                and r.get("mask", "none") == "none" and (r.get("memory") or {}).get("rss_mib") is not None):
-            memory.setdefault((tuple(r["config"]), r["dtype"]), {})[r["impl"]] = r["memory"]["rss_mib"]
-    both = {key: value for key, value in memory.items() if len(value) == 2}
+    both = peak_memory(report)
     if both:
         longest = max(config[1] for config, _ in both)
         for (config, dtype), value in sorted(both.items()):
