@@ -211,6 +211,10 @@ def main(argv=None):
     parser.add_argument("--plot", metavar="PATH",
                         help="the median ratios against the work size (needs matplotlib)")
     args = parser.parse_args(argv)
+    real = [os.path.realpath(path) for path in args.reports]
+    twice = [path for number, path in enumerate(args.reports) if real[number] in real[:number]]
+    if twice:  # the same run twice would pass for two runs that agree
+        parser.error(f"{twice[0]} is given twice: each file must be a different run")
     try:
         reports = [load_report(path) for path in args.reports]
         report = median_report(reports, args.reports, combine(reports, args.reports))

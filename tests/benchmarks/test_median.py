@@ -222,6 +222,15 @@ def test_runs_that_measured_different_things_are_refused_by_name(tmp_path, capsy
     assert f"{paths[1]} lacks layer (1, 6, 3, 1) float32" in capsys.readouterr().err
 
 
+def test_the_same_file_twice_is_refused(tmp_path, capsys):
+    # oracle: one run given twice would make a median of agreeing "runs"
+    paths = write_runs(tmp_path, three_runs()[:2])
+    again = os.path.join(str(tmp_path), os.pardir, tmp_path.name, "run1.json")  # another spelling
+    with pytest.raises(SystemExit):
+        median.main(paths + [again])
+    assert f"{again} is given twice" in capsys.readouterr().err
+
+
 def test_a_long_list_of_missing_measurements_is_cut():
     # seven measurements missing: four named, then how many more
     full = make_report({((1, L, 8, 2), "float32", "none"): 0.5 for L in range(1, 8)})
