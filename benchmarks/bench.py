@@ -926,9 +926,10 @@ def checkout_commit():
     root = CHILD_PATH[1]  # the directory that holds the qkvnp measured
     if not os.path.exists(os.path.join(root, ".git")):  # a worktree has a .git file
         return None
-    try:
+    try:  # GIT_OPTIONAL_LOCKS=0: --dirty must not rewrite the checkout's index while it looks
         done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root,
-                              capture_output=True, text=True, timeout=30)
+                              capture_output=True, text=True, timeout=30,
+                              env=dict(os.environ, GIT_OPTIONAL_LOCKS="0"))
     except (OSError, subprocess.SubprocessError):
         return None
     return (done.stdout.strip() or None) if done.returncode == 0 else None
