@@ -265,7 +265,25 @@ def test_the_median_report_is_not_taken_for_a_run(tmp_path, capsys):
 
 
 def test_commit_of_the_checkout_is_recorded(monkeypatch, tmp_path):
-    # outside a git checkout (an installed wheel): None, not an error
+    # oracle: git's own hash of a throw-away repository's commit, then "-dirty"
+    # once a tracked file changes; outside a git checkout (a wheel): None
     monkeypatch.setattr(bench, "CHILD_PATH", [bench.CHILD_PATH[0], str(tmp_path)])
     assert bench.checkout_commit() is None
     assert "commit" in bench.environment_info()
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    try:
+        git("init", "-q")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git is not available")
+    (tmp_path / "file.txt").write_text("one")
+    git("add", "file.txt")
+    git("commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD").strip()
+    commit = bench.checkout_commit()
+    assert commit and head.startswith(commit)
+    (tmp_path / "file.txt").write_text("two")
+    assert bench.checkout_commit() == commit + "-dirty"
