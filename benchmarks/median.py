@@ -17,6 +17,8 @@ It then builds a report in the schema :mod:`summary` reads, every number in
 it the median over the runs, and prints :func:`summary.ratio_table` and
 :func:`summary.summarize` of it: the command's own sentences, from the medians
 (``--json`` writes that report, ``--plot`` draws :func:`summary.plot_ratios`).
+A ratio there is the median of the runs' ratios, and each absolute number
+(steps/s, MiB) the median of its own values: they need not divide exactly.
 
 NOTE: of an even number of runs, the median is the geometric mean of the two
 middle values, so that the median of qkvnp / PyTorch is the inverse of the
