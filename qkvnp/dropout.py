@@ -128,6 +128,8 @@ def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape, draw=True):
         ``dropout_p`` outside ``[0, 1)``, a mask with ``dropout_p == 0``, a
         mask that does not broadcast to ``scores_shape``.
     """
+    if dropout_mask is None and type(dropout_p) is float and dropout_p == 0.0:
+        return None  # the forwards' default, checked in one comparison
     p = check_dropout_p(dropout_p)
     scores_shape = tuple(scores_shape)
     if dropout_mask is None:

@@ -405,6 +405,18 @@ def openblas_thread_functions():
     return _BLAS
 
 
+def _settle_process():
+    """What the first kernel section settles, cheaply checked on every later one.
+
+    The thread count (``QKVNP_NUM_THREADS`` read and checked: a bad value is
+    an error even for a problem too small to use the workers) and glibc's
+    heap thresholds (:mod:`qkvnp.kernels.heap`).
+    """
+    if _NUM_THREADS is None:
+        get_num_threads()
+    tune_heap(_SIZES["heap_mmap_threshold"])
+
+
 class blas_threads:
     """Context manager: run BLAS with ``n`` threads inside, restore after.
 
@@ -423,7 +435,7 @@ class blas_threads:
         self.available = bool(openblas_thread_functions())
 
     def __enter__(self):
-        tune_heap(_SIZES["heap_mmap_threshold"])
+        _settle_process()
         if self.available:
             get, set_ = openblas_thread_functions()
             self.previous = get()
@@ -461,7 +473,7 @@ class single_threaded_blas:
     __slots__ = ("functions",)
 
     def __enter__(self):
-        tune_heap(_SIZES["heap_mmap_threshold"])  # once (qkvnp/kernels/heap.py)
+        _settle_process()
         self.functions = openblas_thread_functions()
         if self.functions:
             with _PIN_LOCK:
@@ -588,11 +600,14 @@ def matmul(a, b, out=None, split="rows"):
     rows of ``a``; ``"cols"`` the columns of ``b`` (for ``x^T @ dy``, whose
     rows are few).
     """
+    small = 2 * a.shape[0] * a.shape[1] * b.shape[1] < _SIZES["min_parallel_flops"]
+    if small and _PIN["depth"]:  # the layer kernels' small products: nothing else to decide
+        return np.matmul(a, b, out=out)
     if out is None:
         out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
     length = a.shape[0] if split == "rows" else b.shape[1]
     parts = min(get_num_threads(), max(1, length // _SIZES["min_split"]))
-    if parts < 2 or 2 * a.shape[0] * a.shape[1] * b.shape[1] < _SIZES["min_parallel_flops"]:
+    if parts < 2 or small:
         if _PIN["depth"]:  # already inside a single-threaded section (the layer kernels)
             np.matmul(a, b, out=out)
         else:

@@ -14,7 +14,9 @@ differently, each step measured:
 - no scipy: the softmax is written in place into the score buffer, and it is
   **not normalised**: the cache keeps ``exp_scores = exp(S - m)`` and
   ``inv_sum = 1 / rowsum``; the division is applied to ``(T, Dv)`` and
-  ``(T, D)`` operands instead of the ``(T, S)`` matrix;
+  ``(T, D)`` operands instead of the ``(T, S)`` matrix (except for a small
+  problem run serially, whose few scores are normalised: its ``(T, D)``
+  operands are strided views of the layer's projections, slower to scale);
 - ``m`` is not the row max but the bound ``|q| max|k| + max(mask row)``,
   known before the scores (no max pass: numpy's ``max`` along a short last
   axis is slow); a block whose largest exponential would fall below
@@ -25,7 +27,7 @@ differently, each step measured:
 - a block of (batch, head) groups whose scores fit in ``row_block_bytes`` (a
   setting of :mod:`qkvnp.kernels._runtime`), which is nearly every block below
   L = 1448 in float32, runs in a few whole-array calls
-  (:func:`_small_forward`, :func:`_small_backward`): short-axis sums are
+  (:mod:`qkvnp.kernels.fast_small`): short-axis sums are
   matmuls with a column of ones, and from 32k scores on ``exp2`` (faster than
   ``exp``) runs on scores pre-multiplied by ``log2(e)``; the backward takes
   ``delta = rowsum(P * dP)`` from the ``dP`` it computed;
@@ -66,6 +68,7 @@ from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
 from ..masks import additive_mask, is_causal_additive, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
+from .fast_small import LARGE_SCORES, small_backward, small_forward
 
 __all__ = [
     "attention_forward",
@@ -95,8 +98,9 @@ query : (..., T, D) query already multiplied by ``scale``.
 key, value : (..., S, D), (..., S, Dv) broadcast to the common leading dims.
 exp_scores : (..., T, S) ``exp(S - m)``, unnormalised softmax numerators
     (0 at masked positions), ``m`` an upper bound of the row max (or the row
-    max itself); the weights are ``exp_scores * inv_sum``.
-inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row.
+    max itself); the weights are ``exp_scores * inv_sum``. Or, when
+    ``inv_sum`` is None, the weights themselves (see :func:`dense_forward`).
+inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row; or None.
 out : (..., T, Dv) the forward output.
 scale : float.
 shapes : the original shapes of query, key and value (for broadcast inputs).
@@ -107,25 +111,12 @@ dropout_p : float, the drop probability (kept weights are scaled by 1 / (1 - p))
 # ---------------------------------------------------------------- core
 
 
-#: Score blocks of at least this many entries take the variants that save passes
-#: over (T, S) (exp2, einsum) at the price of a few more numpy calls.
-_LARGE_SCORES = 1 << 15
-
-
 @functools.lru_cache(maxsize=16)
 def _zeros_column(n, dtype):
     """A read-only ``(n, 1)`` column of zeros."""
     zeros = np.zeros((n, 1), dtype)
     zeros.flags.writeable = False
     return zeros
-
-
-@functools.lru_cache(maxsize=64)
-def _ones(n, dtype):
-    """A read-only ``(n, 1)`` column of ones: ``x @ _ones`` sums the last axis of ``x``."""
-    ones = np.ones((n, 1), dtype)
-    ones.flags.writeable = False
-    return ones
 
 
 def _exp_scores_careful(scores, query, key_t, mask):
@@ -203,13 +194,21 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     ``dropout_mask`` (bool, True = keep, broadcastable), ``out`` is
     ``r ((E * Z) V) / (1 - p)``: ``exp_scores`` and ``inv_sum`` stay those of
     the softmax before dropout.
+
+    Returns True when ``exp_scores`` holds the weights ``P = E r`` themselves
+    (a problem run serially with few scores, where normalising the
+    contiguous ``(T, S)`` scores costs less than scaling the strided
+    ``(T, Dv)`` output and three ``(T, D)`` operands of the backward:
+    (64, 8, 16, 2) layer fwd+bwd 435 -> 372 us float32, 522 -> 449 float64);
+    the cache then
+    stores ``inv_sum=None``. False: numerators and ``inv_sum``.
     """
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
     if S == 0:  # NOTE: no key at all: every row is fully masked, output 0
         out[...] = 0
         inv_sum[...] = 0
-        return
+        return False
     flops = 2 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 2)
     dtype = exp_scores.dtype
     mask_max = _mask_row_max(mask, dtype)
@@ -217,9 +216,9 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     drop = None
     if dropout_mask is not None:
         drop = (np.broadcast_to(dropout_mask, lead + (T, S)), keep_scale(dropout_p, dtype))
-    if threads == 1 and _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out,
-                                       drop):
-        return
+    if threads == 1 and small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out,
+                                       drop, normalize=exp_scores.size < LARGE_SCORES):
+        return exp_scores.size < LARGE_SCORES
     log2e = dtype.type(np.log2(np.e))
     small_mask = small_mask_max = None
     if mask is not None:
@@ -240,7 +239,7 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
                 k, v = key[idx], value[idx]  # (G, S, D), (G, S, Dv)
                 G = math.prod(exp_scores[idx].shape[:-2])
                 chunks = _row_chunks(G, T, S, exp_scores.itemsize)
-                if len(chunks) == 1 and _small_forward(
+                if len(chunks) == 1 and small_forward(
                         query[idx], k, v, None if mask is None else small_mask[idx],
                         None if mask is None else small_mask_max[idx],
                         exp_scores[idx], inv_sum[idx], out[idx],
@@ -258,66 +257,7 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
                                   None if drop is None else (drop[0][block], drop[1]))
 
     run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
-
-
-def _small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop=None):
-    """:func:`dense_forward` of a problem too small to share, in a few whole-array calls.
-
-    The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``), the
-    same bound ``m = |q| max|k| + max(mask row)`` instead of the row max, but
-    none of the machinery that pays off on large problems (blocks, row chunks
-    in cache, probe keys): at (B, L, E, H) = (8, 16, 32, 4) that machinery
-    cost more numpy calls than the math. Reductions over the short last axes
-    are matmuls with a vector of ones (numpy's ``max``/``sum`` along a
-    32-long axis measured 5-12x slower than ``@ ones``).
-
-    Returns False, having written nothing final, when the bound was too far
-    above a row's max (its largest exponential below ``2**-24``, where the
-    terms would lose precision in the subnormals) or a score overflowed: the
-    blocked path then takes the exact row max, as the reference does.
-    ``drop``: None or ``(dropout_mask, 1 / (1 - p))``, applied to the output only.
-    """
-    dtype = exp_scores.dtype
-    ones_d, ones_s = _ones(query.shape[-1], dtype), _ones(exp_scores.shape[-1], dtype)
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        key_norm = np.sqrt(((key * key) @ ones_d).max(axis=-2, keepdims=True))  # (..., S, 1) -> (..., 1, 1)
-        bound = np.sqrt((query * query) @ ones_d) * key_norm  # |q| max|k|, (..., T, 1)
-        if mask is not None:
-            bound = bound + mask_max
-        if exp_scores.size < _LARGE_SCORES:  # few scores: fewest calls
-            np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-            if mask is not None:
-                exp_scores += mask
-            exp_scores -= bound
-            np.exp(exp_scores, out=exp_scores)
-        else:
-            # base-2 scores: exp(x) = exp2(x log2(e)), and exp2 measured 2.2x faster
-            # than exp in float32 (1.2x in float64); log2(e) goes into the (T, D) query
-            log2e = dtype.type(np.log2(np.e))
-            np.matmul(query * log2e, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-            if mask is not None:
-                exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
-            exp_scores -= bound * log2e
-            np.exp2(exp_scores, out=exp_scores)
-        np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
-    live = inv_sum >= 2.0 ** -24
-    if not live.all():
-        dead = None if mask is None else np.isneginf(mask).all(axis=-1, keepdims=True)
-        # NOTE: a fully masked row has row sum 0 and stays: weights 0, output 0
-        if dead is None or not (live | (dead & (inv_sum == 0))).all():
-            return False
-        inv_sum[~live] = 1
-        np.reciprocal(inv_sum, out=inv_sum)
-        inv_sum[~live] = 0
-    else:
-        np.reciprocal(inv_sum, out=inv_sum)
-    if drop is None:
-        np.matmul(exp_scores, value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
-        out *= inv_sum
-    else:  # O = r ((E * Z) V) / (1 - p)
-        np.matmul(exp_scores * drop[0], value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
-        out *= inv_sum * drop[1]
-    return True
+    return False
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
@@ -402,9 +342,11 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
         drop = (np.broadcast_to(cache.dropout_mask, lead + (T, S)),
                 keep_scale(cache.dropout_p, out.dtype))
     if threads == 1:
-        _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
+        small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
                         dquery_scale, drop)
         return
+    if inv_sum is None:  # exp_scores holds the weights: E = P, r = 1
+        inv_sum = np.ones(lead + (T, 1), exp_scores.dtype)
 
     def task(part):
         scratch = partial = None
@@ -413,7 +355,7 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             G = math.prod(exp_scores[idx].shape[:-2])
             chunks = _row_chunks(G, T, S, exp_scores.itemsize)
             if len(chunks) == 1:  # the block fits in cache: whole-array calls
-                _small_backward(dout[idx], query[idx], k, value[idx], exp_scores[idx], inv_sum[idx],
+                small_backward(dout[idx], query[idx], k, value[idx], exp_scores[idx], inv_sum[idx],
                                 out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale,
                                 None if drop is None else (drop[0][idx], drop[1]))
                 continue
@@ -438,48 +380,6 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             dvalue[idx] = dv_t.swapaxes(-1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
     run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
-
-
-def _small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
-                    dquery_scale, drop=None):
-    """:func:`dense_backward` of a problem too small to share, in whole-array calls.
-
-    With :math:`E` the numerators and :math:`r = 1/\\mathrm{rowsum}(E)`:
-    :math:`\\bar V = E^T (r \\bar O)`, :math:`G = E \\odot (\\bar P - \\delta)` with
-    :math:`\\bar P = \\bar O V^T` and :math:`\\delta = r\\,\\mathrm{rowsum}(E \\odot \\bar P)`,
-    :math:`\\bar Q = c\\, r \\odot (G K)`, :math:`\\bar K = G^T (r \\odot Q)`.
-    With ``drop = (Z, 1 / (1 - p))``: :math:`\\bar V = (E \\odot Z)^T (r \\bar O) / (1 - p)`
-    and :math:`\\bar P = (\\bar O V^T) \\odot Z / (1 - p)`, the rest unchanged.
-    """
-    if exp_scores.shape[-1] == 0:  # no key: nothing attended, no gradient
-        dquery[...] = 0
-        return
-    dscores = recycled_empty(exp_scores.shape, exp_scores.dtype)  # no page faults for a new (T, S)
-    if drop is None:
-        np.matmul(exp_scores.swapaxes(-1, -2), dout * inv_sum, out=dvalue)  # (..., S, T) @ (..., T, Dv)
-        np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
-    else:
-        np.multiply(exp_scores, drop[0], out=dscores)  # E * Z, (..., T, S)
-        np.matmul(dscores.swapaxes(-1, -2), dout * (inv_sum * drop[1]), out=dvalue)  # (..., S, T) @ (..., T, Dv)
-        np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
-        dscores *= drop[0]
-        dscores *= drop[1]  # dP = (dO V^T) * Z / (1 - p)
-    # NOTE: delta = rowsum(P * dP) from the dP just computed, not rowsum(dO * O):
-    # on a saturated row dP - delta cancels, and the two must carry the same
-    # rounding (a float32 W_key gradient whose exact value is ~0: rowsum(dO * O)
-    # gave 5.7e-6 error, this 1.2e-6; the reference 6.2e-6). Small rows make
-    # the (T, S) pass cheap; the blocked path keeps rowsum(dO * O).
-    if exp_scores.size < _LARGE_SCORES:  # few scores: fewest calls (einsum's own cost is ~10 us)
-        dscores *= exp_scores  # E * dP
-        delta = (dscores @ _ones(dscores.shape[-1], dscores.dtype)) * inv_sum  # rowsum(P * dP), (..., T, 1)
-        dscores -= exp_scores * delta  # = rowsum * dS = E * (dP - delta)
-    else:
-        delta = np.einsum("...ts,...ts->...t", exp_scores, dscores)[..., None] * inv_sum  # (..., T, 1)
-        dscores -= delta
-        dscores *= exp_scores  # = rowsum * dS = E * (dP - delta)
-    np.matmul(dscores, key, out=dquery)  # (..., T, S) @ (..., S, D) -> (..., T, D)
-    dquery *= inv_sum if dquery_scale == 1 else inv_sum * dquery_scale
-    np.matmul(dscores.swapaxes(-1, -2), query * inv_sum, out=dkey)  # (..., S, T) @ (..., T, D)
 
 
 def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,
@@ -626,10 +526,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     exp_scores = recycled_empty(lead + (T, S), dtype)
     inv_sum = np.empty(lead + (T, 1), dtype)
     out = np.empty(lead + (T, Dv), dtype)
-    dense_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out, drop_keep, drop_p)
+    normalized = dense_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out,
+                               drop_keep, drop_p)
     # NOTE: the cache keeps its own copy of out (a (T, Dv) copy): a caller
     # editing the returned array in place must not change the gradients.
-    cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores, inv_sum, out.copy(),
+    cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores,
+                               None if normalized else inv_sum, out.copy(),
                                scale, (query.shape, key.shape, value.shape), drop_keep, drop_p)
     return out, cache
 
@@ -681,7 +583,8 @@ def attention_weights(cache):
         return ungroup_weights(attention_weights(cache.inner), cache)
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
         return F.dropped_weights(cache)
-    weights = cache.exp_scores * cache.inv_sum  # (..., T, S)
+    weights = (cache.exp_scores.copy() if cache.inv_sum is None  # (..., T, S)
+               else cache.exp_scores * cache.inv_sum)
     if cache.dropout_mask is not None:
         weights *= cache.dropout_mask
         weights *= keep_scale(cache.dropout_p, weights.dtype)

@@ -17,6 +17,7 @@ core (after a multi-threaded OpenBLAS call its idle threads spin and slowed
 what followed). The path is chosen by :func:`qkvnp.kernels.choose_path`,
 never here.
 """
+import math
 from collections import namedtuple
 
 import numpy as np
@@ -169,7 +170,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     D = E // H
     H_kv = E_kv // D  # < H: grouped-query attention (W_key, W_value have H_kv heads)
     widths = {"query": E, "key": E_kv, "value": E_kv}
-    scale = 1.0 / np.sqrt(D)
+    scale = 1.0 / math.sqrt(D)
     dtype = p["W_query"].dtype
     c = dtype.type(scale)
     has_bias = "b_query" in p
@@ -232,12 +233,15 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
         inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)
         drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
-        (drop_keep,) = owned((drop_keep,), (dropout_mask,))  # the cache owns what backward reads
+        if drop_keep is not None:
+            (drop_keep,) = owned((drop_keep,), (dropout_mask,))  # the cache owns what backward reads
         if H_kv != H:  # the dense core reads full leading dims: (..., H_kv, G, S, D) views
             k, v = np.broadcast_to(k, lead + k.shape[-2:]), np.broadcast_to(v, lead + v.shape[-2:])
             drop_keep = None if drop_keep is None else split_head_axis(drop_keep, H, H_kv, G)
-        fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads, drop_keep, drop_p)
-        core_cache = fast.FastAttentionCache(q, k, v, exp_scores, inv_sum, out_heads, 1.0,
+        normalized = fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads, drop_keep,
+                                        drop_p)
+        core_cache = fast.FastAttentionCache(q, k, v, exp_scores,
+                                             None if normalized else inv_sum, out_heads, 1.0,
                                              (q.shape, k.shape, v.shape), drop_keep, drop_p)
         weights = fast.attention_weights(core_cache) if need_weights else None
         if weights is not None and H_kv != H:

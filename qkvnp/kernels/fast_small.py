@@ -1,0 +1,149 @@
+"""The fast core on a problem that fits in cache, in a few whole-array calls.
+
+Shape key: T query length, S key length, D head dim (of queries and keys),
+Dv head dim of values, ``...`` any leading (batch, head) dims.
+
+:func:`small_forward` and :func:`small_backward` compute what
+:func:`qkvnp.kernels.fast.dense_forward` and ``dense_backward`` compute, for
+a whole problem run serially or for one worker's block whose scores fit in
+``row_block_bytes``: none of the machinery that pays off on large problems
+(row chunks, probe keys, augmented matmuls), which at (B, L, E, H) =
+(8, 16, 32, 4) cost more numpy calls than the math. The derivations are those
+of :mod:`qkvnp.kernels.fast` (``docs/derivations.md``).
+"""
+import functools
+
+import numpy as np
+
+from ..masks import is_causal_additive
+from ._runtime import recycled_empty
+
+__all__ = ["small_forward", "small_backward", "LARGE_SCORES"]
+
+#: Score blocks of at least this many entries take the variants that save passes
+#: over (T, S) (exp2, einsum) at the price of a few more numpy calls.
+LARGE_SCORES = 1 << 15
+
+
+@functools.lru_cache(maxsize=64)
+def _ones(n, dtype):
+    """A read-only ``(n, 1)`` column of ones: ``x @ _ones`` sums the last axis of ``x``."""
+    ones = np.ones((n, 1), dtype)
+    ones.flags.writeable = False
+    return ones
+
+
+def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop=None,
+                  normalize=False):
+    """``dense_forward`` of a problem too small to share, in a few whole-array calls.
+
+    The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``), the
+    same bound ``m = |q| max|k| + max(mask row)`` instead of the row max, but
+    none of the machinery that pays off on large problems (blocks, row chunks
+    in cache, probe keys): at (B, L, E, H) = (8, 16, 32, 4) that machinery
+    cost more numpy calls than the math. Reductions over the short last axes
+    are matmuls with a vector of ones (numpy's ``max``/``sum`` along a
+    32-long axis measured 5-12x slower than ``@ ones``).
+
+    Returns False, having written nothing final, when the bound was too far
+    above a row's max (its largest exponential below ``2**-24``, where the
+    terms would lose precision in the subnormals) or a score overflowed: the
+    blocked path then takes the exact row max, as the reference does.
+    ``drop``: None or ``(dropout_mask, 1 / (1 - p))``, applied to the output only.
+    ``normalize``: leave the weights ``P = E r`` in ``exp_scores``.
+    """
+    dtype = exp_scores.dtype
+    ones_d, ones_s = _ones(query.shape[-1], dtype), _ones(exp_scores.shape[-1], dtype)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        key_norm = np.sqrt(((key * key) @ ones_d).max(axis=-2, keepdims=True))  # (..., S, 1) -> (..., 1, 1)
+        bound = np.sqrt((query * query) @ ones_d) * key_norm  # |q| max|k|, (..., T, 1)
+        if mask is not None:
+            bound = bound + mask_max
+        if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls
+            np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
+            if mask is not None:
+                exp_scores += mask
+            exp_scores -= bound
+            np.exp(exp_scores, out=exp_scores)
+        else:
+            # base-2 scores: exp(x) = exp2(x log2(e)), and exp2 measured 2.2x faster
+            # than exp in float32 (1.2x in float64); log2(e) goes into the (T, D) query
+            log2e = dtype.type(np.log2(np.e))
+            np.matmul(query * log2e, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
+            if mask is not None:
+                exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
+            exp_scores -= bound * log2e
+            np.exp2(exp_scores, out=exp_scores)
+        np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
+    live = inv_sum >= 2.0 ** -24
+    if not live.all():
+        dead = None if mask is None else np.isneginf(mask).all(axis=-1, keepdims=True)
+        # NOTE: a fully masked row has row sum 0 and stays: weights 0, output 0
+        if dead is None or not (live | (dead & (inv_sum == 0))).all():
+            return False
+        inv_sum[~live] = 1
+        np.reciprocal(inv_sum, out=inv_sum)
+        inv_sum[~live] = 0
+    else:
+        np.reciprocal(inv_sum, out=inv_sum)
+    if normalize:  # O = P V, or (P * Z) V / (1 - p)
+        exp_scores *= inv_sum  # P, (..., T, S)
+        weights = exp_scores if drop is None else exp_scores * drop[0] * drop[1]
+        np.matmul(weights, value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+    elif drop is None:
+        np.matmul(exp_scores, value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+        out *= inv_sum
+    else:  # O = r ((E * Z) V) / (1 - p)
+        np.matmul(exp_scores * drop[0], value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+        out *= inv_sum * drop[1]
+    return True
+
+
+def small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
+                   dquery_scale, drop=None):
+    """``dense_backward`` of a problem too small to share, in whole-array calls.
+
+    With :math:`E` the numerators and :math:`r = 1/\\mathrm{rowsum}(E)`:
+    :math:`\\bar V = E^T (r \\bar O)`, :math:`G = E \\odot (\\bar P - \\delta)` with
+    :math:`\\bar P = \\bar O V^T` and :math:`\\delta = r\\,\\mathrm{rowsum}(E \\odot \\bar P)`,
+    :math:`\\bar Q = c\\, r \\odot (G K)`, :math:`\\bar K = G^T (r \\odot Q)`.
+    With ``drop = (Z, 1 / (1 - p))``: :math:`\\bar V = (E \\odot Z)^T (r \\bar O) / (1 - p)`
+    and :math:`\\bar P = (\\bar O V^T) \\odot Z / (1 - p)`, the rest unchanged.
+    ``inv_sum`` None: ``exp_scores`` holds ``P`` (``dense_forward``), i.e. ``r = 1``.
+    """
+    if exp_scores.shape[-1] == 0:  # no key: nothing attended, no gradient
+        dquery[...] = 0
+        return
+
+    def times_r(x):  # r x, (..., T, n)
+        return x if inv_sum is None else x * inv_sum
+
+    dscores = recycled_empty(exp_scores.shape, exp_scores.dtype)  # no page faults for a new (T, S)
+    if drop is None:
+        np.matmul(exp_scores.swapaxes(-1, -2), times_r(dout), out=dvalue)  # (..., S, T) @ (..., T, Dv)
+        np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # dP: (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    else:
+        np.multiply(exp_scores, drop[0], out=dscores)  # E * Z, (..., T, S)
+        np.matmul(dscores.swapaxes(-1, -2), times_r(dout * drop[1]), out=dvalue)  # (..., S, T) @ (..., T, Dv)
+        np.matmul(dout, value.swapaxes(-1, -2), out=dscores)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+        dscores *= drop[0]
+        dscores *= drop[1]  # dP = (dO V^T) * Z / (1 - p)
+    # NOTE: delta = rowsum(P * dP) from the dP just computed, not rowsum(dO * O):
+    # on a saturated row dP - delta cancels, and the two must carry the same
+    # rounding (a float32 W_key gradient whose exact value is ~0: rowsum(dO * O)
+    # gave 5.7e-6 error, this 1.2e-6; the reference 6.2e-6). Small rows make
+    # the (T, S) pass cheap; the blocked path keeps rowsum(dO * O).
+    if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls (einsum's own cost is ~10 us)
+        dscores *= exp_scores  # E * dP
+        delta = times_r(dscores @ _ones(dscores.shape[-1], dscores.dtype))  # rowsum(P * dP), (..., T, 1)
+        dscores -= exp_scores * delta  # = rowsum * dS = E * (dP - delta)
+    else:
+        delta = times_r(np.einsum("...ts,...ts->...t", exp_scores, dscores)[..., None])  # (..., T, 1)
+        dscores -= delta
+        dscores *= exp_scores  # = rowsum * dS = E * (dP - delta)
+    np.matmul(dscores, key, out=dquery)  # (..., T, S) @ (..., S, D) -> (..., T, D)
+    if inv_sum is not None:
+        dquery *= inv_sum if dquery_scale == 1 else inv_sum * dquery_scale
+    elif dquery_scale != 1:
+        dquery *= dquery_scale
+    np.matmul(dscores.swapaxes(-1, -2), times_r(query), out=dkey)  # (..., S, T) @ (..., T, D)
