@@ -200,8 +200,7 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     contiguous ``(T, S)`` scores costs less than scaling the strided
     ``(T, Dv)`` output and three ``(T, D)`` operands of the backward:
     (64, 8, 16, 2) layer fwd+bwd 435 -> 372 us float32, 522 -> 449 float64);
-    the cache then
-    stores ``inv_sum=None``. False: numerators and ``inv_sum``.
+    the cache then stores ``inv_sum=None``. False: numerators and ``inv_sum``.
     """
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
