@@ -436,7 +436,8 @@ def owned(arrays, originals):
     """
     originals = [o for o in originals if isinstance(o, np.ndarray)]
     return tuple(
-        a.copy() if isinstance(a, np.ndarray) and any(np.may_share_memory(a, o) for o in originals)
+        a.copy() if isinstance(a, np.ndarray)
+        and any(a is o or np.may_share_memory(a, o) for o in originals)
         else a
         for a in arrays
     )

@@ -53,10 +53,13 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     ``normalize``: leave the weights ``P = E r`` in ``exp_scores``.
     """
     dtype = exp_scores.dtype
-    ones_d, ones_s = _ones(query.shape[-1], dtype), _ones(exp_scores.shape[-1], dtype)
+    ones_s = _ones(exp_scores.shape[-1], dtype)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        key_norm = np.sqrt(((key * key) @ ones_d).max(axis=-2, keepdims=True))  # (..., S, 1) -> (..., 1, 1)
-        bound = np.sqrt((query * query) @ ones_d) * key_norm  # |q| max|k|, (..., T, 1)
+        # NOTE: einsum's row dot products measured 1.3-1.9x faster than
+        # (k * k) @ ones on the strided head views of the layer's projections
+        key_norm = np.sqrt(np.einsum("...sd,...sd->...s", key, key).max(axis=-1))  # (..., S, D) -> (...)
+        bound = np.sqrt(np.einsum("...td,...td->...t", query, query)[..., None])  # |q|, (..., T, 1)
+        bound *= key_norm[..., None, None]  # |q| max|k|
         if mask is not None:
             bound = bound + mask_max
         if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._checks import as_upstream_grad, owned
 from ..dropout import dense_keep, prepare_dropout
+from ..functional import column_sums
 from ..gqa import split_head_axis
 from ..masks import additive_mask, prepare_mask
 from . import fast, tiled
@@ -306,7 +307,7 @@ def backward(dout, cache):
     if out_proj:
         grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, out_dim) -> (E, out_dim)
         if c.has_out_bias:
-            grads["b_out"] = dy.sum(axis=0)  # (N, out_dim) -> (out_dim,)
+            grads["b_out"] = column_sums(dy)  # (N, out_dim) -> (out_dim,)
         dmerged = matmul(dy, c.W_out.T)  # (N, out_dim) @ (out_dim, E) -> (N, E)
     else:
         dmerged = dy
@@ -343,7 +344,7 @@ def backward(dout, cache):
     dinputs = []
     for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
         dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, widths) -> (in, widths)
-        db = d.sum(axis=0) if c.has_bias else None  # (N, widths) -> (widths,)
+        db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
         start = 0
         for name in names:
             columns = slice(start, start + widths[name])
