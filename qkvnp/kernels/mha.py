@@ -68,6 +68,12 @@ H_kv : key/value heads (``H`` but for grouped-query attention, where the
 """
 
 
+#: The parameter stems each fused input projection covers, by layer kind.
+_GROUPS = {"self": (("query", "key", "value"),),
+           "key_only": (("query",), ("key", "value")),
+           "cross": (("query",), ("key",), ("value",))}
+
+
 def _buffer(workspace, name, shape, dtype, buffers):
     """``workspace``'s buffer ``name`` if it has this shape and dtype, else a new one."""
     old = None if workspace is None else workspace.buffers.get(name)
@@ -191,9 +197,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
                 b[:E] *= c
         return W, b
 
-    groups = {"self": (("query", "key", "value"),),
-              "key_only": (("query",), ("key", "value")),
-              "cross": (("query",), ("key",), ("value",))}[kind]
+    groups = _GROUPS[kind]
     rows, W_in, projected, buffers = [], [], [], {}
     for i, (x, names) in enumerate(zip(inputs, groups)):
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
@@ -345,6 +349,10 @@ def backward(dout, cache):
     for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
         dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, widths) -> (in, widths)
         db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
+        if names[0] == "query":  # W' = scale * W_query: dW_query = scale dW'
+            dW[:, :E] *= scale
+            if db is not None:
+                db[:E] *= scale
         start = 0
         for name in names:
             columns = slice(start, start + widths[name])
@@ -352,10 +360,6 @@ def backward(dout, cache):
             grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
             if db is not None:
                 grads["b_" + name] = db[columns]
-            if name == "query":  # W' = scale * W_query
-                grads["W_query"] = grads["W_query"] * scale
-                if db is not None:
-                    grads["b_query"] = grads["b_query"] * scale
         dx = matmul(d, W.T)  # (N, widths) @ (widths, in) -> (N, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)
