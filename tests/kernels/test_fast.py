@@ -141,6 +141,30 @@ def test_core_random_configurations(q_shape, k_shape, v_shape, mask_shape, mask_
             check_core(inputs, options, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_serial_forward_threaded_backward(dtype, dropout):
+    """Oracle: reference path. A problem whose forward runs serially (and keeps
+    the normalised weights, cache ``inv_sum=None``) while its backward, twice
+    the flops, goes to the threads: the threaded backward must read the
+    weights as ``E = P, r = 1``. With a replayed dropout mask too."""
+    rng = np.random.default_rng(7)
+    G, T, S, D, Dv = 6, 9, 11, 4, 3
+    inputs = {"query": rng.normal(size=(2, 3, T, D)), "key": rng.normal(size=(2, 3, S, D)),
+              "value": rng.normal(size=(2, 3, S, Dv))}
+    options = {"is_causal": True}
+    if dropout:
+        options.update(dropout_p=0.25, dropout_mask=rng.random((2, 3, T, S)) > 0.25)
+    forward_flops = 2 * G * T * S * (D + Dv + 2)
+    backward_flops = 4 * G * T * S * (D + Dv + 1)
+    assert forward_flops < forward_flops + 1 <= backward_flops
+    with kernels.num_threads(2), kernels.block_sizes(min_parallel_flops=forward_flops + 1):
+        actual, expected, cache, _ = core_both_paths(inputs, options, dtype)
+    assert cache.inv_sum is None  # the forward did normalise
+    for name, a, b in zip(("out", "dquery", "dkey", "dvalue"), actual, expected):
+        assert_close(a, b, name)
+
+
 def test_fully_masked_rows_are_exact_zeros():
     """Definition: a query with no key left has output 0 and sends no gradient
     anywhere (exactly, not round-off), without a warning."""
