@@ -340,14 +340,24 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     if cache.dropout_mask is not None:
         drop = (np.broadcast_to(cache.dropout_mask, lead + (T, S)),
                 keep_scale(cache.dropout_p, out.dtype))
+    # NOTE: OpenBLAS's kernels may leave the FE_INVALID flag set on finite
+    # operands, which numpy reports as "invalid value encountered in matmul"
+    # (seen rarely, state-dependent: float32 (2, 5) @ (5, 1), the row sums of
+    # small_backward). The inputs are checked finite: the flag is noise, as in
+    # the forward. np.errstate is per thread, so the workers set it too (task).
     if threads == 1:
-        small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
-                        dquery_scale, drop)
+        with np.errstate(invalid="ignore"):
+            small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
+                            dquery_scale, drop)
         return
     if inv_sum is None:  # exp_scores holds the weights: E = P, r = 1
         inv_sum = np.ones(lead + (T, 1), exp_scores.dtype)
 
     def task(part):
+        with np.errstate(invalid="ignore"):  # in the worker thread (see the NOTE above)
+            backward_blocks(part)
+
+    def backward_blocks(part):
         scratch = partial = None
         for idx in part:
             k = key[idx]  # (G, S, D)

@@ -192,6 +192,10 @@ def test_ctrl_c_without_save_writes_the_default_path(tmp_path, monkeypatch):
 def test_cli_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch, capsys):
     import qkvnp.training.report as report_module
 
+    # NOTE: the handler before the run, not default_int_handler: a test run
+    # started in the background of a shell inherits SIGINT ignored (SIG_IGN)
+    before = signal.getsignal(signal.SIGINT)
+
     class PressCtrlC(report_module.Progress):
         def __call__(self, info):
             super().__call__(info)
@@ -206,7 +210,7 @@ def test_cli_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "stopped at step 7/40" in out and "--resume" in out
     assert load_checkpoint(path).step == 7
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert signal.getsignal(signal.SIGINT) is before  # handler restored
     # and the command line resumes it to the end; the summary's speed counts this session
     assert main(["train", "--resume", str(path), "--save", str(path), "--quiet"]) == 0
     assert "done at step 40/40: 33 steps in" in capsys.readouterr().out
@@ -453,6 +457,7 @@ def test_save_into_a_missing_directory_fails_before_training(tmp_path):
 
 def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGINT)  # SIG_IGN in a background shell job
 
     def press_twice(info):
         if info["step"] == 3:
@@ -462,5 +467,5 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         train(tiny(steps=20), save=tmp_path / "run.npz", callback=press_twice)
     assert not os.listdir(tmp_path)  # nothing written
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
     assert "Ctrl-C: stopping after this step" in capsys.readouterr().err
