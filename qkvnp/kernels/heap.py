@@ -36,7 +36,10 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 #: The user's own malloc settings, which qkvnp never overrides.
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
-_STATE = {"applied": 0, "mallopt": None}  # threshold last given to glibc; its mallopt or False
+# seen: the setting last decided on (None before the first kernel section);
+# tuned: that decision (glibc has its thresholds); given: the threshold last
+# handed to glibc (0: never); mallopt: glibc's function, False off glibc.
+_STATE = {"seen": None, "tuned": False, "given": 0, "mallopt": None}
 
 
 def _mallopt():
@@ -71,7 +74,11 @@ def heap_thresholds(threshold):
 
 
 def tune_heap(threshold):
-    """Give glibc the thresholds of ``threshold`` (bytes) unless already given; see the module.
+    """Give glibc the thresholds of ``threshold`` (bytes), deciding once per setting; see the module.
+
+    Every kernel section calls it: after the first, while the setting stays
+    the same, it returns the decision taken then (the environment is read
+    once, as ``QKVNP_NUM_THREADS`` is).
 
     Parameters
     ----------
@@ -85,14 +92,20 @@ def tune_heap(threshold):
     bool
         True when glibc now has this setting's thresholds.
     """
-    if threshold == _STATE["applied"]:
-        return threshold != 0
-    if (threshold == 0 and _STATE["applied"] == 0) or _user_configured():
+    if threshold != _STATE["seen"]:  # the first section, or the setting changed
+        _STATE["seen"] = threshold
+        _STATE["tuned"] = _give(threshold)
+    return _STATE["tuned"]
+
+
+def _give(threshold):
+    """Hand glibc the thresholds of ``threshold`` unless it is to be left alone."""
+    if (threshold == 0 and _STATE["given"] == 0) or _user_configured():
         return False
     mallopt = _mallopt()
     if not mallopt:
         return False
     mmap_bytes, trim_bytes = heap_thresholds(threshold or 128 << 10)
     ok = bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(M_TRIM_THRESHOLD, trim_bytes))
-    _STATE["applied"] = threshold
+    _STATE["given"] = threshold
     return ok and threshold != 0

@@ -57,25 +57,33 @@ def test_thresholds_are_those_glibc_reaches_itself():
     assert heap.heap_thresholds(32 << 20) == (32 << 20, 64 << 20)
 
 
+def _fresh_state(monkeypatch):
+    """The state of a process before its first kernel section."""
+    for key, value in (("seen", None), ("tuned", False), ("given", 0)):
+        monkeypatch.setitem(heap._STATE, key, value)
+
+
 def test_zero_leaves_malloc_alone_when_nothing_was_set(monkeypatch):
-    monkeypatch.setitem(heap._STATE, "applied", 0)
+    _fresh_state(monkeypatch)
     monkeypatch.setitem(heap._STATE, "mallopt", lambda *args: pytest.fail("mallopt called"))
     assert heap.tune_heap(0) is False
 
 
 def test_users_own_malloc_settings_win(monkeypatch):
-    monkeypatch.setitem(heap._STATE, "applied", 0)
     monkeypatch.setitem(heap._STATE, "mallopt", lambda *args: pytest.fail("mallopt called"))
     for name, value in (("MALLOC_TRIM_THRESHOLD_", "1000000"),
                         ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1000000")):
+        _fresh_state(monkeypatch)
         with monkeypatch.context() as env:
             env.setenv(name, value)
             assert heap.tune_heap(32 << 20) is False
+        # decided once: the kernel sections after the first do not read the environment
+        assert heap.tune_heap(32 << 20) is False
 
 
 def test_given_once_then_again_only_when_the_setting_changes(monkeypatch):
     calls = []
-    monkeypatch.setitem(heap._STATE, "applied", 0)
+    _fresh_state(monkeypatch)
     monkeypatch.setitem(heap._STATE, "mallopt", lambda *args: calls.append(args) or 1)
     for name in heap.USER_VARIABLES + ("GLIBC_TUNABLES",):
         monkeypatch.delenv(name, raising=False)
