@@ -173,8 +173,9 @@ def layer_score_bound(params, inputs, num_heads, out_proj=True):
     and ``||W||_F <= sqrt(in E) max|W|`` (likewise ``k``, from the key input),
     and each head's score is at most ``||q_t|| ||k_s|| / sqrt(D)``
     (Cauchy-Schwarz). Costs two reductions per array, without temporaries
-    (one, of ``|a|``, for arrays of up to 4096 entries): it runs on every forward (with sums of squares it was 7% of the layer's
-    cProfile time at (8, 16, 32, 4)). Loose by up to ``sqrt(in E)``, which only moves the
+    (one, of ``|a|``, for arrays of up to 4096 entries): it runs on every
+    forward (with sums of squares it was 7% of the layer's cProfile time at
+    (8, 16, 32, 4)). Loose by up to ``sqrt(in E)``, which only moves the
     deferral to the reference path a few orders of magnitude below
     ``sqrt(finfo.max)``.
 

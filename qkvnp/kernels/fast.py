@@ -215,9 +215,10 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     drop = None
     if dropout_mask is not None:
         drop = (np.broadcast_to(dropout_mask, lead + (T, S)), keep_scale(dropout_p, dtype))
+    normalize = exp_scores.size < LARGE_SCORES  # serial and few scores: keep P (see Returns)
     if threads == 1 and small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out,
-                                       drop, normalize=exp_scores.size < LARGE_SCORES):
-        return exp_scores.size < LARGE_SCORES
+                                      drop, normalize=normalize):
+        return normalize
     log2e = dtype.type(np.log2(np.e))
     small_mask = small_mask_max = None
     if mask is not None:
@@ -348,7 +349,7 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     if threads == 1:
         with np.errstate(invalid="ignore"):
             small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
-                            dquery_scale, drop)
+                           dquery_scale, drop)
         return
     if inv_sum is None:  # exp_scores holds the weights: E = P, r = 1
         inv_sum = np.ones(lead + (T, 1), exp_scores.dtype)
@@ -365,8 +366,8 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             chunks = _row_chunks(G, T, S, exp_scores.itemsize)
             if len(chunks) == 1:  # the block fits in cache: whole-array calls
                 small_backward(dout[idx], query[idx], k, value[idx], exp_scores[idx], inv_sum[idx],
-                                out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale,
-                                None if drop is None else (drop[0][idx], drop[1]))
+                               out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale,
+                               None if drop is None else (drop[0][idx], drop[1]))
                 continue
             value_aug_t = _augment_t(value[idx], 1)  # (G, S, Dv) -> (G, Dv + 1, S)
             # NOTE: dK^T = Q^T dS and dV^T = dO^T P measured faster than dS^T Q

@@ -37,13 +37,14 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
                   normalize=False):
     """``dense_forward`` of a problem too small to share, in a few whole-array calls.
 
-    The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``), the
-    same bound ``m = |q| max|k| + max(mask row)`` instead of the row max, but
-    none of the machinery that pays off on large problems (blocks, row chunks
-    in cache, probe keys): at (B, L, E, H) = (8, 16, 32, 4) that machinery
-    cost more numpy calls than the math. Reductions over the short last axes
-    are matmuls with a vector of ones (numpy's ``max``/``sum`` along a
-    32-long axis measured 5-12x slower than ``@ ones``).
+    The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``; or,
+    with ``normalize``, the weights themselves), the same bound
+    ``m = |q| max|k| + max(mask row)`` instead of the row max, but none of the
+    machinery that pays off on large problems (blocks, row chunks in cache,
+    probe keys): at (B, L, E, H) = (8, 16, 32, 4) that machinery cost more
+    numpy calls than the math. Row sums are matmuls with a column of ones
+    (numpy's ``max``/``sum`` along a 32-long axis measured 5-12x slower than
+    ``@ ones``), the row norms of the bound einsum's dot products.
 
     Returns False, having written nothing final, when the bound was too far
     above a row's max (its largest exponential below ``2**-24``, where the

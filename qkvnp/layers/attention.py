@@ -78,10 +78,9 @@ class _AttentionLayer(Layer):
         """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
         cache = self._need_cache()
         grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
-        own = self.grads
         for name, grad in grads.items():
-            if grad is not None and name in own:
-                own[name] += grad
+            if name in self.params:
+                self._accumulate(name, grad)
         self._release_cache(retain_cache)
         return dinputs
 
