@@ -75,6 +75,17 @@ BLOCK_SIZE_DEFAULTS = {
     # for which the worker threads are used; smaller jobs run serially in the
     # calling thread, where the hand-off would cost more than it saves.
     "min_parallel_flops": 1 << 24,
+    # Fewest floating-point operations of a layer's fast forward (projections,
+    # core, output projection) for which the layer splits its batch over the
+    # worker threads, each running the whole layer on its share: one hand-off
+    # a forward and one a backward instead of one per matmul and core pass (a
+    # hand-off costs 40-60 us on this VM, a lock ping-pong alone 43 us). At
+    # numpy-call sizes the threads mostly wait on the GIL: measured, the
+    # (8, 16, 32, 4) layer's numpy calls took 166 us serially and 582 split;
+    # (16, 32, 64, 4) (21 MFLOP forward) 1.09 / 1.36 ms float32, 2.03 / 1.83
+    # float64; (64, 33, 64, 1) (87 MFLOP) 3.5 / 2.6 ms float32, 6.9 / 3.9
+    # float64.
+    "batch_split_flops": 1 << 25,
     # Default (block_q, block_k) of the tiled core, shrunk with many
     # (batch, head) pairs and to give every thread a block (tiled.py).
     "tiled_block": (512, 512),
@@ -104,7 +115,7 @@ BLOCK_SIZE_DEFAULTS = {
     "heap_mmap_threshold": 32 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
-            "min_parallel_flops": 0,
+            "min_parallel_flops": 0, "batch_split_flops": 0,
             "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
             "causal_tiled_min_length": 1,
             "dense_weights_budget": 0, "heap_mmap_threshold": 0}
@@ -454,6 +465,7 @@ _POOL = None  # (pid, ThreadPoolExecutor of get_num_threads() CPU-pinned workers
 _SECTION_LOCK = threading.Lock()  # one threaded section at a time (the pool is shared)
 _PIN_LOCK = threading.Lock()
 _PIN = {"depth": 0, "saved": None}  # sections inside single_threaded_blas, BLAS count before them
+_WORKER = threading.local()  # .active: this thread is one of the pool's workers
 
 
 class single_threaded_blas:
@@ -500,6 +512,7 @@ def _pin_worker(cpus, counter, lock):
     the work ran on one core: measured 27 ms instead of 15 ms for a layer
     called after a 50 ms pause. Pinned workers run on their own cores.
     """
+    _WORKER.active = True  # a job it runs runs serially (the pool is busy with it)
     with lock:
         cpu = cpus[next(counter) % len(cpus)]
     try:
@@ -552,9 +565,15 @@ def blocks(lead, group_bytes, threads):
             for index in np.ndindex(*lead[:k - 1]) for start in range(0, n, per)]
 
 
-def threads_for(flops):
-    """The worker threads a job of ``flops`` operations gets: 1 below ``min_parallel_flops``."""
-    return get_num_threads() if flops >= _SIZES["min_parallel_flops"] else 1
+def threads_for(flops, setting="min_parallel_flops"):
+    """The worker threads a job of ``flops`` operations gets: 1 below the ``setting``.
+
+    Also 1 in a worker thread: a job that is a worker's share already (the
+    layer's batch split) runs its inner jobs serially.
+    """
+    if flops < _SIZES[setting] or getattr(_WORKER, "active", False):
+        return 1
+    return get_num_threads()
 
 
 def run(task, work, flops=None):
@@ -570,8 +589,9 @@ def run(task, work, flops=None):
     """
     workers = get_num_threads()
     threads = min(workers, len(work))
-    if flops is not None and flops < _SIZES["min_parallel_flops"]:
-        threads = 1
+    if (flops is not None and flops < _SIZES["min_parallel_flops"]) or getattr(_WORKER, "active",
+                                                                                False):
+        threads = 1  # small, or a worker's own share (no nested hand-off)
     if threads < 2 or not openblas_thread_functions():
         if _PIN["depth"]:  # already inside a single-threaded section
             task(work)

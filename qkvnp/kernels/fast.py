@@ -28,7 +28,7 @@ differently, each step measured:
   setting of :mod:`qkvnp.kernels._runtime`), which is nearly every block below
   L = 1448 in float32, runs in a few whole-array calls
   (:mod:`qkvnp.kernels.fast_small`): short-axis sums are
-  matmuls with a column of ones, and from 32k scores on ``exp2`` (faster than
+  matmuls with a column of ones, and from 128k scores on ``exp2`` (faster than
   ``exp``) runs on scores pre-multiplied by ``log2(e)``; the backward takes
   ``delta = rowsum(P * dP)`` from the ``dP`` it computed;
 - larger blocks are processed by rows in chunks of about ``row_block_bytes``

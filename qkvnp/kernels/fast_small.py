@@ -21,8 +21,12 @@ from ._runtime import recycled_empty
 __all__ = ["small_forward", "small_backward", "LARGE_SCORES"]
 
 #: Score blocks of at least this many entries take the variants that save passes
-#: over (T, S) (exp2, einsum) at the price of a few more numpy calls.
-LARGE_SCORES = 1 << 15
+#: over (T, S) (exp2, einsum) at the price of a few more numpy calls; below it a
+#: serial problem also keeps the normalised weights (``dense_forward``).
+#: 2**17 (was 2**15): the (16, 32, 64, 4) layer (65536 scores) fwd+bwd, causal,
+#: 1400 -> 1185 us float32, 2316 -> 2170 float64 (one process, median of 7
+#: rounds); 2**18 and 2**19 measured the same there.
+LARGE_SCORES = 1 << 17
 
 
 @functools.lru_cache(maxsize=64)

@@ -393,11 +393,17 @@ def check_layers(reference, other, inputs, kwargs, seed=0):
         assert_close(other.grads[name], reference.grads[name], name)
 
 
+def batch_split(split):
+    """The layers split their batch over the threads (``split``) or never do."""
+    return kernels.block_sizes(batch_split_flops=0 if split else 1 << 62)
+
+
 @MANY
-@given(case=mha_cases(), dtype=st.sampled_from([np.float64, np.float32]))
-def test_multi_head_layer_matches_reference(case, dtype):
+@given(case=mha_cases(), dtype=st.sampled_from([np.float64, np.float32]), split=st.booleans())
+def test_multi_head_layer_matches_reference(case, dtype, split):
     """Oracle: the reference layer; self, cross and key-only attention, masks,
-    key padding with fully padded sequences, causal, with and without bias."""
+    key padding with fully padded sequences, causal, with and without bias,
+    with and without the batch split over the threads (a batch of 2 splits)."""
     kw = {k: case[k] for k in ("embed_dim", "num_heads", "bias", "kdim", "vdim", "seed")}
     kw["rng"] = kw.pop("seed")
     reference, other = layer_pair(MultiHeadAttention, dtype=dtype, **kw)
@@ -405,19 +411,100 @@ def test_multi_head_layer_matches_reference(case, dtype):
     mask = case["attn_mask"]
     kwargs = {"attn_mask": mask, "is_causal": case["is_causal"],
               "key_padding_mask": case["key_padding_mask"]}
-    with blocks_and_threads(2, 1):
+    with blocks_and_threads(2, 1), batch_split(split):
         check_layers(reference, other, inputs, kwargs)
 
 
 @MANY
-@given(case=self_attention_cases(), dtype=st.sampled_from([np.float64, np.float32]))
-def test_self_attention_layer_matches_reference(case, dtype):
+@given(case=self_attention_cases(), dtype=st.sampled_from([np.float64, np.float32]),
+       split=st.booleans())
+def test_self_attention_layer_matches_reference(case, dtype, split):
     """Oracle: the reference layer (single head, no output projection)."""
     reference, other = layer_pair(SelfAttention, d_in=case["d_in"], d_out=case["d_out"],
                                   qkv_bias=case["qkv_bias"], rng=case["seed"], dtype=dtype)
     kwargs = {"attn_mask": case["attn_mask"], "is_causal": case["is_causal"]}
-    with blocks_and_threads(2, 1):
+    with blocks_and_threads(2, 1), batch_split(split):
         check_layers(reference, other, [case["x"].astype(dtype)], kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", ["self", "key_only", "cross", "gqa", "dropout", "weights",
+                                  "two batch dims", "per-head mask", "self-attention layer"])
+@pytest.mark.parametrize("inner_threads", [False, True])
+def test_batch_split_matches_reference(dtype, case, inner_threads):
+    """Oracle: the reference layer. The layer's batch split over two threads
+    (``batch_split_flops=0``): an uneven batch of 3 (shares of 1 and 2), masks
+    with and without the batch dim, grouped-query heads, a replayed dropout
+    mask, the weights returned; ``inner_threads``: the core and the
+    projections would thread too (``min_parallel_flops=0``), and run serially
+    in the worker that holds the share. Gradients accumulate over two calls."""
+    rng = np.random.default_rng(11)
+    batch, T, S, E, H = ((3, 2) if case == "two batch dims" else (3,)), 6, 6, 8, 4
+    kw = {"embed_dim": E, "num_heads": H, "rng": 5, "dtype": dtype}
+    if case == "gqa":
+        kw["num_kv_heads"] = 2
+    if case == "dropout":
+        kw["dropout"] = 0.25
+    if case == "self-attention layer":
+        reference, other = layer_pair(SelfAttention, d_in=E, d_out=E, qkv_bias=True, rng=5,
+                                      dtype=dtype)
+    else:
+        reference, other = layer_pair(MultiHeadAttention, **kw)
+    inputs = [rng.normal(size=batch + (T, E)).astype(dtype)]
+    if case in ("key_only", "cross"):
+        S = 9
+        inputs.append(rng.normal(size=batch + (S, E)).astype(dtype))
+    if case == "cross":
+        inputs.append(rng.normal(size=batch + (S, E)).astype(dtype))
+    kwargs = {}
+    if case == "per-head mask":
+        kwargs["attn_mask"] = rng.random(batch + (H, T, S)) > 0.4
+    elif case == "self-attention layer":
+        kwargs["attn_mask"] = rng.random(batch + (T, S)) > 0.4
+    elif case in ("key_only", "cross"):
+        kwargs["key_padding_mask"] = rng.random(batch + (S,)) > 0.3
+    else:
+        kwargs["is_causal"] = True
+    if case == "dropout":
+        kwargs["dropout_mask"] = rng.random(batch + (H, T, S)) > 0.25
+    if case == "weights":
+        kwargs["return_weights"] = True
+    settings_ = {"min_parallel_flops": 0, "min_split": 2} if inner_threads else {}
+    with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0, **settings_):
+        if case == "weights":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _, w_ref = reference.forward(*inputs, **kwargs)
+                _, w = other.forward(*inputs, **kwargs)
+            assert_close(w, w_ref, "weights")
+            kwargs.pop("return_weights")
+        check_layers(reference, other, inputs, kwargs)
+        assert other._used_cache.shares == [slice(0, 1), slice(1, 3)]  # it did split
+        check_layers(reference, other, inputs, kwargs, seed=1)  # grads accumulate
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_batch_split_with_one_share_on_the_blocked_core(dtype):
+    """Oracle: the reference layer. One batch entry's keys are orthogonal to
+    its queries with large norms: the whole-array core's bound |q| max|k| is
+    then far above every score (exp below 2**-24) and that share falls back
+    to the blocked core, which keeps numerators and 1 / rowsum, while the
+    other share keeps the normalised weights; the backward reads both."""
+    E = H = 2
+    reference, other = layer_pair(MultiHeadAttention, embed_dim=E, num_heads=1, bias=False,
+                                  rng=0, dtype=dtype)
+    weights = {"W_query": np.eye(E), "W_key": np.eye(E)[::-1], "W_value": np.eye(E),
+               "W_out": np.eye(E)}
+    for layer in (reference, other):
+        layer.load_state_dict(weights)
+    x = np.random.default_rng(3).normal(size=(2, 5, E))
+    x[0] = [5.0, 0.0]  # queries (5, 0) / sqrt(2), keys (0, 5): scores 0, bound 17.7
+    with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0):
+        check_layers(reference, other, [x.astype(dtype)], {"is_causal": True})
+        assert other._used_cache.shares == [slice(0, 1), slice(1, 2)]
+        core = other._used_cache.core_cache
+        assert core.inv_sum is not None  # numerators kept (share 0) ...
+        np.testing.assert_array_equal(core.inv_sum[1], 1)  # ... weights kept (share 1): r = 1
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
