@@ -249,7 +249,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     -------
     out : ndarray, shape (..., T, out_dim)
     weights : ndarray or None
-    cache : ReferenceLayerCache or FusedLayerCache
+    cache : ReferenceLayerCache, FusedLayerCache or SplitLayerCache
         For :func:`layer_backward`.
     dispatch : Dispatch
     """
@@ -265,7 +265,8 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
                                                 need_weights=need_weights, out_proj=out_proj,
                                                 **dropout)
     else:
-        workspace = previous if isinstance(previous, mha.FusedLayerCache) else None
+        workspace = (previous if isinstance(previous, (mha.FusedLayerCache, mha.SplitLayerCache))
+                     else None)
         inputs = owned(inputs, originals)
         with single_threaded_blas():  # one setting for the whole call, not one per matmul
             out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,

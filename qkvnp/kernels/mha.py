@@ -18,13 +18,14 @@ what followed). The path is chosen by :func:`qkvnp.kernels.choose_path`,
 never here.
 
 From ``batch_split_flops`` on (a setting of :mod:`qkvnp.kernels._runtime`)
-the fast path splits the first batch dim over the worker threads instead, and
-each worker runs the whole layer on its share: its rows of the projections,
-its (batch, head) groups of the core, its rows of the output projection; in
-the backward also its partial weight gradients, which the caller adds. That
-is one hand-off to the threads a forward and one a backward, where splitting
-each matmul and core pass cost one per call (a hand-off costs 40-60 us on the
-2-core VM): layer fwd+bwd at (64, 33, 64, 1) float32 went from 1.06-1.12x
+the fast path splits the first batch dim over the worker threads instead
+(:func:`forward` hands the call to :func:`split_forward`): each worker runs
+this same forward, then this same backward, on its share of the batch, with
+the projections, the core and the output projection all in the worker; the
+caller joins the outputs and adds the shares' weight gradients. That is one
+hand-off to the threads a forward and one a backward, where splitting each
+matmul and core pass costs one each (a hand-off costs 40-60 us on the 2-core
+VM): layer fwd+bwd at (64, 33, 64, 1) float32 went from 1.06-1.12x
 PyTorch's time to about 0.7x (``benchmarks/RESULTS.md``).
 """
 import math
@@ -40,7 +41,7 @@ from ..masks import additive_mask, prepare_mask
 from . import fast, tiled
 from ._runtime import matmul, run, threads_for
 
-__all__ = ["forward", "backward", "FusedLayerCache", "PATHS"]
+__all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "PATHS"]
 
 #: The cores this module runs a layer on.
 PATHS = ("fast", "tiled")
@@ -48,7 +49,7 @@ PATHS = ("fast", "tiled")
 FusedLayerCache = namedtuple(
     "FusedLayerCache",
     "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
-    "out_proj has_bias out_shape buffers has_out_bias H_kv shares",
+    "out_proj has_bias out_shape buffers has_out_bias H_kv",
 )
 FusedLayerCache.__doc__ = """What :func:`backward` reads.
 
@@ -75,9 +76,16 @@ has_out_bias : bool, the output projection has ``b_out`` (the book's layer
     has it without input biases).
 H_kv : key/value heads (``H`` but for grouped-query attention, where the
     core ran on ``(..., H_kv, G, T, D)`` queries; see :mod:`qkvnp.gqa`).
-shares : list of slices of the first batch dim the forward ran in, one per
-    worker thread, or ``[slice(None)]`` (see :func:`_shares`); the backward
-    splits the same way.
+"""
+
+
+SplitLayerCache = namedtuple("SplitLayerCache", "path kind shares caches out_shape")
+SplitLayerCache.__doc__ = """What :func:`backward` reads after :func:`split_forward`.
+
+path : "fast". kind : as :class:`FusedLayerCache`'s.
+shares : tuple of slices of the first batch dim, one per worker thread.
+caches : tuple of the shares' :class:`FusedLayerCache`.
+out_shape : shape of the whole forward output ``(B, ..., T, out_dim)``.
 """
 
 
@@ -181,6 +189,14 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     """
     if path not in PATHS or (path == "tiled" and need_weights):
         raise ValueError(f"path must be one of {PATHS} (fast for weights), got {path!r}")
+    if path == "fast" and inputs[0].ndim > 2 and inputs[0].shape[0] > 1:
+        shares = _batch_shares(params, inputs, num_heads, out_proj)
+        if len(shares) > 1:
+            return split_forward(shares, params, inputs, kind, num_heads, mask, is_causal,
+                                 need_weights, out_proj, workspace, dropout_p=dropout_p, rng=rng,
+                                 dropout_mask=dropout_mask)
+    if isinstance(workspace, SplitLayerCache):  # the previous call split its batch: no buffers
+        workspace = None
     p = params
     query = inputs[0]
     batch, T = query.shape[:-2], query.shape[-2]
@@ -211,16 +227,17 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         return W, b
 
     groups = _GROUPS[kind]
-    rows, W_in, b_in, y_in, projected, buffers = [], [], [], [], [], {}
+    rows, W_in, projected, buffers = [], [], [], {}
     for i, (x, names) in enumerate(zip(inputs, groups)):
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
         W, b = fused(names)
         y = _buffer(workspace, f"projected{i}", (x2d.shape[0], W.shape[1]), dtype, buffers)
+        matmul(x2d, W, y)  # (N, in) @ (in, widths) -> (N, widths)
+        if b is not None:
+            y += b
         rows.append(x2d)
         W_in.append(W)
-        b_in.append(b)
-        y_in.append(y)
-        projected.extend(_columns(y, names, widths))  # (N, E) or (N, E_kv) views, filled below
+        projected.extend(_columns(y, names, widths))  # (N, E) or (N, E_kv) views
     k = _heads(projected[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     v = _heads(projected[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     merged = _buffer(workspace, "merged", (projected[0].shape[0], E), dtype, buffers)  # (N, E)
@@ -239,35 +256,11 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
     if not out_proj:  # SelfAttention: no head axis in the mask
         q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
-    if out_proj:
-        out_dim = p["W_out"].shape[1]
-        y = np.empty((merged.shape[0], out_dim), dtype)  # (N, out_dim), the caller's output
-    flops = (2 * sum(x2d.shape[0] * x2d.shape[1] * W.shape[1] for x2d, W in zip(rows, W_in))
-             + 2 * math.prod(lead) * T * S * (q.shape[-1] + v.shape[-1])
-             + (2 * merged.shape[0] * E * out_dim if out_proj else 0))
-    shares = _shares(batch, flops, path)
-
-    def project(share):  # the input projections of a share's rows
-        for x2d, W, b, y_i in zip(rows, W_in, b_in, y_in):
-            r = _share_rows(share, x2d.shape[0], batch)
-            matmul(x2d[r], W, y_i[r])  # (n, in) @ (in, widths) -> (n, widths)
-            if b is not None:
-                y_i[r] += b
-
-    def project_out(share):  # the output projection of a share's rows
-        if out_proj:
-            r = _share_rows(share, merged.shape[0], batch)
-            matmul(merged[r], p["W_out"], y[r])  # (n, E) @ (E, out_dim) -> (n, out_dim)
-            if "b_out" in p:
-                y[r] += p["b_out"]
-
     if path == "tiled":
-        project(shares[0])  # the tiled core shares its own blocks between the threads
         _, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
                                                 block_size=block_size, out=out_heads,
                                                 dropout_p=dropout_p, rng=rng,
                                                 dropout_mask=dropout_mask)
-        project_out(shares[0])
         weights = None
     else:
         add = additive_mask(bias, keep, dtype)
@@ -279,78 +272,26 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         if H_kv != H:  # the dense core reads full leading dims: (..., H_kv, G, S, D) views
             k, v = np.broadcast_to(k, lead + k.shape[-2:]), np.broadcast_to(v, lead + v.shape[-2:])
             drop_keep = None if drop_keep is None else split_head_axis(drop_keep, H, H_kv, G)
-        normalized = [False] * len(shares)
-
-        def layer_share(work):  # one worker's share: the whole layer on its batch entries
-            for n, share in work:
-                project(share)
-                normalized[n] = fast.dense_forward(
-                    q[share], k[share], v[share], _share_of(add, share, lead), exp_scores[share],
-                    inv_sum[share], out_heads[share], _share_of(drop_keep, share, lead), drop_p)
-                project_out(share)
-
-        _run_shares(layer_share, shares)
-        if not all(normalized):  # a share kept numerators: the others' weights get r = 1
-            for share, kept_weights in zip(shares, normalized):
-                if kept_weights:
-                    inv_sum[share] = 1
+        normalized = fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads, drop_keep,
+                                        drop_p)
         core_cache = fast.FastAttentionCache(q, k, v, exp_scores,
-                                             None if all(normalized) else inv_sum, out_heads, 1.0,
+                                             None if normalized else inv_sum, out_heads, 1.0,
                                              (q.shape, k.shape, v.shape), drop_keep, drop_p)
         weights = fast.attention_weights(core_cache) if need_weights else None
         if weights is not None and H_kv != H:
             weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
-    if not out_proj:
+    if out_proj:
+        y = matmul(merged, p["W_out"])  # (N, E) @ (E, out_dim) -> (N, out_dim)
+        if "b_out" in p:
+            y += p["b_out"]
+    else:
         y = merged.copy()  # the caller may edit its output; the cache keeps merged
     out = y.reshape(batch + (T, y.shape[-1]))  # (N, out_dim) -> (..., T, out_dim)
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
                             p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
-                            buffers, "b_out" in p, H_kv, shares)
+                            buffers, "b_out" in p, H_kv)
     return out, weights, cache
-
-
-def _shares(batch, flops, path):
-    """The batch shares a layer call runs in: slices of the first batch dim, or ``[slice(None)]``.
-
-    One share per worker thread when the fast path's forward has at least
-    ``batch_split_flops`` operations (:mod:`qkvnp.kernels._runtime`) and
-    the first batch dim has an entry per thread; each worker then runs the
-    whole layer (projections, core, output projection) on its entries.
-    Otherwise one share, the whole call, in the calling thread (the core and
-    the projections may still use the threads, each on its own).
-    """
-    if path != "fast" or not batch or batch[0] < 2:
-        return [slice(None)]
-    threads = min(threads_for(flops, "batch_split_flops"), batch[0])
-    if threads < 2:
-        return [slice(None)]
-    bounds = [batch[0] * i // threads for i in range(threads + 1)]
-    return [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def _share_rows(share, n, batch):
-    """The rows of ``(N, ...)`` 2-D rows that a share of the first batch dim covers."""
-    if share == slice(None):
-        return share
-    per = n // batch[0]  # rows per entry of the first batch dim
-    return slice(share.start * per, share.stop * per)
-
-
-def _share_of(a, share, lead):
-    """A share of an array broadcastable to ``lead + (T, S)``: sliced if it has the first dim."""
-    if a is None or share == slice(None) or a.ndim < len(lead) + 2 or a.shape[0] == 1:
-        return a  # broadcasts over the share as over the whole
-    return a[share]
-
-
-def _run_shares(task, shares):
-    """``task([(n, share)])`` per share: on the worker threads when there are several."""
-    work = list(enumerate(shares))
-    if len(work) == 1:
-        task(work)
-    else:
-        run(task, work)
 
 
 def _columns(y, names, widths):
@@ -388,14 +329,23 @@ def backward(dout, cache):
         This is the only check of ``dout`` on the layers' fast and tiled
         paths: the layers pass theirs straight here.
     """
+    if isinstance(cache, SplitLayerCache):
+        return _split_backward(dout, cache)
     c = cache
     batch, T, S, H, merged = c.batch, c.T, c.S, c.H, c.merged
-    rows, groups, out_proj, shares = c.rows, c.in_names, c.out_proj, c.shares
+    rows, groups, out_proj = c.rows, c.in_names, c.out_proj
     dtype = merged.dtype
     E = merged.shape[1]
     dy = as_upstream_grad(dout, "dout", c.out_shape, dtype)
     dy = dy.reshape(-1, c.out_shape[-1])  # (..., T, out_dim) -> (N, out_dim)
-    dmerged = np.empty_like(merged) if out_proj else dy  # (N, E)
+    grads = {}
+    if out_proj:
+        grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, out_dim) -> (E, out_dim)
+        if c.has_out_bias:
+            grads["b_out"] = column_sums(dy)  # (N, out_dim) -> (out_dim,)
+        dmerged = matmul(dy, c.W_out.T)  # (N, out_dim) @ (out_dim, E) -> (N, E)
+    else:
+        dmerged = dy
     H_kv = c.H_kv
     widths = {"query": E, "key": H_kv * (E // H), "value": H_kv * (E // H)}
     dprojected = [np.empty((x2d.shape[0], sum(widths[n] for n in names)), dtype)
@@ -416,58 +366,24 @@ def backward(dout, cache):
     if not out_proj:
         dq, dk_heads, dv_heads, dheads = (_unheads(dq), _unheads(dk_heads), _unheads(dv_heads),
                                           _unheads(dheads))
-    dx2d = [np.empty_like(x2d) for x2d in rows]  # (N, in) per input
-    partial = [None] * len(shares)  # each share's own weight gradients, summed below
-
-    def layer_share(work):  # one worker's share: the whole backward on its batch entries
-        for n, share in work:
-            partial[n] = _backward_share(c, share, dy, dmerged, dheads, dq, dk_heads, dv_heads,
-                                         dk, dv, dprojected, dx2d)
-
-    _run_shares(layer_share, shares)
-    grads = partial[0]
-    for more in partial[1:]:  # the shares' weight gradients add up
-        for name, grad in more.items():
-            grads[name] += grad
-    scale = dtype.type(c.scale)
-    for names in groups:  # W' = scale * W_query: dW_query = scale dW'
-        if names[0] == "query":
-            grads["W_query"] *= scale
-            if c.has_bias:
-                grads["b_query"] *= scale
-    dinputs = tuple(dx.reshape(shape) for dx, shape in zip(dx2d, c.in_shapes))  # (..., L, in)
-    return grads, dinputs
-
-
-def _backward_share(c, share, dy, dmerged, dheads, dq, dk_heads, dv_heads, dk, dv, dprojected,
-                    dx2d):
-    """The backward of one batch share (:func:`_shares`): writes its rows of ``dmerged``,
-    the head gradients, ``dprojected`` and ``dx2d``; returns its weight gradients."""
-    batch, groups = c.batch, c.in_names
-    grads = {}
-    if c.out_proj:
-        r = _share_rows(share, dy.shape[0], batch)
-        # (E, n) @ (n, out_dim) -> (E, out_dim)
-        grads["W_out"] = matmul(c.merged[r].T, dy[r], split="cols")
-        if c.has_out_bias:
-            grads["b_out"] = column_sums(dy[r])  # (n, out_dim) -> (out_dim,)
-        matmul(dy[r], c.W_out.T, dmerged[r])  # (n, out_dim) @ (out_dim, E) -> (n, E)
     if c.path == "tiled":
         tiled.attention_backward(dheads, c.core_cache, grads_out=(dq, dk_heads, dv_heads),
                                  check=False)
     else:
         # gradient w.r.t. the *scaled* query: the scale lives in the fused W
-        fast.dense_backward(dheads[share], _share_cache(c.core_cache, share), dq[share],
-                            dk_heads[share], dv_heads[share], dq.dtype.type(1))
-    if c.H_kv != c.H:  # a key/value head's gradient sums those of its G query heads
-        np.sum(dk_heads[share], axis=-3, out=dk[share])  # (..., H_kv, G, S, D) -> (..., H_kv, S, D)
-        np.sum(dv_heads[share], axis=-3, out=dv[share])
-    E = c.merged.shape[1]
-    widths = {"query": E, "key": c.H_kv * (E // c.H), "value": c.H_kv * (E // c.H)}
-    for x2d, W, names, d, dx in zip(c.rows, c.W_in, groups, dprojected, dx2d):
-        r = _share_rows(share, x2d.shape[0], batch)
-        dW = matmul(x2d[r].T, d[r], split="cols")  # (in, n) @ (n, widths) -> (in, widths)
-        db = column_sums(d[r]) if c.has_bias else None  # (n, widths) -> (widths,)
+        fast.dense_backward(dheads, c.core_cache, dq, dk_heads, dv_heads, dtype.type(1))
+    if H_kv != H:  # a key/value head's gradient sums those of its G query heads
+        np.sum(dk_heads, axis=-3, out=dk)  # (..., H_kv, G, S, D) -> (..., H_kv, S, D)
+        np.sum(dv_heads, axis=-3, out=dv)
+    scale = dtype.type(c.scale)
+    dinputs = []
+    for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
+        dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, widths) -> (in, widths)
+        db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
+        if names[0] == "query":  # W' = scale * W_query: dW_query = scale dW'
+            dW[:, :E] *= scale
+            if db is not None:
+                db[:E] *= scale
         start = 0
         for name in names:
             columns = slice(start, start + widths[name])
@@ -475,17 +391,94 @@ def _backward_share(c, share, dy, dmerged, dheads, dq, dk_heads, dv_heads, dk, d
             grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
             if db is not None:
                 grads["b_" + name] = db[columns]
-        matmul(d[r], W.T, dx[r])  # (n, widths) @ (widths, in) -> (n, in)
-    return grads
+        dx = matmul(d, W.T)  # (N, widths) @ (widths, in) -> (N, in)
+        dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
+    return grads, tuple(dinputs)
 
 
-def _share_cache(core_cache, share):
-    """The fast core's cache restricted to a batch share (views)."""
-    if share == slice(None):
-        return core_cache
-    lead = core_cache.exp_scores.shape[:-2]
-    return core_cache._replace(
-        query=core_cache.query[share], key=core_cache.key[share], value=core_cache.value[share],
-        exp_scores=core_cache.exp_scores[share],
-        inv_sum=None if core_cache.inv_sum is None else core_cache.inv_sum[share],
-        out=core_cache.out[share], dropout_mask=_share_of(core_cache.dropout_mask, share, lead))
+def _batch_shares(params, inputs, num_heads, out_proj):
+    """Slices of the first batch dim, one per worker thread, or one slice: the whole batch.
+
+    Several when the forward's operations (projections, core, output
+    projection; a float64 operation counts twice, as this BLAS takes about
+    twice as long on it) reach the ``batch_split_flops`` setting of
+    :mod:`qkvnp.kernels._runtime`, and never in a worker thread.
+    """
+    query, key = inputs[0], inputs[-1]
+    W_query, W_key = params["W_query"], params["W_key"]
+    N, N_kv = query.size // query.shape[-1], key.size // key.shape[-1]  # rows
+    E, E_kv = W_query.shape[1], W_key.shape[1]
+    H = num_heads if out_proj else 1
+    D = E // num_heads if out_proj else E
+    T, S = query.shape[-2], key.shape[-2]
+    flops = (2 * N * W_query.size + 2 * N_kv * (W_key.size + params["W_value"].size)
+             + 4 * (N // T) * H * T * S * D + (2 * N * params["W_out"].size if out_proj else 0))
+    first = query.shape[0]
+    threads = min(threads_for(flops * W_query.itemsize // 4, "batch_split_flops"), first)
+    bounds = [first * i // threads for i in range(threads + 1)]
+    return tuple(slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def _share_of(a, share, full_ndim):
+    """A share of an array that broadcasts to ``full_ndim`` dims: sliced if it has the first."""
+    if a is None or np.ndim(a) < full_ndim or np.shape(a)[0] == 1:
+        return a  # broadcasts over the share as over the whole batch
+    return np.asarray(a)[share]
+
+
+def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need_weights=False,
+                  out_proj=True, workspace=None, *, dropout_p=0.0, rng=None, dropout_mask=None):
+    """:func:`forward` on the fast path, one share of the first batch dim per worker thread.
+
+    Same arguments as :func:`forward` (``path="fast"``), and ``shares``, the
+    slices of the first batch dim. The masks are checked whole, before any
+    work; a drawn dropout mask is drawn whole (the same one an unsplit call
+    draws from the same ``rng``) and each share replays its part. Returns
+    ``(out, weights, cache)`` with a :class:`SplitLayerCache`.
+    """
+    query = inputs[0]
+    batch, T, S = query.shape[:-2], query.shape[-2], inputs[-1].shape[-2]
+    dtype = params["W_query"].dtype
+    scores_shape = batch + ((num_heads,) if out_proj else ()) + (T, S)
+    prepare_mask(mask, is_causal, scores_shape, dtype)  # refuses a bad mask before any work
+    dropout = prepare_dropout(dropout_p, rng, dropout_mask, scores_shape)
+    if dropout is not None and dropout_mask is None:
+        dropout_mask = dense_keep(dropout)  # drawn once, for the whole batch
+    previous = (workspace.caches if isinstance(workspace, SplitLayerCache)
+                and workspace.shares == shares else (None,) * len(shares))
+    full_ndim = len(scores_shape)
+    results = [None] * len(shares)
+
+    def task(work):
+        for i, share in work:
+            results[i] = forward(params, tuple(x[share] for x in inputs), kind, num_heads,
+                                 _share_of(mask, share, full_ndim), is_causal, "fast",
+                                 need_weights, out_proj, workspace=previous[i],
+                                 dropout_p=dropout_p if dropout is not None else 0.0,
+                                 dropout_mask=_share_of(dropout_mask, share, full_ndim))
+
+    run(task, list(enumerate(shares)))
+    out = np.concatenate([result[0] for result in results])  # (B, ..., T, out_dim)
+    weights = np.concatenate([result[1] for result in results]) if need_weights else None
+    caches = tuple(result[2] for result in results)
+    return out, weights, SplitLayerCache("fast", kind, shares, caches, out.shape)
+
+
+def _split_backward(dout, cache):
+    """:func:`backward` after :func:`split_forward`: each share's in its worker thread."""
+    dtype = cache.caches[0].merged.dtype
+    dy = as_upstream_grad(dout, "dout", cache.out_shape, dtype)  # (B, ..., T, out_dim)
+    results = [None] * len(cache.shares)
+
+    def task(work):
+        for i, share in work:
+            results[i] = backward(dy[share], cache.caches[i])
+
+    run(task, list(enumerate(cache.shares)))
+    grads = results[0][0]
+    for more, _ in results[1:]:  # the weight gradients of the shares add up
+        for name, grad in more.items():
+            grads[name] += grad
+    dinputs = tuple(None if parts[0] is None else np.concatenate(parts)
+                    for parts in zip(*(result[1] for result in results)))
+    return grads, dinputs
