@@ -483,6 +483,46 @@ def test_batch_split_matches_reference(dtype, case, inner_threads):
         check_layers(reference, other, inputs, kwargs, seed=1)  # grads accumulate
 
 
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_batch_split_draws_the_dropout_mask_of_an_unsplit_call(impl):
+    """Oracle: the same layer on ``impl`` without the split, with a Generator
+    in the same state: a drawn dropout mask is drawn for the whole batch
+    (one draw) and each share replays its part, so the outputs, the
+    gradients and the Generator's state afterwards are those of one call."""
+    rng = np.random.default_rng(12)
+    x, dout = rng.normal(size=(4, 6, 8)), rng.normal(size=(4, 6, 8))
+    runs = []
+    for split in (True, False):
+        layer = MultiHeadAttention(8, 2, rng=3, dropout=0.3, impl="fast" if split else impl)
+        generator = np.random.default_rng(99)
+        with kernels.num_threads(2), batch_split(split), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = layer.forward(x, is_causal=True, rng=generator)
+            dx = layer.backward(dout)
+        if split:
+            assert len(layer._used_cache.shares) == 2  # it did split
+        runs.append((out, dx, layer.grads, generator.bit_generator.state))
+    (out, dx, grads, state), (out_ref, dx_ref, grads_ref, state_ref) = runs
+    assert state == state_ref
+    assert_close(out, out_ref, "out")
+    assert_close(dx, dx_ref, "dx")
+    for name in grads_ref:
+        assert_close(grads[name], grads_ref[name], name)
+
+
+def test_batch_split_refuses_a_bad_mask_before_any_work():
+    """Oracle: the error contract. A mask whose batch dim fits neither the
+    batch (4) nor a share (2) is refused whole, naming the mask, and the
+    layer's previous cache survives for its backward."""
+    layer = MultiHeadAttention(8, 2, rng=0)
+    x = np.ones((4, 5, 8))
+    with kernels.num_threads(2), batch_split(True):
+        layer.forward(x)
+        with pytest.raises(ValueError, match="mask"):
+            layer.forward(x, attn_mask=np.ones((2, 2, 5, 5), bool))
+        assert layer.backward(np.ones((4, 5, 8))).shape == (4, 5, 8)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_batch_split_with_one_share_on_the_blocked_core(dtype):
     """Oracle: the reference layer. One batch entry's keys are orthogonal to
