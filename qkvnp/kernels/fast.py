@@ -185,6 +185,18 @@ def _mask_row_max(mask, dtype):
     return row_max.astype(dtype, copy=False)
 
 
+def _whole_array(threads, exp_scores):
+    """Run a core pass serially in whole-array calls: one thread, and scores of one block.
+
+    A larger problem on one thread (a worker's share of a layer's batch, or
+    ``set_num_threads(1)``) still goes by blocks of ``fast_block_bytes``:
+    whole-array passes over its scores would run out of cache and allocate
+    temporaries of their size (the layer at (4, 512, 512, 8) split over two
+    workers peaked at 126 MiB float32 instead of 90, 249 float64 instead of 168).
+    """
+    return threads == 1 and exp_scores.nbytes <= get_block_sizes()["fast_block_bytes"]
+
+
 def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mask=None,
                   dropout_p=0.0):
     """Fill ``exp_scores``, ``inv_sum`` and ``out`` (all preallocated, full leading dims).
@@ -216,8 +228,8 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     if dropout_mask is not None:
         drop = (np.broadcast_to(dropout_mask, lead + (T, S)), keep_scale(dropout_p, dtype))
     normalize = exp_scores.size < LARGE_SCORES  # serial and few scores: keep P (see Returns)
-    if threads == 1 and small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out,
-                                      drop, normalize=normalize):
+    if _whole_array(threads, exp_scores) and small_forward(
+            query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop, normalize=normalize):
         return normalize
     log2e = dtype.type(np.log2(np.e))
     small_mask = small_mask_max = None
@@ -346,7 +358,7 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     # (seen rarely, state-dependent: float32 (2, 5) @ (5, 1), the row sums of
     # small_backward). The inputs are checked finite: the flag is noise, as in
     # the forward. np.errstate is per thread, so the workers set it too (task).
-    if threads == 1:
+    if _whole_array(threads, exp_scores):
         with np.errstate(invalid="ignore"):
             small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
                            dquery_scale, drop)

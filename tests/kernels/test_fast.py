@@ -55,6 +55,7 @@ MANY = settings(max_examples=max(100, settings().max_examples))
 
 SPLITS = [
     (1, 1 << 22),  # one thread, whole blocks
+    (1, 1),  # one thread, one matrix per block: a serial problem larger than a block goes by blocks
     (2, 1),  # two threads, one (T, S) matrix per block
     (2, 1 << 22),  # two threads, large blocks
     (2, 1, 1),  # two threads, one matrix per block, 3-row chunks (dK, dV accumulate)
@@ -621,3 +622,27 @@ def test_auto_dispatch():
 def test_bad_impl_names_the_choices():
     with pytest.raises(ValueError, match=r"impl must be one of .*'fast'.*got 'quick'"):
         MultiHeadAttention(4, 2, impl="quick")
+
+
+def test_one_thread_runs_a_problem_larger_than_a_block_by_blocks(monkeypatch):
+    """Oracle: the block contract (``fast_block_bytes``) and the reference layer.
+    On one thread (``set_num_threads(1)``, or a worker's share of a layer's
+    batch) the whole-array kernels get at most one block's scores at a time:
+    whole-array passes over more ran out of cache and allocated temporaries of
+    the problem's size."""
+    seen = []
+    for name in ("small_forward", "small_backward"):
+        kernel = getattr(fast, name)
+
+        def recording(*args, kernel=kernel, **kwargs):
+            exp_scores = args[5] if kernel is fast.small_forward else args[4]
+            seen.append(exp_scores.nbytes)
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(fast, name, recording)
+    rng = np.random.default_rng(13)
+    reference, other = layer_pair(MultiHeadAttention, embed_dim=8, num_heads=2, rng=1)
+    x = rng.normal(size=(2, 16, 8))  # scores: 2 * 2 * 16 * 16 * 8 bytes = 8 KiB
+    with kernels.num_threads(1), kernels.block_sizes(fast_block_bytes=4096):
+        check_layers(reference, other, [x], {"is_causal": True})
+    assert seen and max(seen) <= 4096  # blocks of two (16, 16) matrices
