@@ -572,9 +572,14 @@ def threads_for(flops, setting="min_parallel_flops"):
     Also 1 in a worker thread: a job that is a worker's share already (the
     layer's batch split) runs its inner jobs serially.
     """
-    if flops < _SIZES[setting] or getattr(_WORKER, "active", False):
+    if flops < _SIZES[setting] or _in_worker():
         return 1
     return get_num_threads()
+
+
+def _in_worker():
+    """True in one of the pool's worker threads (it runs its jobs serially)."""
+    return getattr(_WORKER, "active", False)
 
 
 def run(task, work, flops=None):
@@ -590,8 +595,7 @@ def run(task, work, flops=None):
     """
     workers = get_num_threads()
     threads = min(workers, len(work))
-    if (flops is not None and flops < _SIZES["min_parallel_flops"]) or getattr(_WORKER, "active",
-                                                                                False):
+    if (flops is not None and flops < _SIZES["min_parallel_flops"]) or _in_worker():
         threads = 1  # small, or a worker's own share (no nested hand-off)
     if threads < 2 or not openblas_thread_functions():
         if _PIN["depth"]:  # already inside a single-threaded section

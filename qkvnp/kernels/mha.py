@@ -26,7 +26,8 @@ caller joins the outputs and adds the shares' weight gradients. That is one
 hand-off to the threads a forward and one a backward, where splitting each
 matmul and core pass costs one each (a hand-off costs 40-60 us on the 2-core
 VM): layer fwd+bwd at (64, 33, 64, 1) float32 went from 1.06-1.12x
-PyTorch's time to about 0.7x (``benchmarks/RESULTS.md``).
+PyTorch's time to 0.88-0.89x (medians of three full runs,
+``benchmarks/RESULTS.md``).
 """
 import math
 from collections import namedtuple
@@ -151,7 +152,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         a single head, no head axis).
     block_size : int, optional
         Passed to the tiled core.
-    workspace : FusedLayerCache, optional
+    workspace : FusedLayerCache or SplitLayerCache, optional
         The cache of a previous forward **that will not be used again**: its
         large buffers (projections, softmax numerators, merged heads) are
         overwritten when their shapes match, which saves allocating and
