@@ -42,53 +42,53 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     """``dense_forward`` of a problem too small to share, in a few whole-array calls.
 
     The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``; or,
-    with ``normalize``, the weights themselves), the same bound
-    ``m = |q| max|k| + max(mask row)`` instead of the row max, but none of the
-    machinery that pays off on large problems (blocks, row chunks in cache,
-    probe keys): at (B, L, E, H) = (8, 16, 32, 4) that machinery cost more
-    numpy calls than the math. Row sums are matmuls with a column of ones
-    (numpy's ``max``/``sum`` along a 32-long axis measured 5-12x slower than
-    ``@ ones``), the row norms of the bound einsum's dot products.
+    with ``normalize``, the weights themselves), with ``m`` a bound of each
+    row's max instead of the max itself, and none of the machinery that pays
+    off on large problems (blocks, row chunks in cache, probe keys): at
+    (B, L, E, H) = (8, 16, 32, 4) that machinery cost more numpy calls than
+    the math. Row sums are matmuls with a column of ones (numpy's
+    ``max``/``sum`` along a 32-long axis measured 5-12x slower than
+    ``@ ones``; the exact row max of (8, 4, 16, 16) float32 scores took
+    48 us, the bound below 16).
 
-    Returns False, having written nothing final, when the bound was too far
-    above a row's max (its largest exponential below ``2**-24``, where the
-    terms would lose precision in the subnormals) or a score overflowed: the
-    blocked path then takes the exact row max, as the reference does.
-    ``drop``: None or ``(dropout_mask, 1 / (1 - p))``, applied to the output only.
-    ``normalize``: leave the weights ``P = E r`` in ``exp_scores``.
+    With ``normalize`` the first try takes ``m = 0``, no shift at all: the
+    weights ``P = E / rowsum(E)`` do not depend on ``m``, and exponentials of
+    unshifted scores are as exact as shifted ones as long as every row sum
+    stays within :func:`_usable_sums`' range (a row sum below ``2**-24``, or
+    one whose reciprocal leaves the normal floats, takes the shifted second
+    try). That saves the bound's two row-norm passes (16 us of a 263 us
+    layer fwd+bwd at (8, 16, 32, 4) float32). Without ``normalize`` the
+    numerators are kept for the backward and must stay at most 1: the
+    shift is always applied. The bound there, and in the second try, is
+    ``m = |q| max|k| + max(mask row)``, the row norms from einsum's dot
+    products.
+
+    Returns False, having written nothing final, when the shifted try's
+    bound was too far above a row's max (its largest exponential below
+    ``2**-24``, where the terms would lose precision in the subnormals) or a
+    score overflowed: the blocked path then takes the exact row max, as the
+    reference does. ``drop``: None or ``(dropout_mask, 1 / (1 - p))``,
+    applied to the output only. ``normalize``: leave the weights ``P = E r``
+    in ``exp_scores``.
     """
     dtype = exp_scores.dtype
     ones_s = _ones(exp_scores.shape[-1], dtype)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        # NOTE: einsum's row dot products measured 1.3-1.9x faster than
-        # (k * k) @ ones on the strided head views of the layer's projections
-        key_norm = np.sqrt(np.einsum("...sd,...sd->...s", key, key).max(axis=-1))  # (..., S, D) -> (...)
-        bound = np.sqrt(np.einsum("...td,...td->...t", query, query)[..., None])  # |q|, (..., T, 1)
-        bound *= key_norm[..., None, None]  # |q| max|k|
-        if mask is not None:
-            bound = bound + mask_max
-        if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls
+        usable = False
+        if normalize:  # m = 0: E = exp(S)
             np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
             if mask is not None:
                 exp_scores += mask
-            exp_scores -= bound
             np.exp(exp_scores, out=exp_scores)
-        else:
-            # base-2 scores: exp(x) = exp2(x log2(e)), and exp2 measured 2.2x faster
-            # than exp in float32 (1.2x in float64); log2(e) goes into the (T, D) query
-            log2e = dtype.type(np.log2(np.e))
-            np.matmul(query * log2e, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-            if mask is not None:
-                exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
-            exp_scores -= bound * log2e
-            np.exp2(exp_scores, out=exp_scores)
-        np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
-    live = inv_sum >= 2.0 ** -24
-    if not live.all():
-        dead = None if mask is None else np.isneginf(mask).all(axis=-1, keepdims=True)
-        # NOTE: a fully masked row has row sum 0 and stays: weights 0, output 0
-        if dead is None or not (live | (dead & (inv_sum == 0))).all():
-            return False
+            np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
+            usable = _usable_sums(inv_sum, mask, shifted=False)
+        if not usable:
+            _shifted_exp(query, key, mask, mask_max, exp_scores)
+            np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
+            if not _usable_sums(inv_sum, mask, shifted=True):
+                return False
+    if usable is None:  # fully masked rows (sum 0) among them: weights 0, output 0
+        live = inv_sum != 0
         inv_sum[~live] = 1
         np.reciprocal(inv_sum, out=inv_sum)
         inv_sum[~live] = 0
@@ -105,6 +105,56 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
         np.matmul(exp_scores * drop[0], value, out=out)  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
         out *= inv_sum * drop[1]
     return True
+
+
+def _shifted_exp(query, key, mask, mask_max, exp_scores):
+    """Fill ``exp_scores`` with ``exp(S + mask - m)``, ``m = |q| max|k| + max(mask row)``."""
+    dtype = exp_scores.dtype
+    # NOTE: einsum's row dot products measured 1.3-1.9x faster than
+    # (k * k) @ ones on the strided head views of the layer's projections
+    key_norm = np.sqrt(np.einsum("...sd,...sd->...s", key, key).max(axis=-1))  # (..., S, D) -> (...)
+    bound = np.sqrt(np.einsum("...td,...td->...t", query, query)[..., None])  # |q|, (..., T, 1)
+    bound *= key_norm[..., None, None]  # |q| max|k|
+    if mask is not None:
+        bound = bound + mask_max
+    if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls
+        np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
+        if mask is not None:
+            exp_scores += mask
+        exp_scores -= bound
+        np.exp(exp_scores, out=exp_scores)
+    else:
+        # base-2 scores: exp(x) = exp2(x log2(e)), and exp2 measured 2.2x faster
+        # than exp in float32 (1.2x in float64); log2(e) goes into the (T, D) query
+        log2e = dtype.type(np.log2(np.e))
+        np.matmul(query * log2e, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
+        if mask is not None:
+            exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
+        exp_scores -= bound * log2e
+        np.exp2(exp_scores, out=exp_scores)
+
+
+def _usable_sums(row_sums, mask, shifted):
+    """Whether every row sum of the exponentials can be normalised: True, False or None.
+
+    A row sum is usable from ``2**-24`` on (below, the bound was so far above
+    the row's max that its terms lost precision in the subnormals); without
+    the shift (``shifted=False``) also at most ``1 / (2**24 tiny)``, so that
+    its reciprocal, and every weight, stays a normal float (scores up to
+    about 70 in float32, 690 in float64). NaN (a score that overflowed) is
+    never usable. None: usable but for rows that the mask removes entirely
+    (row sum 0, weights 0).
+    """
+    dtype = row_sums.dtype
+    live = row_sums >= 2.0 ** -24
+    if not shifted:
+        live &= row_sums <= dtype.type(2.0 ** -24 / np.finfo(dtype).tiny)
+    if live.all():
+        return True
+    dead = None if mask is None else np.isneginf(mask).all(axis=-1, keepdims=True)
+    if dead is None or not (live | (dead & (row_sums == 0))).all():
+        return False
+    return None
 
 
 def small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,

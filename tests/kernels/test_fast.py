@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp import kernels
-from qkvnp.kernels import _runtime, fast
+from qkvnp.kernels import _runtime, fast, fast_small
 
 from strategies import attention_cases, mha_cases, self_attention_cases
 from oracles import assert_matches_reference
@@ -241,6 +241,36 @@ def test_loose_row_max_bounds_take_the_exact_path(dtype, magnitude):
         with blocks_and_threads(*split):
             for is_causal in (False, True):
                 check_core(inputs, {"scale": 1.0, "is_causal": is_causal}, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case, shifted_passes", [
+    ("moderate", 0),  # the unshifted exponentials are usable: no bound computed
+    ("large", 1),  # unshifted, exp(100) overflows float32 (exp(800) float64): shifted
+    ("low", 1),  # a float mask of -40 (-800 float64): unshifted row sums underflow
+])
+def test_whole_array_core_tries_unshifted_scores_first(monkeypatch, dtype, case,
+                                                       shifted_passes):
+    """Oracle: the reference core. A serial problem with few scores keeps the
+    weights P, which do not depend on the shift: its first try exponentiates
+    the scores as they are, and only rows whose sums leave the usable range
+    take the second, shifted try (one pass of |q| max|k| row bounds)."""
+    calls = []
+    shifted_exp = fast_small._shifted_exp
+    monkeypatch.setattr(fast_small, "_shifted_exp",
+                        lambda *args: calls.append(1) or shifted_exp(*args))
+    rng = np.random.default_rng(12)
+    direction = rng.normal(size=3)
+    direction /= np.linalg.norm(direction)
+    # parallel queries and keys of norm ~sqrt(big): scores near `big`, spread by the noise
+    big = {"large": 100.0 if dtype == np.float32 else 800.0}.get(case, 1.0)
+    query = np.sqrt(big) * (direction + 0.01 * rng.normal(size=(2, 4, 3)))
+    key = np.sqrt(big) * (direction + 0.01 * rng.normal(size=(2, 5, 3)))
+    options = {"scale": 1.0, "is_causal": True}
+    if case == "low":
+        options["attn_mask"] = np.full((4, 5), -40.0 if dtype == np.float32 else -800.0)
+    check_core({"query": query, "key": key, "value": rng.normal(size=(2, 5, 2))}, options, dtype)
+    assert len(calls) == shifted_passes
 
 
 def test_one_key_returns_its_value():
@@ -526,20 +556,21 @@ def test_batch_split_refuses_a_bad_mask_before_any_work():
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_batch_split_with_one_share_on_the_blocked_core(dtype):
-    """Oracle: the reference layer. One batch entry's keys are orthogonal to
-    its queries with large norms: the whole-array core's bound |q| max|k| is
-    then far above every score (exp below 2**-24) and that share falls back
-    to the blocked core, which keeps numerators and 1 / rowsum, while the
-    other share keeps the normalised weights; each share's backward reads its own."""
+    """Oracle: the reference layer. One batch entry's keys point against its
+    queries: every score is -20.6, so the whole-array core's unshifted try has
+    row sums below 2**-24 and its shifted try, with the bound |q| max|k| =
+    20.6, exponentials of -41; that share falls back to the blocked core,
+    which keeps numerators and 1 / rowsum, while the other share keeps the
+    normalised weights; each share's backward reads its own."""
     E = H = 2
     reference, other = layer_pair(MultiHeadAttention, embed_dim=E, num_heads=1, bias=False,
                                   rng=0, dtype=dtype)
-    weights = {"W_query": np.eye(E), "W_key": np.eye(E)[::-1], "W_value": np.eye(E),
+    weights = {"W_query": np.eye(E), "W_key": -np.eye(E), "W_value": np.eye(E),
                "W_out": np.eye(E)}
     for layer in (reference, other):
         layer.load_state_dict(weights)
     x = np.random.default_rng(3).normal(size=(2, 5, E))
-    x[0] = [5.0, 0.0]  # queries (5, 0) / sqrt(2), keys (0, 5): scores 0, bound 17.7
+    x[0] = [5.4, 0.0]  # queries (5.4, 0) / sqrt(2), keys (-5.4, 0): scores -20.6
     with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0):
         check_layers(reference, other, [x.astype(dtype)], {"is_causal": True})
         assert other._used_cache.shares == (slice(0, 1), slice(1, 2))
