@@ -3,7 +3,7 @@
 Oracles: central differences (:func:`qkvnp.gradcheck.check_layer`, float64,
 random upstream gradients) on every path; the reference path for the fast
 and tiled ones (:func:`oracles.assert_matches_reference`); the scores
-themselves for :func:`qkvnp.kernels.layer_score_bound`; the seeded draws of a
+themselves for :func:`qkvnp.kernels.mha.projected_score_bound`; the seeded draws of a
 layer built before these options existed (same order, same values).
 """
 import numpy as np
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from qkvnp import MultiHeadAttention, kernels
 from qkvnp.gradcheck import check_layer
+from qkvnp.kernels.mha import projected_score_bound
 
 from oracles import assert_matches_reference
 from strategies import finite_arrays, mha_cases
@@ -104,12 +105,12 @@ def test_score_bound_bounds_the_scores_with_other_widths(case):
     """Oracle: the scores computed from the projections, per head."""
     layer = make_layer(case, "reference")
     inputs = make_inputs(case, seed=5)
-    bound = kernels.layer_score_bound(layer.params, inputs, layer.num_heads)
     p, E, H = layer.params, layer.embed_dim, layer.num_heads
     query, key = inputs[0], inputs[1] if len(inputs) > 1 else inputs[0]
-    q = (query @ p["W_query"] + p.get("b_query", 0)).reshape(2, 4, H, E // H)
-    k = (key @ p["W_key"] + p.get("b_key", 0)).reshape(2, -1, H, E // H)
-    scores = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(E // H)
+    q = (query @ p["W_query"] + p.get("b_query", 0)) / np.sqrt(E // H)  # (2, 4, E), scaled
+    k = key @ p["W_key"] + p.get("b_key", 0)  # (2, S, E)
+    bound = projected_score_bound(q.reshape(-1, E), k.reshape(-1, E), E // H)
+    scores = np.einsum("bthd,bshd->bhts", q.reshape(2, 4, H, E // H), k.reshape(2, -1, H, E // H))
     assert np.abs(scores).max() <= bound
 
 

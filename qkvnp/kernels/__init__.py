@@ -45,7 +45,6 @@ __all__ = [
     "Dispatch",
     "check_impl",
     "choose_path",
-    "layer_score_bound",
     "layer_forward",
     "layer_backward",
     "set_num_threads",
@@ -102,7 +101,10 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     need_weights : bool
         The caller wants the ``(..., T, S)`` weights back.
     score_bound : float
-        An upper bound of ``|score|`` (see :func:`layer_score_bound`).
+        An upper bound of ``|score|``. The layers' fused kernels compute one
+        from their projections, before their core runs
+        (:func:`qkvnp.kernels.mha.projected_score_bound`), and come back here
+        with it when it is too large (:class:`qkvnp.kernels.mha.ScoresMayOverflow`).
     is_causal : bool
         A causal mask (either alignment): the tiled core skips the blocks
         above the diagonal.
@@ -166,48 +168,6 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
                                   f"weights of {_mib(dense_bytes)} within dense_weights_budget")
 
 
-def layer_score_bound(params, inputs, num_heads, out_proj=True):
-    """An upper bound of every attention score of a layer, before computing any.
-
-    With ``q = x W_q + b_q``: ``||q_t|| <= sqrt(in) max|x| ||W_q||_F + ||b_q||``
-    and ``||W||_F <= sqrt(in E) max|W|`` (likewise ``k``, from the key input),
-    and each head's score is at most ``||q_t|| ||k_s|| / sqrt(D)``
-    (Cauchy-Schwarz). Costs two reductions per array, without temporaries
-    (one, of ``|a|``, for arrays of up to 4096 entries): it runs on every
-    forward (with sums of squares it was 7% of the layer's cProfile time at
-    (8, 16, 32, 4)). Loose by up to ``sqrt(in E)``, which only moves the
-    deferral to the reference path a few orders of magnitude below
-    ``sqrt(finfo.max)``.
-
-    >>> p = {"W_query": np.eye(2), "W_key": 2 * np.eye(2)}
-    >>> layer_score_bound(p, (np.ones((3, 2)),), num_heads=1, out_proj=False)
-    11.313708498984763
-    """
-    query, key = inputs[0], inputs[1] if len(inputs) > 1 else inputs[0]
-    E = params["W_query"].shape[1]
-    head_dim = E // num_heads if out_proj else E
-
-    def largest(a):  # Python floats: inf, never a warning
-        if a.size <= 4096:  # one reduction of a small |a|: 1.5 us against 2.5 for max and min
-            return float(abs(a).max()) if a.size else 0.0
-        return max(float(a.max()), -float(a.min()))
-
-    # NOTE: no BLAS call here (an np.vdot woke OpenBLAS's own threads, which
-    # then spun through the next kernel section: layer fwd+bwd at
-    # (32, 64, 128, 8) float64 took 40 ms instead of 24)
-    x_query = largest(query)
-    x_key = x_query if key is query else largest(key)
-
-    def norm_bound(x_largest, x, name):
-        W, b = params["W_" + name], params.get("b_" + name)
-        w_norm = math.sqrt(W.size) * largest(W)
-        b_norm = 0.0 if b is None else math.sqrt(b.size) * largest(b)
-        return math.sqrt(x.shape[-1]) * x_largest * w_norm + b_norm
-
-    return (norm_bound(x_query, query, "query") * norm_bound(x_key, key, "key")
-            / math.sqrt(max(head_dim, 1)))
-
-
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
                   need_weights=False, out_proj=True, previous=None, originals=(), *,
                   dropout_p=0.0, rng=None, dropout_mask=None):
@@ -255,23 +215,31 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     """
     T, S = inputs[0].shape[-2], inputs[-1].shape[-2]
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
-    bound = 0.0 if impl == "reference" else layer_score_bound(params, inputs, num_heads, out_proj)
-    dispatch = choose_path(impl, groups, T, S, params["W_query"].dtype, need_weights, bound,
-                           is_causal=check_is_causal(is_causal) is not False)
+    path_args = (impl, groups, T, S, params["W_query"].dtype, need_weights)
+    causal = check_is_causal(is_causal) is not False
+    dispatch = choose_path(*path_args, is_causal=causal)
     mha, reference = _layer_kernels()
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
-    if dispatch.path == "reference":
-        out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,
-                                                need_weights=need_weights, out_proj=out_proj,
-                                                **dropout)
-    else:
+    if dispatch.path != "reference":
         workspace = (previous if isinstance(previous, (mha.FusedLayerCache, mha.SplitLayerCache))
                      else None)
-        inputs = owned(inputs, originals)
-        with single_threaded_blas():  # one setting for the whole call, not one per matmul
-            out, weights, cache = mha.forward(params, inputs, kind, num_heads, mask, is_causal,
-                                              path=dispatch.path, need_weights=need_weights,
-                                              out_proj=out_proj, workspace=workspace, **dropout)
+        fused_inputs = owned(inputs, originals)
+        try:
+            with single_threaded_blas():  # one setting for the whole call, not one per matmul
+                out, weights, cache = mha.forward(params, fused_inputs, kind, num_heads, mask,
+                                                  is_causal, path=dispatch.path,
+                                                  need_weights=need_weights, out_proj=out_proj,
+                                                  workspace=workspace, **dropout)
+            return out, weights, cache, dispatch
+        except mha.ScoresMayOverflow as overflow:
+            # the projections bound the scores beyond what the fused paths
+            # keep exact: choose_path sends such scores to the reference
+            dispatch = choose_path(*path_args, score_bound=overflow.bound, is_causal=causal)
+            if overflow.dropout_mask is not None:  # drawn by the batch split: apply that one
+                dropout["dropout_mask"] = overflow.dropout_mask
+    out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,
+                                            need_weights=need_weights, out_proj=out_proj,
+                                            **dropout)
     return out, weights, cache, dispatch
 
 

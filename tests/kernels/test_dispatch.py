@@ -187,6 +187,42 @@ def test_choose_path_follows_the_settings_and_says_why():
     assert kernels.choose_path("reference", 1, 8, 8, np.float32, True).path == "reference"
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype, factor", [(np.float32, 1e20), (np.float64, 1e155)])
+def test_scores_beyond_sqrt_of_the_float_max_take_the_reference_path(dtype, factor, split):
+    """Oracle: the reference layer, with the same dropout Generator state. The
+    fused kernels bound the scores from their projections and hand a call whose
+    bound reaches sqrt(finfo.max) to the reference path, which choose_path
+    names; nothing is drawn from the rng before (an unsplit call), or the batch
+    split's mask is the one the reference applies."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(4, 5, 6)).astype(dtype)
+    dout = rng.normal(size=(4, 5, 6)).astype(dtype)
+    reference, auto = (qkvnp.MultiHeadAttention(6, 2, rng=0, dtype=dtype, impl=impl, dropout=0.25)
+                       for impl in ("reference", "auto"))
+    threads = 2 if split else 1
+    for scale in (1.0, factor):  # moderate scores stay on the fast path
+        results = []
+        for layer in (reference, auto):
+            generator = np.random.default_rng(8)
+            with kernels.num_threads(threads), kernels.block_sizes(batch_split_flops=0):
+                with np.errstate(over="ignore", invalid="ignore"):  # the reference clips
+                    out = layer.forward(x * dtype(scale), is_causal=True, rng=generator)
+                    dx = layer.backward(dout)
+            results.append((out, dx, generator.random()))
+        (out_ref, dx_ref, draw_ref), (out, dx, draw) = results
+        path = "reference" if scale > 1 else "fast"
+        assert auto.last_dispatch.path == path
+        if path == "reference":
+            assert "beyond sqrt(finfo(" in auto.last_dispatch.reason
+            np.testing.assert_array_equal(out, out_ref)
+            np.testing.assert_array_equal(dx, dx_ref)
+        else:
+            np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-5)
+        assert draw == draw_ref  # one key drawn from the Generator on either path
+        assert isinstance(auto._used_cache, kernels.mha.SplitLayerCache) == (split and path == "fast")
+
+
 @pytest.mark.parametrize("make", [
     lambda impl: qkvnp.SelfAttention(4, 4, rng=0, impl=impl),
     lambda impl: qkvnp.MultiHeadAttention(4, 2, rng=0, impl=impl),
