@@ -78,9 +78,10 @@ class _AttentionLayer(Layer):
         """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
         cache = self._need_cache()
         grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
-        for name, grad in grads.items():
-            if name in self.params:
-                self._accumulate(name, grad)
+        own = self.grads
+        for name, grad in grads.items():  # NOTE: inline, not _accumulate: 8 calls at 0.1 us
+            if name in own:
+                own[name] += grad
         self._release_cache(retain_cache)
         return dinputs
 
