@@ -224,6 +224,10 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     ValueError
         If ``path`` is not one of :data:`PATHS`, or is "tiled" with
         ``need_weights`` (:func:`qkvnp.kernels.choose_path` never asks that).
+    ScoresMayOverflow
+        After the projections, before the core and before any draw from
+        ``rng``, when they bound the scores at or beyond ``sqrt(finfo.max)``:
+        the caller runs the reference path (:func:`qkvnp.kernels.layer_forward`).
 
     Notes
     -----
