@@ -74,7 +74,7 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     dtype = exp_scores.dtype
     ones_s = _ones(exp_scores.shape[-1], dtype)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        usable = False
+        usable = False  # NOTE: None is usable too (_usable_sums): test `is False`
         if normalize:  # m = 0: E = exp(S)
             np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
             if mask is not None:
@@ -82,10 +82,11 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
             np.exp(exp_scores, out=exp_scores)
             np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
             usable = _usable_sums(inv_sum, mask, shifted=False)
-        if not usable:
+        if usable is False:
             _shifted_exp(query, key, mask, mask_max, exp_scores)
             np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
-            if not _usable_sums(inv_sum, mask, shifted=True):
+            usable = _usable_sums(inv_sum, mask, shifted=True)
+            if usable is False:
                 return False
     if usable is None:  # fully masked rows (sum 0) among them: weights 0, output 0
         live = inv_sum != 0

@@ -248,13 +248,17 @@ def test_loose_row_max_bounds_take_the_exact_path(dtype, magnitude):
     ("moderate", 0),  # the unshifted exponentials are usable: no bound computed
     ("large", 1),  # unshifted, exp(100) overflows float32 (exp(800) float64): shifted
     ("low", 1),  # a float mask of -40 (-800 float64): unshifted row sums underflow
+    ("dead", 0),  # a fully masked row (row sum 0) beside usable ones: unshifted
+    ("large, dead", 1),  # the same row beside overflowing ones: shifted
 ])
 def test_whole_array_core_tries_unshifted_scores_first(monkeypatch, dtype, case,
                                                        shifted_passes):
     """Oracle: the reference core. A serial problem with few scores keeps the
     weights P, which do not depend on the shift: its first try exponentiates
     the scores as they are, and only rows whose sums leave the usable range
-    take the second, shifted try (one pass of |q| max|k| row bounds)."""
+    take the second, shifted try (one pass of |q| max|k| row bounds). Rows
+    that the mask removes entirely (row sum 0) keep either try usable, and
+    every case stays on the whole-array core (it keeps P: inv_sum None)."""
     calls = []
     shifted_exp = fast_small._shifted_exp
     monkeypatch.setattr(fast_small, "_shifted_exp",
@@ -263,14 +267,20 @@ def test_whole_array_core_tries_unshifted_scores_first(monkeypatch, dtype, case,
     direction = rng.normal(size=3)
     direction /= np.linalg.norm(direction)
     # parallel queries and keys of norm ~sqrt(big): scores near `big`, spread by the noise
-    big = {"large": 100.0 if dtype == np.float32 else 800.0}.get(case, 1.0)
+    big = (100.0 if dtype == np.float32 else 800.0) if case.startswith("large") else 1.0
     query = np.sqrt(big) * (direction + 0.01 * rng.normal(size=(2, 4, 3)))
     key = np.sqrt(big) * (direction + 0.01 * rng.normal(size=(2, 5, 3)))
     options = {"scale": 1.0, "is_causal": True}
     if case == "low":
         options["attn_mask"] = np.full((4, 5), -40.0 if dtype == np.float32 else -800.0)
-    check_core({"query": query, "key": key, "value": rng.normal(size=(2, 5, 2))}, options, dtype)
+    if case.endswith("dead"):
+        options["attn_mask"] = np.ones((4, 5), bool)
+        options["attn_mask"][2] = False  # query 2 attends to nothing: weights 0, output 0
+    inputs = {"query": query, "key": key, "value": rng.normal(size=(2, 5, 2))}
+    check_core(inputs, options, dtype)
     assert len(calls) == shifted_passes
+    _, _, cache, _ = core_both_paths(inputs, options, dtype)
+    assert cache.inv_sum is None  # the whole-array core's weights, not the blocked core's
 
 
 def test_one_key_returns_its_value():
