@@ -66,7 +66,7 @@ from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, ow
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
-from ..masks import additive_mask, is_causal_additive, prepare_mask
+from ..masks import additive_mask, causal_factors, is_causal_additive, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
 from .fast_small import LARGE_SCORES, small_backward, small_forward
 
@@ -223,16 +223,20 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     flops = 2 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 2)
     dtype = exp_scores.dtype
     mask_max = _mask_row_max(mask, dtype)
+    factors = causal_factors(mask, dtype)  # None, or the causal mask as 0 / 1: exp(S) * factors
     threads = threads_for(flops)
     drop = None
     if dropout_mask is not None:
         drop = (np.broadcast_to(dropout_mask, lead + (T, S)), keep_scale(dropout_p, dtype))
     normalize = exp_scores.size < LARGE_SCORES  # serial and few scores: keep P (see Returns)
     if _whole_array(threads, exp_scores) and small_forward(
-            query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop, normalize=normalize):
+            query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop, normalize=normalize,
+            factors=factors):
         return normalize
     log2e = dtype.type(np.log2(np.e))
     small_mask = small_mask_max = None
+    if factors is not None:
+        factors = np.broadcast_to(factors, lead + (T, S))
     if mask is not None:
         small_mask = np.broadcast_to(mask, lead + (T, S))
         small_mask_max = np.broadcast_to(mask_max, lead + (T, 1))
@@ -255,7 +259,8 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
                         query[idx], k, v, None if mask is None else small_mask[idx],
                         None if mask is None else small_mask_max[idx],
                         exp_scores[idx], inv_sum[idx], out[idx],
-                        None if drop is None else (drop[0][idx], drop[1])):
+                        None if drop is None else (drop[0][idx], drop[1]),
+                        factors=None if factors is None else factors[idx]):
                     continue  # the block fits in cache: whole-array calls
                 key_aug_t = _augment_t(k, 1)  # (G, S, D) -> (G, D + 1, S)
                 value_aug = _augment(v, 1)  # (G, S, Dv) -> (G, S, Dv + 1)
@@ -266,14 +271,15 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
                                   None if mask is None else mask[block],
                                   None if mask is None else mask_max[block],
                                   inv_sum[block], out[block], probes, log2e,
-                                  None if drop is None else (drop[0][block], drop[1]))
+                                  None if drop is None else (drop[0][block], drop[1]),
+                                  None if factors is None else factors[block])
 
     run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
     return False
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
-                  probes, log2e, drop=None):
+                  probes, log2e, drop=None, factors=None):
     """Forward of one block of rows: scores, softmax numerators, output.
 
     The row max is replaced by the bound ``m = |q| max|k| + max(mask row)``
@@ -291,7 +297,9 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     row is redone by the reference recipe (:func:`_exp_scores_careful`,
     with ``mask / log2(e)``), i.e. with the exact row max. With ``drop =
     (dropout_mask, 1 / (1 - p))`` the output is recomputed from the kept
-    numerators (one more matmul: the row sums need them all).
+    numerators (one more matmul: the row sums need them all). ``factors``:
+    None, or a causal ``mask`` as 0 / 1 (:func:`qkvnp.masks.causal_factors`),
+    multiplied after ``exp2`` instead of adding the mask before it.
     """
     bound = np.sqrt(np.sum(q * q, axis=-1, keepdims=True)) * key_norm  # (G, R, 1)
     if mask_max is not None:
@@ -306,9 +314,13 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     careful = not (gap <= MAX_BOUND_GAP).all()  # also catches inf and NaN
     if not careful:
         np.matmul(query_aug, key_aug_t, out=scores)  # (S - m) log2 e: (G, R, D+1) @ (G, D+1, S) -> (G, R, S)
-        if mask is not None:
-            scores += mask
-        np.exp2(scores, out=scores)
+        if factors is not None:  # every score is at most m: exp2 <= 1, then 0 where masked
+            np.exp2(scores, out=scores)
+            scores *= factors
+        else:
+            if mask is not None:
+                scores += mask
+            np.exp2(scores, out=scores)
         np.matmul(scores, value_aug, out=out_aug)  # [E v | rowsum E]: (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
         row_sum = out_aug[..., -1:]
         # NOTE: a row sum of 0 (every exponential underflowed) means the bound

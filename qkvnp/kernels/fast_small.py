@@ -38,7 +38,7 @@ def _ones(n, dtype):
 
 
 def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop=None,
-                  normalize=False):
+                  normalize=False, factors=None):
     """``dense_forward`` of a problem too small to share, in a few whole-array calls.
 
     The same math and cache (numerators ``exp(S - m)``, ``1 / rowsum``; or,
@@ -69,7 +69,9 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     score overflowed: the blocked path then takes the exact row max, as the
     reference does. ``drop``: None or ``(dropout_mask, 1 / (1 - p))``,
     applied to the output only. ``normalize``: leave the weights ``P = E r``
-    in ``exp_scores``.
+    in ``exp_scores``. ``factors``: None, or a causal ``mask`` as 0 / 1
+    (:func:`qkvnp.masks.causal_factors`), multiplied after the exponential
+    instead of adding the mask before it (``exp(-inf)`` is numpy's slow path).
     """
     dtype = exp_scores.dtype
     ones_s = _ones(exp_scores.shape[-1], dtype)
@@ -77,13 +79,11 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
         usable = False  # NOTE: None is usable too (_usable_sums): test `is False`
         if normalize:  # m = 0: E = exp(S)
             np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-            if mask is not None:
-                exp_scores += mask
-            np.exp(exp_scores, out=exp_scores)
+            _masked_exp(exp_scores, mask, factors, np.exp)
             np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
             usable = _usable_sums(inv_sum, mask, shifted=False)
         if usable is False:
-            _shifted_exp(query, key, mask, mask_max, exp_scores)
+            _shifted_exp(query, key, mask, mask_max, exp_scores, factors)
             np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
             usable = _usable_sums(inv_sum, mask, shifted=True)
             if usable is False:
@@ -108,7 +108,22 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     return True
 
 
-def _shifted_exp(query, key, mask, mask_max, exp_scores):
+def _masked_exp(scores, mask, factors, exp):
+    """``exp(scores + mask)`` in place, or ``exp(scores) * factors`` (see ``small_forward``).
+
+    A masked score that overflows there gives ``inf * 0 = NaN``: its row sum
+    is then not usable and the caller shifts, after which no score exceeds 0.
+    """
+    if factors is not None:
+        exp(scores, out=scores)
+        scores *= factors
+        return
+    if mask is not None:
+        scores += mask
+    exp(scores, out=scores)
+
+
+def _shifted_exp(query, key, mask, mask_max, exp_scores, factors=None):
     """Fill ``exp_scores`` with ``exp(S + mask - m)``, ``m = |q| max|k| + max(mask row)``."""
     dtype = exp_scores.dtype
     # NOTE: einsum's row dot products measured 1.3-1.9x faster than
@@ -120,19 +135,19 @@ def _shifted_exp(query, key, mask, mask_max, exp_scores):
         bound = bound + mask_max
     if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls
         np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-        if mask is not None:
+        if factors is None and mask is not None:
             exp_scores += mask
         exp_scores -= bound
-        np.exp(exp_scores, out=exp_scores)
+        _masked_exp(exp_scores, None, factors, np.exp)
     else:
         # base-2 scores: exp(x) = exp2(x log2(e)), and exp2 measured 2.2x faster
         # than exp in float32 (1.2x in float64); log2(e) goes into the (T, D) query
         log2e = dtype.type(np.log2(np.e))
         np.matmul(query * log2e, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-        if mask is not None:
+        if factors is None and mask is not None:
             exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
         exp_scores -= bound * log2e
-        np.exp2(exp_scores, out=exp_scores)
+        _masked_exp(exp_scores, None, factors, np.exp2)
 
 
 def _usable_sums(row_sums, mask, shifted):

@@ -283,6 +283,58 @@ def test_whole_array_core_tries_unshifted_scores_first(monkeypatch, dtype, case,
     assert cache.inv_sum is None  # the whole-array core's weights, not the blocked core's
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("split", [(1, 1 << 22), (2, 1, 1)], ids=["whole-array", "blocked"])
+def test_causal_scores_are_masked_after_the_exponential(monkeypatch, dtype, split):
+    """Oracle: the reference core. Under a causal mask the fast core
+    exponentiates the scores unmasked and multiplies by the mask's 0 / 1
+    factors (numpy's exp takes a slow path on -inf). Here every query's
+    masked key (key 5, after all 5 queries) scores about 100 (800 in float64),
+    whose exponential overflows: the whole-array core's unshifted row sums are
+    NaN (inf * 0), its shifted try's bound (set by key 5) leaves the visible
+    scores' sums below 2**-24, so the blocked core's exact row max computes
+    it (two shifted passes, one per call here), as the reference's, with the
+    masked weights exactly 0. The blocked core's bound covers every score."""
+    calls = []
+    shifted_exp = fast_small._shifted_exp
+    monkeypatch.setattr(fast_small, "_shifted_exp",
+                        lambda *args: calls.append(1) or shifted_exp(*args))
+    rng = np.random.default_rng(13)
+    big = 100.0 if dtype == np.float32 else 800.0
+    query = rng.normal(size=(2, 5, 3))
+    query[..., 0] = np.sqrt(big)  # every query has a large first coordinate
+    key = 0.1 * rng.normal(size=(2, 6, 3))
+    key[:, 5, 0] = np.sqrt(big)  # only key 5 (masked for every query) shares it
+    inputs = {"query": query, "key": key, "value": rng.normal(size=(2, 6, 2))}
+    options = {"scale": 1.0, "is_causal": True}
+    with blocks_and_threads(*split):
+        check_core(inputs, options, dtype)
+        _, _, cache, _ = core_both_paths(inputs, options, dtype)
+    weights = fast.attention_weights(cache)
+    assert (weights[..., 5] == 0).all() and np.isfinite(weights).all()
+    if split[0] == 1:  # the whole-array core tried both, then handed over
+        assert len(calls) == 4 and cache.inv_sum is not None
+
+
+def test_causal_factors_are_the_shared_causal_mask_as_0_and_1():
+    """Oracle: the boolean causal mask. Only the shared causal masks (either
+    alignment) have factors; any other additive mask is added as before."""
+    from qkvnp.masks import additive_mask, causal_factors, causal_mask
+
+    for bottom_right in (False, True):
+        allowed = causal_mask(3, 5, bottom_right=bottom_right)
+        for dtype in (np.float32, np.float64):
+            mask = additive_mask(None, allowed, dtype)
+            factors = causal_factors(mask, dtype)
+            assert factors.dtype == dtype and not factors.flags.writeable
+            assert np.array_equal(factors, allowed.astype(dtype))
+            assert causal_factors(mask, np.float16 if dtype == np.float32 else np.float32) is None
+    user_keep = np.tril(np.ones((3, 5), bool))  # the same pattern, but the user's array
+    assert causal_factors(additive_mask(None, user_keep, np.float64), np.float64) is None
+    assert causal_factors(np.zeros((3, 5)), np.float64) is None
+    assert causal_factors(None, np.float64) is None
+
+
 def test_one_key_returns_its_value():
     """Closed form: with a single key every query's output is that key's value
     (to a few ulps: the fast path computes it as ``(e * v) / e``)."""
