@@ -10,7 +10,9 @@ oracle of ``tests/test_tiled.py``), but the ``(..., T, S)`` weights are never
 built: the forward runs an online softmax over key blocks and keeps only the
 output and the row logsumexp (as row max and row sum), and the backward
 recomputes the weights block by block. Every temporary is ``(..., bq, bk)``-sized, so for a fixed block size
-the extra memory does not grow with the sequence length.
+the extra memory does not grow with the sequence length. This module checks
+the inputs, sizes the blocks and shares them among the threads; the passes
+over each block are in :mod:`qkvnp.kernels.tiled_blocks`.
 
 The ``(..., bq, bk)`` blocks are shared among the worker threads of
 :mod:`qkvnp.kernels._runtime` (``qkvnp.set_num_threads``): query blocks in
@@ -28,10 +30,12 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
                        scores_may_overflow)
 from ..functional import sum_to_shape
-from ..dropout import block_keep, dense_keep, keep_scale, prepare_dropout
+from ..dropout import dense_keep, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from ..masks import causal_offset, check_is_causal, prepare_mask
 from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
+from .tiled_blocks import (Problem, at_least_2d, backward_columns, forward_rows, live_blocks,
+                           no_overflow, row_bounds)
 
 __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
 
@@ -45,9 +49,6 @@ __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
 # causal 272 -> 241 ms (float32), 536 -> 483 ms (float64).
 _BLOCK_ELEMENTS = 1 << 18
 _MIN_DEFAULT_BLOCK = 32
-# Diagonal blocks of a causal mask are reused by their offset i0 - j0; the
-# number of offsets is bounded by (bq + bk) / gcd(bq, bk), so cap the cache.
-_CAUSAL_CACHE_SIZE = 8
 
 class TiledAttentionCache(namedtuple(
         "TiledAttentionCache",
@@ -61,8 +62,10 @@ bias, keep : the additive and boolean parts of the user's mask (or None),
 is_causal, scale : as in the forward
 out : ndarray, shape (..., T, Dv), the forward output
 row_max, row_sum : ndarray, shape (..., T), the row logsumexp of the scores
-    in two parts, ``logsumexp = row_max + log(row_sum)``; a fully masked row
-    has ``row_max = -inf`` and ``row_sum = 0``
+    in two parts, ``logsumexp = row_max + log(row_sum)``: ``row_max`` is the
+    shift of the row's exponentials, its max or, without a float or boolean
+    mask, the bound ``|scale| |q| max|k|`` above it (:mod:`.tiled_blocks`); a
+    fully masked row has ``row_max = -inf`` and ``row_sum = 0``
 block_q, block_k : block sizes
 live : ndarray of bool, shape (ceil(T/bq), ceil(S/bk)), False for block
     pairs that are entirely masked (skipped in both passes)
@@ -107,222 +110,6 @@ def _check_block_size(block_size, T, S, lead_size):
     else:
         block_q, block_k = check_block_pair(block_size, "block_size")
     return max(1, min(block_q, T)), max(1, min(block_k, S))
-
-
-def _at_least_2d(mask):
-    """View a mask with at least two dims, so that [..., rows, cols] slicing works."""
-    if mask is None or mask.ndim >= 2:
-        return mask
-    return mask.reshape((1,) * (2 - mask.ndim) + mask.shape)  # (S,) -> (1, S)
-
-
-def _mask_block(mask, i0, i1, j0, j1):
-    """Rows i0:i1 and columns j0:j1 of a broadcastable mask (size-1 dims kept)."""
-    rows = slice(None) if mask.shape[-2] == 1 else slice(i0, i1)
-    cols = slice(None) if mask.shape[-1] == 1 else slice(j0, j1)
-    return mask[..., rows, cols]  # (..., T or 1, S or 1) -> (..., bq or 1, bk or 1)
-
-
-def _live_blocks(bias, keep, causal, T, S, block_q, block_k):
-    """Table of the block pairs that have at least one position not masked.
-
-    ``causal`` is None or the causal offset (:func:`qkvnp.masks.causal_offset`:
-    query ``i`` may attend key ``j`` iff ``j <= i + causal``).
-    """
-    q_starts = range(0, T, block_q)
-    k_starts = range(0, S, block_k)
-    live = np.ones((len(q_starts), len(k_starts)), dtype=bool)  # (nq, nk)
-    for a, i0 in enumerate(q_starts):
-        i1 = min(i0 + block_q, T)
-        for b, j0 in enumerate(k_starts):
-            j1 = min(j0 + block_k, S)
-            if causal is not None and j0 > i1 - 1 + causal:  # every key is after every query
-                live[a, b] = False
-            elif keep is not None and not _mask_block(keep, i0, i1, j0, j1).any():
-                live[a, b] = False
-            elif bias is not None and np.isneginf(_mask_block(bias, i0, i1, j0, j1)).all():
-                live[a, b] = False
-    return live
-
-
-def _no_overflow(query, key, scale):
-    """True when no score ``scale * q . k`` can overflow the dtype.
-
-    Uses ``|q . k| <= D * max|q| * max|k|``; only when that bound comes near
-    the dtype's largest value are the blocks checked and clipped.
-    """
-    if query.size == 0 or key.size == 0:
-        return True
-    big = float(np.finfo(query.dtype).max)
-    amax_q = max(float(query.max()), -float(query.min()))  # Python floats: no overflow warning
-    amax_k = max(float(key.max()), -float(key.min()))
-    bound = query.shape[-1] * (amax_q * abs(scale)) * amax_k  # may be inf (scale may be < 0)
-    return bound < big / 4
-
-
-def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, causal, safe, scores, causal_cache):
-    """Masked scores of one block pair, written into ``scores`` (..., bq, bk).
-
-    Same steps as the reference: scores, clip overflow, add the float mask
-    (clipped to the dtype's max), then every boolean mask sets ``-inf``
-    (``causal``: None or the causal offset, as in :func:`_live_blocks`).
-    """
-    if safe:
-        np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow is clipped just below
-            np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-        if not np.isfinite(scores).all():
-            big = np.finfo(scores.dtype).max
-            np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
-    if bias is not None:
-        with np.errstate(over="ignore"):
-            np.add(scores, _mask_block(bias, i0, i1, j0, j1), out=scores)
-        np.minimum(scores, np.finfo(scores.dtype).max, out=scores)  # -inf stays -inf
-    if keep is not None:
-        np.copyto(scores, -np.inf, where=~_mask_block(keep, i0, i1, j0, j1))
-    if causal is not None and j1 - 1 > i0 + causal:  # the block crosses the diagonal
-        shape = (i1 - i0, j1 - j0)
-        key_ = (i0 + causal - j0, shape)
-        above = causal_cache.get(key_)
-        if above is None:
-            # key j0 + c is after query i0 + r  <=>  c - r > i0 + causal - j0
-            above = np.subtract.outer(np.arange(shape[0]), np.arange(shape[1])) < j0 - i0 - causal  # (bq, bk)
-            if len(causal_cache) < _CAUSAL_CACHE_SIZE:
-                causal_cache[key_] = above
-        np.copyto(scores, -np.inf, where=above)
-    return scores
-
-
-def _workspace(size, dtype):
-    """A flat buffer; ``_view(buf, shape)`` gives contiguous views of its start."""
-    return np.empty(size, dtype=dtype)
-
-
-def _view(buf, shape):
-    return buf[: math.prod(shape)].reshape(shape)
-
-
-_Problem = namedtuple(
-    "_Problem", "q k v bias keep causal safe scale block_q block_k live dropout"
-)  # q, k, v broadcast to the common leading dims; scale of the compute dtype; causal offset
-
-
-def _forward_rows(problem, part, out, row_maxes, row_sums):
-    """Online softmax for the query blocks ``part`` (pairs ``(a, i0)``).
-
-    Writes rows ``i0:i0+bq`` of ``out``, ``row_maxes`` and ``row_sums``.
-    """
-    q, k, v, bias, keep, causal, safe, scale, block_q, block_k, live, dropout = problem
-    lead = out.shape[:-2]
-    T, Dv = out.shape[-2:]
-    S = k.shape[-2]
-    dtype = out.dtype
-    lead_size = math.prod(lead)
-    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
-    pv_buf = _workspace(lead_size * block_q * Dv, dtype)
-    causal_cache = {}
-    masked = bias is not None or keep is not None or causal is not None
-    for a, i0 in part:
-        i1 = min(i0 + block_q, T)
-        bq = i1 - i0
-        qs = q[..., i0:i1, :] * scale  # (..., bq, D), the scale folded into Q
-        row_max = np.full(lead + (bq, 1), -np.inf, dtype=dtype)  # (..., bq, 1)
-        row_sum = np.zeros(lead + (bq, 1), dtype=dtype)  # (..., bq, 1)
-        acc = out[..., i0:i1, :]  # (..., bq, Dv), the accumulator lives in the output
-        acc[...] = 0
-        for b, j0 in enumerate(range(0, S, block_k)):
-            if not live[a, b]:
-                continue
-            j1 = min(j0 + block_k, S)
-            scores = _block_scores(
-                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, causal, safe,
-                _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
-            )  # (..., bq, bk)
-            new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
-            shift = new_max
-            if masked:
-                # NOTE: a row masked so far has max -inf: shift by 0 instead, so
-                # that no -inf - (-inf) = NaN arises (its weights are exp(-inf) = 0).
-                shift = np.where(np.isneginf(new_max), 0, new_max)  # (..., bq, 1)
-            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
-                np.subtract(scores, shift, out=scores)
-                np.exp(scores, out=scores)  # (..., bq, bk), unnormalized weights
-                rescale = np.exp(row_max - shift)  # (..., bq, 1); 0 while the row had no weight
-            row_sum *= rescale
-            row_sum += scores.sum(axis=-1, keepdims=True)
-            acc *= rescale
-            if dropout is not None:  # the row sum counts every weight, the output the kept ones
-                np.multiply(scores, block_keep(dropout, i0, i1, j0, j1), out=scores)
-            acc += np.matmul(scores, v[..., j0:j1, :], out=_view(pv_buf, lead + (bq, Dv)))  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
-            row_max = new_max
-        dead = row_sum == 0  # (..., bq, 1): fully masked rows (acc is 0 there)
-        np.divide(acc, np.where(dead, 1, row_sum), out=acc)  # (..., bq, Dv)
-        if dropout is not None:
-            acc *= keep_scale(dropout.p, dtype)
-        row_maxes[..., i0:i1] = row_max[..., 0]  # (..., bq, 1) -> (..., bq)
-        row_sums[..., i0:i1] = row_sum[..., 0]  # (..., bq, 1) -> (..., bq)
-
-
-def _backward_columns(problem, part, dout, shift, inv_sum, delta, dq, dkey, dvalue):
-    """Gradients for the key blocks ``part`` (pairs ``(b, j0)``).
-
-    Writes rows ``j0:j0+bk`` of ``dkey`` and ``dvalue`` and adds into ``dq``
-    (full leading dims, owned by this call).
-    """
-    q, k, v, bias, keep, causal, safe, scale, block_q, block_k, live, dropout = problem
-    lead = dout.shape[:-2]
-    T, Dv = dout.shape[-2:]
-    S, D = k.shape[-2:]
-    dtype = dout.dtype
-    lead_size = math.prod(lead)
-    scores_buf = _workspace(lead_size * block_q * block_k, dtype)
-    dweights_buf = _workspace(lead_size * block_q * block_k, dtype)
-    small_buf = _workspace(lead_size * max(block_q, block_k) * max(D, Dv), dtype)
-    qs_buf = _workspace(lead_size * block_q * D, dtype)
-    dout_buf = _workspace(lead_size * block_q * Dv, dtype)
-    causal_cache = {}
-    for b, j0 in part:
-        j1 = min(j0 + block_k, S)
-        bk = j1 - j0
-        k_block = k[..., j0:j1, :]  # (..., bk, D)
-        v_block = v[..., j0:j1, :]  # (..., bk, Dv)
-        dk_block = np.zeros(lead + (bk, D), dtype=dtype)  # (..., bk, D)
-        dv_block = np.zeros(lead + (bk, Dv), dtype=dtype)  # (..., bk, Dv)
-        for a, i0 in enumerate(range(0, T, block_q)):
-            if not live[a, b]:
-                continue
-            i1 = min(i0 + block_q, T)
-            bq = i1 - i0
-            qs = np.multiply(q[..., i0:i1, :], scale, out=_view(qs_buf, lead + (bq, D)))  # (..., bq, D), scaled Q
-            weights = _block_scores(
-                qs, k_block, i0, i1, j0, j1, bias, keep, causal, safe,
-                _view(scores_buf, lead + (bq, bk)), causal_cache,
-            )  # (..., bq, bk)
-            with np.errstate(over="ignore"):  # -max - (+max) overflows to -inf: weight 0
-                np.subtract(weights, shift[..., i0:i1, :], out=weights)
-            np.exp(weights, out=weights)  # (..., bq, bk), l * P = exp(S - m); 0 on masked rows
-            dout_block = np.multiply(dout[..., i0:i1, :], inv_sum[..., i0:i1, :],
-                                     out=_view(dout_buf, lead + (bq, Dv)))  # (..., bq, Dv), dO / l
-            if dropout is None:
-                kept = weights
-            else:  # the same block mask as the forward's, recomputed; Z / (1 - p) goes into dO
-                drop_keep = block_keep(dropout, i0, i1, j0, j1)  # (..., bq, bk)
-                kept = np.multiply(weights, drop_keep, out=_view(dweights_buf, lead + (bq, bk)))
-                dout_block *= keep_scale(dropout.p, dtype)
-            dv_block += np.matmul(np.swapaxes(kept, -1, -2), dout_block,
-                                  out=_view(small_buf, lead + (bk, Dv)))  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
-            dscores = np.matmul(dout_block, np.swapaxes(v_block, -1, -2),
-                                out=_view(dweights_buf, lead + (bq, bk)))  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
-            if dropout is not None:
-                np.multiply(dscores, drop_keep, out=dscores)  # dP = (dO V^T) Z / (1 - p), over l
-            np.subtract(dscores, delta[..., i0:i1, :], out=dscores)
-            np.multiply(dscores, weights, out=dscores)  # (..., bq, bk), dS = l P * (dP - Delta) / l
-            dq[..., i0:i1, :] += np.matmul(dscores, k_block, out=_view(small_buf, lead + (bq, D)))  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
-            dk_block += np.matmul(np.swapaxes(dscores, -1, -2), qs,
-                                  out=_view(small_buf, lead + (bk, D)))  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)
-        dkey[..., j0:j1, :] = sum_to_shape(dk_block, dkey.shape[:-2] + (bk, D))  # (..., bk, D) -> (..k, bk, D)
-        dvalue[..., j0:j1, :] = sum_to_shape(dv_block, dvalue.shape[:-2] + (bk, Dv))  # (..., bk, Dv) -> (..v, bk, Dv)
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, block_size=None,
@@ -402,7 +189,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     .. math:: \\ell \\leftarrow \\alpha \\ell + \\mathrm{rowsum}\\,\\tilde P, \\quad
               A \\leftarrow \\alpha A + \\tilde P V_j, \\quad m \\leftarrow m'
 
-    and at the end :math:`O_i = A / \\ell`. This is exactly
+    and at the end :math:`O_i = A / \\ell`. Without a float or boolean mask a
+    query block first takes a fixed shift instead of the running max, each
+    row's bound :math:`|c|\\,\\|q_i\\| \\max_j \\|k_j\\|` (over the keys it may
+    attend), so that :math:`\\alpha = 1` and no max is taken; a row whose sum
+    falls below ``2**-24`` (a bound far above its max) sends the block back to
+    the running max. This is exactly
     :math:`\\mathrm{softmax}(S) V`: every :math:`\\tilde P` computed against
     an older max is rescaled by :math:`\\alpha` when the max grows. The only
     per-row statistic cached is the row logsumexp :math:`m + \\log \\ell`, kept
@@ -488,7 +280,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     # prepare_mask only validates and splits the user's mask.
     is_causal = check_is_causal(is_causal)
     bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
-    bias, keep = _at_least_2d(bias), _at_least_2d(keep)
+    bias, keep = at_least_2d(bias), at_least_2d(keep)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
     # NOTE: the backward re-reads the inputs and the masks: the cache owns them
     query, key, value, bias, keep = owned((query, key, value, bias, keep), originals)
@@ -497,8 +289,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     causal = causal_offset(is_causal, T, S)
     lead_size = math.prod(lead)
     block_q, block_k = _check_block_size(block_size, T, S, lead_size)
-    live = _live_blocks(bias, keep, causal, T, S, block_q, block_k)  # (nq, nk)
-    safe = _no_overflow(query, key, scale)
+    live = live_blocks(bias, keep, causal, T, S, block_q, block_k)  # (nq, nk)
+    safe = no_overflow(query, key, scale)
 
     q = np.broadcast_to(query, lead + (T, D))  # (..q, T, D) -> (..., T, D), a view
     k = np.broadcast_to(key, lead + (S, D))  # (..k, S, D) -> (..., S, D), a view
@@ -513,11 +305,15 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         )
     row_maxes = np.empty(lead + (T,), dtype=dtype)  # (..., T)
     row_sums = np.empty(lead + (T,), dtype=dtype)  # (..., T)
-    problem = _Problem(q, k, v, bias, keep, causal, safe, dtype.type(scale),
-                       block_q, block_k, live, dropout)
+    # NOTE: a float mask may raise the scores above the bound, and a boolean one
+    # would make masked keys' norms count: both keep the exact running max
+    bounded = safe and bias is None and keep is None and S > 0
+    bound = row_bounds(query, key, scale, lead, causal) if bounded else None
+    problem = Problem(q, k, v, bias, keep, causal, safe, dtype.type(scale),
+                       block_q, block_k, live, dropout, bound)
     # query blocks are independent: threads share them, each writing its own rows
     flops = 2 * math.prod(lead) * T * S * (D + Dv)
-    run(lambda part: _forward_rows(problem, part, out, row_maxes, row_sums),
+    run(lambda part: forward_rows(problem, part, out, row_maxes, row_sums),
         list(enumerate(range(0, T, block_q))), flops)
     cache = TiledAttentionCache(
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
@@ -660,7 +456,7 @@ def _attention_backward(dout, cache, grads_out=None):
         dq, dkey, dvalue = _check_grads_out(grads_out, lead, (query, key, value), dtype)
         for grad in grads_out:
             grad[...] = 0
-    problem = _Problem(q, k, v, bias, keep, causal_offset(is_causal, T, S), safe, dtype.type(scale),
+    problem = Problem(q, k, v, bias, keep, causal_offset(is_causal, T, S), safe, dtype.type(scale),
                        block_q, block_k, live, dropout)
     blocks = list(enumerate(range(0, S, block_k)))
     # NOTE: key blocks are independent but for dquery, their sum over key
@@ -675,7 +471,7 @@ def _attention_backward(dout, cache, grads_out=None):
             partials[part[0][0]] = own = np.zeros_like(dq)
         else:
             own = dq
-        _backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
+        backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
 
     run(task, blocks, 4 * math.prod(lead) * T * S * (D + Dv))
     for first in sorted(partials):

@@ -245,6 +245,54 @@ def test_causal_output_ignores_future_keys():
     assert not np.allclose(out[12:], out2[12:])
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_rows_shift_by_their_bound_or_by_the_exact_max(dtype, is_causal):
+    """Oracle: the reference path, and the rows' exact max. Without a mask
+    (or causal only) each query block first shifts by its rows' bounds
+    ``|scale| |q| max|k|`` (keys the row may attend): moderate inputs keep
+    that bound as the cached shift, which is at least the row's max. Inputs
+    of norm ~20 with scale 1 put the bound hundreds above the max: those row
+    sums fall below 2**-24, and the block is redone with the exact running max,
+    which the cache then holds."""
+    rng = np.random.default_rng(7)
+    T, S, D = 40, 40, 16
+    query, key, value = random_inputs(rng, (2, T, D), (2, S, D), (2, S, 3), dtype)
+    for magnitude, scale, bounded in ((1.0, 0.25, True), (5.0, 1.0, False)):
+        q, k = query * magnitude, key * magnitude
+        _, cache = check_against_reference(q, k, value, is_causal=is_causal, scale=scale,
+                                           block_size=(16, 8))
+        scores = scale * np.einsum("btd,bsd->bts", q.astype(np.float64), k.astype(np.float64))
+        if is_causal:
+            scores[:, np.triu(np.ones((T, S), bool), 1)] = -np.inf
+        row_max = scores.max(axis=-1)
+        k_norms = np.linalg.norm(k.astype(np.float64), axis=-1)
+        if is_causal:
+            k_norms = np.maximum.accumulate(k_norms, axis=-1)
+        else:
+            k_norms = k_norms.max(axis=-1, keepdims=True)
+        bound = scale * np.linalg.norm(q.astype(np.float64), axis=-1) * k_norms
+        tol = 1e-4 if dtype == np.float32 else 1e-10
+        if bounded:
+            np.testing.assert_allclose(cache.row_max, bound, rtol=tol)
+            assert (cache.row_max >= row_max - tol * np.abs(row_max)).all()
+        else:
+            np.testing.assert_allclose(cache.row_max, row_max, rtol=tol)
+
+
+def test_a_float_or_boolean_mask_keeps_the_exact_row_max():
+    """Oracle: the rows' exact max. A float mask may raise scores above the
+    bound, and under a boolean mask the bound would count the masked keys:
+    both keep the exact running max (checked against the reference too)."""
+    rng = np.random.default_rng(8)
+    query, key, value = random_inputs(rng, (12, 4), (10, 4), (10, 2))
+    scores = query @ key.T / 2
+    for mask in (rng.standard_normal((12, 10)), rng.random((12, 10)) > 0.3):
+        _, cache = check_against_reference(query, key, value, mask, block_size=(5, 4))
+        masked = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+        np.testing.assert_allclose(cache.row_max, masked.max(axis=-1), rtol=1e-12)
+
+
 def test_permuting_keys_and_values_together():
     """Property: attention is invariant to a joint permutation of keys and values."""
     rng = np.random.default_rng(6)
