@@ -84,8 +84,14 @@ BLOCK_SIZE_DEFAULTS = {
     # (8, 16, 32, 4) layer's numpy calls took 166 us serially and 582 split;
     # (16, 32, 64, 4) (21 MFLOP forward) 1.09 / 1.36 ms float32, 2.03 / 1.83
     # float64; (64, 33, 64, 1) (87 MFLOP) 3.5 / 2.6 ms float32, 6.9 / 3.9
-    # float64. A float64 operation counts twice (the layer at (16, 32, 64, 4)
-    # measured 2.17 ms serial, 1.85 split in float64; 1.19 / 1.40 in float32).
+    # float64. A float64 operation counts 1.5 times: on the first host the
+    # layer at (16, 32, 64, 4) measured 2.17 ms serial, 1.85 split in float64
+    # (1.19 / 1.40 in float32), so it counted twice; on the AVX-512 host of
+    # the later runs (median of 5 rounds of 15, fwd+bwd) it measured 2.03 ms
+    # serial against 2.44 split (2.02 / 2.39 causal), (24, 32, 64, 4) float64
+    # 2.96 / 2.89 and (32, 32, 64, 4) float32 2.40 / 2.31: the crossover is
+    # near 32 MFLOP in both dtypes there, and 1.5 keeps (16, 32, 64, 4)
+    # float64 (21 MFLOP) serial and (24, 32, 64, 4) (31 MFLOP) split.
     "batch_split_flops": 1 << 25,
     # Default (block_q, block_k) of the tiled core, shrunk with many
     # (batch, head) pairs and to give every thread a block (tiled.py).

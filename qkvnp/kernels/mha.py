@@ -458,8 +458,8 @@ def _batch_shares(params, inputs, num_heads, out_proj):
     """Slices of the first batch dim, one per worker thread, or one slice: the whole batch.
 
     Several when the forward's operations (projections, core, output
-    projection; a float64 operation counts twice, as this BLAS takes about
-    twice as long on it) reach the ``batch_split_flops`` setting of
+    projection; a float64 operation counts 1.5 times, see the setting) reach
+    the ``batch_split_flops`` setting of
     :mod:`qkvnp.kernels._runtime`, and never in a worker thread.
     """
     query, key = inputs[0], inputs[-1]
@@ -472,7 +472,8 @@ def _batch_shares(params, inputs, num_heads, out_proj):
     flops = (2 * N * W_query.size + 2 * N_kv * (W_key.size + params["W_value"].size)
              + 4 * (N // T) * H * T * S * D + (2 * N * params["W_out"].size if out_proj else 0))
     first = query.shape[0]
-    threads = min(threads_for(flops * W_query.itemsize // 4, "batch_split_flops"), first)
+    weight = 1.5 if W_query.itemsize == 8 else 1.0  # float64 (see batch_split_flops)
+    threads = min(threads_for(flops * weight, "batch_split_flops"), first)
     bounds = [first * i // threads for i in range(threads + 1)]
     return tuple(slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
 

@@ -303,3 +303,22 @@ def test_bad_impl_is_refused_by_the_dispatcher_too():
         kernels.choose_path("gpu", 1, 2, 2, np.float64)
     with pytest.raises(ValueError, match="impl must be one of"):
         kernels.check_impl(["fast"])  # unhashable: still a clear ValueError
+
+
+@pytest.mark.parametrize("batch, dtype, shares", [
+    (16, np.float32, 1),  # 21 MFLOP a forward: serial
+    (32, np.float32, 2),  # 42 MFLOP: split
+    (16, np.float64, 1),  # 21 MFLOP, counted 31.5: serial (split measured 20% slower)
+    (24, np.float64, 2),  # 31 MFLOP, counted 47: split
+])
+def test_the_batch_splits_from_batch_split_flops(batch, dtype, shares):
+    """Oracle: the documented crossover (the batch_split_flops setting, a
+    float64 operation counted 1.5 times) for (B, 32, 64, 4) layers on two
+    threads; the measurements are beside the setting in _runtime.py."""
+    layer = qkvnp.MultiHeadAttention(64, 4, dtype=dtype)
+    x = np.zeros((batch, 32, 64), dtype)
+    from qkvnp.kernels import mha
+
+    with kernels.num_threads(2):
+        got = mha._batch_shares(layer.params, (x, x, x), 4, True)
+    assert len(got) == shares
