@@ -653,3 +653,28 @@ def test_ratio_plot_has_one_series_per_dtype_and_mask(monkeypatch, tmp_path):
                      "float64, causal": ([10], [0.4])}
     assert axis.set.call_args.kwargs["xscale"] == "log"
     assert (tmp_path / "ratio.png").read_bytes() == b"PNG"
+
+
+def test_layer_ceiling_uses_the_tiled_cores_blocks_and_runs():
+    """Oracle: the tiled core's own choice of blocks (its cache records them),
+    for the layer's leading dims at long lengths, with and without threads; and
+    the ceiling script's products run for a dense and a tiled causal layer."""
+    import layer_ceiling  # benchmarks/layer_ceiling.py
+    from qkvnp.kernels import num_threads, tiled
+
+    rng = np.random.default_rng(0)
+    for (B, H, T, D) in [(1, 4, 600, 8), (1, 8, 300, 4), (2, 2, 100, 4)]:
+        q = rng.standard_normal((B, H, T, D))
+        for threads in (1, 2):
+            with num_threads(threads):
+                _, cache = tiled.attention_forward(q, q, q)
+                assert layer_ceiling.tiled_blocks(B * H, T, T, threads) == (cache.block_q,
+                                                                             cache.block_k)
+    for config in [(2, 8, 8, 2), (1, 64, 8, 2)]:
+        path, blocks, floor, ours, theirs = layer_ceiling.measure(config, np.float64, True, 1)
+        assert path == "fast" and floor > 0 and ours > 0
+    with num_threads(2):
+        x = rng.standard_normal((4 * 16, 8))
+        W_in, W_out = rng.standard_normal((8, 24)), rng.standard_normal((8, 8))
+        heads = rng.standard_normal((4 * 16, 24))[:, :8].reshape(4, 16, 2, 4).swapaxes(1, 2)
+        layer_ceiling.layer_products(x, W_in, W_out, heads, heads, heads, "tiled", True, (5, 3))
