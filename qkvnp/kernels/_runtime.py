@@ -63,10 +63,9 @@ BLOCK_SIZE_DEFAULTS = {
     # blocks stay in cache, larger ones mean fewer numpy calls (fewer GIL
     # hand-overs between the threads); 1-4 MiB measured best.
     "fast_block_bytes": 4 << 20,
-    # The fast core processes a block's rows in chunks of about this many
-    # score bytes (at least ``min_row_block`` rows), so that the softmax's
-    # elementwise passes run in cache at long lengths: 8 MiB measured 1-5%
-    # faster than 4 MiB at L >= 2048, 1-2 MiB 10-13% slower.
+    # The fast core processes a block's rows in chunks of about this many score
+    # bytes (at least ``min_row_block`` rows), so that the softmax's passes run
+    # in cache: 8 MiB measured 1-5% faster than 4 at L >= 2048, 1-2 10-13% slower.
     "row_block_bytes": 8 << 20,
     "min_row_block": 64,
     # Fewest rows (or columns) per thread for which a projection matmul splits.
@@ -79,29 +78,20 @@ BLOCK_SIZE_DEFAULTS = {
     # core, output projection) for which the layer splits its batch over the
     # worker threads, each running the whole layer on its share: one hand-off
     # a forward and one a backward instead of one per matmul and core pass (a
-    # hand-off costs 40-60 us on this VM, a lock ping-pong alone 43 us). At
-    # numpy-call sizes the threads mostly wait on the GIL: measured, the
-    # (8, 16, 32, 4) layer's numpy calls took 166 us serially and 582 split;
-    # (16, 32, 64, 4) (21 MFLOP forward) 1.09 / 1.36 ms float32, 2.03 / 1.83
-    # float64; (64, 33, 64, 1) (87 MFLOP) 3.5 / 2.6 ms float32, 6.9 / 3.9
-    # float64. A float64 operation counts 1.5 times: on the first host the
-    # layer at (16, 32, 64, 4) measured 2.17 ms serial, 1.85 split in float64
-    # (1.19 / 1.40 in float32), so it counted twice; on the AVX-512 host of
-    # the later runs (median of 5 rounds of 15, fwd+bwd) it measured 2.03 ms
-    # serial against 2.44 split (2.02 / 2.39 causal), (24, 32, 64, 4) float64
-    # 2.96 / 2.89 and (32, 32, 64, 4) float32 2.40 / 2.31: the crossover is
-    # near 32 MFLOP in both dtypes there, and 1.5 keeps (16, 32, 64, 4)
-    # float64 (21 MFLOP) serial and (24, 32, 64, 4) (31 MFLOP) split.
+    # hand-off costs 40-60 us, a lock ping-pong alone 43 us); at numpy-call
+    # sizes the threads mostly wait on the GIL. Serial / split: (8, 16, 32, 4)
+    # 166 / 582 us; (16, 32, 64, 4) (21 MFLOP forward) 1.09 / 1.36 ms float32;
+    # (64, 33, 64, 1) (87 MFLOP) 3.5 / 2.6 float32, 6.9 / 3.9 float64. A float64
+    # operation counts 1.5 times: (16, 32, 64, 4) float64 gave 2.17 / 1.85 ms on
+    # the first host, 2.03 / 2.44 on the AVX-512 one, where (24, 32, 64, 4)
+    # float64 gave 2.96 / 2.89, (32, 32, 64, 4) float32 2.40 / 2.31.
     "batch_split_flops": 1 << 25,
-    # Default (block_q, block_k) of the tiled core, shrunk with many
-    # (batch, head) pairs and to give every thread a block (tiled.py).
+    # The tiled core's default (block_q, block_k), shrunk as tiled.py says.
     "tiled_block": (512, 512),
     # Freed score buffers of at least recycle_min_bytes are kept, up to
-    # recycle_bytes in all, for the next forward of the same size: a fresh
-    # 128 MiB buffer cost 24% of a forward+backward at (1, 8, 2048, 64) in
-    # page faults, and a fresh 8 MiB one 2 ms of a 40 ms layer call at
-    # (32, 64, 128, 8) float64 (glibc maps buffers from 128 KiB to 32 MiB
-    # anew when they are freed). recycle_bytes = 0 disables.
+    # recycle_bytes in all, for the next forward of the same size: fresh ones
+    # page-faulted (128 MiB: 24% of a fwd+bwd at (1, 8, 2048, 64); 8 MiB: 2 ms
+    # of 40 at (32, 64, 128, 8) float64). recycle_bytes = 0 disables.
     "recycle_bytes": 512 << 20,
     "recycle_min_bytes": 1 << 20,
     # impl="auto" takes the tiled path from this many keys on (from 4096 the
@@ -115,10 +105,9 @@ BLOCK_SIZE_DEFAULTS = {
     # ... or when the dense (..., H, T, S) weights would take more bytes than this.
     "dense_weights_budget": 256 << 20,
     # glibc's malloc serves blocks below this from its heap and keeps twice
-    # this much freed memory for reuse, set at the first kernel section: the
-    # values its own heuristic reaches after one freed 32 MiB block. Without
-    # it, (16, 32, 64, 4) float32 page-faulted 192 times a step (1.89 ms
-    # against 1.42). 0 leaves malloc alone (see qkvnp/kernels/heap.py).
+    # this much freed memory, set at the first kernel section (what its own
+    # heuristic reaches after one freed 32 MiB block; without it (16, 32, 64, 4)
+    # float32 page-faulted 192 times a step, 1.89 ms against 1.42). 0: as is.
     "heap_mmap_threshold": 32 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
@@ -589,14 +578,10 @@ def _in_worker():
 
 
 def _snake_shares(work, threads):
-    """``work`` dealt to ``threads`` shares in snake order: 0, 1, ..., n-1, n-1, ..., 0, 0, 1, ...
+    """``work`` dealt in snake order (0, 1, 1, 0, 0, 1, ...), each share in the list's order.
 
-    Balanced for blocks of equal cost, and for costs that grow or shrink along
-    the list: the causal tiled core's query blocks (row a has a + 1 live key
-    blocks) and key blocks. Dealt 0, 1, 0, 1, ... its 16 rows at (1, 4096,
-    256, 4) gave the two threads 64 and 72 block pairs, snake order 68 and 68.
-    Each share keeps the list's order.
-    """
+    Balanced for equal costs and for costs growing along the list, as the causal tiled
+    core's: 68 and 68 block pairs at (1, 4096, 256, 4) where 0, 1, 0, 1, ... gave 64, 72."""
     shares = [[] for _ in range(threads)]
     for i, item in enumerate(work):
         turn, place = divmod(i, threads)

@@ -152,6 +152,17 @@ def row_bounds(query, key, scale, lead, causal):
     return np.broadcast_to(bound, lead + (T,))[..., None]  # (..., T, 1)
 
 
+def _key_block_scores(problem, a, i0, i1, qs, scores_buf, causal_cache):
+    """For each live key block of query block ``a``: ``(j0, j1, scores)``, the masked scores (..., bq, bk)."""
+    q, k, v, bias, keep, causal, safe = problem[:7]
+    lead, bq, S, block_k = qs.shape[:-2], i1 - i0, k.shape[-2], problem.block_k
+    for b, j0 in enumerate(range(0, S, block_k)):
+        if problem.live[a, b]:
+            j1 = min(j0 + block_k, S)
+            yield j0, j1, _block_scores(qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, causal, safe,
+                                        _view(scores_buf, lead + (bq, j1 - j0)), causal_cache)
+
+
 def _bounded_rows(problem, i0, i1, a, qs, acc, row_maxes, row_sums, buffers):
     """Rows ``i0:i1`` of the forward with each row's bound as a fixed shift; False if unusable.
 
@@ -167,23 +178,14 @@ def _bounded_rows(problem, i0, i1, a, qs, acc, row_maxes, row_sums, buffers):
     far above that row's max that its terms lost precision in the subnormals,
     or the row is fully masked.
     """
-    (q, k, v, bias, keep, causal, safe, scale, block_q, block_k, live, dropout,
-     bound) = problem
+    v, dropout = problem.v, problem.dropout
     scores_buf, pv_buf, ones_k, block_sum, causal_cache = buffers
     lead = acc.shape[:-2]
     bq, Dv = acc.shape[-2:]
-    S = k.shape[-2]
-    shift = bound[..., i0:i1, :]  # (..., bq, 1)
+    shift = problem.bound[..., i0:i1, :]  # (..., bq, 1)
     row_sum = np.zeros(lead + (bq, 1), dtype=acc.dtype)  # (..., bq, 1)
     acc[...] = 0
-    for b, j0 in enumerate(range(0, S, block_k)):
-        if not live[a, b]:
-            continue
-        j1 = min(j0 + block_k, S)
-        scores = _block_scores(
-            qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, causal, safe,
-            _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
-        )  # (..., bq, bk)
+    for j0, j1, scores in _key_block_scores(problem, a, i0, i1, qs, scores_buf, causal_cache):
         np.subtract(scores, shift, out=scores)
         np.exp(scores, out=scores)  # (..., bq, bk), at most 1
         row_sum += np.matmul(scores, ones_k[: j1 - j0], out=block_sum[..., :bq, :])  # (..., bq, bk) @ (bk, 1) -> (..., bq, 1)
@@ -208,7 +210,6 @@ def forward_rows(problem, part, out, row_maxes, row_sums):
     q, k, v, bias, keep, causal, safe, scale, block_q, block_k, live, dropout, bound = problem
     lead = out.shape[:-2]
     T, Dv = out.shape[-2:]
-    S = k.shape[-2]
     dtype = out.dtype
     lead_size = math.prod(lead)
     scores_buf = _workspace(lead_size * block_q * block_k, dtype)
@@ -229,14 +230,7 @@ def forward_rows(problem, part, out, row_maxes, row_sums):
         row_max = np.full(lead + (bq, 1), -np.inf, dtype=dtype)  # (..., bq, 1)
         row_sum = np.zeros(lead + (bq, 1), dtype=dtype)  # (..., bq, 1)
         acc[...] = 0
-        for b, j0 in enumerate(range(0, S, block_k)):
-            if not live[a, b]:
-                continue
-            j1 = min(j0 + block_k, S)
-            scores = _block_scores(
-                qs, k[..., j0:j1, :], i0, i1, j0, j1, bias, keep, causal, safe,
-                _view(scores_buf, lead + (bq, j1 - j0)), causal_cache,
-            )  # (..., bq, bk)
+        for j0, j1, scores in _key_block_scores(problem, a, i0, i1, qs, scores_buf, causal_cache):
             new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
             shift = new_max
             if masked:
