@@ -280,6 +280,26 @@ def test_rows_shift_by_their_bound_or_by_the_exact_max(dtype, is_causal):
             np.testing.assert_allclose(cache.row_max, row_max, rtol=tol)
 
 
+def test_a_failed_bounded_block_sends_the_next_ones_to_the_running_max(monkeypatch):
+    """Oracle: the reference path, and a count of the bounded tries. Loose
+    bounds (inputs of norm ~20, scale 1) fail the first query block's try;
+    a thread then stops trying (each failed try is a wasted pass over the
+    block's keys): one try on one thread for 5 query blocks, and the results
+    are still the reference's."""
+    from qkvnp.kernels import tiled_blocks
+
+    tries = []
+    bounded_rows = tiled_blocks._bounded_rows
+    monkeypatch.setattr(tiled_blocks, "_bounded_rows",
+                        lambda *args: tries.append(1) or bounded_rows(*args))
+    rng = np.random.default_rng(9)
+    query, key, value = random_inputs(rng, (2, 40, 16), (2, 40, 16), (2, 40, 3))
+    with kernels.num_threads(1):
+        check_against_reference(query * 5, key * 5, value, is_causal=True, scale=1.0,
+                                block_size=(8, 8))
+    assert len(tries) == 1
+
+
 def test_a_float_or_boolean_mask_keeps_the_exact_row_max():
     """Oracle: the rows' exact max. A float mask may raise scores above the
     bound, and under a boolean mask the bound would count the masked keys:
