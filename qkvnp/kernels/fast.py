@@ -68,7 +68,7 @@ from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
 from ..masks import additive_mask, causal_factors, is_causal_additive, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
-from .fast_small import LARGE_SCORES, small_backward, small_forward
+from .fast_small import LARGE_SCORES, masked_exp, small_backward, small_forward
 
 __all__ = [
     "attention_forward",
@@ -314,13 +314,7 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     careful = not (gap <= MAX_BOUND_GAP).all()  # also catches inf and NaN
     if not careful:
         np.matmul(query_aug, key_aug_t, out=scores)  # (S - m) log2 e: (G, R, D+1) @ (G, D+1, S) -> (G, R, S)
-        if factors is not None:  # every score is at most m: exp2 <= 1, then 0 where masked
-            np.exp2(scores, out=scores)
-            scores *= factors
-        else:
-            if mask is not None:
-                scores += mask
-            np.exp2(scores, out=scores)
+        masked_exp(scores, mask, factors, np.exp2)  # every score is at most m: exp2 <= 1
         np.matmul(scores, value_aug, out=out_aug)  # [E v | rowsum E]: (G, R, S) @ (G, S, Dv+1) -> (G, R, Dv+1)
         row_sum = out_aug[..., -1:]
         # NOTE: a row sum of 0 (every exponential underflowed) means the bound

@@ -18,7 +18,7 @@ import numpy as np
 from ..masks import is_causal_additive
 from ._runtime import recycled_empty
 
-__all__ = ["small_forward", "small_backward", "LARGE_SCORES"]
+__all__ = ["small_forward", "small_backward", "masked_exp", "LARGE_SCORES"]
 
 #: Score blocks of at least this many entries take the variants that save passes
 #: over (T, S) (exp2, einsum) at the price of a few more numpy calls; below it a
@@ -79,7 +79,7 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
         usable = False  # NOTE: None is usable too (_usable_sums): test `is False`
         if normalize:  # m = 0: E = exp(S)
             np.matmul(query, key.swapaxes(-1, -2), out=exp_scores)  # (..., T, D) @ (..., D, S) -> (..., T, S)
-            _masked_exp(exp_scores, mask, factors, np.exp)
+            masked_exp(exp_scores, mask, factors, np.exp)
             np.matmul(exp_scores, ones_s, out=inv_sum)  # row sums, (..., T, S) @ (S, 1) -> (..., T, 1)
             usable = _usable_sums(inv_sum, mask, shifted=False)
         if usable is False:
@@ -108,8 +108,10 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     return True
 
 
-def _masked_exp(scores, mask, factors, exp):
+def masked_exp(scores, mask, factors, exp):
     """``exp(scores + mask)`` in place, or ``exp(scores) * factors`` (see ``small_forward``).
+
+    ``exp`` is ``np.exp``, or ``np.exp2`` on base-2 scores (and mask).
 
     A masked score that overflows there gives ``inf * 0 = NaN``: its row sum
     is then not usable and the caller shifts, after which no score exceeds 0.
@@ -138,7 +140,7 @@ def _shifted_exp(query, key, mask, mask_max, exp_scores, factors=None):
         if factors is None and mask is not None:
             exp_scores += mask
         exp_scores -= bound
-        _masked_exp(exp_scores, None, factors, np.exp)
+        masked_exp(exp_scores, None, factors, np.exp)
     else:
         # base-2 scores: exp(x) = exp2(x log2(e)), and exp2 measured 2.2x faster
         # than exp in float32 (1.2x in float64); log2(e) goes into the (T, D) query
@@ -147,7 +149,7 @@ def _shifted_exp(query, key, mask, mask_max, exp_scores, factors=None):
         if factors is None and mask is not None:
             exp_scores += mask if is_causal_additive(mask, dtype) else mask * log2e  # 0/-inf: as is
         exp_scores -= bound * log2e
-        _masked_exp(exp_scores, None, factors, np.exp2)
+        masked_exp(exp_scores, None, factors, np.exp2)
 
 
 def _usable_sums(row_sums, mask, shifted):
