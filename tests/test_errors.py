@@ -385,7 +385,7 @@ def upstream_checks(monkeypatch):
         calls.append(args[1])
         return _checks.as_upstream_grad(*args, **kwargs)
 
-    for module in ("functional", "embedding", "fast", "tiled", "mha", "reference", "losses"):
+    for module in ("functional", "embedding", "heads", "fast", "tiled", "mha", "reference", "losses"):
         monkeypatch.setattr(_path(module), "as_upstream_grad", counting)
     return calls
 

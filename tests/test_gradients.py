@@ -141,6 +141,37 @@ def test_attention_gradients_when_only_value_has_leading_dims():
     assert_gradients_ok(report)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_attention_backward_of_one_query_row_is_the_outer_products(dropout_p):
+    # With T = 1 the backward's dV = P^T dO and dK = c dS^T Q contract an axis of
+    # length 1 (computed as einsum, not matmul, for speed: qkvnp.functional._product).
+    # Oracle: the closed form, each entry ONE product (so equal to the bit), for
+    # key and value broadcast from leading dims (1,) against the query's (3,);
+    # then central differences.
+    rng = np.random.default_rng(11)
+    inputs = {"query": rng.normal(size=(3, 1, 4)), "key": rng.normal(size=(1, 5, 4)),
+              "value": rng.normal(size=(1, 5, 2))}
+    options = {"dropout_p": dropout_p, "rng": 3}
+    out, cache = F.attention_forward(**inputs, **options)
+    dout = rng.normal(size=out.shape)
+    dquery, dkey, dvalue = F.attention_backward(dout, cache)
+    kept = F.dropped_weights(cache)  # (3, 1, 5): the weights after dropout
+    expected_dvalue = (kept[:, 0, :, None] * dout[:, 0, None, :]).sum(axis=0, keepdims=True)
+    np.testing.assert_array_equal(dvalue, expected_dvalue)
+    weights = cache.weights  # before dropout
+    dweights = (dout @ np.swapaxes(inputs["value"], -1, -2))  # (3, 1, 5)
+    if cache.dropout_mask is not None:
+        dweights = dweights * cache.dropout_mask / (1 - dropout_p)
+    dscores = weights * (dweights - (weights * dweights).sum(-1, keepdims=True))
+    expected_dkey = (dscores[:, 0, :, None] * inputs["query"][:, 0, None, :]
+                     * cache.scale).sum(axis=0, keepdims=True)
+    np.testing.assert_allclose(dkey, expected_dkey, rtol=1e-13, atol=1e-15)
+    report = check_op(F.attention_forward, F.attention_backward, inputs,
+                      forward_kwargs={"dropout_p": dropout_p,
+                                      "dropout_mask": cache.dropout_mask} if dropout_p else {})
+    assert_gradients_ok(report)
+
+
 @given(attention_cases(), st.integers(0, 2**16))
 def test_attention_gradients_through_fully_masked_rows_are_exactly_zero(case, seed):
     # Oracle: a query row with no key left has weights exactly 0, so its output
