@@ -98,7 +98,7 @@ def column_sums(rows):
 # ---------------------------------------------------------------- linear
 
 
-def linear_forward(x, W, b=None):
+def linear_forward(x, W, b=None, *, check=True):
     """Affine map ``out = x @ W + b`` over the last axis of ``x``.
 
     Parameters
@@ -107,6 +107,11 @@ def linear_forward(x, W, b=None):
     W : ndarray, shape (N, M)
         The seeds' ``x @ W`` convention (PyTorch stores the transpose).
     b : ndarray, shape (M,), optional
+    check : bool, keyword-only
+        False: the inputs are a composite's own arrays, already checked
+        (float, one dtype, these shapes, finite), which it does not edit
+        before the backward; they are neither checked again nor copied
+        (see :func:`attention_forward`).
 
     Returns
     -------
@@ -138,6 +143,18 @@ def linear_forward(x, W, b=None):
            [2., 1.]])
     """
     x_in, W_in = x, W
+    if check:
+        x, W, b = _linear_inputs(x, W, b)
+    out = x @ W  # (..., N) -> (..., M)
+    if b is not None:
+        out = out + b
+    if check:
+        x, W = owned((x, W), (x_in, W_in))  # the cache owns what backward reads
+    return out, LinearCache(x, W, b is not None)
+
+
+def _linear_inputs(x, W, b):
+    """``x, W, b`` of :func:`linear_forward` checked and cast to their compute dtype."""
     W = as_float_array(W, "W")
     dtype = compute_dtype(np.asarray(x).dtype, W.dtype, names=("x", "W"))
     x = as_float_array(x, "x", dtype)
@@ -150,14 +167,11 @@ def linear_forward(x, W, b=None):
             f"x must have shape (..., {W.shape[0]}) to match W of shape {W.shape}, "
             f"got shape {x.shape}"
         )
-    out = x @ W  # (..., N) -> (..., M)
     if b is not None:
         b = as_float_array(b, "b", dtype)
         if b.shape != (W.shape[1],):
             raise ValueError(f"b must have shape ({W.shape[1]},), got shape {b.shape}")
-        out = out + b
-    x_own, W_own = owned((x, W), (x_in, W_in))  # the cache owns what backward reads
-    return out, LinearCache(x_own, W_own, b is not None)
+    return x, W, b
 
 
 def linear_backward(dout, cache, check=True):
@@ -328,7 +342,7 @@ def _softmax_backward(dweights, cache):
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False):
+                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, check=True):
     """Scaled dot-product attention ``dropout(softmax(q k^T * scale + mask)) v``.
 
     Parameters
@@ -358,6 +372,14 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         ``0 < dropout_p < 1``.
     enable_gqa : bool, keyword-only
         ``key``/``value`` may have ``K`` heads dividing the query's ``H`` (:mod:`qkvnp.gqa`).
+    check : bool, keyword-only
+        False: ``query``, ``key`` and ``value`` are a composite's own arrays
+        (float, one dtype, valid shapes, finite), which it does not edit
+        before the backward: they are neither checked again nor copied into
+        the cache. The input checks once where the data entered, as the
+        backwards' ``check=False`` does for gradients: at the kv-recall
+        model's shapes the checks and copies took 7-9% of a training step.
+        Masks and dropout arguments are checked either way.
 
     Returns
     -------
@@ -413,8 +435,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if grouped is not None:  # K < H key/value heads, broadcast over each group
         return grouped_forward(attention_forward, grouped, is_causal, scale, dropout_p=dropout_p,
                                rng=rng, dropout_mask=dropout_mask)
-    originals = (query, key, value)
-    query, key, value, lead = check_attention_inputs(query, key, value)
+    originals = (query, key, value) if check else ()  # the arrays the cache copies if it reads them
+    if check:
+        query, key, value, lead = check_attention_inputs(query, key, value)
+    else:
+        lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
     scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)

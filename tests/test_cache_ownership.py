@@ -204,3 +204,29 @@ def test_two_forwards_then_backward_is_the_gradient_of_the_second(impl):
     layer.forward(x1)
     layer.forward(x2)
     np.testing.assert_array_equal(layer.backward(dout), want)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_check_false_keeps_a_composites_own_arrays_uncopied(dropout_p):
+    """Oracle: the checked call. check=False (a composite's own, already checked
+    arrays) gives the same outputs and gradients, bitwise, and its cache holds
+    the caller's very arrays, where the checked call's holds copies."""
+    rng = np.random.default_rng(6)
+    x, W, b = _normal(rng, 2, 3, 4), _normal(rng, 4, 5), _normal(rng, 5)
+    dout = _normal(rng, 2, 3, 5)
+    checked_out, checked = F.linear_forward(x, W, b)
+    out, cache = F.linear_forward(x, W, b, check=False)
+    np.testing.assert_array_equal(out, checked_out)
+    assert cache.x is x and cache.W is W and checked.x is not x and checked.W is not W
+    _assert_same(F.linear_backward(dout, cache), F.linear_backward(dout, checked))
+
+    q, k, v = _normal(rng, 2, 1, 4), _normal(rng, 2, 6, 4), _normal(rng, 2, 6, 3)
+    mask = rng.random((1, 6)) > 0.3
+    dout = _normal(rng, 2, 1, 3)
+    options = {"attn_mask": mask, "dropout_p": dropout_p, "rng": 4}
+    checked_out, checked = F.attention_forward(q, k, v, **options)
+    out, cache = F.attention_forward(q, k, v, **options, check=False)
+    np.testing.assert_array_equal(out, checked_out)
+    assert all(a is b for a, b in zip(cache[:3], (q, k, v)))
+    assert not any(a is b for a, b in zip(checked[:3], (q, k, v)))
+    _assert_same(F.attention_backward(dout, cache), F.attention_backward(dout, checked))

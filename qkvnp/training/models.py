@@ -160,15 +160,19 @@ class KVRecallModel(Model):
         value_vectors = self.embed_value.forward(values)  # (B, P) -> (B, P, E)
         items = key_vectors[:, :P] + value_vectors  # (B, P, E)
         query_token = key_vectors[:, P:] + own["query_marker"]  # (B, 1, E)
-        q, q_cache = F.linear_forward(query_token, own[role_q])  # (B, 1, E) -> (B, 1, E)
-        k, k_cache = F.linear_forward(items, own[role_k])  # (B, P, E) -> (B, P, E)
+        # NOTE: check=False: no second check or copy of the model's own arrays
+        # (made from checked ids; the parameters are read by reference, as an
+        # optimizer updates them after the backward): 0.2-0.35 ms of a 1.9-2.9 ms step
+        q, q_cache = F.linear_forward(query_token, own[role_q], check=False)  # (B, 1, E) -> (B, 1, E)
+        k, k_cache = F.linear_forward(items, own[role_k], check=False)  # (B, P, E) -> (B, P, E)
         if role_v is None:
             v, v_cache = items, None  # NOTE: no value projection: values are the items
         else:
-            v, v_cache = F.linear_forward(items, own[role_v])  # (B, P, E) -> (B, P, E)
+            v, v_cache = F.linear_forward(items, own[role_v], check=False)  # (B, P, E) -> (B, P, E)
         drawn = self.training and self.dropout > 0
         attended, attention_cache = F.attention_forward(
-            q, k, v, dropout_p=self.dropout if drawn else 0.0, rng=self.dropout_rng)  # -> (B, 1, E)
+            q, k, v, dropout_p=self.dropout if drawn else 0.0, rng=self.dropout_rng,
+            check=False)  # (B, 1, E), (B, P, E), (B, P, E) -> (B, 1, E)
         logits = self.readout.forward(attended[:, 0])  # (B, E) -> (B, V)
         self._cache = (q_cache, k_cache, v_cache, attention_cache, P, logits.shape)
         if return_weights:
