@@ -88,12 +88,18 @@ def embedding_backward(dout, cache):
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
+    from scipy.sparse import csc_array
+
     indices, weight_shape, dtype = cache
     dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
     num, dim = weight_shape
-    # NOTE: one bincount over flat (row, column) slots: the same sums as
-    # np.add.at(dW, indices, dout), in the same order, measured 6x faster
-    # (1.0 ms -> 0.16 ms for the kv-recall task's (64, 17) ids of width 64)
-    slots = (indices.reshape(-1, 1) * dim + np.arange(dim)).reshape(-1)  # (rows * dim,)
-    dweight = np.bincount(slots, weights=dout.reshape(-1), minlength=num * dim)  # float64 sums
-    return dweight.reshape(num, dim).astype(dtype, copy=False)  # (num * dim,) -> (num, dim)
+    ids = indices.reshape(-1)  # (...) -> (R,)
+    # The forward's one-hot matrix, transposed and stored sparse: column j
+    # holds a single 1, in row ids[j]. Its product sums each row's positions
+    # in input order, the sums of np.add.at(dW, indices, dout) to the bit.
+    # NOTE: measured for the kv-recall task's (64, 17) ids of width 64: 27-36 us
+    # alone, against 490 for np.add.at and 130-160 for a bincount of (row, column) slots
+    onehot_T = csc_array((np.ones(ids.size, dout.dtype), ids, np.arange(ids.size + 1)),
+                         shape=(num, ids.size))  # (num, R)
+    dweight = onehot_T @ dout.reshape(-1, dim)  # (num, R) @ (R, dim) -> (num, dim)
+    return dweight.astype(dtype, copy=False)

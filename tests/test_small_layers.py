@@ -150,6 +150,41 @@ def test_embedding_backward_adds_repeated_indices(rng):
     assert not dweight[[2, 4]].any()  # rows never looked up
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_embedding_backward_sums_in_input_order_to_the_bit(rng, dtype):
+    # oracle: the Python loop above, in the weight's dtype, which adds the
+    # positions of each row in input order, as np.add.at does (the backward
+    # multiplies by a sparse one-hot matrix: same order, same bits); many
+    # repeats of few rows, so that the order shows in float32
+    weight = rng.normal(size=(4, 3)).astype(dtype)
+    indices = rng.integers(0, 3, size=(5, 40))  # row 3 never looked up
+    dout = rng.normal(size=(5, 40, 3)).astype(dtype)
+    _, cache = embedding_forward(indices, weight)
+    dweight = embedding_backward(dout, cache)
+    expected = np.zeros_like(weight)
+    for position in np.ndindex(indices.shape):
+        expected[indices[position]] += dout[position]
+    assert dweight.dtype == dtype
+    np.testing.assert_array_equal(dweight, expected)
+    added = np.zeros_like(weight)
+    np.add.at(added, indices, dout)
+    np.testing.assert_array_equal(dweight, added)
+
+
+def test_embedding_backward_of_no_index_and_of_float16(rng):
+    # oracle: no position -> zero gradient; a float16 weight's gradient in its
+    # compute dtype (float32, as before this backward was a sparse product),
+    # within float32's rounding of the float64 sums
+    _, cache = embedding_forward(np.zeros((2, 0), dtype=int), np.ones((3, 4)))
+    np.testing.assert_array_equal(embedding_backward(np.ones((2, 0, 4)), cache), np.zeros((3, 4)))
+    indices, dout = np.array([[0, 2, 0, 0]]), rng.normal(size=(1, 4, 2))
+    _, cache = embedding_forward(indices, np.ones((3, 2), np.float16))
+    dweight = embedding_backward(dout, cache)
+    assert dweight.dtype == cache.dtype == np.float32
+    expected = np.stack([dout[0, [0, 2, 3]].sum(0), np.zeros(2), dout[0, 1]])
+    np.testing.assert_allclose(dweight, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_embedding_gradcheck(rng):
     # oracle: central differences on the weight (indices are constants)
     report = check_op(embedding_forward, embedding_backward, {"weight": rng.normal(size=(6, 3))},
