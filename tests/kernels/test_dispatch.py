@@ -226,6 +226,31 @@ def test_scores_beyond_sqrt_of_the_float_max_take_the_reference_path(dtype, fact
         assert isinstance(auto._used_cache, kernels.mha.SplitLayerCache) == (split and path == "fast")
 
 
+@pytest.mark.parametrize("kind", ["self", "cross"])
+def test_huge_values_alone_keep_the_fast_path_and_the_exact_bound_is_reported(kind):
+    """Oracle: projected_score_bound of the query and key columns alone. The
+    kernels screen with the whole fused projections (values included) and
+    only then compute the exact bound: values beyond the screen's limit with
+    moderate queries and keys stay on the fast path; scores beyond it go to
+    the reference with the exact bound in the reason."""
+    dtype = np.float32
+    layer = qkvnp.MultiHeadAttention(6, 2, rng=0, dtype=dtype)
+    x = np.random.default_rng(5).normal(size=(3, 4, 6)).astype(dtype)
+    layer.params["W_value"] *= dtype(1e12)  # |v| ~ 1e12: the screen D max|y|^2 ~ 1e24 > 1.8e19
+    inputs = (x,) if kind == "self" else (x, x, x)
+    layer.forward(*inputs)
+    assert layer.last_dispatch.path == "fast"
+    layer.params["W_query"] *= dtype(1e10)  # now the scores themselves may overflow
+    layer.params["W_key"] *= dtype(1e10)
+    with np.errstate(over="ignore", invalid="ignore"):
+        layer.forward(*inputs)
+    q = x.reshape(-1, 6) @ layer.params["W_query"] / np.sqrt(dtype(3))  # (12, 6), scaled
+    k = x.reshape(-1, 6) @ layer.params["W_key"]
+    exact = kernels.mha.projected_score_bound(q, k, 3)
+    assert layer.last_dispatch.path == "reference"
+    assert f"scores may reach {exact:.3g}," in layer.last_dispatch.reason
+
+
 @pytest.mark.parametrize("make", [
     lambda impl: qkvnp.SelfAttention(4, 4, rng=0, impl=impl),
     lambda impl: qkvnp.MultiHeadAttention(4, 2, rng=0, impl=impl),
