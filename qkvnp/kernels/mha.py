@@ -299,7 +299,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     # query and key columns are strided views. Only a screen at the limit pays
     # for the exact bound, whose value the dispatch reports. (64, 8, 16, 2)
     # float32: 17 -> 4 us; (64, 33, 64, 1): 106 -> 44 us.
-    bound = projected_score_bound(fused_outputs[0], fused_outputs[1 if kind == "cross" else -1], D)
+    keys_output = next(y for y, names in zip(fused_outputs, groups) if "key" in names)
+    bound = projected_score_bound(fused_outputs[0], keys_output, D)
     if scores_may_overflow(bound, dtype):
         bound = projected_score_bound(projected[0], projected[1], D)
     if scores_may_overflow(bound, dtype):
