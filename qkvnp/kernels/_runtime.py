@@ -21,8 +21,8 @@ Settings, not globals to patch (the model is ``torch.set_num_threads``):
   them the kernels' temporaries were page-faulted anew on every call.
 
 Settings are global to the process, as PyTorch's are. ``import`` of this
-module costs numpy only: ctypes, the thread pool and the BLAS probe are
-loaded at first use. Measurements behind the defaults: ``benchmarks/RESULTS.md``.
+module costs numpy only: ctypes, the thread pool and the BLAS probe
+(:mod:`qkvnp.kernels.openblas`) are loaded at first use. Measurements behind the defaults: ``benchmarks/RESULTS.md``.
 """
 import math
 import os
@@ -32,6 +32,7 @@ import numpy as np
 
 from .._checks import check_int
 from .heap import tune_heap
+from .openblas import openblas_info, openblas_thread_functions
 
 __all__ = [
     "set_num_threads",
@@ -70,6 +71,11 @@ BLOCK_SIZE_DEFAULTS = {
     "min_row_block": 64,
     # Fewest rows (or columns) per thread for which a projection matmul splits.
     "min_split": 64,
+    # Fewest floating-point operations of a projection that runs on OpenBLAS's
+    # own threads, in a layer whose core is serial (see matmul): (256, 64) @
+    # (64, 64) float32 (2.1 MFLOP) took 18.5 us on one thread, 12.9 on two; at
+    # 0.8 MFLOP two were slower (6.0 -> 6.5 us).
+    "blas_thread_flops": 1 << 21,
     # Fewest floating-point operations of one job (a matmul, a core's pass)
     # for which the worker threads are used; smaller jobs run serially in the
     # calling thread, where the hand-off would cost more than it saves.
@@ -111,7 +117,7 @@ BLOCK_SIZE_DEFAULTS = {
     "heap_mmap_threshold": 32 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
-            "min_parallel_flops": 0, "batch_split_flops": 0,
+            "min_parallel_flops": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
             "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
             "causal_tiled_min_length": 1,
             "dense_weights_budget": 0, "heap_mmap_threshold": 0}
@@ -343,75 +349,6 @@ def release_buffers():
 
 # ---------------------------------------------------------------- BLAS threads
 
-_BLAS = None  # (get, set) ctypes functions, () if not found
-_BLAS_LOCK = threading.Lock()
-
-
-def _find_openblas():
-    """The OpenBLAS thread-count functions of the library numpy links, or ()."""
-    import ctypes
-
-    found = _openblas_library()
-    if not found:
-        return ()
-    _, lib, prefix, suffix = found
-    get = getattr(lib, f"{prefix}get_num_threads{suffix}")
-    set_ = getattr(lib, f"{prefix}set_num_threads{suffix}")
-    get.restype, get.argtypes = ctypes.c_int, []
-    set_.restype, set_.argtypes = None, [ctypes.c_int]
-    return get, set_
-
-
-def _openblas_library():
-    """``(path, library, prefix, suffix)`` of the OpenBLAS numpy links, or ().
-
-    The one search of the package: the library beside numpy's wheel or
-    through ``scipy_openblas64``, with every symbol naming scheme OpenBLAS
-    builds use (``{prefix}get_num_threads{suffix}``).
-    """
-    import ctypes
-    import glob
-
-    root = os.path.dirname(np.__file__)
-    patterns = [os.path.join(root, os.pardir, "numpy.libs", "*openblas*"),  # Linux wheels
-                os.path.join(root, ".dylibs", "*openblas*"),  # macOS wheels
-                os.path.join(root, "_core", "*openblas*")]
-    try:  # numpy built against the scipy-openblas package
-        import scipy_openblas64
-
-        patterns.append(os.path.join(scipy_openblas64.get_lib_dir(), "*openblas*"))
-    except (ImportError, AttributeError):
-        pass
-    schemes = [(prefix, suffix) for prefix in ("scipy_openblas_", "openblas_")
-               for suffix in ("64_", "_64", "")]
-    for pattern in patterns:
-        for path in sorted(glob.glob(pattern)):
-            try:
-                lib = ctypes.CDLL(path)  # already loaded by numpy: same handle
-            except OSError:
-                continue
-            for prefix, suffix in schemes:
-                if (hasattr(lib, f"{prefix}get_num_threads{suffix}")
-                        and hasattr(lib, f"{prefix}set_num_threads{suffix}")):
-                    return path, lib, prefix, suffix
-    return ()
-
-
-def openblas_thread_functions():
-    """OpenBLAS's ``(get_num_threads, set_num_threads)`` for numpy's BLAS, or ``()``.
-
-    The one probe of the package (the benchmark reports it too): the library
-    numpy links, found beside numpy's wheel or through ``scipy_openblas64``,
-    with every symbol naming scheme OpenBLAS builds use.
-    """
-    global _BLAS
-    if _BLAS is None:
-        with _BLAS_LOCK:
-            if _BLAS is None:
-                _BLAS = _find_openblas()
-    return _BLAS
-
-
 def _settle_process():
     """What the first kernel section settles, cheaply checked on every later one.
 
@@ -622,31 +559,47 @@ def run(task, work, flops=None):
             future.result()  # re-raise a worker's error
 
 
-def matmul(a, b, out=None, split="rows"):
-    """``a @ b`` for 2-D operands, split over the threads of :func:`run`.
+def matmul(a, b, out=None, split="rows", blas_threads=False):
+    """``a @ b`` for 2-D operands (the layers' projections), threaded where it pays.
 
-    The layer's projections run this way, with BLAS pinned to one thread like
-    the attention core, rather than on OpenBLAS's own threads: after a
-    multi-threaded call OpenBLAS's idle threads keep spinning and slowed the
-    core that follows by up to 1.4x (measured). ``split="rows"`` splits the
-    rows of ``a``; ``"cols"`` the columns of ``b`` (for ``x^T @ dy``, whose
-    rows are few).
+    In the pool's workers, one product on one thread: it is a share already.
+    Elsewhere, with ``blas_threads`` (the caller's next steps do not use the
+    pool) and from ``blas_thread_flops`` on, on OpenBLAS's own threads: as
+    many as :func:`get_num_threads`, at most OpenBLAS's count before the
+    kernels pinned it to one (one under ``blas_threads(1)``, as in the
+    training loop). Otherwise, from ``min_parallel_flops`` on, split over the
+    pool: ``split="rows"`` splits the rows of ``a``, ``"cols"`` the columns of
+    ``b`` (for ``x^T @ dy``, whose rows are few).
+
+    NOTE: OpenBLAS hands a product to its threads faster than the pool does:
+    (1024, 64) @ (64, 192) float32 took 200 us on one thread, 252 over the
+    pool's two, 108 on OpenBLAS's two (AVX-512 host). But its threads spin
+    after the call, and slowed a pooled core that followed by 1.2-1.45x
+    ((1, 2048, 512, 8)): hence only where no pool work follows.
     """
-    small = 2 * a.shape[0] * a.shape[1] * b.shape[1] < _SIZES["min_parallel_flops"]
-    if small and _PIN["depth"]:  # the layer kernels' small products: nothing else to decide
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if _PIN["depth"] and flops < _SIZES["blas_thread_flops"]:  # the small ones: one thread
         return np.matmul(a, b, out=out)
+    threads = 1 if _in_worker() else get_num_threads()
+    if blas_threads and _PIN["depth"] and flops >= _SIZES["blas_thread_flops"]:
+        blas = min(threads, _PIN["saved"])
+        if blas > 1:
+            set_blas_threads = openblas_thread_functions()[1]
+            set_blas_threads(blas)
+            try:
+                return np.matmul(a, b, out=out)
+            finally:
+                set_blas_threads(1)  # back to the section's pin
+    if threads < 2 or flops < _SIZES["min_parallel_flops"]:
+        if _PIN["depth"]:  # the layer kernels' section: BLAS at one thread
+            return np.matmul(a, b, out=out)
+        with single_threaded_blas():
+            return np.matmul(a, b, out=out)
     if out is None:
         out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
     length = a.shape[0] if split == "rows" else b.shape[1]
-    parts = min(get_num_threads(), max(1, length // _SIZES["min_split"]))
-    if parts < 2 or small:
-        if _PIN["depth"]:  # already inside a single-threaded section (the layer kernels)
-            np.matmul(a, b, out=out)
-        else:
-            with single_threaded_blas():
-                np.matmul(a, b, out=out)
-        return out
-    bounds = np.linspace(0, length, parts + 1).astype(int)
+    bounds = np.linspace(0, length, min(get_num_threads(), max(1, length // _SIZES["min_split"]))
+                         + 1).astype(int)
     pieces = [(slice(lo, hi),) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
     def task(part):
@@ -658,42 +611,3 @@ def matmul(a, b, out=None, split="rows"):
 
     run(task, pieces)
     return out
-
-
-def openblas_info():
-    """What numpy's OpenBLAS says of itself, or None if it is not found.
-
-    The library is the one :func:`openblas_thread_functions` drives (the
-    same search). Reported by the benchmark beside its numbers.
-
-    Returns
-    -------
-    dict or None
-        ``library`` (file name), ``corename`` (the kernels OpenBLAS chose for
-        this CPU), ``config`` (its build options) and ``threads`` (its
-        current thread count); ``corename`` or ``config`` is None when the
-        build does not export it.
-
-    Examples
-    --------
-    >>> info = openblas_info()
-    >>> info is None or info["threads"] >= 1
-    True
-    """
-    import ctypes
-
-    found = _openblas_library()
-    if not found:
-        return None
-    path, lib, prefix, suffix = found
-    info = {"library": os.path.basename(path)}
-    for key in ("corename", "config"):
-        function = getattr(lib, f"{prefix}get_{key}{suffix}", None)
-        info[key] = None
-        if function is not None:
-            function.restype, function.argtypes = ctypes.c_char_p, []
-            info[key] = function().decode().strip()
-    get_num_threads = getattr(lib, f"{prefix}get_num_threads{suffix}")
-    get_num_threads.restype, get_num_threads.argtypes = ctypes.c_int, []
-    info["threads"] = get_num_threads()
-    return info

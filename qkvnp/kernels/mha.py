@@ -51,7 +51,7 @@ PATHS = ("fast", "tiled")
 FusedLayerCache = namedtuple(
     "FusedLayerCache",
     "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
-    "out_proj has_bias out_shape buffers has_out_bias H_kv",
+    "out_proj has_bias out_shape buffers has_out_bias H_kv blas_threads",
 )
 FusedLayerCache.__doc__ = """What :func:`backward` reads.
 
@@ -78,6 +78,8 @@ has_out_bias : bool, the output projection has ``b_out`` (the book's layer
     has it without input biases).
 H_kv : key/value heads (``H`` but for grouped-query attention, where the
     core ran on ``(..., H_kv, G, T, D)`` queries; see :mod:`qkvnp.gqa`).
+blas_threads : bool, the projections may run on BLAS's own threads (the core
+    runs serially both ways; :func:`qkvnp.kernels._runtime.matmul`).
 """
 
 
@@ -282,12 +284,16 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         return W, b
 
     groups = _GROUPS[kind]
+    # NOTE: the projections go to BLAS's own threads only where the core runs
+    # serially, forward and backward (its backward, the larger pass, below the
+    # pool's threshold): their spinning threads slowed a pooled core 1.2-1.45x
+    blas = path == "fast" and threads_for(4 * math.prod(lead) * T * S * (2 * D + 1)) == 1
     rows, W_in, projected, buffers, fused_outputs = [], [], [], {}, []
     for i, (x, names) in enumerate(zip(inputs, groups)):
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
         W, b = fused(names)
         y = _buffer(workspace, f"projected{i}", (x2d.shape[0], W.shape[1]), dtype, buffers)
-        matmul(x2d, W, y)  # (N, in) @ (in, widths) -> (N, widths)
+        matmul(x2d, W, y, blas_threads=blas)  # (N, in) @ (in, widths) -> (N, widths)
         if b is not None:
             y += b
         rows.append(x2d)
@@ -351,7 +357,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         if weights is not None and H_kv != H:
             weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
     if out_proj:
-        y = matmul(merged, p["W_out"])  # (N, E) @ (E, out_dim) -> (N, out_dim)
+        y = matmul(merged, p["W_out"], blas_threads=blas)  # (N, E) @ (E, out_dim) -> (N, out_dim)
         if "b_out" in p:
             y += p["b_out"]
     else:
@@ -360,7 +366,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
                             p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
-                            buffers, "b_out" in p, H_kv)
+                            buffers, "b_out" in p, H_kv, blas)
     return out, weights, cache
 
 
@@ -410,10 +416,11 @@ def backward(dout, cache):
     dy = dy.reshape(-1, c.out_shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     grads = {}
     if out_proj:
-        grads["W_out"] = matmul(merged.T, dy, split="cols")  # (E, N) @ (N, out_dim) -> (E, out_dim)
+        # (E, N) @ (N, out_dim) -> (E, out_dim)
+        grads["W_out"] = matmul(merged.T, dy, split="cols", blas_threads=c.blas_threads)
         if c.has_out_bias:
             grads["b_out"] = column_sums(dy)  # (N, out_dim) -> (out_dim,)
-        dmerged = matmul(dy, c.W_out.T)  # (N, out_dim) @ (out_dim, E) -> (N, E)
+        dmerged = matmul(dy, c.W_out.T, blas_threads=c.blas_threads)  # (N, out_dim) @ (out_dim, E)
     else:
         dmerged = dy
     H_kv = c.H_kv
@@ -448,7 +455,7 @@ def backward(dout, cache):
     scale = dtype.type(c.scale)
     dinputs = []
     for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
-        dW = matmul(x2d.T, d, split="cols")  # (in, N) @ (N, widths) -> (in, widths)
+        dW = matmul(x2d.T, d, split="cols", blas_threads=c.blas_threads)  # (in, N) @ (N, widths)
         db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
         if names[0] == "query":  # W' = scale * W_query: dW_query = scale dW'
             dW[:, :E] *= scale
@@ -461,7 +468,7 @@ def backward(dout, cache):
             grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
             if db is not None:
                 grads["b_" + name] = db[columns]
-        dx = matmul(d, W.T)  # (N, widths) @ (widths, in) -> (N, in)
+        dx = matmul(d, W.T, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in) -> (N, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)
 

@@ -436,6 +436,78 @@ def test_split_matmul(split, threads):
         np.testing.assert_allclose(out, a @ b, rtol=1e-14)
 
 
+class _CountingNumpy:
+    """numpy, but ``matmul`` records OpenBLAS's thread count at each call."""
+
+    def __init__(self, get):
+        self.get, self.counts = get, []
+
+    def matmul(self, *args, **kwargs):
+        self.counts.append(self.get())
+        return np.matmul(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def test_projection_runs_on_blas_threads_only_where_asked_and_large(monkeypatch):
+    """Oracle: OpenBLAS's own count during each product, and numpy's product.
+
+    ``blas_threads=True`` from ``blas_thread_flops`` on: as many BLAS threads as
+    the kernels', capped by the count before the section pinned BLAS to one;
+    never in a worker; back to one after the product."""
+    blas = _runtime.openblas_thread_functions()
+    if not blas:
+        pytest.skip("numpy's OpenBLAS not found: its thread count cannot be steered")
+    get, _ = blas
+    counting = _CountingNumpy(get)
+    monkeypatch.setattr(_runtime, "np", counting)
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=(40, 30)), rng.normal(size=(30, 20))  # 48,000 flops
+    limit = 2 * 40 * 30 * 20
+
+    def product(**kwargs):
+        counting.counts.clear()
+        got = _runtime.matmul(a, b, **kwargs)
+        np.testing.assert_allclose(got, a @ b, rtol=1e-13)
+        return counting.counts
+
+    with kernels.blas_threads(3), kernels.num_threads(2):
+        with kernels.block_sizes(blas_thread_flops=limit), _runtime.single_threaded_blas():
+            assert product(blas_threads=True) == [2]  # min(2 kernel threads, 3 before the pin)
+            assert get() == 1  # the section's pin again
+            assert product() == [1]  # not asked: below min_parallel_flops, one thread
+            seen = []
+            with kernels.block_sizes(min_parallel_flops=0):  # a worker's product: one thread
+                _runtime.run(lambda part: seen.extend(product(blas_threads=True)), [0, 1])
+            assert seen == [1, 1]
+        with kernels.block_sizes(blas_thread_flops=limit + 1), _runtime.single_threaded_blas():
+            assert product(blas_threads=True) == [1]  # below the setting
+        assert get() == 3
+    with kernels.blas_threads(1), kernels.num_threads(2):  # as the training loop runs
+        with kernels.block_sizes(blas_thread_flops=limit), _runtime.single_threaded_blas():
+            assert product(blas_threads=True) == [1]
+
+
+def test_layer_projections_take_blas_threads_only_beside_a_serial_core():
+    """Oracle: the cache's flag against the core's backward flops and the setting.
+
+    A pooled core after BLAS-threaded projections ran 1.2-1.45x slower (their
+    threads spin): the flag is set only where the core runs serially."""
+    layer = MultiHeadAttention(64, 4, rng=0)
+    x = np.random.default_rng(0).normal(size=(2, 32, 64))
+    core_flops = 4 * 2 * 4 * 32 * 32 * (2 * 16 + 1)  # the core's backward, the larger pass
+    with kernels.num_threads(2):
+        for threshold, expected in ((core_flops + 1, True), (core_flops, False)):
+            with kernels.block_sizes(min_parallel_flops=threshold, batch_split_flops=1 << 40):
+                layer.forward(x)
+                assert layer._cache.blas_threads is expected
+                layer.backward(np.ones_like(x))
+    with kernels.num_threads(1):  # no pool at all: the core is serial
+        layer.forward(x)
+        assert layer._cache.blas_threads is True
+
+
 def test_blocks_cover_every_group_once():
     """Blocks are index tuples over leading dims: together they tile ``lead``."""
     for lead in [(), (1,), (5,), (2, 3), (1, 8), (3, 1, 4)]:
