@@ -178,7 +178,7 @@ def _unheads(x):
 
 def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
             need_weights=False, out_proj=True, block_size=None, workspace=None, *,
-            dropout_p=0.0, rng=None, dropout_mask=None):
+            dropout_p=0.0, rng=None, dropout_mask=None, out=None):
     """Attention layer forward on the fast or tiled core.
 
     Parameters
@@ -215,6 +215,9 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         Dropout on the attention weights, as in
         :func:`qkvnp.functional.attention_forward` (the same ``rng`` draws
         the same mask on every path).
+    out : ndarray, shape (..., T, out_dim), optional
+        C-contiguous, of the parameters' dtype: written with the output and
+        returned (the batch split passes each share's rows of the whole output).
 
     Returns
     -------
@@ -356,12 +359,15 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         weights = fast.attention_weights(core_cache) if need_weights else None
         if weights is not None and H_kv != H:
             weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
+    y = None if out is None else out.reshape(-1, out.shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     if out_proj:
-        y = matmul(merged, p["W_out"], blas_threads=blas)  # (N, E) @ (E, out_dim) -> (N, out_dim)
+        y = matmul(merged, p["W_out"], y, blas_threads=blas)  # (N, E) @ (E, out_dim) -> (N, out_dim)
         if "b_out" in p:
             y += p["b_out"]
-    else:
+    elif y is None:
         y = merged.copy()  # the caller may edit its output; the cache keeps merged
+    else:
+        y[...] = merged
     out = y.reshape(batch + (T, y.shape[-1]))  # (N, out_dim) -> (..., T, out_dim)
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
@@ -379,7 +385,7 @@ def _columns(y, names, widths):
     return views
 
 
-def backward(dout, cache):
+def backward(dout, cache, dinputs_out=None):
     """Backward of :func:`forward`.
 
     Parameters
@@ -388,6 +394,10 @@ def backward(dout, cache):
         Same shape as the forward output (it is not broadcast); cast to the
         parameters' dtype.
     cache : FusedLayerCache
+    dinputs_out : tuple of ndarray, optional
+        One C-contiguous array per input, of its shape and the parameters'
+        dtype: written with the input gradients and returned (the batch
+        split passes each share's rows of the whole gradients).
 
     Returns
     -------
@@ -468,7 +478,8 @@ def backward(dout, cache):
             grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
             if db is not None:
                 grads["b_" + name] = db[columns]
-        dx = matmul(d, W.T, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in) -> (N, in)
+        dx = None if dinputs_out is None else dinputs_out[len(dinputs)].reshape(x2d.shape)
+        dx = matmul(d, W.T, dx, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in) -> (N, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)
 
@@ -526,6 +537,8 @@ def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need
                 and workspace.shares == shares else (None,) * len(shares))
     full_ndim = len(scores_shape)
     results = [None] * len(shares)
+    out_dim = (params["W_out"] if out_proj else params["W_query"]).shape[1]
+    out = np.empty(batch + (T, out_dim), dtype)  # each share writes its rows: no concatenation
 
     def task(work):
         for i, share in work:
@@ -533,13 +546,13 @@ def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need
                                  _share_of(mask, share, full_ndim), is_causal, "fast",
                                  need_weights, out_proj, workspace=previous[i],
                                  dropout_p=dropout_p if dropout is not None else 0.0,
-                                 dropout_mask=_share_of(dropout_mask, share, full_ndim))
+                                 dropout_mask=_share_of(dropout_mask, share, full_ndim),
+                                 out=out[share])
 
     try:
         run(task, list(enumerate(shares)))
     except ScoresMayOverflow as overflow:  # the reference must apply the mask drawn above
         raise ScoresMayOverflow(overflow.bound, dropout_mask) from None
-    out = np.concatenate([result[0] for result in results])  # (B, ..., T, out_dim)
     weights = np.concatenate([result[1] for result in results]) if need_weights else None
     caches = tuple(result[2] for result in results)
     return out, weights, SplitLayerCache("fast", kind, shares, caches, out.shape)
@@ -550,16 +563,16 @@ def _split_backward(dout, cache):
     dtype = cache.caches[0].merged.dtype
     dy = as_upstream_grad(dout, "dout", cache.out_shape, dtype)  # (B, ..., T, out_dim)
     results = [None] * len(cache.shares)
+    B = cache.out_shape[0]
+    dinputs = tuple(np.empty((B,) + shape[1:], dtype) for shape in cache.caches[0].in_shapes)
 
     def task(work):
         for i, share in work:
-            results[i] = backward(dy[share], cache.caches[i])
+            results[i] = backward(dy[share], cache.caches[i], tuple(d[share] for d in dinputs))
 
     run(task, list(enumerate(cache.shares)))
     grads = results[0][0]
     for more, _ in results[1:]:  # the weight gradients of the shares add up
         for name, grad in more.items():
             grads[name] += grad
-    dinputs = tuple(None if parts[0] is None else np.concatenate(parts)
-                    for parts in zip(*(result[1] for result in results)))
-    return grads, dinputs
+    return grads, dinputs  # each share wrote its rows
