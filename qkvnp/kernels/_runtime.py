@@ -22,7 +22,8 @@ Settings, not globals to patch (the model is ``torch.set_num_threads``):
 
 Settings are global to the process, as PyTorch's are. ``import`` of this
 module costs numpy only: ctypes, the thread pool and the BLAS probe
-(:mod:`qkvnp.kernels.openblas`) are loaded at first use. Measurements behind the defaults: ``benchmarks/RESULTS.md``.
+(:mod:`qkvnp.kernels.openblas`) are loaded at first use. Measurements behind
+the defaults: ``benchmarks/RESULTS.md``.
 """
 import math
 import os
@@ -581,7 +582,7 @@ def matmul(a, b, out=None, split="rows", blas_threads=False):
     if _PIN["depth"] and flops < _SIZES["blas_thread_flops"]:  # the small ones: one thread
         return np.matmul(a, b, out=out)
     threads = 1 if _in_worker() else get_num_threads()
-    if blas_threads and _PIN["depth"] and flops >= _SIZES["blas_thread_flops"]:
+    if blas_threads and _PIN["depth"]:  # from blas_thread_flops on (see above)
         blas = min(threads, _PIN["saved"])
         if blas > 1:
             set_blas_threads = openblas_thread_functions()[1]

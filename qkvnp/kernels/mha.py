@@ -361,7 +361,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
             weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
     y = None if out is None else out.reshape(-1, out.shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     if out_proj:
-        y = matmul(merged, p["W_out"], y, blas_threads=blas)  # (N, E) @ (E, out_dim) -> (N, out_dim)
+        y = matmul(merged, p["W_out"], y, blas_threads=blas)  # (N, E) @ (E, out_dim)
         if "b_out" in p:
             y += p["b_out"]
     elif y is None:
@@ -479,7 +479,7 @@ def backward(dout, cache, dinputs_out=None):
             if db is not None:
                 grads["b_" + name] = db[columns]
         dx = None if dinputs_out is None else dinputs_out[len(dinputs)].reshape(x2d.shape)
-        dx = matmul(d, W.T, dx, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in) -> (N, in)
+        dx = matmul(d, W.T, dx, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)
 
