@@ -170,8 +170,8 @@ def set_num_threads(n):
     Parameters
     ----------
     n : int
-        At least 1; 1 runs every kernel in the calling thread (with BLAS's
-        own threads). BLAS inside the workers stays at one thread.
+        At least 1; 1 runs every kernel in the calling thread, BLAS at one
+        thread there too. BLAS inside the workers stays at one thread.
 
     Raises
     ------
@@ -405,8 +405,10 @@ _WORKER = threading.local()  # .active: this thread is one of the pool's workers
 class single_threaded_blas:
     """Context manager: BLAS at one thread inside; nested and concurrent sections share it.
 
-    The kernels run every BLAS call at one thread: in their worker threads
-    (one per core), and in the calling thread for jobs too small to share.
+    The kernels run their BLAS calls at one thread: in their worker threads
+    (one per core), and in the calling thread for jobs too small to share;
+    the one exception is a layer's projections beside a serial core, which
+    :func:`matmul` raises to OpenBLAS's threads for the product alone.
     NOTE: left to itself OpenBLAS spreads even small matmuls over its own
     threads, which then spin after the call: measured at (B, L, E, H) =
     (16, 32, 64, 4) float32, a fast-path layer's forward+backward took 5.3 ms

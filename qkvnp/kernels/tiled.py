@@ -236,8 +236,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
 
     Threads: the query blocks of the forward and the key blocks of the
     backward are shared between ``qkvnp.get_num_threads()`` Python threads
-    with BLAS pinned to one thread (``qkvnp.set_num_threads(1)`` switches
-    this off). Each
+    with BLAS pinned to one thread (``qkvnp.set_num_threads(1)`` runs them
+    in the calling thread, BLAS still at one thread). Each
     thread has its own block temporaries, and each thread beyond the first
     sums ``dquery`` in its own query-sized array; those partial sums are added
     in a fixed order, so results repeat bitwise for a given thread count.
