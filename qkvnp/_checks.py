@@ -522,4 +522,10 @@ def scores_may_overflow(bound, dtype):
     the fast and tiled paths where the reference's are finite. So the paths
     defer to the reference there.
     """
-    return not bound < math.sqrt(float(np.finfo(dtype).max))
+    limit = _SCORE_LIMITS.get(dtype)
+    if limit is None:
+        limit = _SCORE_LIMITS[dtype] = math.sqrt(float(np.finfo(dtype).max))
+    return not bound < limit
+
+
+_SCORE_LIMITS = {}  # dtype -> sqrt(finfo(dtype).max): np.finfo costs more than the test

@@ -376,7 +376,13 @@ def test_attention_layer_backward_refuses_a_bad_upstream_gradient(impl, entry, m
 
 @pytest.fixture
 def upstream_checks(monkeypatch):
-    """Counts the calls of as_upstream_grad made from every module that uses it."""
+    """Counts the calls of as_upstream_grad made from every module that uses it.
+
+    Every module of the package is imported first, so that one added later
+    cannot escape the count."""
+    import pkgutil
+    import sys
+
     from qkvnp import _checks
 
     calls = []
@@ -385,8 +391,16 @@ def upstream_checks(monkeypatch):
         calls.append(args[1])
         return _checks.as_upstream_grad(*args, **kwargs)
 
-    for module in ("functional", "embedding", "heads", "fast", "tiled", "mha", "reference", "losses"):
-        monkeypatch.setattr(_path(module), "as_upstream_grad", counting)
+    for info in pkgutil.walk_packages(qkvnp.__path__, "qkvnp."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    users = [module for name, module in sorted(sys.modules.items())
+             if name.startswith("qkvnp.") and module is not _checks
+             and getattr(module, "as_upstream_grad", None) is _checks.as_upstream_grad]
+    assert {"qkvnp.kernels.mha", "qkvnp.kernels.mha_small", "qkvnp.losses"} <= {
+        module.__name__ for module in users}
+    for module in users:
+        monkeypatch.setattr(module, "as_upstream_grad", counting)
     return calls
 
 

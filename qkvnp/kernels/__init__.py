@@ -28,6 +28,7 @@ The runtime settings (worker threads, block sizes) are
 :func:`set_num_threads`, :func:`set_block_sizes` and their kin from
 :mod:`qkvnp.kernels._runtime`.
 """
+import functools
 import math
 from collections import namedtuple
 
@@ -137,12 +138,26 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     'tiled cannot return the attention weights (it never builds them): fell back to the fast core'
     """
     impl = check_impl(impl)
-    if impl == "reference":
-        return Dispatch(impl, "reference", "impl='reference' requested")
-    if scores_may_overflow(score_bound, dtype):
+    if impl != "reference" and scores_may_overflow(score_bound, dtype):
         return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
                                            f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
                                            "reference path stays exact there")
+    sizes = get_block_sizes()  # arguments of the cached choice
+    return _choose(impl, groups, T, S, np.dtype(dtype), bool(need_weights), bool(is_causal),
+                   sizes["tiled_min_length"], sizes["causal_tiled_min_length"],
+                   sizes["dense_weights_budget"])
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, causal_min_length,
+            budget):
+    """:func:`choose_path` below the overflow test, cached: a layer asks the same on every call.
+
+    A pure function of its arguments, the settings among them (its sentences
+    cost 1 us to format, more than the choice).
+    """
+    if impl == "reference":
+        return Dispatch(impl, "reference", "impl='reference' requested")
     if impl == "tiled":
         if need_weights:
             return Dispatch(impl, "fast", "tiled cannot return the attention weights (it never "
@@ -150,17 +165,15 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
         return Dispatch(impl, "tiled", "impl='tiled' requested")
     if impl == "fast":
         return Dispatch(impl, "fast", "impl='fast' requested")
-    sizes = get_block_sizes()
-    min_length, budget = sizes["tiled_min_length"], sizes["dense_weights_budget"]
-    dense_bytes = groups * T * S * np.dtype(dtype).itemsize
+    dense_bytes = groups * T * S * dtype.itemsize
     if need_weights:
         return Dispatch(impl, "fast", "auto: weights requested, which only the dense fast "
                                       "core builds")
     if S >= min_length:
         return Dispatch(impl, "tiled", f"auto: {S} keys >= tiled_min_length {min_length}")
-    if is_causal and S >= sizes["causal_tiled_min_length"]:
+    if is_causal and S >= causal_min_length:
         return Dispatch(impl, "tiled", f"auto: causal, {S} keys >= causal_tiled_min_length "
-                                       f"{sizes['causal_tiled_min_length']}")
+                                       f"{causal_min_length}")
     if dense_bytes > budget:
         return Dispatch(impl, "tiled", f"auto: dense weights of {_mib(dense_bytes)} > "
                                        f"dense_weights_budget {_mib(budget)}")
@@ -221,8 +234,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     mha, reference = _layer_kernels()
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     if dispatch.path != "reference":
-        workspace = (previous if isinstance(previous, (mha.FusedLayerCache, mha.SplitLayerCache))
-                     else None)
+        workspace = previous if isinstance(previous, mha.CACHES) else None
         fused_inputs = owned(inputs, originals)
         try:
             with single_threaded_blas():  # one setting for the whole call, not one per matmul

@@ -27,6 +27,7 @@ the defaults: ``benchmarks/RESULTS.md``.
 """
 import math
 import os
+import sys
 import threading
 
 import numpy as np
@@ -316,8 +317,6 @@ def recycled_empty(shape, dtype):
     A buffer is free when its only references are this pool's: every numpy
     view of it (the cache's array, any slice a caller took) refers to it.
     """
-    import sys
-
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     limit = _SIZES["recycle_bytes"]

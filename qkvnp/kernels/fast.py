@@ -54,7 +54,6 @@ buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`.
 Measurements (timings against PyTorch, the tuning sweeps, the recompute
 experiment): ``benchmarks/RESULTS.md``.
 """
-import functools
 import math
 from collections import namedtuple
 
@@ -66,9 +65,9 @@ from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, ow
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
-from ..masks import additive_mask, causal_factors, is_causal_additive, prepare_mask
+from ..masks import additive_mask, causal_factors, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
-from .fast_small import LARGE_SCORES, masked_exp, small_backward, small_forward
+from .fast_small import LARGE_SCORES, mask_row_max, masked_exp, small_backward, small_forward
 
 __all__ = [
     "attention_forward",
@@ -109,14 +108,6 @@ dropout_p : float, the drop probability (kept weights are scaled by 1 / (1 - p))
 """
 
 # ---------------------------------------------------------------- core
-
-
-@functools.lru_cache(maxsize=16)
-def _zeros_column(n, dtype):
-    """A read-only ``(n, 1)`` column of zeros."""
-    zeros = np.zeros((n, 1), dtype)
-    zeros.flags.writeable = False
-    return zeros
 
 
 def _exp_scores_careful(scores, query, key_t, mask):
@@ -171,20 +162,6 @@ def _augment_t(x, last):
     return out
 
 
-def _mask_row_max(mask, dtype):
-    """Largest finite entry of each row of the additive mask, 0 if none (broadcastable)."""
-    if mask is None:
-        return None
-    if is_causal_additive(mask, dtype):
-        # every top-left causal row may attend key 0; a bottom-right one too, or
-        # none (T > S): 0 is the value given to rows with no finite entry
-        return _zeros_column(mask.shape[0], np.dtype(dtype))
-    finite = np.where(np.isneginf(mask), -np.inf, mask)
-    row_max = finite.max(axis=-1, keepdims=True)  # (..., T, S) -> (..., T, 1)
-    row_max[np.isneginf(row_max)] = 0
-    return row_max.astype(dtype, copy=False)
-
-
 def _whole_array(threads, exp_scores):
     """Run a core pass serially in whole-array calls: one thread, and scores of one block.
 
@@ -222,7 +199,7 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
         return False
     flops = 2 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 2)
     dtype = exp_scores.dtype
-    mask_max = _mask_row_max(mask, dtype)
+    mask_max = mask_row_max(mask, dtype)
     factors = causal_factors(mask, dtype)  # None, or the causal mask as 0 / 1: exp(S) * factors
     threads = threads_for(flops)
     drop = None

@@ -18,7 +18,7 @@ import numpy as np
 from ..masks import is_causal_additive
 from ._runtime import recycled_empty
 
-__all__ = ["small_forward", "small_backward", "masked_exp", "LARGE_SCORES"]
+__all__ = ["small_forward", "small_backward", "masked_exp", "mask_row_max", "LARGE_SCORES"]
 
 #: Score blocks of at least this many entries take the variants that save passes
 #: over (T, S) (exp2, einsum) at the price of a few more numpy calls; below it a
@@ -35,6 +35,28 @@ def _ones(n, dtype):
     ones = np.ones((n, 1), dtype)
     ones.flags.writeable = False
     return ones
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_column(n, dtype):
+    """A read-only ``(n, 1)`` column of zeros."""
+    zeros = np.zeros((n, 1), dtype)
+    zeros.flags.writeable = False
+    return zeros
+
+
+def mask_row_max(mask, dtype):
+    """Largest finite entry of each row of the additive mask, 0 if none (broadcastable)."""
+    if mask is None:
+        return None
+    if is_causal_additive(mask, dtype):
+        # every top-left causal row may attend key 0; a bottom-right one too, or
+        # none (T > S): 0 is the value given to rows with no finite entry
+        return _zeros_column(mask.shape[0], np.dtype(dtype))
+    finite = np.where(np.isneginf(mask), -np.inf, mask)
+    row_max = finite.max(axis=-1, keepdims=True)  # (..., T, S) -> (..., T, 1)
+    row_max[np.isneginf(row_max)] = 0
+    return row_max.astype(dtype, copy=False)
 
 
 def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop=None,
@@ -152,6 +174,9 @@ def _shifted_exp(query, key, mask, mask_max, exp_scores, factors=None):
         masked_exp(exp_scores, None, factors, np.exp2)
 
 
+_MOST_SUMS = {}  # dtype -> 2**-24 / finfo(dtype).tiny, the largest unshifted row sum
+
+
 def _usable_sums(row_sums, mask, shifted):
     """Whether every row sum of the exponentials can be normalised: True, False or None.
 
@@ -165,7 +190,9 @@ def _usable_sums(row_sums, mask, shifted):
     NaN fails them), 0.8 us less than the row-by-row test that follows them.
     """
     tiny = 2.0 ** -24
-    most = tiny / float(np.finfo(row_sums.dtype).tiny)
+    most = _MOST_SUMS.get(row_sums.dtype)
+    if most is None:
+        most = _MOST_SUMS[row_sums.dtype] = tiny / float(np.finfo(row_sums.dtype).tiny)
     if row_sums.size == 0 or (row_sums.min() >= tiny and (shifted or row_sums.max() <= most)):
         return True
     live = row_sums >= tiny

@@ -39,11 +39,11 @@ from ..dropout import dense_keep, prepare_dropout
 from ..functional import column_sums
 from ..gqa import split_head_axis
 from ..masks import additive_mask, prepare_mask
-from . import fast, tiled
+from . import fast, mha_small, tiled
 from ._runtime import matmul, run, threads_for
 
-__all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "PATHS",
-           "ScoresMayOverflow", "projected_score_bound"]
+__all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "CACHES",
+           "PATHS", "ScoresMayOverflow", "projected_score_bound"]
 
 #: The cores this module runs a layer on.
 PATHS = ("fast", "tiled")
@@ -83,14 +83,22 @@ blas_threads : bool, the projections may run on BLAS's own threads (the core
 """
 
 
-SplitLayerCache = namedtuple("SplitLayerCache", "path kind shares caches out_shape")
+SplitLayerCache = namedtuple("SplitLayerCache", "path kind shares caches out_shape in_shapes")
 SplitLayerCache.__doc__ = """What :func:`backward` reads after :func:`split_forward`.
 
 path : "fast". kind : as :class:`FusedLayerCache`'s.
 shares : tuple of slices of the first batch dim, one per worker thread.
-caches : tuple of the shares' :class:`FusedLayerCache`.
+caches : tuple of the shares' caches (:class:`FusedLayerCache`, or
+    :class:`qkvnp.kernels.mha_small.SmallLayerCache` for a share that runs
+    there).
 out_shape : shape of the whole forward output ``(B, ..., T, out_dim)``.
+in_shapes : tuple of the shapes of the whole inputs.
 """
+
+
+#: Every cache :func:`forward` returns (:class:`qkvnp.kernels.mha_small.SmallLayerCache`
+#: for a self-attention layer run serially in whole arrays).
+CACHES = (FusedLayerCache, SplitLayerCache, mha_small.SmallLayerCache)
 
 
 class ScoresMayOverflow(Exception):
@@ -133,13 +141,32 @@ def projected_score_bound(query_rows, key_rows, head_dim):
     >>> projected_score_bound(np.ones((3, 4)), -2 * np.ones((5, 4)), head_dim=2)
     4.0
     """
-    def largest(a):
-        if a.size <= 4096:  # one reduction of a small |a|: 1.5 us against 2.5 for max and min
-            return float(abs(a).max()) if a.size else 0.0
-        return max(float(a.max()), -float(a.min()))  # no |a| temporary
+    query_max = _largest(query_rows)
+    return head_dim * query_max * (query_max if key_rows is query_rows else _largest(key_rows))
 
-    query_max = largest(query_rows)
-    return head_dim * query_max * (query_max if key_rows is query_rows else largest(key_rows))
+
+def _largest(a):
+    """``max|a|`` as a Python float (0.0 for an empty array)."""
+    if a.size <= 4096:  # one reduction of a small |a|: 1.5 us against 2.5 for max and min
+        return float(abs(a).max()) if a.size else 0.0
+    return max(float(a.max()), -float(a.min()))  # no |a| temporary
+
+
+def check_score_bound(whole_query, whole_key, query, key, head_dim, dtype):
+    """Raise :class:`ScoresMayOverflow` when the projections bound the scores at the limit.
+
+    NOTE: first a looser bound, from the whole fused projections that hold
+    the queries (``whole_query``) and the keys (``whole_key``), values
+    included: contiguous reductions, where the query and key columns are
+    strided views. Only a screen at the limit pays for the exact bound from
+    ``query`` and ``key``, whose value the dispatch reports. (64, 8, 16, 2)
+    float32: 17 -> 4 us; (64, 33, 64, 1): 106 -> 44 us.
+    """
+    bound = projected_score_bound(whole_query, whole_key, head_dim)
+    if scores_may_overflow(bound, dtype):
+        bound = projected_score_bound(query, key, head_dim)
+        if scores_may_overflow(bound, dtype):
+            raise ScoresMayOverflow(bound)  # before any draw from rng: the reference draws it
 
 
 #: The parameter stems each fused input projection covers, by layer kind.
@@ -255,7 +282,10 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
             return split_forward(shares, params, inputs, kind, num_heads, mask, is_causal,
                                  need_weights, out_proj, workspace, dropout_p=dropout_p, rng=rng,
                                  dropout_mask=dropout_mask)
-    if isinstance(workspace, SplitLayerCache):  # the previous call split its batch: no buffers
+    small_workspace = None
+    if isinstance(workspace, mha_small.SmallLayerCache):
+        small_workspace, workspace = workspace, None
+    elif isinstance(workspace, SplitLayerCache):  # the previous call split its batch: no buffers
         workspace = None
     p = params
     query = inputs[0]
@@ -276,6 +306,12 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
     # only checked here: a drawn mask is drawn after the score bound below
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=False)
+    if (kind == "self" and path == "fast" and dropout is None and H_kv == H
+            and mha_small.applies(p, query, H, out_proj)):  # one thread, whole arrays
+        result = mha_small.forward(p, query, H, bias, keep, need_weights, out_proj,
+                                   small_workspace, out, check_score_bound)
+        if result is not None:
+            return result
 
     def fused(names):
         W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, sum of widths)
@@ -303,17 +339,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         W_in.append(W)
         fused_outputs.append(y)
         projected.extend(_columns(y, names, widths))  # (N, E) or (N, E_kv) views
-    # NOTE: first a looser bound, from the whole fused projections that hold the
-    # queries and the keys (values included): contiguous reductions, where the
-    # query and key columns are strided views. Only a screen at the limit pays
-    # for the exact bound, whose value the dispatch reports. (64, 8, 16, 2)
-    # float32: 17 -> 4 us; (64, 33, 64, 1): 106 -> 44 us.
     keys_output = next(y for y, names in zip(fused_outputs, groups) if "key" in names)
-    bound = projected_score_bound(fused_outputs[0], keys_output, D)
-    if scores_may_overflow(bound, dtype):
-        bound = projected_score_bound(projected[0], projected[1], D)
-    if scores_may_overflow(bound, dtype):
-        raise ScoresMayOverflow(bound)  # before any draw from rng: the reference draws it
+    check_score_bound(fused_outputs[0], keys_output, projected[0], projected[1], D, dtype)
     if path == "fast" and dropout is not None and dropout.mask is None:
         # the tiled core draws its own mask by blocks
         dropout = prepare_dropout(dropout_p, rng, None, lead + (T, S))
@@ -417,6 +444,8 @@ def backward(dout, cache, dinputs_out=None):
     """
     if isinstance(cache, SplitLayerCache):
         return _split_backward(dout, cache)
+    if isinstance(cache, mha_small.SmallLayerCache):
+        return mha_small.backward(dout, cache, dinputs_out)
     c = cache
     batch, T, S, H, merged = c.batch, c.T, c.S, c.H, c.merged
     rows, groups, out_proj = c.rows, c.in_names, c.out_proj
@@ -495,7 +524,7 @@ def _batch_shares(params, inputs, num_heads, out_proj):
     query, key = inputs[0], inputs[-1]
     W_query, W_key = params["W_query"], params["W_key"]
     N, N_kv = query.size // query.shape[-1], key.size // key.shape[-1]  # rows
-    E, E_kv = W_query.shape[1], W_key.shape[1]
+    E = W_query.shape[1]
     H = num_heads if out_proj else 1
     D = E // num_heads if out_proj else E
     T, S = query.shape[-2], key.shape[-2]
@@ -555,7 +584,8 @@ def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need
         raise ScoresMayOverflow(overflow.bound, dropout_mask) from None
     weights = np.concatenate([result[1] for result in results]) if need_weights else None
     caches = tuple(result[2] for result in results)
-    return out, weights, SplitLayerCache("fast", kind, shares, caches, out.shape)
+    return out, weights, SplitLayerCache("fast", kind, shares, caches, out.shape,
+                                         tuple(x.shape for x in inputs))
 
 
 def _split_backward(dout, cache):
@@ -563,8 +593,7 @@ def _split_backward(dout, cache):
     dtype = cache.caches[0].merged.dtype
     dy = as_upstream_grad(dout, "dout", cache.out_shape, dtype)  # (B, ..., T, out_dim)
     results = [None] * len(cache.shares)
-    B = cache.out_shape[0]
-    dinputs = tuple(np.empty((B,) + shape[1:], dtype) for shape in cache.caches[0].in_shapes)
+    dinputs = tuple(np.empty(shape, dtype) for shape in cache.in_shapes)
 
     def task(work):
         for i, share in work:

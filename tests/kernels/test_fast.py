@@ -499,11 +499,14 @@ def test_layer_projections_take_blas_threads_only_beside_a_serial_core():
     core_flops = 4 * 2 * 4 * 32 * 32 * (2 * 16 + 1)  # the core's backward, the larger pass
     with kernels.num_threads(2):
         for threshold, expected in ((core_flops + 1, True), (core_flops, False)):
-            with kernels.block_sizes(min_parallel_flops=threshold, batch_split_flops=1 << 40):
+            # blas_thread_flops below the projections' 1.6 MFLOP: the general kernel
+            # (below it, the layer runs on one thread in mha_small, no flag)
+            with kernels.block_sizes(min_parallel_flops=threshold, batch_split_flops=1 << 40,
+                                     blas_thread_flops=1 << 20):
                 layer.forward(x)
                 assert layer._cache.blas_threads is expected
                 layer.backward(np.ones_like(x))
-    with kernels.num_threads(1):  # no pool at all: the core is serial
+    with kernels.num_threads(1), kernels.block_sizes(blas_thread_flops=1 << 20):  # no pool
         layer.forward(x)
         assert layer._cache.blas_threads is True
 
@@ -563,12 +566,22 @@ def batch_split(split):
     return kernels.block_sizes(batch_split_flops=0 if split else 1 << 62)
 
 
+def threads_or_one(serial):
+    """``serial``: one thread and the default settings, where a self-attention
+    layer this small runs in :mod:`qkvnp.kernels.mha_small`; else two threads,
+    tiny blocks and every job shared (:func:`blocks_and_threads`), where it
+    runs on the general kernel of :mod:`qkvnp.kernels.mha`."""
+    return kernels.num_threads(1) if serial else blocks_and_threads(2, 1)
+
+
 @MANY
-@given(case=mha_cases(), dtype=st.sampled_from([np.float64, np.float32]), split=st.booleans())
-def test_multi_head_layer_matches_reference(case, dtype, split):
+@given(case=mha_cases(), dtype=st.sampled_from([np.float64, np.float32]), split=st.booleans(),
+       serial=st.booleans())
+def test_multi_head_layer_matches_reference(case, dtype, split, serial):
     """Oracle: the reference layer; self, cross and key-only attention, masks,
     key padding with fully padded sequences, causal, with and without bias,
-    with and without the batch split over the threads (a batch of 2 splits)."""
+    with and without the batch split over the threads (a batch of 2 splits),
+    or on one thread (self-attention then runs in mha_small)."""
     kw = {k: case[k] for k in ("embed_dim", "num_heads", "bias", "kdim", "vdim", "seed")}
     kw["rng"] = kw.pop("seed")
     reference, other = layer_pair(MultiHeadAttention, dtype=dtype, **kw)
@@ -576,20 +589,70 @@ def test_multi_head_layer_matches_reference(case, dtype, split):
     mask = case["attn_mask"]
     kwargs = {"attn_mask": mask, "is_causal": case["is_causal"],
               "key_padding_mask": case["key_padding_mask"]}
-    with blocks_and_threads(2, 1), batch_split(split):
+    with threads_or_one(serial), batch_split(split):
         check_layers(reference, other, inputs, kwargs)
 
 
 @MANY
 @given(case=self_attention_cases(), dtype=st.sampled_from([np.float64, np.float32]),
-       split=st.booleans())
-def test_self_attention_layer_matches_reference(case, dtype, split):
-    """Oracle: the reference layer (single head, no output projection)."""
+       split=st.booleans(), serial=st.booleans())
+def test_self_attention_layer_matches_reference(case, dtype, split, serial):
+    """Oracle: the reference layer (single head, no output projection), on
+    the general kernel or on one thread (mha_small)."""
     reference, other = layer_pair(SelfAttention, d_in=case["d_in"], d_out=case["d_out"],
                                   qkv_bias=case["qkv_bias"], rng=case["seed"], dtype=dtype)
     kwargs = {"attn_mask": case["attn_mask"], "is_causal": case["is_causal"]}
-    with blocks_and_threads(2, 1), batch_split(split):
+    with threads_or_one(serial), batch_split(split):
         check_layers(reference, other, [case["x"].astype(dtype)], kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", ["causal", "bool mask", "float mask", "no bias", "weights",
+                                  "self-attention layer", "two batch dims"])
+def test_one_thread_layer_runs_and_matches_reference(dtype, case):
+    """Oracle: the reference layer, and the cache's type for where the call ran.
+
+    A self-attention layer whose every step runs on one thread in whole
+    arrays takes mha_small (SmallLayerCache). Each layer runs three
+    forward+backward calls on inputs of changing shapes, so that the second
+    reuses the first's buffers and the third cannot; gradients accumulate
+    over the three. Fed the same shapes, the general kernel (forced by
+    blas_thread_flops=0) gives the same results within the path tolerance."""
+    rng = np.random.default_rng(5)
+    batch, E, H = ((2, 3) if case == "two batch dims" else (4,)), 8, 2
+    if case == "self-attention layer":
+        make = functools.partial(layer_pair, SelfAttention, d_in=E, d_out=6, qkv_bias=True)
+    else:
+        make = functools.partial(layer_pair, MultiHeadAttention, embed_dim=E, num_heads=H,
+                                 bias=case != "no bias")
+    calls = []
+    for T in (5, 5, 7):
+        kwargs = {"is_causal": True} if case in ("causal", "two batch dims") else {}
+        if case == "bool mask":
+            kwargs["attn_mask"] = np.tril(np.ones((T, T), bool), 1)
+        if case in ("float mask", "self-attention layer"):
+            kwargs["attn_mask"] = rng.normal(size=(T, T)) - 2 * np.triu(np.ones((T, T)), 2)
+        calls.append((rng.normal(size=batch + (T, E)).astype(dtype), kwargs))
+    results = []
+    for settings_ in ({}, {"blas_thread_flops": 0}):
+        reference, other = make(rng=3, dtype=dtype)
+        for x, kwargs in calls:
+            T = x.shape[-2]
+            with kernels.num_threads(1), kernels.block_sizes(**settings_):
+                check_layers(reference, other, [x], kwargs, seed=T)
+                small = isinstance(other._used_cache, kernels.mha_small.SmallLayerCache)
+                assert small == (not settings_)
+                assert other.last_dispatch.path == "fast"
+                if case == "weights":
+                    _, weights = other.forward(x, return_weights=True, **kwargs)
+                    _, expected = reference.forward(x, return_weights=True, **kwargs)
+                    assert_close(weights, expected, "weights")
+                    weights[...] = 0  # a copy: the cache's weights are intact
+                    other.backward(np.ones(x.shape[:-1] + (E,), dtype))
+                    reference.backward(np.ones(x.shape[:-1] + (E,), dtype))
+        results.append({name: grad.copy() for name, grad in other.grads.items()})
+    for name, grad in results[0].items():
+        assert_close(grad, results[1][name], name)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
@@ -695,7 +758,9 @@ def test_batch_split_with_one_share_on_the_blocked_core(dtype):
     row sums below 2**-24 and its shifted try, with the bound |q| max|k| =
     20.6, exponentials of -41; that share falls back to the blocked core,
     which keeps numerators and 1 / rowsum, while the other share keeps the
-    normalised weights; each share's backward reads its own."""
+    normalised weights; each share's backward reads its own. The share that
+    falls back has run the one-thread layer of mha_small first (its sizes
+    qualify), which hands it to the general kernel when the core refuses."""
     E = H = 2
     reference, other = layer_pair(MultiHeadAttention, embed_dim=E, num_heads=1, bias=False,
                                   rng=0, dtype=dtype)
@@ -708,9 +773,10 @@ def test_batch_split_with_one_share_on_the_blocked_core(dtype):
     with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0):
         check_layers(reference, other, [x.astype(dtype)], {"is_causal": True})
         assert other._used_cache.shares == (slice(0, 1), slice(1, 2))
-        blocked, whole_array = (cache.core_cache for cache in other._used_cache.caches)
-        assert blocked.inv_sum is not None  # numerators and 1 / rowsum kept (share 0) ...
-        assert whole_array.inv_sum is None  # ... the weights themselves (share 1)
+        blocked, whole_array = other._used_cache.caches
+        assert isinstance(blocked, kernels.mha.FusedLayerCache)  # the general kernel (share 0)
+        assert blocked.core_cache.inv_sum is not None  # numerators and 1 / rowsum kept ...
+        assert isinstance(whole_array, kernels.mha_small.SmallLayerCache)  # ... the weights (1)
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
