@@ -282,11 +282,19 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
             return split_forward(shares, params, inputs, kind, num_heads, mask, is_causal,
                                  need_weights, out_proj, workspace, dropout_p=dropout_p, rng=rng,
                                  dropout_mask=dropout_mask)
-    small_workspace = None
     if isinstance(workspace, mha_small.SmallLayerCache):
-        small_workspace, workspace = workspace, None
-    elif isinstance(workspace, SplitLayerCache):  # the previous call split its batch: no buffers
-        workspace = None
+        small_workspace, workspace = workspace, None  # the general kernel's buffers differ
+    else:
+        small_workspace = None
+        if isinstance(workspace, SplitLayerCache):  # the previous call split its batch
+            workspace = None
+    if (kind == "self" and path == "fast" and dropout_mask is None
+            and type(dropout_p) is float and dropout_p == 0.0  # prepare_dropout's None
+            and mha_small.applies(params, inputs[0], num_heads, out_proj)):
+        result = mha_small.forward(params, inputs[0], num_heads, mask, is_causal, need_weights,
+                                   out_proj, small_workspace, out, check_score_bound)
+        if result is not None:  # None: the whole-array core refused its bounds
+            return result
     p = params
     query = inputs[0]
     batch, T = query.shape[:-2], query.shape[-2]
@@ -306,12 +314,6 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
     # only checked here: a drawn mask is drawn after the score bound below
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=False)
-    if (kind == "self" and path == "fast" and dropout is None and H_kv == H
-            and mha_small.applies(p, query, H, out_proj)):  # one thread, whole arrays
-        result = mha_small.forward(p, query, H, bias, keep, need_weights, out_proj,
-                                   small_workspace, out, check_score_bound)
-        if result is not None:
-            return result
 
     def fused(names):
         W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, sum of widths)

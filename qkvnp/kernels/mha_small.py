@@ -28,7 +28,7 @@ import numpy as np
 
 from .._checks import as_upstream_grad
 from ..functional import column_sums
-from ..masks import additive_mask, causal_factors
+from ..masks import additive_mask, causal_factors, prepare_mask
 from ._runtime import get_block_sizes, threads_for
 from .fast_small import LARGE_SCORES, mask_row_max, small_backward, small_forward
 
@@ -58,10 +58,11 @@ projected : (N, 3E) the fused projection, a buffer the next forward reuses.
 
 
 def applies(params, x, num_heads, out_proj):
-    """Whether a fast self-attention forward of ``x`` runs here: serially, in whole arrays.
+    """Whether a fast self-attention forward of ``x`` without dropout runs here.
 
-    Every condition is one the general kernel tests on its own, so the two
-    run the same steps on one thread: the projections below
+    Keys and values of every head (no grouped-query attention), and every
+    step on one thread in whole arrays. Each condition is one the general
+    kernel tests on its own, so the two run the same steps: the projections below
     ``blas_thread_flops`` (never on BLAS's threads), the core's backward
     below ``min_parallel_flops`` (never on the worker threads), its scores
     fewer than :data:`qkvnp.kernels.fast_small.LARGE_SCORES` and within
@@ -73,7 +74,8 @@ def applies(params, x, num_heads, out_proj):
     H = num_heads if out_proj else 1
     scores = (N // T if T else 0) * H * T * T
     sizes = get_block_sizes()
-    return (2 * N * x.shape[-1] * 3 * E < sizes["blas_thread_flops"]
+    return (params["W_key"].shape[1] == E
+            and 2 * N * x.shape[-1] * 3 * E < sizes["blas_thread_flops"]
             and scores < LARGE_SCORES and scores * W_query.itemsize <= sizes["fast_block_bytes"]
             and threads_for(4 * scores * (2 * E // num_heads + 1)) == 1)
 
@@ -90,17 +92,16 @@ def _head_views(rows, batch, T, H, parts, out_proj):
     return heads.transpose((n + 1,) + tuple(range(n)) + (n + 2, n, n + 3))
 
 
-def forward(params, x, num_heads, bias, keep, need_weights, out_proj, workspace, out, check_bound):
+def forward(params, x, num_heads, mask, is_causal, need_weights, out_proj, workspace, out,
+            check_bound):
     """Self-attention forward on one thread: ``(out, weights, SmallLayerCache)``, or None.
 
     Parameters
     ----------
-    params, num_heads, need_weights, out_proj, out
+    params, num_heads, mask, is_causal, need_weights, out_proj, out
         As :func:`qkvnp.kernels.mha.forward`'s.
     x : ndarray, shape (..., T, in)
         Checked by the layer.
-    bias, keep
-        The checked mask, :func:`qkvnp.masks.prepare_mask`'s pair.
     workspace : SmallLayerCache or None
         The previous forward's cache, not to be used again: its buffers are
         reused when the input has the same shape.
@@ -121,10 +122,11 @@ def forward(params, x, num_heads, bias, keep, need_weights, out_proj, workspace,
     E, dtype = W_query.shape[1], W_query.dtype
     H = num_heads if out_proj else 1
     scale = 1.0 / math.sqrt(E // num_heads)
+    scores_shape = batch + (H,) * out_proj + (T, T)  # (..., H, T, S), S = T
+    bias, keep = prepare_mask(mask, is_causal, scores_shape, dtype)  # before any buffer is written
     x2d = x.reshape(-1, x.shape[-1])  # (..., T, in) -> (N, in)
     W = np.concatenate((W_query, p["W_key"], p["W_value"]), axis=1)  # (in, 3E)
     W[:, :E] *= dtype.type(scale)
-    scores_shape = batch + (H,) * out_proj + (T, T)  # (..., H, T, S), S = T
     if (workspace is not None and workspace.weights.shape == scores_shape
             and workspace.projected.shape == (x2d.shape[0], 3 * E)
             and workspace.projected.dtype == dtype):  # the previous call's buffers
