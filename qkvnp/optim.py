@@ -13,7 +13,9 @@ ready for ``np.savez`` and ``np.load(..., allow_pickle=False)``.
 Hyperparameters (``lr``, ``betas``, ...) are configuration, not state: they
 are not in the state dict, and the caller restores them.
 """
+import math
 import numbers
+from collections import namedtuple
 
 import numpy as np
 
@@ -378,20 +380,76 @@ class Adam(Optimizer):
         self.weight_decay = _at_least(weight_decay, "weight_decay", 0.0)
         super().__init__(params, lr)
 
+        self._flatten()
+
     def _settings(self):
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                 "weight_decay": self.weight_decay}
 
-    def _update(self, name, param, grad):
+    def _flatten(self):
+        """Lay the state out flat: per dtype, one array per buffer; ``state``'s entries are views.
+
+        NOTE: the update then runs its formula lines once over all the
+        parameters of a dtype instead of once per parameter (eleven numpy
+        calls each): the kv-recall model's step, eight parameters, took 88 us
+        float32 and 140 float64 per parameter. Elementwise ``+ - * /`` and
+        ``sqrt`` round each entry the same whatever the array, so the
+        trajectory is the same to the bit.
+        """
+        by_dtype = {}
+        for name, param in self.params.items():
+            by_dtype.setdefault(param.dtype, []).append(name)
+        self._groups, self._views = [], {}
+        for dtype, names in by_dtype.items():
+            shapes = [self.params[name].shape for name in names]
+            ends = np.cumsum([math.prod(shape) for shape in shapes]).tolist()
+            starts = [0] + ends[:-1]
+
+            def views(flat):
+                return [flat[lo:hi].reshape(shape) for lo, hi, shape in zip(starts, ends, shapes)]
+
+            flats = {}
+            for buffer in self._buffers:
+                flats[buffer] = np.empty(ends[-1], dtype)
+                for name, view in zip(names, views(flats[buffer])):
+                    key = f"{buffer}/{name}"
+                    view[...] = self.state[key]
+                    self.state[key] = self._views[key] = view
+            grad, update = np.empty(ends[-1], dtype), np.empty(ends[-1], dtype)
+            self._groups.append(_FlatGroup(names, flats["exp_avg"], flats["exp_avg_sq"], grad,
+                                           views(grad), update, views(update)))
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._flatten()
+
+    load_state_dict.__doc__ = Optimizer.load_state_dict.__doc__
+
+    def step(self, grads):
+        self._check_params()
+        grads = self._check_grads(grads)
+        if any(self.state[key] is not view for key, view in self._views.items()):
+            self._flatten()  # a state array was replaced: lay the new values out
+        self.step_count += 1
+        for group in self._groups:
+            self._update_group(group, grads)
+
+    step.__doc__ = Optimizer.step.__doc__
+
+    def _update_group(self, group, grads):
+        """The update of every parameter of ``group`` (one dtype), on its flat arrays."""
         lr, (beta1, beta2), eps, decay = self.lr, self.betas, self.eps, self.weight_decay
-        exp_avg = self.state[f"exp_avg/{name}"]
-        exp_avg_sq = self.state[f"exp_avg_sq/{name}"]
+        params = [self.params[name] for name in group.names]
+        for name, view in zip(group.names, group.grad_views):
+            view[...] = grads[name]  # g, flat
+        grad, exp_avg, exp_avg_sq = group.grad, group.exp_avg, group.exp_avg_sq
         step = float(self.step_count)
         if decay != 0:
-            if self._decoupled:
-                param *= 1 - lr * decay  # theta <- theta * (1 - lr * lambda)  (AdamW)
-            else:
-                grad = grad + decay * param  # g <- g + lambda * theta  (Adam's L2)
+            for param, view in zip(params, group.grad_views):
+                if self._decoupled:
+                    param *= 1 - lr * decay  # theta <- theta * (1 - lr * lambda)  (AdamW)
+                else:
+                    view += decay * param  # g <- g + lambda * theta  (Adam's L2)
         # NOTE: m is updated as torch's lerp(m, g, 1 - beta1) for beta1 > 0.5,
         # m + (1 - beta1) (g - m): beta1 m + (1 - beta1) g up to rounding. torch's
         # CPU kernels fuse some of these lines (FMA), so single entries may differ
@@ -401,7 +459,20 @@ class Adam(Optimizer):
         exp_avg_sq += (1 - beta2) * grad * grad  # ... + (1 - beta2) * g^2
         step_size = lr / (1 - beta1**step)  # lr / (1 - beta1^t)
         denom = np.sqrt(exp_avg_sq) / (1 - beta2**step) ** 0.5 + eps  # sqrt(v_t / (1 - beta2^t)) + eps
-        param -= step_size * exp_avg / denom  # theta_t = theta_{t-1} - step_size * m_t / denom
+        np.divide(step_size * exp_avg, denom, out=group.update)  # step_size * m_t / denom
+        for param, update in zip(params, group.update_views):
+            param -= update  # theta_t = theta_{t-1} - step_size * m_t / denom
+
+
+_FlatGroup = namedtuple("_FlatGroup", "names exp_avg exp_avg_sq grad grad_views update update_views")
+_FlatGroup.__doc__ = """The flat arrays of :class:`Adam`'s parameters of one dtype.
+
+names : the parameters' names, in ``params``' order. exp_avg, exp_avg_sq,
+grad, update : flat arrays of all their entries (the state buffers,
+the gradients gathered, the step's update); ``grad_views``,
+``update_views`` : the parameter-shaped views of ``grad`` and ``update``
+(``state`` holds those of the buffers).
+"""
 
 
 class AdamW(Adam):
