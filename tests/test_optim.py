@@ -399,3 +399,59 @@ def test_trajectories_match_torch_optim(ours, theirs, kwargs, torch, rng):
     assert worst < 1e-10, f"max relative deviation from torch.optim.{theirs}: {worst:.3e}"
     # the comparison means something only if the parameters really travelled
     assert max(np.abs(params[k] - start[k]).max() for k in params) > 1e-2
+
+
+# ---------------------------------------------------------------- Adam's flat update
+
+
+def adam_per_parameter(params, state, grads, step, lr, betas, eps, decay, decoupled):
+    """The oracle: Adam's formula lines written once per parameter, as the docstring gives them."""
+    beta1, beta2 = betas
+    for name, param in params.items():
+        m, v, g = state[f"exp_avg/{name}"], state[f"exp_avg_sq/{name}"], grads[name]
+        if decay != 0:
+            if decoupled:
+                param *= 1 - lr * decay
+            else:
+                g = g + decay * param
+        m += (1 - beta1) * (g - m)
+        v *= beta2
+        v += (1 - beta2) * g * g
+        step_size = lr / (1 - beta1**step)
+        denom = np.sqrt(v) / (1 - beta2**step) ** 0.5 + eps
+        param -= step_size * m / denom
+
+
+@pytest.mark.parametrize("cls, decay", [(Adam, 0.0), (Adam, 1e-2), (AdamW, 1e-2)])
+def test_adam_flat_update_is_the_per_parameter_update_to_the_bit(cls, decay, rng):
+    """Oracle: the per-parameter formulas (adam_per_parameter) over 25 steps, bitwise.
+
+    Adam runs each dtype's parameters as one flat array; elementwise
+    arithmetic must round each entry as it would alone. Parameters of both
+    float dtypes, interleaved, and of several shapes (a scalar, a vector,
+    matrices); a state array replaced by the user and a state loaded midway
+    are used, not lost."""
+    shapes = {"a": (3, 4), "b": (4,), "c": (), "d": (2, 3, 5), "e": (7,)}
+    dtypes = {"a": np.float32, "b": np.float64, "c": np.float32, "d": np.float64, "e": np.float32}
+    params = {name: rng.normal(size=shape).astype(dtypes[name]) for name, shape in shapes.items()}
+    mine = {name: p.copy() for name, p in params.items()}
+    state = {f"{buffer}/{name}": np.zeros_like(p) for buffer in ("exp_avg", "exp_avg_sq")
+             for name, p in params.items()}
+    optimizer = cls(mine, lr=0.01, weight_decay=decay)
+    for step in range(1, 26):
+        grads = {name: rng.normal(size=p.shape) for name, p in params.items()}  # float64: cast
+        cast = {name: g.astype(params[name].dtype) for name, g in grads.items()}
+        adam_per_parameter(params, state, cast, step, 0.01, (0.9, 0.999), 1e-8, decay,
+                           cls is AdamW)
+        optimizer.step(grads)
+        if step == 10:  # the user replaces a buffer: the next step must use its values
+            state["exp_avg/d"] = state["exp_avg/d"] * 0.5
+            optimizer.state["exp_avg/d"] = state["exp_avg/d"].copy()
+        if step == 17:  # a loaded state (copies) replaces every buffer
+            optimizer.load_state_dict(optimizer.state_dict())
+        for name in params:
+            assert mine[name].dtype == params[name].dtype
+            assert mine[name].tobytes() == params[name].tobytes(), (step, name)
+    for key, value in optimizer.state_dict().items():
+        if key != "step":
+            assert value.tobytes() == state[key].tobytes(), key

@@ -10,7 +10,8 @@ Three paths compute the same layers, up to rounding (:data:`PATH_TOLERANCES`):
                :mod:`qkvnp.functional` line for line; the oracle.
 ``fast``       :mod:`qkvnp.kernels.mha` on the dense core of
                :mod:`qkvnp.kernels.fast`: fused projections, in-place
-               softmax, worker threads.
+               softmax, worker threads (:mod:`qkvnp.kernels.mha_small`
+               for a self-attention layer that runs on one thread).
 ``tiled``      :mod:`qkvnp.kernels.mha` on the core of
                :mod:`qkvnp.kernels.tiled`: FlashAttention-style blocks,
                memory linear in length, never the ``(T, S)`` weights.

@@ -25,9 +25,18 @@ the projections, the core and the output projection all in the worker; the
 caller joins the outputs and adds the shares' weight gradients. That is one
 hand-off to the threads a forward and one a backward, where splitting each
 matmul and core pass costs one each (a hand-off costs 40-60 us on the 2-core
-VM): layer fwd+bwd at (64, 33, 64, 1) float32 went from 1.06-1.12x
-PyTorch's time to 0.88-0.89x (medians of three full runs,
+VM in a tight loop, 110-270 us inside a layer, whose arrays the caller's
+passes have just evicted): layer fwd+bwd at (64, 33, 64, 1) float32 went
+from 1.06-1.12x PyTorch's time to 0.88-0.89x (medians of three full runs,
 ``benchmarks/RESULTS.md``).
+
+At the other end, a self-attention forward whose every step runs on one
+thread in whole arrays (:func:`qkvnp.kernels.mha_small.applies`: the seeds'
+and learners' sizes, up to about (8, 16, 32, 4)) is handed to
+:mod:`qkvnp.kernels.mha_small` after the split test: the same math with a
+fifth of this module's bookkeeping (layer fwd+bwd at (1, 6, 3, 1) float64
+121 -> 98 us). Its cache, a ``SmallLayerCache``, comes back to
+:func:`backward`, which hands it back there.
 """
 import math
 from collections import namedtuple
