@@ -397,16 +397,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         weights = fast.attention_weights(core_cache) if need_weights else None
         if weights is not None and H_kv != H:
             weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
-    y = None if out is None else out.reshape(-1, out.shape[-1])  # (..., T, out_dim) -> (N, out_dim)
-    if out_proj:
-        y = matmul(merged, p["W_out"], y, blas_threads=blas)  # (N, E) @ (E, out_dim)
-        if "b_out" in p:
-            y += p["b_out"]
-    elif y is None:
-        y = merged.copy()  # the caller may edit its output; the cache keeps merged
-    else:
-        y[...] = merged
-    out = y.reshape(batch + (T, y.shape[-1]))  # (N, out_dim) -> (..., T, out_dim)
+    out = mha_small.project_output(merged, p, out_proj, out, batch + (T,),
+                                   lambda a, b, y: matmul(a, b, y, blas_threads=blas))
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
                             p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,

@@ -32,7 +32,7 @@ from ..masks import additive_mask, causal_factors, prepare_mask
 from ._runtime import get_block_sizes, threads_for
 from .fast_small import LARGE_SCORES, mask_row_max, small_backward, small_forward
 
-__all__ = ["applies", "forward", "backward", "SmallLayerCache"]
+__all__ = ["applies", "forward", "backward", "project_output", "SmallLayerCache"]
 
 SmallLayerCache = namedtuple(
     "SmallLayerCache",
@@ -149,21 +149,46 @@ def forward(params, x, num_heads, mask, is_causal, need_weights, out_proj, works
     if not small_forward(q, k, v, mask, mask_row_max(mask, dtype), weights, inv_sum, out_heads,
                          normalize=True, factors=causal_factors(mask, dtype)):
         return None
+    out = project_output(merged, p, out_proj, out, batch + (T,), np.matmul)
+    cache = SmallLayerCache("fast", "self", x2d, x.shape, W, scale, q, k, v, weights, out_heads,
+                            merged, p["W_out"] if out_proj else None, out.shape, has_bias,
+                            "b_out" in p, projected)
+    return out, (weights.copy() if need_weights else None), cache
+
+
+def project_output(merged, params, out_proj, out, lead, product):
+    """The layer's output from the merged heads: ``merged @ W_out + b_out``, or ``merged``.
+
+    Parameters
+    ----------
+    merged : ndarray, shape (N, E)
+    params : dict
+        ``W_out (E, out_dim)`` and optional ``b_out`` when ``out_proj``.
+    out_proj : bool
+        False for SelfAttention: the output is a copy of ``merged`` (the
+        cache keeps ``merged``, the caller may edit its output).
+    out : ndarray, shape (..., T, out_dim), or None
+        Written and returned when given (a share's rows of the whole output).
+    lead : tuple
+        ``(..., T)``, the output's shape before ``out_dim``.
+    product : callable
+        ``product(a, b, out)`` computes ``a @ b`` into ``out`` (None: a new
+        array): ``np.matmul``, or the general kernel's threaded matmul.
+
+    Returns
+    -------
+    ndarray, shape (..., T, out_dim)
+    """
     y = None if out is None else out.reshape(-1, out.shape[-1])  # (..., T, out_dim) -> (N, out_dim)
-    W_out = p["W_out"] if out_proj else None
-    has_out_bias = "b_out" in p
     if out_proj:
-        y = np.matmul(merged, W_out, out=y)  # (N, E) @ (E, out_dim) -> (N, out_dim)
-        if has_out_bias:
-            y += p["b_out"]
+        y = product(merged, params["W_out"], y)  # (N, E) @ (E, out_dim) -> (N, out_dim)
+        if "b_out" in params:
+            y += params["b_out"]
     elif y is None:
-        y = merged.copy()  # the caller may edit its output; the cache keeps merged
+        y = merged.copy()
     else:
         y[...] = merged
-    out = y.reshape(batch + (T, y.shape[-1]))  # (N, out_dim) -> (..., T, out_dim)
-    cache = SmallLayerCache("fast", "self", x2d, x.shape, W, scale, q, k, v, weights, out_heads, merged, W_out,
-                            out.shape, has_bias, has_out_bias, projected)
-    return out, (weights.copy() if need_weights else None), cache
+    return y.reshape(lead + (y.shape[-1],))  # (N, out_dim) -> (..., T, out_dim)
 
 
 def backward(dout, cache, dinputs_out=None):
