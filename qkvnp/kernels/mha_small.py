@@ -77,7 +77,7 @@ def applies(params, x, num_heads, out_proj):
     return (params["W_key"].shape[1] == E
             and 2 * N * x.shape[-1] * 3 * E < sizes["blas_thread_flops"]
             and scores < LARGE_SCORES and scores * W_query.itemsize <= sizes["fast_block_bytes"]
-            and threads_for(4 * scores * (2 * E // num_heads + 1)) == 1)
+            and threads_for(4 * scores * (2 * (E // num_heads) + 1)) == 1)  # as mha's `blas`
 
 
 def _head_views(rows, batch, T, H, parts, out_proj):
