@@ -445,11 +445,14 @@ class Adam(Optimizer):
         grad, exp_avg, exp_avg_sq = group.grad, group.exp_avg, group.exp_avg_sq
         step = float(self.step_count)
         if decay != 0:
+            # NOTE: scalars of the parameters' dtype: numpy 1 computed a 0-d float32
+            # parameter times a Python float in float64 (value-based casting)
+            kind = grad.dtype.type
             for param, view in zip(params, group.grad_views):
                 if self._decoupled:
-                    param *= 1 - lr * decay  # theta <- theta * (1 - lr * lambda)  (AdamW)
+                    param *= kind(1 - lr * decay)  # theta <- theta * (1 - lr * lambda)  (AdamW)
                 else:
-                    view += decay * param  # g <- g + lambda * theta  (Adam's L2)
+                    view += kind(decay) * param  # g <- g + lambda * theta  (Adam's L2)
         # NOTE: m is updated as torch's lerp(m, g, 1 - beta1) for beta1 > 0.5,
         # m + (1 - beta1) (g - m): beta1 m + (1 - beta1) g up to rounding. torch's
         # CPU kernels fuse some of these lines (FMA), so single entries may differ

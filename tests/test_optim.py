@@ -405,10 +405,15 @@ def test_trajectories_match_torch_optim(ours, theirs, kwargs, torch, rng):
 
 
 def adam_per_parameter(params, state, grads, step, lr, betas, eps, decay, decoupled):
-    """The oracle: Adam's formula lines written once per parameter, as the docstring gives them."""
+    """The oracle: Adam's formula lines written once per parameter, as the docstring gives them.
+
+    Each on 1-D views: numpy 1's value-based casting computes a 0-d float32
+    array times a Python float in float64 (numpy 2, like torch, in float32);
+    the flat update, on arrays, rounds in the parameter's dtype on both."""
     beta1, beta2 = betas
-    for name, param in params.items():
-        m, v, g = state[f"exp_avg/{name}"], state[f"exp_avg_sq/{name}"], grads[name]
+    for name in params:
+        param, m, v, g = (a.reshape(-1) for a in (params[name], state[f"exp_avg/{name}"],
+                                                  state[f"exp_avg_sq/{name}"], grads[name]))
         if decay != 0:
             if decoupled:
                 param *= 1 - lr * decay
