@@ -421,6 +421,24 @@ def test_each_attention_layer_checks_its_upstream_gradient_once(impl, entry, ups
     assert upstream_checks == [name]
 
 
+@pytest.mark.parametrize("kv_heads", [None, 1])  # the one-thread layer; the general kernel (GQA)
+def test_a_layer_split_over_the_threads_checks_its_upstream_gradient_once(kv_heads, upstream_checks):
+    """Oracle: the count, with the batch split forced (each share's backward
+    reads the rows of the whole dout checked before the shares start)."""
+    from qkvnp import kernels
+
+    layer = qkvnp.MultiHeadAttention(8, 2, num_kv_heads=kv_heads, rng=0, impl="fast")
+    x = normal(4, 5, 8)
+    with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0):
+        layer.forward(x)
+        shares = layer._cache.caches
+        assert len(shares) == 2  # it did split, each share on the kernel named above
+        assert all(isinstance(share, kernels.mha.FusedLayerCache) == (kv_heads == 1)
+                   for share in shares)
+        layer.backward(normal(*x.shape))
+    assert upstream_checks == ["dout"]
+
+
 def test_upstream_gradient_of_the_right_dtype_is_not_copied():
     """The fast path relies on it: the helper hands back the very array it got."""
     from qkvnp._checks import as_upstream_grad

@@ -415,7 +415,7 @@ def _columns(y, names, widths):
     return views
 
 
-def backward(dout, cache, dinputs_out=None):
+def backward(dout, cache, dinputs_out=None, check=True):
     """Backward of :func:`forward`.
 
     Parameters
@@ -428,6 +428,9 @@ def backward(dout, cache, dinputs_out=None):
         One C-contiguous array per input, of its shape and the parameters'
         dtype: written with the input gradients and returned (the batch
         split passes each share's rows of the whole gradients).
+    check : bool
+        False: ``dout`` is already checked and of the parameters' dtype (a
+        share of the batch split, whose caller checked the whole ``dout``).
 
     Returns
     -------
@@ -448,13 +451,13 @@ def backward(dout, cache, dinputs_out=None):
     if isinstance(cache, SplitLayerCache):
         return _split_backward(dout, cache)
     if isinstance(cache, mha_small.SmallLayerCache):
-        return mha_small.backward(dout, cache, dinputs_out)
+        return mha_small.backward(dout, cache, dinputs_out, check)
     c = cache
     batch, T, S, H, merged = c.batch, c.T, c.S, c.H, c.merged
     rows, groups, out_proj = c.rows, c.in_names, c.out_proj
     dtype = merged.dtype
     E = merged.shape[1]
-    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype)
+    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype) if check else dout
     dy = dy.reshape(-1, c.out_shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     grads = {}
     if out_proj:
@@ -600,7 +603,8 @@ def _split_backward(dout, cache):
 
     def task(work):
         for i, share in work:
-            results[i] = backward(dy[share], cache.caches[i], tuple(d[share] for d in dinputs))
+            results[i] = backward(dy[share], cache.caches[i], tuple(d[share] for d in dinputs),
+                                  check=False)  # dy is checked: once, whole
 
     run(task, list(enumerate(cache.shares)))
     grads = results[0][0]

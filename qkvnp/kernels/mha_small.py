@@ -191,8 +191,9 @@ def project_output(merged, params, out_proj, out, lead, product):
     return y.reshape(lead + (y.shape[-1],))  # (N, out_dim) -> (..., T, out_dim)
 
 
-def backward(dout, cache, dinputs_out=None):
-    """Backward of :func:`forward`: ``(grads, (dx,))``, as :func:`qkvnp.kernels.mha.backward`.
+def backward(dout, cache, dinputs_out=None, check=True):
+    """Backward of :func:`forward`: ``(grads, (dx,))``, as :func:`qkvnp.kernels.mha.backward`
+    (``check=False``: ``dout`` is already checked and cast).
 
     With ``dO`` the output's gradient and ``Y = O W_out + b_out``:
     ``dW_out = O^T dY``, ``db_out = 1^T dY``, ``dO = dY W_out^T``; the core's
@@ -206,7 +207,7 @@ def backward(dout, cache, dinputs_out=None):
     merged = c.merged
     dtype = merged.dtype
     N, E = merged.shape
-    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype)
+    dy = as_upstream_grad(dout, "dout", c.out_shape, dtype) if check else dout
     dy = dy.reshape(N, c.out_shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     grads = {}
     if c.W_out is not None:
