@@ -39,6 +39,7 @@ __all__ = [
     "Dropout",
     "check_dropout_p",
     "keep_scale",
+    "no_dropout",
     "prepare_dropout",
     "draw_key",
     "keep_rows",
@@ -96,6 +97,15 @@ def draw_key(rng):
     return make_rng(rng).integers(0, _MOD, dtype=np.uint64)
 
 
+def no_dropout(dropout_p, dropout_mask):
+    """True for the forwards' default, no dropout: ``dropout_p`` the float 0.0 and no mask.
+
+    The cheap test that needs no check (a few comparisons); anything else goes
+    through :func:`prepare_dropout`'s checks, which may also find no dropout.
+    """
+    return dropout_mask is None and type(dropout_p) is float and dropout_p == 0.0
+
+
 def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape, draw=True):
     """Check the dropout arguments of a forward; return a :class:`Dropout` or None.
 
@@ -128,8 +138,8 @@ def prepare_dropout(dropout_p, rng, dropout_mask, scores_shape, draw=True):
         ``dropout_p`` outside ``[0, 1)``, a mask with ``dropout_p == 0``, a
         mask that does not broadcast to ``scores_shape``.
     """
-    if dropout_mask is None and type(dropout_p) is float and dropout_p == 0.0:
-        return None  # the forwards' default, checked in one comparison
+    if no_dropout(dropout_p, dropout_mask):
+        return None
     p = check_dropout_p(dropout_p)
     scores_shape = tuple(scores_shape)
     if dropout_mask is None:

@@ -35,7 +35,7 @@ thread in whole arrays (:func:`qkvnp.kernels.mha_small.applies`: the seeds'
 and learners' sizes, up to about (8, 16, 32, 4)) is handed to
 :mod:`qkvnp.kernels.mha_small` after the split test: the same math with a
 fifth of this module's bookkeeping (layer fwd+bwd at (1, 6, 3, 1) float64
-121 -> 98 us). Its cache, a ``SmallLayerCache``, comes back to
+causal 121 -> 98 us). Its cache, a ``SmallLayerCache``, comes back to
 :func:`backward`, which hands it back there.
 """
 import math
@@ -44,7 +44,7 @@ from collections import namedtuple
 import numpy as np
 
 from .._checks import as_upstream_grad, owned, scores_may_overflow
-from ..dropout import dense_keep, prepare_dropout
+from ..dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
 from ..gqa import split_head_axis
 from ..masks import additive_mask, prepare_mask
@@ -297,8 +297,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         small_workspace = None
         if isinstance(workspace, SplitLayerCache):  # the previous call split its batch
             workspace = None
-    if (kind == "self" and path == "fast" and dropout_mask is None
-            and type(dropout_p) is float and dropout_p == 0.0  # prepare_dropout's None
+    if (kind == "self" and path == "fast" and no_dropout(dropout_p, dropout_mask)
             and mha_small.applies(params, inputs[0], num_heads, out_proj)):
         result = mha_small.forward(params, inputs[0], num_heads, mask, is_causal, need_weights,
                                    out_proj, small_workspace, out, check_score_bound)
