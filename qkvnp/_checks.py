@@ -81,6 +81,10 @@ def check_real_dtype(dtype, name=None):
         raise TypeError(f"{what} real numbers (bool, int or float), got dtype {np.dtype(dtype)}")
 
 
+#: The dtypes :func:`compute_dtype` returns as they are.
+_NATIVE_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
 def compute_dtype(*dtypes, names=None):
     """Return the floating dtype in which arrays of ``dtypes`` are computed.
 
@@ -113,6 +117,8 @@ def compute_dtype(*dtypes, names=None):
     >>> compute_dtype(np.float16, np.float32)
     dtype('float32')
     """
+    if len(dtypes) == 1 and dtypes[0] in _NATIVE_FLOATS:
+        return np.dtype(dtypes[0])  # NOTE: the common case first: 0.3 us instead of 1.6
     dtypes = [np.dtype(d) for d in dtypes]
     names = [None] * len(dtypes) if names is None else list(names)
     if len(names) != len(dtypes):

@@ -61,7 +61,9 @@ def embedding_forward(indices, weight):
     if weight.ndim != 2:
         raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
     (indices,) = owned((check_indices(indices, weight.shape[0]),), (indices,))
-    out = weight[indices]  # (...) -> (..., dim)
+    # NOTE: take, not weight[indices]: the same rows (the indices are checked),
+    # 6.5 against 11.5 us for kv-recall's (64, 17) ids of a (64, 64) float32 table
+    out = weight.take(indices, axis=0)  # (...) -> (..., dim)
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 
 

@@ -250,17 +250,19 @@ def softmax(x, axis=-1):
         x = x.astype(compute_dtype(x.dtype, names=("x",)))
     if x.size == 0:
         return np.zeros_like(x)  # no entries (e.g. no keys): nothing to normalise
-    dead = np.all(np.isneginf(x.real), axis=axis, keepdims=True)
+    row_max = np.max(x.real, axis=axis, keepdims=True)
+    dead = row_max == -np.inf  # rows whose every entry is -inf
     # NOTE: a fully masked row has no defined softmax (0/0); we define it as
     # all zeros so that the query's output is 0 and no gradient flows through it.
     any_dead = dead.any()
-    safe = np.where(dead, 0, x) if any_dead else x
+    if any_dead:
+        x, row_max = np.where(dead, 0, x), np.where(dead, 0, row_max)
     # NOTE: shift each row by its max here rather than trust scipy to: scipy
     # 1.8 computed exp(x - logsumexp(x)), which overflows for scores at the
     # float max (three tied at finfo.max gave weights summing to 3). After the
     # shift the row max is 0 and every scipy gives the same exp(x - max) / sum.
     with np.errstate(over="ignore"):  # -big - big -> -inf, whose weight is 0
-        shifted = safe - np.max(safe.real, axis=axis, keepdims=True)
+        shifted = x - row_max
     if shifted.dtype.kind == "c":  # the checker's complex step: max of the real part, no scipy
         weights = np.exp(shifted) / np.sum(np.exp(shifted), axis=axis, keepdims=True)
     else:

@@ -284,8 +284,10 @@ def cross_entropy_backward(dloss, cache):
         dlogits, targets[..., None],
         np.take_along_axis(dlogits, targets[..., None], axis=-1) - 1, axis=-1,
     )  # softmax - onehot
-    scale = dloss / count
-    return np.where(counted[..., None], dlogits * scale, 0).astype(log_probs.dtype, copy=False)  # uncounted rows: 0
+    dlogits *= (dloss / count).astype(dlogits.dtype)
+    if count < counted.size:
+        dlogits[~counted] = 0  # uncounted rows: 0
+    return dlogits
 
 
 def accuracy(logits, targets, ignore_index=None, mask=None):

@@ -536,3 +536,30 @@ def test_compute_dtype_names_the_argument():
         check(TypeError, lambda: compute_dtype(np.float32, np.longdouble, names=("a", "b")),
               "b must be float16, float32 or float64", LONGDOUBLE)
     assert compute_dtype(np.float16, np.int64, names=("a", "b")) == np.float32
+
+
+def test_linear_layer_checks_each_input_once(monkeypatch):
+    """Oracle: a count of as_float_array's calls by argument name in the layer
+    and the op behind it: x, W and b once each (the op used to check x again
+    and copy W on every call); and the parameters' contract: NaN in W or b is
+    a ValueError naming it, as before."""
+    from qkvnp import _checks, functional
+    from qkvnp.layers import basic
+
+    calls = []
+
+    def counting(x, name, *args, **kwargs):
+        calls.append(name)
+        return _checks.as_float_array(x, name, *args, **kwargs)
+
+    for module in (basic, functional):
+        monkeypatch.setattr(module, "as_float_array", counting)
+    layer = qkvnp.Linear(4, 3, rng=0)
+    x = normal(2, 4)
+    out = layer.forward(x)
+    assert sorted(calls) == ["W", "b", "x"]
+    np.testing.assert_array_equal(out, x @ layer.params["W"] + layer.params["b"])
+    for name in ("W", "b"):
+        layer = qkvnp.Linear(4, 3, rng=0)
+        layer.params[name].flat[0] = np.nan
+        check(ValueError, lambda: layer.forward(x), f"{name} contains NaN or inf")
