@@ -678,3 +678,20 @@ def test_layer_ceiling_uses_the_tiled_cores_blocks_and_runs():
         W_in, W_out = rng.standard_normal((8, 24)), rng.standard_normal((8, 8))
         heads = rng.standard_normal((4 * 16, 24))[:, :8].reshape(4, 16, 2, 4).swapaxes(1, 2)
         layer_ceiling.layer_products(x, W_in, W_out, heads, heads, heads, "tiled", True, (5, 3))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_kv_recall_floor_is_the_same_step(dtype):
+    """Oracle: qkvnp's own training step (train_bench) on the same initial
+    weights and batches; the floor's losses over the check steps must agree
+    within the benchmark's tolerances, or its time would be the floor of
+    another computation. Then three more steps with the products on two
+    BLAS threads, which must not change the losses either."""
+    import kv_recall_ceiling  # benchmarks/kv_recall_ceiling.py
+    from qkvnp.kernels import blas_threads
+
+    kv_recall_ceiling.check_floor(dtype)
+    one, two = kv_recall_ceiling.StepFloor(dtype), kv_recall_ceiling.StepFloor(dtype, 2)
+    with blas_threads(1):
+        np.testing.assert_allclose([two.step() for _ in range(3)], [one.step() for _ in range(3)],
+                                   rtol=1e-5 if dtype == np.float32 else 1e-12)
