@@ -26,7 +26,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, check_attention_inputs,
+from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_ndim, check_scale, compute_dtype, owned)
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .embedding import EmbeddingCache, embedding_backward, embedding_forward
@@ -443,7 +443,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if check:
         query, key, value, lead = check_attention_inputs(query, key, value)
     else:
-        lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+        lead = broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
     scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)
@@ -519,7 +519,7 @@ def attention_backward(dout, cache, check=True):
         return grouped_backward(attention_backward, dout, cache, check=False)
     value, weights = cache.value, cache.weights
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
-    lead = np.broadcast_shapes(weights.shape[:-2], value.shape[:-2])
+    lead = broadcast_shapes(weights.shape[:-2], value.shape[:-2])
     if check:
         dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
                                 weights.dtype)
@@ -537,7 +537,8 @@ def _attention_backward(dout, cache):
         dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
         dweights *= cache.dropout_mask
         dweights *= keep_scale(cache.dropout_p, dweights.dtype)
-    weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
+    if weights.shape != dweights.shape:
+        weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
     dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
     dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
     dkey = _product(np.swapaxes(dscores, -1, -2), query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)

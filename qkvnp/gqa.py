@@ -100,6 +100,8 @@ def split_groups(query, key, value, attn_mask, enable_gqa):
     if not isinstance(enable_gqa, (bool, np.bool_)):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     q_shape, k_shape, v_shape = (np.shape(a) for a in (query, key, value))
+    if q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
+        return None  # the same leading dims: nothing to group (the common case, first)
     H = _heads(q_shape)
     if H is None or H == 1:
         return None  # no query head axis to group: plain broadcasting

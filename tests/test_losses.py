@@ -163,6 +163,27 @@ def test_matches_naive_loop(rng):
     np.testing.assert_allclose(loss, naive_cross_entropy(logits, targets, mask), rtol=1e-13)
 
 
+@pytest.mark.parametrize("layout", ["fortran", "transposed", "strided"])
+def test_any_memory_layout_gives_the_same_loss_and_gradient(layout, rng):
+    """Oracle: the same logits in C order, to rounding (scipy's log_softmax
+    sums a strided row in another order). The loss picks each row's target
+    and the backward subtracts the one-hot in place through a (rows, C)
+    reshape, which must see every layout's entries (and write into the
+    gradient it returns, not into a copy: that would be off by 1/n)."""
+    logits = rng.normal(size=(4, 6, 9))
+    targets = rng.integers(0, 9, size=(4, 6))
+    other = {"fortran": np.asfortranarray(logits),
+             "transposed": np.ascontiguousarray(logits.T).T,
+             "strided": np.repeat(logits, 2, axis=-1)[..., ::2]}[layout]
+    assert not other.flags.c_contiguous
+    for mask in (None, rng.random((4, 6)) < 0.7):
+        want, want_cache = cross_entropy_forward(logits, targets, mask=mask)
+        got, got_cache = cross_entropy_forward(other, targets, mask=mask)
+        np.testing.assert_allclose(got, want, rtol=1e-14)
+        np.testing.assert_allclose(cross_entropy_backward(1.0, got_cache),
+                                   cross_entropy_backward(1.0, want_cache), rtol=0, atol=1e-15)
+
+
 def test_ignore_index_equals_the_loss_of_the_kept_rows(rng):
     # oracle: the mean over the kept rows only, computed without ignore_index;
     # ignored positions may hold any integer (here -100 and 999, out of range)
