@@ -438,7 +438,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     grouped = split_groups(query, key, value, attn_mask, enable_gqa)
     if grouped is not None:  # K < H key/value heads, broadcast over each group
         return grouped_forward(attention_forward, grouped, is_causal, scale, dropout_p=dropout_p,
-                               rng=rng, dropout_mask=dropout_mask)
+                               rng=rng, dropout_mask=dropout_mask, check=check)
     originals = (query, key, value) if check else ()  # the arrays the cache copies if it reads them
     if check:
         query, key, value, lead = check_attention_inputs(query, key, value)
@@ -516,7 +516,7 @@ def attention_backward(dout, cache, check=True):
         If ``dout`` is not of the output's shape exactly or holds NaN or inf.
     """
     if isinstance(cache, GroupedCache):  # the core's backward sums each group
-        return grouped_backward(attention_backward, dout, cache, check=False)
+        return grouped_backward(attention_backward, dout, cache, check_dout=check, check=False)
     value, weights = cache.value, cache.weights
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
     lead = broadcast_shapes(weights.shape[:-2], value.shape[:-2])

@@ -178,14 +178,16 @@ def grouped_forward(core_forward, grouped, is_causal, scale, **options):
             GroupedCache(inner, grouped.shapes, out_shape, grouped_out_shape, out.dtype))
 
 
-def grouped_backward(core_backward, dout, cache, **options):
+def grouped_backward(core_backward, dout, cache, check_dout=True, **options):
     """Backward of :func:`grouped_forward`: the core's, with the caller's shapes.
 
-    ``dout`` is checked against the output's shape ``(..., H, T, Dv)``; the
-    core sums the gradients of keys and values over each group (they were
-    broadcast along it).
+    ``dout`` is checked against the output's shape ``(..., H, T, Dv)``
+    (unless ``check_dout`` is False: a composite's gradient, already
+    checked); the core sums the gradients of keys and values over each group
+    (they were broadcast along it).
     """
-    dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
+    if check_dout:
+        dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
     grads = core_backward(dout.reshape(cache.grouped_out_shape), cache.inner, **options)
     # (..., K, G, T, D) -> (..., H, T, D); (..., K, 1, S, D) -> (..., K, S, D)
     return tuple(g.reshape(shape) for g, shape in zip(grads, cache.shapes))

@@ -230,3 +230,31 @@ def test_check_false_keeps_a_composites_own_arrays_uncopied(dropout_p):
     assert all(a is b for a, b in zip(cache[:3], (q, k, v)))
     assert not any(a is b for a, b in zip(checked[:3], (q, k, v)))
     _assert_same(F.attention_backward(dout, cache), F.attention_backward(dout, checked))
+
+
+def test_check_false_holds_for_grouped_query_attention(monkeypatch):
+    """Oracle: the checked call, as above, with K = 2 key/value heads for
+    H = 4 query heads (enable_gqa=True): the same outputs and gradients,
+    bitwise; the unchecked cache holds views of the caller's arrays where the
+    checked one holds copies; and the unchecked backward does not check dout
+    (a count of as_upstream_grad's calls in qkvnp.gqa), as without groups."""
+    from qkvnp import _checks, gqa
+
+    rng = np.random.default_rng(7)
+    q, k, v = _normal(rng, 2, 4, 3, 5), _normal(rng, 2, 2, 6, 5), _normal(rng, 2, 2, 6, 5)
+    dout = _normal(rng, 2, 4, 3, 5)
+    checked_out, checked = F.attention_forward(q, k, v, enable_gqa=True)
+    out, cache = F.attention_forward(q, k, v, enable_gqa=True, check=False)
+    np.testing.assert_array_equal(out, checked_out)
+    for unchecked_input, checked_input, caller in zip(cache.inner[:3], checked.inner[:3], (q, k, v)):
+        assert np.shares_memory(unchecked_input, caller)
+        assert not np.shares_memory(checked_input, caller)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return _checks.as_upstream_grad(*args, **kwargs)
+
+    monkeypatch.setattr(gqa, "as_upstream_grad", counting)
+    _assert_same(F.attention_backward(dout, cache, check=False), F.attention_backward(dout, checked))
+    assert calls == ["dout"]  # the checked call's, once
