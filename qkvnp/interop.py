@@ -108,7 +108,7 @@ def _packed(layer):
     return layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim
 
 
-def to_torch(layer, layout):
+def to_torch(layer, layout, *, prefix=""):
     """The layer's parameters under ``layout``'s torch names, as numpy arrays.
 
     Parameters
@@ -116,6 +116,9 @@ def to_torch(layer, layout):
     layer : SelfAttention or MultiHeadAttention
     layout : str
         One of :data:`LAYOUTS`.
+    prefix : str, keyword-only
+        Put before every name: the layer's place in a larger torch model
+        (``"trf_blocks.0.att."``), as that model's ``state_dict`` names it.
 
     Returns
     -------
@@ -130,6 +133,7 @@ def to_torch(layer, layout):
         widths, its biases); the message says what differs.
     """
     _check_layout(layer, layout)
+    _check_prefix(prefix)
     p = layer.params
     state = {}
     if layout == "book.SelfAttention_v1":
@@ -152,7 +156,23 @@ def to_torch(layer, layout):
         if layout == "book.MultiHeadAttention":
             state["out_proj.weight"] = p["W_out"].T  # (E, E)
             state["out_proj.bias"] = p["b_out"]
-    return {name: np.array(value, order="C") for name, value in state.items()}
+    return {prefix + name: np.array(value, order="C") for name, value in state.items()}
+
+
+def _check_prefix(prefix):
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str (e.g. 'trf_blocks.0.att.'), got "
+                        f"{type(prefix).__name__}")
+
+
+def _prefix_hint(layout, unexpected, expected):
+    """A hint when the unexpected keys are the expected ones under a common prefix."""
+    prefixes = {key[:-len(name)] for key in unexpected for name in expected
+                if key.endswith("." + name)}
+    if not prefixes:
+        return None
+    return (f"its keys carry a prefix ({', '.join(repr(p) for p in sorted(prefixes)[:3])}): "
+            f"pass it, from_torch(layer, state_dict, {layout!r}, prefix=...)")
 
 
 def _missing_message(layout, layer, missing, unexpected):
@@ -172,7 +192,7 @@ def _missing_message(layout, layer, missing, unexpected):
             f"unexpected {sorted(unexpected)}" + "".join(f"; {hint}" for hint in hints))
 
 
-def from_torch(layer, state_dict, layout):
+def from_torch(layer, state_dict, layout, *, prefix=""):
     """Load a PyTorch ``state_dict`` of ``layout`` into ``layer``, in place.
 
     Parameters
@@ -187,6 +207,11 @@ def from_torch(layer, state_dict, layout):
         (``q_proj_weight`` ...), whichever the dict has.
     layout : str
         One of :data:`LAYOUTS`.
+    prefix : str, keyword-only
+        Load the keys that start with it, without it, and ignore the others:
+        the layer's place in a larger model's ``state_dict`` (the book's GPT
+        names its attention ``"trf_blocks.0.att."``; a model holding an
+        ``nn.MultiheadAttention`` as ``self.attn``, ``"attn."``).
 
     Returns
     -------
@@ -196,15 +221,27 @@ def from_torch(layer, state_dict, layout):
     ------
     ValueError
         If ``layout`` is unknown or does not fit the layer or the dict
-        (missing or unexpected keys, a shape, ``bias_k``/``bias_v``); the
-        message says what differs. Also on NaN or inf.
+        (missing or unexpected keys, a shape, ``bias_k``/``bias_v``, no key
+        under ``prefix``); the message says what differs, and names the
+        prefix when the keys carry one. Also on NaN or inf.
     TypeError
-        If ``state_dict`` is not a mapping or a value does not hold real numbers.
+        If ``state_dict`` is not a mapping, ``prefix`` not a str, or a value
+        does not hold real numbers.
     """
     _check_layout(layer, layout)
+    _check_prefix(prefix)
     if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
         raise TypeError(f"state_dict must be a mapping of name -> tensor or array, got "
                         f"{type(state_dict).__name__}")
+    if prefix:
+        under = {name[len(prefix):]: state_dict[name] for name in state_dict.keys()
+                 if name.startswith(prefix)}
+        if not under:
+            some = sorted(state_dict.keys())[:3]
+            raise ValueError(f"state_dict has no key under prefix {prefix!r} (keys such as "
+                             f"{some}); the prefix is the layer's name in the model followed "
+                             f"by a dot")
+        state_dict = under
     given = {name for name in state_dict if not (name == "mask" and layout.startswith("book."))}
     if layout == "torch.nn.MultiheadAttention":
         kv = sorted(given & {"bias_k", "bias_v"})
@@ -220,6 +257,10 @@ def from_torch(layer, state_dict, layout):
         expected.update({f"{r[0]}_proj_weight": np.empty((E, E)) for r in _ROLES})
     missing, unexpected = set(expected) - given, given - set(expected)
     if missing or unexpected:
+        hint = None if prefix else _prefix_hint(layout, unexpected, expected)
+        if hint is not None:  # the likeliest cause: the other hints would mislead
+            raise ValueError(f"state_dict does not fit layout {layout!r} for {layer!r}: {hint} "
+                             f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
         raise ValueError(_missing_message(layout, layer, missing, unexpected))
     values = {}
     for name, target in expected.items():

@@ -234,3 +234,56 @@ def test_misfits_are_refused_saying_what_differs(torch):
     separate["v_proj_weight"] = separate["v_proj_weight"][:, :4]
     from_torch(square, separate, MHA)
     assert np.array_equal(square.params["W_key"], separate["k_proj_weight"].numpy().T)
+
+
+def test_a_layer_inside_a_larger_torch_model_loads_with_its_prefix(torch):
+    """Oracle: torch autograd on the layer inside its model (a stack of two
+    book MultiHeadAttention blocks, as the book's GPT names them
+    ``trf_blocks.<i>.att``, beside other weights), and exact equality for the
+    round trip back into the whole model's state_dict."""
+    seed, args, _, _ = PRINTED["MultiHeadAttention"]
+    torch.manual_seed(seed)
+    Book = book_layers(torch)["MultiHeadAttention"]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = Book(*args)
+            self.norm = torch.nn.LayerNorm(args[1])
+
+    class GPTish(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_emb = torch.nn.Embedding(5, args[0])
+            self.trf_blocks = torch.nn.Sequential(Block(), Block())
+
+    model = GPTish().double()
+    state = model.state_dict()
+    layer, options = qkvnp_twin("MultiHeadAttention", args, False, "auto")
+    with pytest.raises(ValueError, match=r"prefix \('trf_blocks.0.att.', 'trf_blocks.1.att.'\)"):
+        from_torch(layer, state, "book.MultiHeadAttention")
+    with pytest.raises(ValueError, match="no key under prefix 'trf_blocks.2.att.'"):
+        from_torch(layer, state, "book.MultiHeadAttention", prefix="trf_blocks.2.att.")
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        from_torch(layer, state, "book.MultiHeadAttention", prefix=1)
+    from_torch(layer, state, "book.MultiHeadAttention", prefix="trf_blocks.1.att.")
+    x = np.stack([INPUTS, INPUTS])
+    x_torch = torch.tensor(x, requires_grad=True)
+    out_torch = model.trf_blocks[1].att(x_torch)
+    out = layer.forward(x, **options)
+    assert_agrees("output", out, out_torch)
+    dout = np.random.default_rng(1).standard_normal(out.shape)
+    out_torch.backward(torch.tensor(dout))
+    assert_agrees("input gradient", layer.backward(dout), x_torch.grad)
+    for value in layer.params.values():
+        value *= 2.0
+    back = to_torch(layer, "book.MultiHeadAttention", prefix="trf_blocks.0.att.")
+    assert all(name.startswith("trf_blocks.0.att.") for name in back)
+    result = model.load_state_dict({name: torch.from_numpy(value) for name, value in back.items()},
+                                   strict=False)
+    assert sorted(result.unexpected_keys) == []
+    assert sorted(result.missing_keys) == sorted(
+        name for name in state if not name.startswith("trf_blocks.0.att.")
+        or name.endswith(".mask"))
+    for name, value in back.items():
+        assert np.array_equal(model.state_dict()[name].numpy(), value), name
