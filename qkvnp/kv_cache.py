@@ -1,4 +1,4 @@
-"""Incremental decoding: :class:`KVCache` and the cached forward of a multi-head layer.
+"""Incremental decoding: :class:`KVCache` and the cached forward of an attention layer.
 
 Shape key: B batch (any leading dims), H query heads, K key/value heads
 (``H_kv``), T new tokens, S = past + T keys, E embedding, D = E // H head dim.
@@ -23,7 +23,10 @@ __all__ = ["KVCache", "cached_forward"]
 
 
 class KVCache:
-    """The keys and values of one :class:`~qkvnp.MultiHeadAttention` layer's past tokens.
+    """The keys and values of one attention layer's past tokens.
+
+    For :class:`~qkvnp.MultiHeadAttention` and :class:`~qkvnp.SelfAttention`
+    alike (``layer.forward(x_t, kv_cache=cache)``).
 
     Empty when built; the first ``layer.forward(x, kv_cache=cache)`` binds it
     to that layer and to the batch shape, head count, head dim and dtype of
@@ -129,35 +132,43 @@ def _project_heads(x, params, name, num_heads):
 
 
 def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
-    """One decoding step of ``layer`` (a MultiHeadAttention) on the new tokens ``x``.
+    """One decoding step of ``layer`` on the new tokens ``x``.
 
     Parameters
     ----------
-    layer : MultiHeadAttention
+    layer : MultiHeadAttention or SelfAttention
+        SelfAttention: one head, no head axis in its masks and weights, no
+        output projection (its cache holds keys ``(..., 1, S, D)``).
     x : ndarray, shape (..., T, E)
         The new tokens, already cast and checked by the layer.
     kv_cache : KVCache
     attn_mask : None or ndarray, as the layer's, against all ``S`` keys
     key_padding_mask : None or ndarray, shape (..., S)
-        Of every cached token and the new ones.
+        Of every cached token and the new ones (MultiHeadAttention only).
     need_weights : bool
 
     Returns
     -------
     out : ndarray, shape (..., T, E)
-    weights : ndarray, shape (..., H, T, S), or None
+    weights : ndarray, shape (..., H, T, S) (SelfAttention: (..., T, S)), or None
     dispatch : qkvnp.kernels.Dispatch
     """
     from .kernels import fast, tiled  # as kernels does: only when a layer runs
 
-    params, H = layer.params, layer.num_heads
+    params = layer.params
+    one_head = "W_out" not in params  # SelfAttention
+    H = 1 if one_head else layer.num_heads
     D = params["W_query"].shape[1] // H
     K = params["W_key"].shape[1] // D
     batch, T = x.shape[:-2], x.shape[-2]
     S = len(kv_cache) + T
     # every check that can refuse the call runs before the cache grows
-    mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
-    prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
+    if one_head:
+        mask = attn_mask  # broadcastable to (..., T, S), as in SelfAttention.forward
+        prepare_mask(mask, "bottom_right", batch + (T, S), layer.dtype)
+    else:
+        mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
+        prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
     q = _project_heads(x, params, "query", H)  # (..., T, E) -> (..., H, T, D)
     k = _project_heads(x, params, "key", K)  # (..., T, E) -> (..., K, T, D)
     v = _project_heads(x, params, "value", K)  # (..., T, E) -> (..., K, T, D)
@@ -167,6 +178,8 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
                                    layer.dtype, need_weights, is_causal=T == S)
     dispatch = dispatch._replace(reason="kv_cache decoding step; " + dispatch.reason)
     keys, values = kv_cache.append(layer, k, v)  # (..., K, S, D) each
+    if one_head:  # SelfAttention's shapes have no head axis
+        q, keys, values = q[..., 0, :, :], keys[..., 0, :, :], values[..., 0, :, :]
     core = {"reference": F, "fast": fast, "tiled": tiled}[dispatch.path]
     # NOTE: the new tokens are the last T of the S keys: bottom-right alignment.
     # The cores fall back to the reference's exact clipping themselves when
@@ -176,6 +189,8 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     weights = None
     if need_weights:
         weights = fast.attention_weights(cache) if dispatch.path == "fast" else cache.weights
+    if one_head:
+        return heads, weights, dispatch  # (..., T, D): no output projection
     merged = F.merge_heads_forward(heads)[0]  # (..., H, T, D) -> (..., T, E)
     out = merged @ params["W_out"]  # (..., T, E) @ (E, E) -> (..., T, E)
     if "b_out" in params:

@@ -118,3 +118,54 @@ def test_decoding_never_drops():
                                layer.eval().forward(x, is_causal=True), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="inference only and drops nothing"):
         layer.forward(x[:, :1], kv_cache=cache, dropout_mask=np.ones((1, 1), bool))
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("chunks", [[1] * 7, [3, 1, 3]])
+def test_self_attention_decoding_equals_its_full_causal_forward(impl, qkv_bias, chunks):
+    """Oracle: the same full causal forward, for the single-head layer (the book's
+    CausalAttention): no head axis in its outputs, weights and masks, no output
+    projection; the weights of a step are the last rows of the full weights, and
+    a (T, S) mask over the cached keys is the full forward's mask's last rows."""
+    layer = qkvnp.SelfAttention(3, 4, qkv_bias=qkv_bias, rng=1, impl=impl)
+    rng = np.random.default_rng(4)
+    for name, param in layer.params.items():
+        if name.startswith("b_"):
+            param[...] = rng.normal(size=param.shape)
+    x = rng.normal(size=(2, sum(chunks), 3))
+    keep = rng.random((sum(chunks), sum(chunks))) > 0.3
+    np.fill_diagonal(keep, True)  # every query keeps a key
+    for mask in (None, keep):
+        full, full_weights = layer.forward(x, mask, is_causal=True, return_weights=True)
+        cache, start = qkvnp.KVCache(), 0
+        for n in chunks:
+            step_mask = None if mask is None else mask[start:start + n, :start + n]
+            out, weights = layer.forward(x[:, start:start + n], step_mask, kv_cache=cache,
+                                         return_weights=True)
+            assert out.shape == (2, n, 4) and weights.shape == (2, n, start + n)
+            np.testing.assert_allclose(out, full[:, start:start + n], rtol=0, atol=1e-12)
+            np.testing.assert_allclose(weights, full_weights[:, start:start + n, :start + n],
+                                       rtol=0, atol=1e-12)
+            start += n
+        assert cache.key.shape == (2, 1, start, 4) and len(cache) == start
+    assert layer.last_dispatch.reason.startswith("kv_cache decoding step")
+
+
+def test_self_attention_decoding_is_inference_only_and_checked():
+    # Oracle: the contract, as for MultiHeadAttention.
+    layer = qkvnp.SelfAttention(3, 4, rng=0, dropout=0.5)
+    cache = qkvnp.KVCache()
+    layer.forward(np.ones((1, 2, 3)), kv_cache=cache)
+    with pytest.raises(RuntimeError, match="SelfAttention.backward after a kv_cache decoding"):
+        layer.backward(np.ones((1, 2, 4)))
+    with pytest.raises(ValueError, match="dropout_mask cannot be given with kv_cache"):
+        layer.forward(np.ones((1, 1, 3)), kv_cache=cache, dropout_mask=np.ones((1, 3), bool))
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., T, 3\)"):
+        layer.forward(np.ones((1, 1, 5)), kv_cache=cache)
+    with pytest.raises(ValueError, match="attn_mask"):
+        layer.forward(np.ones((1, 1, 3)), np.ones((1, 2), bool), kv_cache=cache)  # S is 3
+    with pytest.raises(ValueError, match="another layer"):
+        qkvnp.SelfAttention(3, 4, rng=1).forward(np.ones((1, 1, 3)), kv_cache=cache)
+    assert len(cache) == 2  # refused calls leave the cache as it was
+    layer.forward(np.ones((1, 2, 3)))  # a normal forward trains again
+    assert layer.backward(np.ones((1, 2, 4))).shape == (1, 2, 3)

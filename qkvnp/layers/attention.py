@@ -74,8 +74,35 @@ class _AttentionLayer(Layer):
             raise
         return out, weights
 
+    _decoded = False  # the last forward was a kv_cache decoding step
+
+    def _decode(self, query, attn_mask, is_causal, key_padding_mask, return_weights, kv_cache,
+                dropout_mask):
+        """``forward(query, kv_cache=...)``: one inference-only decoding step (no dropout).
+
+        Returns ``(out, weights)``; ``is_causal`` is checked and otherwise
+        ignored (decoding is causal, bottom-right aligned).
+        """
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"kv_cache must be a qkvnp.KVCache, got {type(kv_cache).__name__}")
+        if dropout_mask is not None:
+            raise ValueError("kv_cache decoding is inference only and drops nothing: "
+                             "dropout_mask cannot be given with kv_cache")
+        check_is_causal(is_causal)
+        query = self._check_tokens(query)
+        out, weights, self.last_dispatch = cached_forward(self, query, kv_cache, attn_mask,
+                                                          key_padding_mask, return_weights)
+        self._cache = self._used_cache = None  # nothing for a backward: inference only
+        self._decoded = True
+        return out, weights
+
     def _kernel_backward(self, dout, retain_cache):
         """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
+        if self._cache is None and self._decoded:
+            name = type(self).__name__
+            raise RuntimeError(f"{name}.backward after a kv_cache decoding step: "
+                               "forward(x, kv_cache=...) is inference only and keeps nothing "
+                               "for a backward; train with forward(x, is_causal=True)")
         cache = self._need_cache()
         grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
         own = self.grads
@@ -168,7 +195,7 @@ class SelfAttention(_AttentionLayer):
     _repr_fields = ("d_in", "d_out", "qkv_bias", "dtype", "impl", "dropout")
 
     def forward(self, x, attn_mask=None, is_causal=False, return_weights=False, *,
-                dropout_mask=None, rng=None):
+                dropout_mask=None, rng=None, kv_cache=None):
         """Attend over the tokens of ``x``.
 
         Parameters
@@ -186,11 +213,18 @@ class SelfAttention(_AttentionLayer):
         rng : numpy.random.Generator or int, optional
             Draws this forward's mask instead of ``dropout_rng`` (training
             mode, ``dropout > 0``).
+        kv_cache : qkvnp.KVCache, keyword-only, optional
+            Incremental decoding (inference only), as
+            :meth:`MultiHeadAttention.forward`'s: ``x`` holds the ``T`` new
+            tokens, which attend to every cached token causally
+            (bottom-right), whatever ``is_causal`` says; ``attn_mask`` covers
+            all ``S`` cached keys, ``(..., T, S)``. No dropout; a later
+            ``backward`` raises ``RuntimeError``.
 
         Returns
         -------
         out : ndarray, shape (..., T, d_out)
-        weights : ndarray, shape (..., T, T)
+        weights : ndarray, shape (..., T, T) (``(..., T, S)`` with ``kv_cache``)
             Only with ``return_weights=True``; after dropout, as PyTorch's.
 
         Raises
@@ -199,15 +233,26 @@ class SelfAttention(_AttentionLayer):
             If ``x`` does not hold real numbers, or the mask is neither bool
             nor float.
         ValueError
-            On a shape mismatch, or NaN or inf in ``x``.
+            On a shape mismatch, or NaN or inf in ``x``; with ``kv_cache``,
+            on a cache of another layer or shape (``kv_cache.reset()``).
         """
-        x_in, x = x, as_float_array(x, "x", self.dtype)
-        check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
-        check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
+        if kv_cache is not None:
+            out, weights = self._decode(x, attn_mask, is_causal, None, return_weights, kv_cache,
+                                        dropout_mask)
+            return (out, weights) if return_weights else out
+        x_in, x = x, self._check_tokens(x)
         out, weights = self._kernel_forward((x,), "self", 1, attn_mask, is_causal,
                                             return_weights, out_proj=False, originals=(x_in,),
                                             dropout=self._dropout_args(dropout_mask, rng))
+        self._decoded = False
         return (out, weights) if return_weights else out
+
+    def _check_tokens(self, x):
+        """``x`` checked and cast to the layer's dtype."""
+        x = as_float_array(x, "x", self.dtype)
+        check_ndim(x, "x", 2, f"(..., T, {self.d_in})")
+        check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
+        return x
 
     def backward(self, dout, retain_cache=False):
         """Accumulate parameter gradients into ``grads`` and return ``dx``.
@@ -323,7 +368,6 @@ class MultiHeadAttention(_AttentionLayer):
     (2, 6, 2)
     """
 
-    _decoded = False  # the last forward was a kv_cache decoding step (no backward)
 
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto", *,
@@ -388,6 +432,10 @@ class MultiHeadAttention(_AttentionLayer):
             raise ValueError(f"num_kv_heads must be a positive divisor of num_heads="
                              f"{self.num_heads}, got {num_kv_heads}")
         return num_kv_heads
+
+    def _check_tokens(self, query):
+        """The new tokens of a decoding step, checked and cast as a self-attention input."""
+        return self._check_inputs(query, None, None)[0]
 
     def _check_inputs(self, query, key, value):
         self_attention = key is None and value is None
@@ -488,8 +536,8 @@ class MultiHeadAttention(_AttentionLayer):
         """
         query_in, key_in, value_in = query, key, value
         if kv_cache is not None:
-            return self._decode(query, key, value, attn_mask, is_causal, key_padding_mask,
-                                return_weights, average_weights, kv_cache, dropout_mask)
+            return self._decode_tokens(query, key, value, attn_mask, is_causal, key_padding_mask,
+                                       return_weights, average_weights, kv_cache, dropout_mask)
         query, key, value, kind = self._check_inputs(query, key, value)
         batch, T, S = query.shape[:-2], query.shape[-2], key.shape[-2]
         mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, self.num_heads, T, S,
@@ -502,23 +550,14 @@ class MultiHeadAttention(_AttentionLayer):
         self._decoded = False
         return _returned(out, weights, return_weights, average_weights)
 
-    def _decode(self, query, key, value, attn_mask, is_causal, key_padding_mask, return_weights,
-                average_weights, kv_cache, dropout_mask):
-        """``forward(query, kv_cache=...)``: one inference-only decoding step (no dropout)."""
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"kv_cache must be a qkvnp.KVCache, got {type(kv_cache).__name__}")
+    def _decode_tokens(self, query, key, value, attn_mask, is_causal, key_padding_mask,
+                       return_weights, average_weights, kv_cache, dropout_mask):
+        """``forward(query, kv_cache=...)``: the new tokens as ``query`` alone, then the shared step."""
         if key is not None or value is not None:
             raise ValueError("kv_cache is for self-attention decoding: pass the new tokens as "
                              "query only (key and value come from the cache)")
-        if dropout_mask is not None:
-            raise ValueError("kv_cache decoding is inference only and drops nothing: "
-                             "dropout_mask cannot be given with kv_cache")
-        check_is_causal(is_causal)
-        query, _, _, _ = self._check_inputs(query, None, None)
-        out, weights, self.last_dispatch = cached_forward(self, query, kv_cache, attn_mask,
-                                                          key_padding_mask, return_weights)
-        self._cache = self._used_cache = None  # nothing for a backward: inference only
-        self._decoded = True
+        out, weights = self._decode(query, attn_mask, is_causal, key_padding_mask, return_weights,
+                                    kv_cache, dropout_mask)
         return _returned(out, weights, return_weights, average_weights)
 
     def backward(self, dout, retain_cache=False):
@@ -551,9 +590,7 @@ class MultiHeadAttention(_AttentionLayer):
             ``kv_cache`` decoding step (inference only).
         """
         if self._cache is None and self._decoded:
-            raise RuntimeError("MultiHeadAttention.backward after a kv_cache decoding step: "
-                               "forward(x, kv_cache=...) is inference only and keeps nothing "
-                               "for a backward; train with forward(x, is_causal=True)")
+            return self._kernel_backward(dout, retain_cache)  # refused: inference only
         kind = self._need_cache().kind
         dinputs = self._kernel_backward(dout, retain_cache)
         if kind == "self":
