@@ -368,7 +368,6 @@ class MultiHeadAttention(_AttentionLayer):
     (2, 6, 2)
     """
 
-
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto", *,
                  qdim=None, out_dim=None, qkv_bias=None, out_bias=None,
@@ -552,7 +551,7 @@ class MultiHeadAttention(_AttentionLayer):
 
     def _decode_tokens(self, query, key, value, attn_mask, is_causal, key_padding_mask,
                        return_weights, average_weights, kv_cache, dropout_mask):
-        """``forward(query, kv_cache=...)``: the new tokens as ``query`` alone, then the shared step."""
+        """``forward(query, kv_cache=...)``: the new tokens as ``query`` alone, then ``_decode``."""
         if key is not None or value is not None:
             raise ValueError("kv_cache is for self-attention decoding: pass the new tokens as "
                              "query only (key and value come from the cache)")
