@@ -118,7 +118,7 @@ def compute_dtype(*dtypes, names=None):
     dtype('float32')
     """
     if len(dtypes) == 1 and dtypes[0] in _NATIVE_FLOATS:
-        return np.dtype(dtypes[0])  # NOTE: the common case first: 0.3 us instead of 1.6
+        return np.dtype(dtypes[0])  # NOTE: the common case first: 0.2 us instead of 1.6
     dtypes = [np.dtype(d) for d in dtypes]
     names = [None] * len(dtypes) if names is None else list(names)
     if len(names) != len(dtypes):
@@ -266,8 +266,9 @@ def broadcast_shapes(*shapes):
     >>> broadcast_shapes((2, 3), (2, 3)), broadcast_shapes((2, 1), (3,))
     ((2, 3), (2, 3))
 
-    NOTE: numpy's builds broadcast views in Python: 3 us a call, called by
-    every attention forward and backward.
+    NOTE: numpy's builds broadcast views in Python: 1.0-1.3 us a call alone
+    against 0.3 (more inside a training step), and every attention forward
+    and backward calls it.
     """
     first = shapes[0]
     if all(shape == first for shape in shapes):
