@@ -1,15 +1,17 @@
-"""The floor of a kv-recall training step: its matrix products alone, at 1 and 2 BLAS threads.
+"""The floor of a kv-recall training step: its matrix products alone, and the step as straight numpy.
 
 Usage: ``python benchmarks/kv_recall_ceiling.py [float64|float32]``
 
 Shape key: B sequences, P stored pairs, E width, V value vocabulary.
 
-The default kv-recall step (B = 64, P = 16, E = 64, V = 64) multiplies the
-(B*P, E) items by the key and value projections and, backward, forms their
-weight and input gradients: six (1024, 64) x (64, 64) products, plus the
-query's and the readout's small ones. Whatever the model's Python costs, a
-step cannot be faster than these products; RESULTS.md compares that floor with
-the whole step and with PyTorch's.
+The default kv-recall step (B = 64, P = 16, E = 64, V = 64) folds the key
+and value projections onto the one query
+(:class:`qkvnp.training.KVRecallModel`'s Notes), so its matrix products are
+the (B, E) x (E, E) projections of the query and of the attention's output,
+the readout's, and the one-row attention's batched (1, E) x (E, P) and
+(1, P) x (P, E) products, forward and backward. Whatever the model's Python
+costs, a step cannot be faster than these products; RESULTS.md compares that
+floor with the whole step and with PyTorch's.
 
 The second floor is the whole step written as straight numpy: the model's
 math on the benchmark's initial weights and batches (``train_bench``), with
@@ -28,30 +30,34 @@ import time
 import numpy as np
 
 from qkvnp.kernels import blas_threads
-from qkvnp.kernels.openblas import openblas_thread_functions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_bench
 
 
-def step_products(X, q, Wq, Wk, Wv, Wr, dY, dlogits):
-    """The products of one step, forward and backward (values discarded)."""
-    k, v = X @ Wk, X @ Wv  # (B*P, E) @ (E, E): keys and values of the items
+def step_products(X, q, Wq, Wk, Wv, Wr, dlogits):
+    """The products of one folded step, forward and backward (values discarded).
+
+    ``X`` (B, P, E) items, ``q`` (B, E) query tokens, ``W*`` (E, E) and ``Wr``
+    (E, V) weights, ``dlogits`` (B, V).
+    """
     query = q @ Wq  # (B, E) @ (E, E)
-    query @ Wr  # readout (B, E) @ (E, V)
-    query.T @ dlogits, dlogits @ Wr.T  # readout backward
-    X.T @ dY, dY @ Wk.T, X.T @ dY, dY @ Wv.T  # key and value projections backward
+    q_items = query @ Wk.T  # (B, E) @ (E, E): the key projection folded onto the query
+    scores = (X @ q_items[:, :, None])[..., 0]  # (B, P, E) @ (B, E, 1) -> (B, P)
+    mixed = (scores[:, None] @ X)[:, 0]  # (B, 1, P) @ (B, P, E) -> (B, E)
+    attended = mixed @ Wv  # (B, E) @ (E, E)
+    attended @ Wr  # readout (B, E) @ (E, V)
+    attended.T @ dlogits, dlogits @ Wr.T  # readout backward
+    mixed.T @ attended, attended @ Wv.T  # value map backward
+    (X @ mixed[:, :, None]), (scores[:, None] @ X)  # attention backward: dweights, d(q_items)
+    q_items.T @ query, q_items @ Wk  # key map backward
     q.T @ query, query @ Wq.T  # query projection backward
-    return k, v
+    return scores
 
 
 class StepFloor:
-    """The kv-recall step as straight numpy: forward, loss, backward, Adam (see the module).
+    """The kv-recall step as straight numpy: forward, loss, backward, Adam (see the module)."""
 
-    ``blas_products=2`` runs the six (B*P, E) x (E, E) products on two BLAS
-    threads, the rest on one (the step itself runs under ``blas_threads(1)``).
-    """
-
-    def __init__(self, dtype, blas_products=1):
+    def __init__(self, dtype):
         import train_bench
 
         self.dtype = np.dtype(dtype)
@@ -70,19 +76,6 @@ class StepFloor:
                            for name, size, end in zip(names, sizes, ends)}
                           for flat in (self.flat, self.grad))
         self.lr, self.scale, self.t, self.index = config.lr, 1 / math.sqrt(config.dim), 0, 0
-        set_threads = openblas_thread_functions()
-        self.set_threads = set_threads[1] if set_threads and blas_products > 1 else None
-        self.blas_products = blas_products
-
-    def product(self, a, b):
-        """``a @ b`` of two 2-D arrays, on ``blas_products`` threads."""
-        if self.set_threads is None:
-            return a @ b
-        self.set_threads(self.blas_products)
-        try:
-            return a @ b
-        finally:
-            self.set_threads(1)
 
     def step(self):
         from scipy.sparse import csc_array
@@ -96,13 +89,12 @@ class StepFloor:
         tokens = np.concatenate([keys, query[:, None]], axis=1)  # (B, P+1)
         key_vectors = p["embed_key.weight"][tokens]  # (B, P+1, E)
         items = key_vectors[:, :P] + p["embed_value.weight"][values]  # (B, P, E)
-        x = items.reshape(B * P, -1)  # (B*P, E)
         query_token = key_vectors[:, P] + p["query_marker"]  # (B, E)
         q = query_token @ p["attention.W_query"]  # (B, E)
-        k = self.product(x, p["attention.W_key"]).reshape(items.shape)  # (B, P, E)
-        v = self.product(x, p["attention.W_value"]).reshape(items.shape)  # (B, P, E)
-        weights = softmax((k @ q[:, :, None])[..., 0] * c, axis=-1)  # (B, P)
-        attended = (weights[:, None] @ v)[:, 0]  # (B, E)
+        q_items = q @ p["attention.W_key"].T  # (B, E): q K^T = (q W_k^T) X^T
+        weights = softmax((items @ q_items[:, :, None])[..., 0] * c, axis=-1)  # (B, P)
+        mixed = (weights[:, None] @ items)[:, 0]  # (B, E)
+        attended = mixed @ p["attention.W_value"]  # (B, E)
         logits = attended @ p["readout.W"] + p["readout.b"]  # (B, V)
         log_probs = log_softmax(logits, axis=-1)
         loss = -log_probs[np.arange(B), target].mean()
@@ -112,23 +104,21 @@ class StepFloor:
         g["readout.W"] += attended.T @ dlogits
         g["readout.b"] += dlogits.sum(axis=0)
         dattended = dlogits @ p["readout.W"].T  # (B, E)
-        dv = weights[:, :, None] * dattended[:, None]  # (B, P, E)
-        dweights = (v @ dattended[:, :, None])[..., 0]  # (B, P)
+        g["attention.W_value"] += mixed.T @ dattended
+        dmixed = dattended @ p["attention.W_value"].T  # (B, E)
+        dweights = (items @ dmixed[:, :, None])[..., 0]  # (B, P)
         dscores = weights * (dweights - (weights * dweights).sum(axis=-1, keepdims=True)) * c
-        dq = (dscores[:, None] @ k)[:, 0]  # (B, E)
-        dk = dscores[:, :, None] * q[:, None]  # (B, P, E)
-        dv2, dk2 = dv.reshape(B * P, -1), dk.reshape(B * P, -1)
-        g["attention.W_value"] += x.T @ dv2
-        g["attention.W_key"] += x.T @ dk2
-        dx = self.product(dv2, p["attention.W_value"].T)
-        dx += self.product(dk2, p["attention.W_key"].T)  # (B*P, E)
+        dq_items = (dscores[:, None] @ items)[:, 0]  # (B, E)
+        ditems = dscores[:, :, None] * q_items[:, None]  # as keys (B, P, E)
+        ditems += weights[:, :, None] * dmixed[:, None]  # as values
+        g["attention.W_key"] += dq_items.T @ q
+        dq = dq_items @ p["attention.W_key"]  # (B, E)
         g["attention.W_query"] += query_token.T @ dq
         dquery_token = dq @ p["attention.W_query"].T  # (B, E)
         g["query_marker"] += dquery_token.sum(axis=0)
-        for table, ids, rows in (("embed_value.weight", values, dx),
+        for table, ids, rows in (("embed_value.weight", values, ditems),
                                  ("embed_key.weight", tokens,
-                                  np.concatenate([dx.reshape(items.shape), dquery_token[:, None]],
-                                                 axis=1))):
+                                  np.concatenate([ditems, dquery_token[:, None]], axis=1))):
             ids = ids.reshape(-1)
             onehot_t = csc_array((np.ones(ids.size, self.dtype), ids, np.arange(ids.size + 1)),
                                  shape=(g[table].shape[0], ids.size))
@@ -180,24 +170,20 @@ def main(dtype="float64", B=64, P=16, E=64, V=64, rounds=7, calls=200):
 
     rng = np.random.default_rng(0)
     dtype = np.dtype(dtype)
-    X, dY = (rng.standard_normal((B * P, E)).astype(dtype) for _ in range(2))
+    X = rng.standard_normal((B, P, E)).astype(dtype)
     q, Wq, Wk, Wv = (rng.standard_normal(shape).astype(dtype)
                      for shape in ((B, E), (E, E), (E, E), (E, E)))
     Wr, dlogits = rng.standard_normal((E, V)).astype(dtype), rng.standard_normal((B, V)).astype(dtype)
-    args = (X, q, Wq, Wk, Wv, Wr, dY, dlogits)
-    for threads in (1, 2):
-        with blas_threads(threads):
-            seconds = time_steps(lambda: step_products(*args), rounds, calls)
-        print(f"{dtype.name}: the products of one kv-recall step at {threads} BLAS thread(s): "
-              f"{1e3 * seconds:.3f} ms (median of {rounds} rounds of {calls})")
+    with blas_threads(1):
+        seconds = time_steps(lambda: step_products(X, q, Wq, Wk, Wv, Wr, dlogits), rounds, calls)
+    print(f"{dtype.name}: the products of one kv-recall step at one BLAS thread: "
+          f"{1e3 * seconds:.3f} ms (median of {rounds} rounds of {calls})")
     check_floor(dtype)
     data = train_bench.make_training_data("kv-recall", dtype)
     library = train_bench.make_training_runner("qkvnp", "kv-recall", dtype, data)
     with blas_threads(1):
         for name, step in (("the whole step as straight numpy, one BLAS thread",
                             StepFloor(dtype).step),
-                           ("the same, its six (B*P, E) x (E, E) products on two",
-                            StepFloor(dtype, blas_products=2).step),
                            ("qkvnp's step (train_bench), one BLAS thread", library.step)):
             seconds = time_steps(step, rounds, calls * 2)
             print(f"{dtype.name}: {name}: {1e3 * seconds:.3f} ms (median of {rounds} rounds "

@@ -15,7 +15,9 @@ see the same batches:
     from :mod:`qkvnp.losses`, :class:`qkvnp.optim.Adam`, BLAS at one thread
     as in :func:`qkvnp.training.train`. PyTorch: the same forward written in
     torch ops (embedding lookups, matmuls, softmax, ``F.cross_entropy``),
-    autograd, ``torch.optim.Adam``.
+    autograd, ``torch.optim.Adam``. Both fold the key and value projections
+    onto the one query, as the model does (its Notes): neither forms ``K``
+    or ``V``.
 ``teacher``
     qkvnp: :class:`qkvnp.training.AttentionRegressor`, a
     :class:`~qkvnp.MultiHeadAttention` with (B, T, E, H) = (64, 8, 16, 2),
@@ -150,11 +152,13 @@ def _torch_kv_recall_logits(torch, weights, roles, keys, values, query, dim):
     items = key_vectors[:, :P] + weights["embed_value.weight"][values]  # (B, P, E)
     query_token = key_vectors[:, P:] + weights["query_marker"]  # (B, 1, E)
     role_q, role_k, role_v = roles
+    # the same ops as qkvnp's model, which folds the key and value
+    # projections onto the one query (its Notes): K and V are never formed
     q = query_token @ weights[role_q]  # (B, 1, E)
-    k = items @ weights[role_k]  # (B, P, E)
-    v = items if role_v is None else items @ weights[role_v]  # (B, P, E)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(dim)  # (B, 1, P)
-    attended = torch.softmax(scores, dim=-1) @ v  # (B, 1, E)
+    q_items = q @ weights[role_k].T  # (B, 1, E): q K^T = (q W_k^T) X^T
+    scores = q_items @ items.transpose(-1, -2) / math.sqrt(dim)  # (B, 1, P)
+    mixed = torch.softmax(scores, dim=-1) @ items  # (B, 1, E)
+    attended = mixed if role_v is None else mixed @ weights[role_v]  # (B, 1, E)
     return attended[:, 0] @ weights["readout.W"] + weights["readout.b"]  # (B, V)
 
 

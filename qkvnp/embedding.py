@@ -70,13 +70,17 @@ def embedding_forward(indices, weight):
 embedding_forward.supports_complex_step = True  # see qkvnp._checks.complex_step_mode
 
 
-def embedding_backward(dout, cache):
+def embedding_backward(dout, cache, check=True):
     """Backward of :func:`embedding_forward`.
 
     Parameters
     ----------
     dout : ndarray, shape (..., dim)
     cache : EmbeddingCache
+    check : bool
+        False: ``dout`` is a composite's own gradient, already of the
+        output's shape and dtype and finite; it is not checked again
+        (:func:`qkvnp.functional.linear_backward`'s ``check``).
 
     Returns
     -------
@@ -93,7 +97,8 @@ def embedding_backward(dout, cache):
     from scipy.sparse import csc_array
 
     indices, weight_shape, dtype = cache
-    dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
+    if check:
+        dout = as_upstream_grad(dout, "dout", indices.shape + (weight_shape[1],), dtype)
     num, dim = weight_shape
     ids = indices.reshape(-1)  # (...) -> (R,)
     # The forward's one-hot matrix, transposed and stored sparse: column j

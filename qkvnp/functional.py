@@ -540,8 +540,10 @@ def _attention_backward(dout, cache):
     if weights.shape != dweights.shape:
         weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
     dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
-    dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
-    dkey = _product(np.swapaxes(dscores, -1, -2), query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
+    dquery = dscores @ key  # (..., T, S) @ (..., S, D) -> (..., T, D)
+    dquery *= scale  # in place: new arrays, whose allocation costs as much as the multiply
+    dkey = _product(np.swapaxes(dscores, -1, -2), query)  # (..., S, T) @ (..., T, D) -> (..., S, D)
+    dkey *= scale
     return (
         sum_to_shape(dquery, query.shape),
         sum_to_shape(dkey, key.shape),

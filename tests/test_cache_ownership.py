@@ -258,3 +258,34 @@ def test_check_false_holds_for_grouped_query_attention(monkeypatch):
     monkeypatch.setattr(gqa, "as_upstream_grad", counting)
     _assert_same(F.attention_backward(dout, cache, check=False), F.attention_backward(dout, checked))
     assert calls == ["dout"]  # the checked call's, once
+
+
+def test_basic_layers_backward_check_false_skips_only_the_check():
+    """Oracle: the checked backward of the same forward. Linear and Embedding
+    with ``check=False`` (a model's own, already checked gradient) accumulate
+    the same gradients and return the same dx, bitwise; only the checked call
+    refuses a dout holding NaN, naming it."""
+    rng = np.random.default_rng(8)
+    x, ids = _normal(rng, 2, 3, 4), rng.integers(0, 5, (2, 3))
+    dout, demb = _normal(rng, 2, 3, 6), _normal(rng, 2, 3, 4)
+    results = {}
+    for check in (True, False):
+        linear, embedding = qkvnp.Linear(4, 6, rng=1), qkvnp.Embedding(5, 4, rng=2)
+        linear.forward(x)
+        embedding.forward(ids)
+        dx = linear.backward(dout, retain_cache=True, check=check)
+        embedding.backward(demb, retain_cache=True, check=check)
+        results[check] = tuple(a.copy() for a in (dx, linear.grads["W"], linear.grads["b"],
+                                                   embedding.grads["weight"]))
+        bad, bad_emb = dout.copy(), demb.copy()
+        bad[0, 0, 0] = bad_emb[1, 2, 3] = np.nan
+        if check:
+            with pytest.raises(ValueError, match="dout"):
+                linear.backward(bad)
+            with pytest.raises(ValueError, match="dout"):
+                embedding.backward(bad_emb)
+        else:  # not checked: the NaN goes through, as the functional ops' check=False
+            assert np.isnan(linear.backward(bad, check=False)).any()
+            embedding.backward(bad_emb, check=False)
+            assert np.isnan(embedding.grads["weight"]).any()
+    _assert_same(results[False], results[True])

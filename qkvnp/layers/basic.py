@@ -111,7 +111,7 @@ class Linear(Layer):
         self._cache = (linear_cache, out.shape)
         return out
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout, retain_cache=False, *, check=True):
         """Accumulate ``dW`` (and ``db``) into ``grads``; return ``dx``.
 
         Parameters
@@ -121,6 +121,9 @@ class Linear(Layer):
             layer's dtype.
         retain_cache : bool
             Keep the cache for one more backward (PyTorch's ``retain_graph``).
+        check : bool, keyword-only
+            False: ``dout`` is a composite model's own gradient, already
+            checked; it is not checked again (the functional ops' ``check``).
 
         Returns
         -------
@@ -136,7 +139,7 @@ class Linear(Layer):
             Without a forward cache to use (see :class:`Layer`).
         """
         linear_cache, _ = self._need_cache()
-        dx, dW, db = F.linear_backward(dout, linear_cache)  # checks dout
+        dx, dW, db = F.linear_backward(dout, linear_cache, check)  # checks dout
         self._accumulate("W", dW)
         if self.bias:
             self._accumulate("b", db)
@@ -208,7 +211,7 @@ class Embedding(Layer):
         out, self._cache = F.embedding_forward(indices, self.params["weight"])  # (...) -> (..., dim)
         return out
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout, retain_cache=False, *, check=True):
         """Accumulate the gradient of ``weight`` into ``grads``; return None.
 
         Parameters
@@ -218,6 +221,9 @@ class Embedding(Layer):
             weight's dtype.
         retain_cache : bool
             Keep the cache for one more backward (PyTorch's ``retain_graph``).
+        check : bool, keyword-only
+            False: ``dout`` is a composite model's own gradient, already
+            checked; it is not checked again (the functional ops' ``check``).
 
         Raises
         ------
@@ -229,6 +235,6 @@ class Embedding(Layer):
             Without a forward cache to use (see :class:`Layer`).
         """
         cache = self._need_cache()
-        self._accumulate("weight", F.embedding_backward(dout, cache))
+        self._accumulate("weight", F.embedding_backward(dout, cache, check))
         self._release_cache(retain_cache)
         return None
