@@ -179,7 +179,8 @@ class KVRecallModel(Model):
         query_token = key_vectors[:, P] + own["query_marker"]  # (B, E)
         # NOTE: check=False: no second check or copy of the model's own arrays
         # (made from checked ids; the parameters are read by reference, as an
-        # optimizer updates them after the backward): 0.2-0.35 ms of a 1.9-2.9 ms step
+        # optimizer updates them after the backward): 0.2-0.35 ms of a 1.9-2.9 ms
+        # step, measured before the fold below
         q, q_cache = F.linear_forward(query_token, own[role_q], check=False)  # (B, E) -> (B, E)
         # NOTE: the projections are folded onto the one query (see Notes):
         # q K^T = (q W_k^T) X^T and softmax(.) V = (softmax(.) X) W_v, so the
