@@ -99,6 +99,46 @@ def test_kv_recall_forward_matches_a_hand_computation():
     np.testing.assert_allclose(got_weights, weights, rtol=1e-12)
 
 
+class FixedMask(FixedBatch):
+    """FixedBatch whose every forward draws the same dropout mask (the rng's state restored)."""
+
+    def __init__(self, model, batch):
+        super().__init__(model, batch)
+        self.state = model.dropout_rng.bit_generator.state
+
+    def forward(self, _unused):
+        self.model.dropout_rng.bit_generator.state = self.state
+        return super().forward(_unused)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kv_recall_with_dropout_matches_the_unfolded_formula_and_central_differences(variant):
+    """Oracles: the docstring's unfolded formula (K and V formed) with the very
+    weights the model dropped, and central differences with the mask held
+    fixed; the model itself folds W_key and W_value onto the query."""
+    model = KVRecallModel(7, 5, 6, variant=variant, rng=3, dropout=0.5)
+    batch = kv_batch(B=6)
+    adapter = FixedMask(model, batch)
+    logits = adapter.forward(None)
+    model.dropout_rng.bit_generator.state = adapter.state
+    _, dropped = model.forward(batch.keys, batch.values, batch.query, return_weights=True)
+    assert (dropped == 0).any() and (dropped > 1).any()  # some weights dropped, the rest scaled by 2
+    p, (role_q, role_k, role_v) = model.params, model.roles
+    items = p["embed_key.weight"][batch.keys] + p["embed_value.weight"][batch.values]  # (B, P, E)
+    query = p["embed_key.weight"][batch.query] + p["query_marker"]  # (B, E)
+    v = items if role_v is None else items @ p[role_v]  # (B, P, E)
+    expected = np.einsum("bp,bpe->be", dropped, v) @ p["readout.W"] + p["readout.b"]
+    np.testing.assert_allclose(logits, expected, rtol=1e-12)
+    k, q = items @ p[role_k], query @ p[role_q]
+    scores = np.einsum("be,bpe->bp", q, k) / np.sqrt(6)
+    kept = dropped != 0  # where kept, the dropped weight is softmax / (1 - p)
+    softmax = np.exp(scores - scores.max(1, keepdims=True))
+    softmax /= softmax.sum(1, keepdims=True)
+    np.testing.assert_allclose(dropped[kept], 2 * softmax[kept], rtol=1e-12)
+    report = check_layer(adapter, np.zeros(1), wrt_inputs=False)
+    assert report.ok, report.table()
+
+
 def test_no_value_variant_returns_the_items_themselves():
     # oracle: with one stored pair, attention returns that item unprojected
     model = KVRecallModel(4, 3, 5, variant="no_value", rng=0)
