@@ -96,13 +96,17 @@ class _AttentionLayer(Layer):
         self._decoded = True
         return out, weights
 
-    def _kernel_backward(self, dout, retain_cache):
-        """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
-        if self._cache is None and self._decoded:
+    def _need_cache(self):
+        """:meth:`Layer._need_cache`, which also refuses a backward after a decoding step."""
+        if getattr(self, "_cache", None) is None and self._decoded:
             name = type(self).__name__
             raise RuntimeError(f"{name}.backward after a kv_cache decoding step: "
                                "forward(x, kv_cache=...) is inference only and keeps nothing "
                                "for a backward; train with forward(x, is_causal=True)")
+        return super()._need_cache()
+
+    def _kernel_backward(self, dout, retain_cache):
+        """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
         cache = self._need_cache()
         grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
         own = self.grads
@@ -588,8 +592,6 @@ class MultiHeadAttention(_AttentionLayer):
             Without a forward cache to use (see :class:`Layer`), or after a
             ``kv_cache`` decoding step (inference only).
         """
-        if self._cache is None and self._decoded:
-            return self._kernel_backward(dout, retain_cache)  # refused: inference only
         kind = self._need_cache().kind
         dinputs = self._kernel_backward(dout, retain_cache)
         if kind == "self":

@@ -139,7 +139,7 @@ class Linear(Layer):
             Without a forward cache to use (see :class:`Layer`).
         """
         linear_cache, _ = self._need_cache()
-        dx, dW, db = F.linear_backward(dout, linear_cache, check)  # checks dout
+        dx, dW, db = F.linear_backward(dout, linear_cache, check)  # checks dout unless check=False
         self._accumulate("W", dW)
         if self.bias:
             self._accumulate("b", db)

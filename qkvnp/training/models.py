@@ -196,7 +196,8 @@ class KVRecallModel(Model):
         if role_v is None:
             attended, v_cache = mixed[:, 0], None  # NOTE: no value projection: values are the items
         else:
-            attended, v_cache = F.linear_forward(mixed[:, 0], own[role_v], check=False)  # (B, E) -> (B, E)
+            attended, v_cache = F.linear_forward(mixed[:, 0], own[role_v],
+                                                 check=False)  # (B, E) -> (B, E)
         logits = self.readout.forward(attended)  # (B, E) -> (B, V)
         self._cache = (q_cache, qk_cache, attention_cache, v_cache, logits.shape)
         if return_weights:
@@ -242,9 +243,11 @@ class KVRecallModel(Model):
             self._own_grads[role_v] += dW_value
         # the items are the attention's keys and its values: they get both gradients
         dq_items, ditems, ditems_as_values = F.attention_backward(
-            dmixed[:, None], attention_cache, check=False)  # (B, 1, E) -> (B, 1, E), (B, P, E), (B, P, E)
+            dmixed[:, None], attention_cache,
+            check=False)  # (B, 1, E) -> (B, 1, E), (B, P, E), (B, P, E)
         ditems += ditems_as_values  # (B, P, E): as keys, plus as values
-        dq, dW_key_t, _ = F.linear_backward(dq_items[:, 0], qk_cache, check=False)  # dW_key_t: of W_k^T
+        # dW_key_t: the gradient of W_k^T, the matrix the query map multiplied by
+        dq, dW_key_t, _ = F.linear_backward(dq_items[:, 0], qk_cache, check=False)  # (B, E)
         self._own_grads[role_k] += dW_key_t.T  # a tied matrix sums the gradients of its uses
         dquery_token, dW_query, _ = F.linear_backward(dq, q_cache, check=False)
         self._own_grads[role_q] += dW_query
