@@ -84,12 +84,10 @@ class StepFloor:
         keys, values, query, target = self.batches[self.index % len(self.batches)]
         self.index += 1
         p, g, c = self.p, self.g, self.scale
-        B, P = keys.shape
+        B = keys.shape[0]
         self.grad[...] = 0
-        tokens = np.concatenate([keys, query[:, None]], axis=1)  # (B, P+1)
-        key_vectors = p["embed_key.weight"][tokens]  # (B, P+1, E)
-        items = key_vectors[:, :P] + p["embed_value.weight"][values]  # (B, P, E)
-        query_token = key_vectors[:, P] + p["query_marker"]  # (B, E)
+        items = p["embed_key.weight"][keys] + p["embed_value.weight"][values]  # (B, P, E)
+        query_token = p["embed_key.weight"][query] + p["query_marker"]  # (B, E)
         q = query_token @ p["attention.W_query"]  # (B, E)
         q_items = q @ p["attention.W_key"].T  # (B, E): q K^T = (q W_k^T) X^T
         weights = softmax((items @ q_items[:, :, None])[..., 0] * c, axis=-1)  # (B, P)
@@ -109,16 +107,16 @@ class StepFloor:
         dweights = (items @ dmixed[:, :, None])[..., 0]  # (B, P)
         dscores = weights * (dweights - (weights * dweights).sum(axis=-1, keepdims=True)) * c
         dq_items = (dscores[:, None] @ items)[:, 0]  # (B, E)
-        ditems = dscores[:, :, None] * q_items[:, None]  # as keys (B, P, E)
-        ditems += weights[:, :, None] * dmixed[:, None]  # as values
+        # as keys plus as values, one product: [dS, P] (B, P, 2) @ [q_items; dO] (B, 2, E)
+        ditems = np.stack([dscores, weights], axis=-1) @ np.stack([q_items, dmixed], axis=1)
         g["attention.W_key"] += dq_items.T @ q
         dq = dq_items @ p["attention.W_key"]  # (B, E)
         g["attention.W_query"] += query_token.T @ dq
         dquery_token = dq @ p["attention.W_query"].T  # (B, E)
         g["query_marker"] += dquery_token.sum(axis=0)
         for table, ids, rows in (("embed_value.weight", values, ditems),
-                                 ("embed_key.weight", tokens,
-                                  np.concatenate([ditems, dquery_token[:, None]], axis=1))):
+                                 ("embed_key.weight", keys, ditems),
+                                 ("embed_key.weight", query, dquery_token)):
             ids = ids.reshape(-1)
             onehot_t = csc_array((np.ones(ids.size, self.dtype), ids, np.arange(ids.size + 1)),
                                  shape=(g[table].shape[0], ids.size))

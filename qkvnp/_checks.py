@@ -344,8 +344,10 @@ def check_attention_inputs(query, key, value):
     except TypeError:
         dtype = None  # as_float_array below names the argument that is not real or is float128
     query = as_float_array(query, "query", dtype)
-    key = as_float_array(key, "key", dtype)
-    value = as_float_array(value, "value", dtype)
+    # one array passed as both key and value stays one (functional.attention_backward's key_is_value)
+    key, value = (as_float_array(key, "key", dtype),
+                  None if value is key else as_float_array(value, "value", dtype))
+    value = key if value is None else value
     check_ndim(query, "query", 2, "(..., T, D)")
     check_ndim(key, "key", 2, "(..., S, D)")
     check_ndim(value, "value", 2, "(..., S, Dv)")
@@ -455,14 +457,22 @@ def owned(arrays, originals):
     >>> x = np.ones(3)
     >>> owned((x, np.zeros(2)), (x,))[0] is x
     False
+    >>> key, value = owned((x, x), (x,))  # one array passed twice: one copy
+    >>> key is value and key is not x
+    True
     """
     originals = [o for o in originals if isinstance(o, np.ndarray)]
-    return tuple(
-        a.copy() if isinstance(a, np.ndarray)
-        and any(a is o or np.may_share_memory(a, o) for o in originals)
-        else a
-        for a in arrays
-    )
+    copies = {}  # id -> copy: an array passed twice (a key that is the value) is copied once
+
+    def own(a):
+        if not isinstance(a, np.ndarray) or not any(a is o or np.may_share_memory(a, o)
+                                                     for o in originals):
+            return a
+        if id(a) not in copies:
+            copies[id(a)] = a.copy()
+        return copies[id(a)]
+
+    return tuple(own(a) for a in arrays)
 
 
 def as_numpy(value, name):

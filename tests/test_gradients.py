@@ -172,6 +172,61 @@ def test_attention_backward_of_one_query_row_is_the_outer_products(dropout_p):
     assert_gradients_ok(report)
 
 
+@given(attention_cases(), st.booleans(), st.integers(0, 2**16))
+def test_attention_backward_key_is_value_sums_the_key_and_value_gradients(case, dropout, seed):
+    # One array X as both key and value (attention over raw items): key_is_value=True
+    # returns dK + dV from one product. Oracles: the two gradients apart (each
+    # checked against central differences above), summed; then central
+    # differences of X -> attention(Q, X, X) itself, with any mask, causal,
+    # scale, broadcast leading dims and a replayed dropout mask.
+    inputs, options = case
+    items = inputs["key"]  # (..., S, D): also the value
+    query = inputs["query"]
+    if dropout:
+        _, drawn = F.attention_forward(query, items, items, **options, dropout_p=0.5, rng=seed)
+        options = dict(options, dropout_p=0.5, dropout_mask=drawn.dropout_mask)
+    out, cache = F.attention_forward(query, items, items, **options)
+    assert cache.key is cache.value  # one array in, one array cached (copied once)
+    dout = np.random.default_rng(seed).normal(size=out.shape)
+    dquery, ditems, none = F.attention_backward(dout, cache, key_is_value=True)
+    dquery_apart, dkey, dvalue = F.attention_backward(dout, cache)
+    assert none is None
+    np.testing.assert_array_equal(dquery, dquery_apart)
+    np.testing.assert_allclose(ditems, dkey + dvalue, rtol=1e-12, atol=1e-12)
+
+    def forward(query, items):
+        return F.attention_forward(query, items, items, **options)[0]
+
+    def vjp(dout, query, items):
+        _, cache = F.attention_forward(query, items, items, **options)
+        dquery, ditems, _ = F.attention_backward(dout, cache, key_is_value=True)
+        return {"query": dquery, "items": ditems}
+
+    assert_gradients_ok(check_function(forward, {"query": query, "items": items}, vjp))
+
+
+def test_attention_backward_key_is_value_refuses_two_arrays_and_keeps_one_through_a_cast():
+    # Oracle: the documented contract. Two arrays (even equal ones) are not "one
+    # array as key and value": refused, naming the argument. One float32 array
+    # cast to the query's float64 is cast once, so it stays one array.
+    rng = np.random.default_rng(5)
+    query, items = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 5, 4))
+    out, cache = F.attention_forward(query, items, items.copy())
+    with pytest.raises(ValueError, match="key_is_value=True needs the forward's key and value"):
+        F.attention_backward(np.ones(out.shape), cache, key_is_value=True)
+    items32 = items.astype(np.float32)
+    out, cache = F.attention_forward(query, items32, items32)
+    assert cache.key.dtype == np.float64 and cache.key is cache.value
+    _, ditems, _ = F.attention_backward(np.ones(out.shape), cache, key_is_value=True)
+    _, dkey, dvalue = F.attention_backward(np.ones(out.shape), cache)
+    np.testing.assert_allclose(ditems, dkey + dvalue, rtol=1e-12, atol=1e-12)
+    grouped_items = rng.normal(size=(2, 5, 4))  # K = 2 key/value heads for H = 4
+    out, cache = F.attention_forward(rng.normal(size=(4, 3, 4)), grouped_items, grouped_items,
+                                     enable_gqa=True)
+    with pytest.raises(ValueError, match="key_is_value=True needs an ungrouped cache"):
+        F.attention_backward(np.ones(out.shape), cache, key_is_value=True)
+
+
 @given(attention_cases(), st.integers(0, 2**16))
 def test_attention_gradients_through_fully_masked_rows_are_exactly_zero(case, seed):
     # Oracle: a query row with no key left has weights exactly 0, so its output
