@@ -260,6 +260,31 @@ def test_check_false_holds_for_grouped_query_attention(monkeypatch):
     assert calls == ["dout"]  # the checked call's, once
 
 
+def test_linear_forward_check_false_skips_only_the_check_and_the_copy():
+    """Oracle: the checked forward. ``Linear.forward(x, check=False)`` (a model's
+    own array) returns the same output and, after the same backward, the same
+    gradients, bitwise; its cache reads ``x`` itself, where the checked call
+    keeps a copy; only the checked call refuses an ``x`` holding NaN, naming it."""
+    rng = np.random.default_rng(9)
+    x, dout = _normal(rng, 2, 3, 4), _normal(rng, 2, 3, 6)
+    results = {}
+    for check in (True, False):
+        linear = qkvnp.Linear(4, 6, rng=1)
+        out = linear.forward(x, check=check)
+        cached_x = linear._cache[0].x
+        assert (cached_x is x) == (not check)
+        dx = linear.backward(dout)
+        results[check] = (out, dx, linear.grads["W"], linear.grads["b"])
+        bad = x.copy()
+        bad[1, 2, 3] = np.nan
+        if check:
+            with pytest.raises(ValueError, match="x"):
+                linear.forward(bad)
+        else:
+            assert np.isnan(linear.forward(bad, check=False)).any()
+    _assert_same(results[False], results[True])
+
+
 def test_basic_layers_backward_check_false_skips_only_the_check():
     """Oracle: the checked backward of the same forward. Linear and Embedding
     with ``check=False`` (a model's own, already checked gradient) accumulate

@@ -76,13 +76,19 @@ class Linear(Layer):
     _repr_fields = ("in_features", "out_features", "bias", "dtype")
     supports_complex_step = True  # its op runs on complex (qkvnp.gradcheck, method="complex_step")
 
-    def forward(self, x):
+    def forward(self, x, *, check=True):
         """Apply the affine map to the last axis of ``x``.
 
         Parameters
         ----------
         x : ndarray, shape (..., in_features)
             Cast to the layer's dtype (ints and float128 included).
+        check : bool, keyword-only
+            False: ``x`` is a composite model's own array, already of the
+            layer's dtype and shape and finite, which it does not edit before
+            the backward; neither ``x`` nor the parameters are checked, and
+            ``x`` is not copied (as :func:`qkvnp.functional.linear_forward`'s
+            ``check``, and :meth:`backward`'s).
 
         Returns
         -------
@@ -95,18 +101,20 @@ class Linear(Layer):
         ValueError
             On a shape mismatch, or NaN or inf in ``x``.
         """
-        x_in = x
-        x = as_float_array(x, "x", self.dtype)
-        check_ndim(x, "x", 1, f"(..., {self.in_features})")
-        check_last_dim(x, "x", self.in_features, f"(..., {self.in_features})")
-        W = as_float_array(self.params["W"], "W", self.dtype)  # finite; not a copy
-        b = as_float_array(self.params["b"], "b", self.dtype) if self.bias else None
-        # NOTE: each input checked once, here, then check=False: the op would
-        # check x again and copy W on every call (kv-recall's (64, 64)
-        # readout: 25.7 -> 16.7 us float32). The cache reads the parameters by
-        # reference, as the attention layers' do (an optimizer updates them
-        # after the backward), and owns its copy of the caller's x.
-        (x,) = owned((x,), (x_in,))
+        W, b = self.params["W"], self.params["b"] if self.bias else None
+        if check:
+            x_in = x
+            x = as_float_array(x, "x", self.dtype)
+            check_ndim(x, "x", 1, f"(..., {self.in_features})")
+            check_last_dim(x, "x", self.in_features, f"(..., {self.in_features})")
+            W = as_float_array(W, "W", self.dtype)  # finite; not a copy
+            b = None if b is None else as_float_array(b, "b", self.dtype)
+            # NOTE: each input checked once, here, then check=False: the op would
+            # check x again and copy W on every call (kv-recall's (64, 64)
+            # readout: 25.7 -> 16.7 us float32). The cache reads the parameters by
+            # reference, as the attention layers' do (an optimizer updates them
+            # after the backward), and owns its copy of the caller's x.
+            (x,) = owned((x,), (x_in,))
         out, linear_cache = F.linear_forward(x, W, b, check=False)  # (..., N) -> (..., M)
         self._cache = (linear_cache, out.shape)
         return out

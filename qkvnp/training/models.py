@@ -201,7 +201,7 @@ class KVRecallModel(Model):
         else:
             attended, v_cache = F.linear_forward(mixed[:, 0], own[role_v],
                                                  check=False)  # (B, E) -> (B, E)
-        logits = self.readout.forward(attended)  # (B, E) -> (B, V)
+        logits = self.readout.forward(attended, check=False)  # (B, E) -> (B, V)
         self._cache = (query_cache, q_cache, qk_cache, attention_cache, v_cache, logits.shape)
         if return_weights:
             return logits, F.dropped_weights(attention_cache)[:, 0]  # (B, 1, P) -> (B, P)
