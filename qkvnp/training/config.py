@@ -233,14 +233,14 @@ def parameter_count(config):
 def largest_batch_array(config):
     """Elements of the largest array one training or held-out batch makes.
 
-    kv-recall and partner: the key permutation draw ``(B, K)``, the items ``(B, P + 1, E)``
+    kv-recall and partner: the key permutation draw ``(B, K)``, the items ``(B, P, E)``
     and the logits ``(B, V)``; teacher: the weights ``(B, H, T, T)`` and the
     activations ``(B, T, E)``; with ``B`` the larger of ``batch_size`` and
     ``eval_size``.
     """
     B = max(config.batch_size, config.eval_size)
     if config.task in LOOKUP_TASKS:
-        return B * max(config.num_keys, (config.num_pairs + 1) * config.dim, config.num_values)
+        return B * max(config.num_keys, config.num_pairs * config.dim, config.num_values)
     T = config.seq_len
     return B * T * max(config.num_heads * T, config.embed_dim)
 
