@@ -344,10 +344,9 @@ def check_attention_inputs(query, key, value):
     except TypeError:
         dtype = None  # as_float_array below names the argument that is not real or is float128
     query = as_float_array(query, "query", dtype)
-    # one array passed as both key and value stays one (functional.attention_backward's key_is_value)
-    key, value = (as_float_array(key, "key", dtype),
-                  None if value is key else as_float_array(value, "value", dtype))
-    value = key if value is None else value
+    one_array = value is key  # stays one array, cast once (attention_backward's key_is_value)
+    key = as_float_array(key, "key", dtype)
+    value = key if one_array else as_float_array(value, "value", dtype)
     check_ndim(query, "query", 2, "(..., T, D)")
     check_ndim(key, "key", 2, "(..., S, D)")
     check_ndim(value, "value", 2, "(..., S, Dv)")
