@@ -17,7 +17,7 @@ see the same batches:
     torch ops (embedding lookups, matmuls, softmax, ``F.cross_entropy``),
     autograd, ``torch.optim.Adam``. Both fold the key and value projections
     onto the one query, as the model does (its Notes): neither forms ``K``
-    or ``V``.
+    or ``V``; both look the query's key up apart from the items'.
 ``teacher``
     qkvnp: :class:`qkvnp.training.AttentionRegressor`, a
     :class:`~qkvnp.MultiHeadAttention` with (B, T, E, H) = (64, 8, 16, 2),

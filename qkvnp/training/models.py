@@ -98,14 +98,16 @@ class KVRecallModel(Model):
 
     Backward, in reverse: readout backward gives :math:`\\bar a`; the value
     map gives :math:`\\bar W_v` and the attention output's gradient; attention
-    backward gives the query's gradient and the items' twice (as keys and as
-    values); the query map :math:`q' = q W_k^T` gives
+    backward gives the query's gradient and the items' (as keys plus as
+    values, formed as one product: ``attention_backward``'s
+    ``key_is_value``); the query map :math:`q' = q W_k^T` gives
     :math:`\\bar W_k = \\bar{q}'^T q` and :math:`\\bar q`; the query projection gives
     :math:`\\bar W_q = x_q^T \\bar q` and :math:`\\bar x_q`. A tied matrix receives
     the **sum** of the gradients of its uses (``W_qk`` gets both its
     :math:`\\bar W_q` and its :math:`\\bar W_k`), exactly as an input used twice
     does. The items' gradient flows into both embedding tables; the query
-    token's gradient flows into ``embed_key`` and ``query_marker``.
+    token's gradient flows into ``query_marker`` and, through the query's
+    own lookup, into ``embed_key`` too.
 
     Examples
     --------
