@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qkvnp import MultiHeadAttention, kernels
+from qkvnp import MultiHeadAttention
 from qkvnp.gradcheck import check_layer
 from qkvnp.kernels.mha import projected_score_bound
 

@@ -761,7 +761,7 @@ def test_batch_split_with_one_share_on_the_blocked_core(dtype):
     normalised weights; each share's backward reads its own. The share that
     falls back has run the one-thread layer of mha_small first (its sizes
     qualify), which hands it to the general kernel when the core refuses."""
-    E = H = 2
+    E = 2
     reference, other = layer_pair(MultiHeadAttention, embed_dim=E, num_heads=1, bias=False,
                                   rng=0, dtype=dtype)
     weights = {"W_query": np.eye(E), "W_key": -np.eye(E), "W_value": np.eye(E),

@@ -18,7 +18,7 @@ import pytest
 
 from qkvnp.cli import main
 from qkvnp.training.ablation import partner_attention, run_ablation, summarize
-from qkvnp.training.ablation_report import (format_attention, format_table, pair_example,
+from qkvnp.training.ablation_report import (format_attention, pair_example,
                                             plot_ablation, takeaway, to_json)
 from qkvnp.training.loop import TrainConfig, build_task, train
 from qkvnp.training.models import KVRecallModel
