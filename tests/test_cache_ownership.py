@@ -263,18 +263,26 @@ def test_check_false_holds_for_grouped_query_attention(monkeypatch):
 def test_linear_forward_check_false_skips_only_the_check_and_the_copy():
     """Oracle: the checked forward. ``Linear.forward(x, check=False)`` (a model's
     own array) returns the same output and, after the same backward, the same
-    gradients, bitwise; its cache reads ``x`` itself, where the checked call
-    keeps a copy; only the checked call refuses an ``x`` holding NaN, naming it."""
+    gradients, bitwise; its cache reads ``x`` itself, so an edit of ``x``
+    after the forward reaches ``dW`` (``x_edited^T dout``), where the checked
+    call's copy keeps the edit out; only the checked call refuses an ``x``
+    holding NaN, naming it."""
     rng = np.random.default_rng(9)
     x, dout = _normal(rng, 2, 3, 4), _normal(rng, 2, 3, 6)
     results = {}
     for check in (True, False):
         linear = qkvnp.Linear(4, 6, rng=1)
         out = linear.forward(x, check=check)
-        cached_x = linear._cache[0].x
-        assert (cached_x is x) == (not check)
         dx = linear.backward(dout)
         results[check] = (out, dx, linear.grads["W"], linear.grads["b"])
+        edited = x.copy()
+        linear.forward(edited, check=check)
+        _mutate([edited])
+        linear.zero_grad()
+        linear.backward(dout)
+        read = x if check else edited  # the checked forward cached its own copy
+        np.testing.assert_array_equal(linear.grads["W"],
+                                      read.reshape(-1, 4).T @ dout.reshape(-1, 6))
         bad = x.copy()
         bad[1, 2, 3] = np.nan
         if check:
