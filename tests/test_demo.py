@@ -7,7 +7,6 @@ them, formatted to the requested precision, and that it uses the issue's data.
 import argparse
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -41,15 +40,12 @@ def _run_demo(argv):
 
 def test_cli_demo_exits_0_and_prints_the_key_numbers(capsys):
     """Oracle: the seeds' 4-digit numbers appear verbatim in the output."""
-    start = time.perf_counter()
     status = cli.main(["demo"])
-    elapsed = time.perf_counter() - start
     out = capsys.readouterr().out
     assert status == 0
     for number in KEY_NUMBERS_4:
         assert number in out, f"{number} missing from the demo's output"
     assert "All cross-checks agree." in out
-    assert elapsed < 2.0, f"demo took {elapsed:.2f} s"
 
 
 def test_demo_explains_the_single_score_softmax_pitfall(capsys):
