@@ -80,8 +80,14 @@ BLOCK_SIZE_DEFAULTS = {
     "blas_thread_flops": 1 << 21,
     # Fewest floating-point operations of one job (a matmul, a core's pass)
     # for which the worker threads are used; smaller jobs run serially in the
-    # calling thread, where the hand-off would cost more than it saves.
-    "min_parallel_flops": 1 << 24,
+    # calling thread, where the hand-off would cost more than it saves. A
+    # layer whose core's backward stays below it also runs its projections on
+    # OpenBLAS's threads (see matmul). 2**27 (134 MFLOP): layers that do not
+    # split their batch, fwd+bwd float32 at 2**24 / 2**27: (1, 128, 768, 12)
+    # 15.7 / 12.4 ms, (4, 100, 64, 4) 1.69 / 1.26, (1, 1000, 64, 1) 9.7 / 9.0
+    # (2**29 8.7, 2**31 8.6); (16, 32, 64, 4), (1, 16, 768, 12), (2, 256, 768,
+    # 12) and (1, 2048, 512, 8) unchanged (2026-11-24).
+    "min_parallel_flops": 1 << 27,
     # Fewest floating-point operations of a layer's fast forward (projections,
     # core, output projection) for which the layer splits its batch over the
     # worker threads, each running the whole layer on its share: one hand-off

@@ -10,7 +10,8 @@ S key length, E embedding, D = E // H head dim, N = B*T (or B*S) rows,
 ``forward(params, inputs, kind, num_heads, mask, is_causal, ...) ->
 (out, weights, cache)`` and ``backward(dout, cache) -> (grads, dinputs)``.
 What they do differently: one fused ``(N, in) @ (in, 3E)`` projection for
-self-attention, heads as strided views of it, the core's output written
+self-attention (one product per matrix where the rows are fewer than the
+features: :func:`weights_apart`), heads as strided views of it, the core's output written
 straight into the merged ``(N, E)`` layout, buffers reused from the previous
 call, and the projections split over the same pinned worker threads as the
 core (after a multi-threaded OpenBLAS call its idle threads spin and slowed
@@ -52,7 +53,7 @@ from . import fast, mha_small, tiled
 from ._runtime import matmul, run, threads_for
 
 __all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "CACHES",
-           "PATHS", "ScoresMayOverflow", "projected_score_bound"]
+           "PATHS", "ScoresMayOverflow", "projected_score_bound", "weights_apart"]
 
 #: The cores this module runs a layer on.
 PATHS = ("fast", "tiled")
@@ -68,8 +69,10 @@ path : "fast" or "tiled", the core the forward ran.
 kind : "self", "key_only" or "cross".
 rows : tuple of the 2-D inputs ``(N, in)`` fed to each projection.
 in_shapes : tuple of the shapes of those inputs before flattening.
-W_in : tuple of the fused projection matrices actually used (the query part
-    already multiplied by ``scale``), one per entry of ``rows``.
+W_in : per entry of ``rows``, the fused projection matrix actually used (the
+    query part already multiplied by ``scale``), or, where the forward
+    multiplied by the weights apart (:func:`weights_apart`), the tuple of the
+    parameters themselves, unscaled (read by reference, as ``W_out``).
 in_names : tuple, per projection, of the parameter stems it fuses
     (``("query", "key", "value")`` for self-attention).
 scale : float folded into the query projection.
@@ -279,9 +282,13 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     projections run as one ``(N, in) @ (in, 3E)`` product with the matrix
     ``[c W_q, W_k, W_v]`` (``c = 1/sqrt(D)``, so the core gets Q already
     scaled); the matrix is concatenated on every call (``in * 3E`` copies,
-    negligible next to the product), so in-place parameter updates are
-    always seen. Heads are strided views of the projection output, and the
-    core writes its output into the merged ``(N, E)`` layout.
+    small next to the product's ``N * in * 3E`` from ``N >= in`` rows), so
+    in-place parameter updates are always seen. With fewer rows than input
+    features the copy would cost more than the product: each matrix then
+    multiplies on its own into its columns of the output, and the scale
+    multiplies the query's outputs (:func:`weights_apart`). Heads are strided
+    views of the projection output, and the core writes its output into the
+    merged ``(N, E)`` layout.
     """
     if path not in PATHS or (path == "tiled" and need_weights):
         raise ValueError(f"path must be one of {PATHS} (fast for weights), got {path!r}")
@@ -340,15 +347,30 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     rows, W_in, projected, buffers, fused_outputs = [], [], [], {}, []
     for i, (x, names) in enumerate(zip(inputs, groups)):
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
-        W, b = fused(names)
-        y = _buffer(workspace, f"projected{i}", (x2d.shape[0], W.shape[1]), dtype, buffers)
-        matmul(x2d, W, y, blas_threads=blas)  # (N, in) @ (in, widths) -> (N, widths)
-        if b is not None:
-            y += b
+        width = sum(widths[name] for name in names)
+        y = _buffer(workspace, f"projected{i}", (x2d.shape[0], width), dtype, buffers)
+        columns = _columns(y, names, widths)  # (N, E) or (N, E_kv) views
+        if weights_apart(*x2d.shape):
+            # fewer rows than input features: one product per matrix, each
+            # written into its columns of y, and the scale applied to the
+            # query's N rows, not to W_query's `in` rows (see weights_apart)
+            W = tuple(p["W_" + name] for name in names)
+            for W_name, y_name in zip(W, columns):
+                matmul(x2d, W_name, y_name, blas_threads=blas)  # (N, in) @ (in, width)
+            if has_bias:
+                for name, y_name in zip(names, columns):
+                    y_name += p["b_" + name]
+            if names[0] == "query":
+                columns[0] *= c  # (x W_q + b_q) c
+        else:
+            W, b = fused(names)
+            matmul(x2d, W, y, blas_threads=blas)  # (N, in) @ (in, widths) -> (N, widths)
+            if b is not None:
+                y += b
         rows.append(x2d)
         W_in.append(W)
         fused_outputs.append(y)
-        projected.extend(_columns(y, names, widths))  # (N, E) or (N, E_kv) views
+        projected.extend(columns)
     keys_output = next(y for y, names in zip(fused_outputs, groups) if "key" in names)
     check_score_bound(fused_outputs[0], keys_output, projected[0], projected[1], D, dtype)
     if path == "fast" and dropout is not None and dropout.mask is None:
@@ -499,6 +521,11 @@ def backward(dout, cache, dinputs_out=None, check=True):
     scale = dtype.type(c.scale)
     dinputs = []
     for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
+        dx = None if dinputs_out is None else dinputs_out[len(dinputs)].reshape(x2d.shape)
+        if isinstance(W, tuple):  # the forward's weights apart (weights_apart)
+            dinputs.append(_backward_apart(x2d, W, names, d, widths, scale, c, grads, dx)
+                           .reshape(shape))  # (N, in) -> (..., L, in)
+            continue
         dW = matmul(x2d.T, d, split="cols", blas_threads=c.blas_threads)  # (in, N) @ (N, widths)
         db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
         if names[0] == "query":  # W' = scale * W_query: dW_query = scale dW'
@@ -512,10 +539,56 @@ def backward(dout, cache, dinputs_out=None, check=True):
             grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
             if db is not None:
                 grads["b_" + name] = db[columns]
-        dx = None if dinputs_out is None else dinputs_out[len(dinputs)].reshape(x2d.shape)
         dx = matmul(d, W.T, dx, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in)
         dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
     return grads, tuple(dinputs)
+
+
+def weights_apart(rows, features):
+    """Whether a projection of ``rows`` inputs of ``features`` each multiplies by its
+    matrices one at a time instead of by their concatenation.
+
+    The fused matrix ``[c W_q, W_k, W_v]`` costs a copy of ``features x widths``
+    entries and a pass scaling ``W_q`` on every call, where the product costs
+    ``rows x features x widths`` multiply-adds: the copy and the scaling weigh
+    as much as the product at about 70 rows (an entry copied cost 0.56 ns on
+    the 2-core VM, a multiply-add 0.008 ns on OpenBLAS's two threads). Apart,
+    each product writes its columns of the output and the scale multiplies the
+    query's ``rows x E`` outputs (forward) and gradients (backward) instead.
+    Measured (the self-attention projection, float32, OpenBLAS's two threads,
+    fused / apart): (16, 768) 1.53 / 0.52 ms, (128, 768) 2.65 / 1.87,
+    (512, 768) 6.2 / 5.8, (64, 256) 0.22 / 0.16; from ``rows >= features`` on
+    the fused product is as fast or faster: (256, 256) 0.45 / 0.49, (1000, 64)
+    0.11 / 0.18 (three calls and narrower products). float64 alike.
+    """
+    return rows < features
+
+
+def _backward_apart(x2d, W, names, d, widths, scale, c, grads, dx):
+    """The input projections' backward when the forward multiplied by ``W``, a tuple
+    of the unscaled matrices, one at a time (:func:`weights_apart`).
+
+    ``d`` is the gradient of the projection outputs, the query's scaled:
+    ``y_q = c (x W_q + b_q)``, so the query's columns are scaled by ``c`` first
+    (in place: ``d`` is this backward's own), then each matrix gets
+    ``dW = x^T d_name``, each bias the column sums, and ``dx`` the sum of the
+    ``d_name W^T``. Writes ``grads``; returns ``dx`` (N, in).
+    """
+    columns = _columns(d, names, widths)  # (N, width) views of d
+    if names[0] == "query":
+        columns[0] *= scale  # gradient of x W_q + b_q
+    db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
+    start = 0
+    for name, d_name in zip(names, columns):
+        # (in, N) @ (N, width) -> (in, width)
+        grads["W_" + name] = matmul(x2d.T, d_name, split="cols", blas_threads=c.blas_threads)
+        if db is not None:
+            grads["b_" + name] = db[start:start + widths[name]]
+        start += widths[name]
+    dx = matmul(columns[0], W[0].T, dx, blas_threads=c.blas_threads)  # (N, width) @ (width, in)
+    for W_name, d_name in zip(W[1:], columns[1:]):
+        dx += matmul(d_name, W_name.T, blas_threads=c.blas_threads)
+    return dx
 
 
 def _batch_shares(params, inputs, num_heads, out_proj):

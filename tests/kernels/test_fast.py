@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp import kernels
-from qkvnp.kernels import _runtime, fast, fast_small
+from qkvnp.kernels import _runtime, fast, fast_small, mha
 
 from strategies import attention_cases, mha_cases, self_attention_cases
 from oracles import assert_matches_reference
@@ -800,6 +800,60 @@ def test_multi_head_layer_larger_shapes(dtype, kind):
     with blocks_and_threads(2, 1 << 14):
         check_layers(reference, other, inputs, kwargs)
         check_layers(reference, other, inputs, kwargs, seed=1)  # grads accumulate
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", ["self", "key_only", "cross", "gqa", "no bias", "dropout",
+                                  "tiled", "self-attention layer", "mixed"])
+def test_projections_with_fewer_rows_than_features_multiply_the_weights_apart(
+        monkeypatch, dtype, case):
+    """Oracle: the reference layer. With fewer rows (B * L) than input features
+    (mha.weights_apart), each projection matrix multiplies on its own and the
+    query's scale is applied to its outputs and gradients; every kind of input
+    projection and the tiled core, gradients accumulated over two calls. The
+    spy checks which way each projection ran ("mixed": 2 * 5 query rows
+    >= 8 features fused, 2 * 3 key rows < 12 features apart)."""
+    rng = np.random.default_rng(12)
+    batch, T, S, E, H = (1,), 5, 7, 16, 4
+    kdim, vdim = 12, 20
+    if case == "mixed":
+        batch, T, S, E, H = (2,), 5, 3, 8, 2
+    kw = {"embed_dim": E, "num_heads": H, "rng": 4, "dtype": dtype}
+    if case in ("key_only", "cross", "mixed"):
+        kw.update(kdim=kdim, vdim=kdim if case != "cross" else vdim)
+    if case == "gqa":
+        kw["num_kv_heads"] = 2
+    if case == "no bias":
+        kw["bias"] = False
+    if case == "dropout":
+        kw["dropout"] = 0.25
+    impl = "tiled" if case == "tiled" else "fast"
+    if case == "self-attention layer":
+        reference, other = layer_pair(SelfAttention, d_in=E, d_out=E, qkv_bias=True, rng=4,
+                                      dtype=dtype)
+    else:
+        reference, other = layer_pair(MultiHeadAttention, impl=impl, **kw)
+    for name in reference.params:
+        if name.startswith("b_"):  # not the zeros they start as
+            reference.params[name][...] = other.params[name][...] = rng.normal(
+                size=reference.params[name].shape)
+    inputs = [rng.normal(size=batch + (T, E)).astype(dtype)]
+    if case in ("key_only", "cross", "mixed"):
+        inputs.append(rng.normal(size=batch + (S, kdim)).astype(dtype))
+    if case == "cross":
+        inputs.append(rng.normal(size=batch + (S, vdim)).astype(dtype))
+    kwargs = {"is_causal": True} if len(inputs) == 1 else {
+        "key_padding_mask": rng.random(batch + (S,)) > 0.3}
+    if case == "dropout":
+        kwargs["dropout_mask"] = rng.random(batch + (H, T, T)) > 0.25
+    ran = []
+    real = mha.weights_apart
+    monkeypatch.setattr(mha, "weights_apart", lambda *shape: ran.append(real(*shape)) or ran[-1])
+    with kernels.num_threads(1):  # not mha_small: its own fused product serves tiny self-attention
+        monkeypatch.setattr(mha.mha_small, "applies", lambda *args: False)
+        check_layers(reference, other, inputs, kwargs)
+        check_layers(reference, other, inputs, kwargs, seed=1)  # grads accumulate
+    assert ran == 2 * ([False, True] if case == "mixed" else [True] * len(inputs)), ran
 
 
 def test_in_place_parameter_updates_are_seen():
