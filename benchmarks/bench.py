@@ -154,6 +154,7 @@ __all__ = [
     "Config",
     "DEFAULT_CONFIGS",
     "QUICK_CONFIGS",
+    "OFF_GRID_CONFIGS",
     "IMPLEMENTATIONS",
     "ImplementationMissing",
     "Problem",
@@ -203,6 +204,20 @@ LARGE_CONFIGS = (
 )
 DEFAULT_CONFIGS = USER_CONFIGS + LARGE_CONFIGS
 QUICK_CONFIGS = USER_CONFIGS + (Config(8, 128, 256, 8), Config(4, 512, 512, 8))
+#: ``--off-grid``: sizes users bring that the grid does not hold. BERT-base's
+#: attention (E = 768, 12 heads) on one short sentence, one 128-token sentence
+#: and a batch of 8; GPT-2 small's as the book pretrains it (2 x 256 tokens)
+#: and at its full context; lengths that are not powers of two.
+OFF_GRID_CONFIGS = (
+    Config(1, 16, 768, 12),
+    Config(4, 100, 64, 4),
+    Config(1, 128, 768, 12),
+    Config(8, 128, 768, 12),
+    Config(32, 200, 64, 4),
+    Config(2, 256, 768, 12),
+    Config(1, 1000, 64, 1),
+    Config(1, 1024, 768, 12),
+)
 #: Configurations up to this L are timed with one library per process
 #: (:mod:`workers`); longer ones in this process, with pauses.
 PROCESS_MAX_LENGTH = 128
@@ -1792,12 +1807,19 @@ def _seconds(text):
 
 def add_arguments(parser):
     """Add the ``bench`` options to an ``argparse`` parser."""
-    parser.add_argument("--quick", action="store_true",
-                        help="reduced run, about a minute on an idle machine: configs %s, "
-                             "float32, qkvnp's default path and PyTorch's layer only, the "
-                             "training steps in float32, no import timing, memory of the "
-                             "layers at the last config only"
-                             % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
+    presets = parser.add_mutually_exclusive_group()
+    presets.add_argument("--quick", action="store_true",
+                         help="reduced run, about a minute on an idle machine: configs %s, "
+                              "float32, qkvnp's default path and PyTorch's layer only, the "
+                              "training steps in float32, no import timing, memory of the "
+                              "layers at the last config only"
+                              % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
+    presets.add_argument("--off-grid", action="store_true",
+                         help="sizes off the grid, about 5 minutes: configs %s (BERT-base, "
+                              "GPT-2 small, lengths not powers of two), both dtypes and "
+                              "masks, the layer on qkvnp's default path and PyTorch's only; "
+                              "no training, memory or import timing"
+                              % ", ".join(str(tuple(c)) for c in OFF_GRID_CONFIGS))
     parser.add_argument("--configs", nargs="+", type=_parse_config, metavar="B,L,E,H",
                         help="configurations (default: %s); those with L <= %d are timed "
                              "with each implementation in a process of its own"
@@ -1859,15 +1881,16 @@ def run(args):
     """
     from summary import plot_ratios
 
-    quick = args.quick
-    configs = args.configs or (QUICK_CONFIGS if quick else DEFAULT_CONFIGS)
+    quick, off_grid = args.quick, getattr(args, "off_grid", False)
+    configs = args.configs or (QUICK_CONFIGS if quick else
+                               OFF_GRID_CONFIGS if off_grid else DEFAULT_CONFIGS)
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))
     pause = args.pause if args.pause is not None else 0.15 if quick else 0.3
     round_seconds = (args.round_time if args.round_time is not None
                      else 0.02 if quick else ROUND_SECONDS)
     repeats = args.repeats or 7
     import_repeats = (args.import_repeats if args.import_repeats is not None
-                      else 0 if quick else 7)
+                      else 0 if quick or off_grid else 7)
     if args.plot or args.plot_times:
         try:
             import matplotlib  # noqa: F401  (checked now, used at the end)
@@ -1878,12 +1901,14 @@ def run(args):
     if repeats < 7:
         _progress(f"note: {repeats} rounds: fewer than 7, medians are rough")
     report = run_benchmark(
-        configs=configs, dtypes=dtypes, kinds=args.kinds, impls=args.impls,
+        configs=configs, dtypes=dtypes, kinds=args.kinds or (("layer",) if off_grid else None),
+        impls=args.impls or (("auto", "torch") if off_grid else None),
         masks=args.masks or MASKS, repeats=repeats, warmup=args.warmup, pause=pause,
-        round_seconds=round_seconds, memory=not args.no_memory, import_repeats=import_repeats,
+        round_seconds=round_seconds, memory=not (args.no_memory or off_grid),
+        import_repeats=import_repeats,
         memory_kinds=("layer",) if quick else KINDS,
         memory_configs=configs[-1:] if quick else None, tiled_memory=not quick,
-        training=not args.no_training, gemm_size=args.gemm_size, quick=quick,
+        training=not (args.no_training or off_grid), gemm_size=args.gemm_size, quick=quick,
         torch_threads=args.torch_threads,
     )
     report["show_targets"] = bool(args.targets)

@@ -465,6 +465,36 @@ def test_quick_plan_is_the_users_view():
     assert {c.mask for c in cases} == {"none", "causal"}
 
 
+def test_off_grid_preset_times_the_layer_against_pytorch_only(monkeypatch):
+    # oracle: the shapes listed by hand (BERT-base and GPT-2 small's attention,
+    # lengths that are not powers of two), and what the help promises
+    assert [tuple(c) for c in bench.OFF_GRID_CONFIGS] == [
+        (1, 16, 768, 12), (4, 100, 64, 4), (1, 128, 768, 12), (8, 128, 768, 12),
+        (32, 200, 64, 4), (2, 256, 768, 12), (1, 1000, 64, 1), (1, 1024, 768, 12)]
+
+    class Planned(Exception):
+        pass
+
+    def run_benchmark(**kwargs):
+        raise Planned(kwargs)
+
+    monkeypatch.setattr(bench, "run_benchmark", run_benchmark)
+    with pytest.raises(Planned) as planned:
+        bench.main(["--off-grid"])
+    kwargs = planned.value.args[0]
+    assert kwargs["configs"] == bench.OFF_GRID_CONFIGS
+    assert kwargs["kinds"] == ("layer",) and kwargs["impls"] == ("auto", "torch")
+    assert kwargs["dtypes"] == ("float32", "float64") and kwargs["masks"] == bench.MASKS
+    assert not kwargs["memory"] and not kwargs["training"] and kwargs["import_repeats"] == 0
+    with pytest.raises(Planned) as planned:  # an explicit option still wins
+        bench.main(["--off-grid", "--configs", "2,8,16,2", "--dtypes", "float64"])
+    assert [tuple(c) for c in planned.value.args[0]["configs"]] == [(2, 8, 16, 2)]
+    assert planned.value.args[0]["dtypes"] == ["float64"]
+    with pytest.raises(SystemExit) as exited:  # two presets: argparse's error
+        bench.main(["--off-grid", "--quick"])
+    assert exited.value.code == 2
+
+
 @pytest.mark.parametrize("kind", ["layer", "core"])
 def test_causal_problem_changes_the_output(kind):
     # oracle: a behavioural property; under the causal mask, changing the last
