@@ -489,6 +489,55 @@ def test_projection_runs_on_blas_threads_only_where_asked_and_large(monkeypatch)
             assert product(blas_threads=True) == [1]
 
 
+def test_a_large_job_of_one_block_runs_on_blas_threads(monkeypatch):
+    """Oracle: OpenBLAS's own count inside each task, against the rule of
+    ``_runtime.run``: one block from ``min_parallel_flops`` on cannot be shared,
+    so its products get the kernels' threads (capped by the count before the
+    pin); below the setting, in a worker, or without a flops estimate, one;
+    two blocks go to the workers at one each; back to one after, even on error."""
+    blas = _runtime.openblas_thread_functions()
+    if not blas:
+        pytest.skip("numpy's OpenBLAS not found: its thread count cannot be steered")
+    get, _ = blas
+    seen = []
+
+    def task(part):
+        seen.append(get())
+
+    def counts(work, flops):
+        seen.clear()
+        _runtime.run(task, work, flops)
+        return seen[:]
+
+    with kernels.blas_threads(3), kernels.num_threads(2), \
+            kernels.block_sizes(min_parallel_flops=1000), _runtime.single_threaded_blas():
+        assert counts([0], 1000) == [2]  # min(2 kernel threads, 3 before the pin)
+        assert get() == 1
+        assert counts([0], 999) == [1]  # below the setting
+        assert counts([0], None) == [1]  # no estimate: as before
+        assert counts([0, 1], 1000) == [1, 1]  # shared: each worker at one
+        inner = []
+
+        def worker_share(part):
+            got = []
+            _runtime.run(lambda one: got.append(get()), [0], 1000)
+            inner.append(got)
+
+        _runtime.run(worker_share, [0, 1], 1000)
+        assert inner == [[1], [1]]  # in a worker: its share is one core's already
+        assert get() == 1
+
+        def failing(part):
+            raise RuntimeError("one-block failure")
+
+        with pytest.raises(RuntimeError, match="one-block failure"):
+            _runtime.run(failing, [0], 1000)
+        assert get() == 1
+    with kernels.blas_threads(1), kernels.num_threads(2), \
+            kernels.block_sizes(min_parallel_flops=1000), _runtime.single_threaded_blas():
+        assert counts([0], 1000) == [1]  # as the training loop runs: BLAS stays at one
+
+
 def test_layer_projections_take_blas_threads_only_beside_a_serial_core():
     """Oracle: the cache's flag against the core's backward flops and the setting.
 
