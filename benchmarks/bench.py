@@ -1881,7 +1881,7 @@ def run(args):
     """
     from summary import plot_ratios
 
-    quick, off_grid = args.quick, getattr(args, "off_grid", False)
+    quick, off_grid = args.quick, args.off_grid
     configs = args.configs or (QUICK_CONFIGS if quick else
                                OFF_GRID_CONFIGS if off_grid else DEFAULT_CONFIGS)
     dtypes = args.dtypes or (("float32",) if quick else ("float32", "float64"))

@@ -550,15 +550,16 @@ def run(task, work, flops=None):
     a one-head layer on one sequence) cannot be shared: it runs in the
     calling thread with its products on OpenBLAS's own threads, as many as
     the kernels', capped by OpenBLAS's count before the section pinned it
-    (:func:`matmul`). Layer fwd+bwd at (1, 1000, 64, 1) float32: 8.8-8.9 ->
-    6.8 ms, against PyTorch's 6.4.
+    (:func:`matmul`). Layer fwd+bwd at (1, 1000, 64, 1) float32, alternated
+    processes: 9.9-10.1 -> 6.6-6.9 ms; in the benchmark (``--off-grid``,
+    2026-11-24) 2.03 -> 1.51x PyTorch's time.
     """
     workers = get_num_threads()
     threads = min(workers, len(work))
     if (flops is not None and flops < _SIZES["min_parallel_flops"]) or _in_worker():
         threads = 1  # small, or a worker's own share (no nested hand-off)
     elif threads == 1 and flops is not None and workers > 1 and _PIN["depth"]:
-        _on_blas_threads(task, work, min(workers, _PIN["saved"]))
+        _on_blas_threads(lambda: task(work), min(workers, _PIN["saved"]))
         return
     if threads < 2 or not openblas_thread_functions():
         if _PIN["depth"]:  # already inside a single-threaded section
@@ -578,13 +579,13 @@ def run(task, work, flops=None):
             future.result()  # re-raise a worker's error
 
 
-def _on_blas_threads(task, work, count):
-    """``task(work)`` in the calling thread with OpenBLAS at ``count`` threads, back
-    to one after, even on error (inside a :class:`single_threaded_blas` section)."""
+def _on_blas_threads(call, count):
+    """``call()``'s result, called with OpenBLAS at ``count`` threads, back to one
+    after, even on error (inside a :class:`single_threaded_blas` section)."""
     set_blas_threads = openblas_thread_functions()[1]
     set_blas_threads(count)
     try:
-        task(work)
+        return call()
     finally:
         set_blas_threads(1)  # back to the section's pin
 
@@ -614,10 +615,7 @@ def matmul(a, b, out=None, split="rows", blas_threads=False):
     if blas_threads and _PIN["depth"]:  # from blas_thread_flops on (see above)
         blas = min(threads, _PIN["saved"])
         if blas > 1:
-            if out is None:
-                out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
-            _on_blas_threads(lambda _: np.matmul(a, b, out=out), None, blas)
-            return out
+            return _on_blas_threads(lambda: np.matmul(a, b, out=out), blas)
     if threads < 2 or flops < _SIZES["min_parallel_flops"]:
         if _PIN["depth"]:  # the layer kernels' section: BLAS at one thread
             return np.matmul(a, b, out=out)

@@ -75,7 +75,8 @@ W_in : per entry of ``rows``, the fused projection matrix actually used (the
     parameters themselves, unscaled (read by reference, as ``W_out``).
 in_names : tuple, per projection, of the parameter stems it fuses
     (``("query", "key", "value")`` for self-attention).
-scale : float folded into the query projection.
+scale : float, folded into the query projection (applied to the query's
+    outputs and gradients where the weights multiplied apart).
 core_cache : :class:`qkvnp.kernels.fast.FastAttentionCache` or
     :class:`qkvnp.kernels.tiled.TiledAttentionCache`, over the heads.
 batch, T, S, H : leading dims, lengths and head count.
