@@ -12,7 +12,8 @@ and the tiled core from there (``qkvnp.kernels.choose_path``). Either way
 its forward+backward issues the same projection products, (N, E) x (E, 3E)
 in and (N, E) x (E, E) out, with their two gradients each, and the core's:
 the dense core forms Q K^T and P V forward, and dV, dP, dQ, dK backward, on
-the whole (B*H, L, L) scores; the tiled core forms Q K^T and P V for every
+the whole (B*H, L, L) scores (under a causal mask, by chunks of
+``causal_row_block`` rows, each on the keys its last row sees); the tiled core forms Q K^T and P V for every
 live (bq, bk) block pair forward, and Q K^T, dV, dP, dQ, dK again backward
 (a causal mask skips the pairs above the diagonal). This script issues
 exactly those products on random arrays of the same shapes and layouts, on
@@ -67,10 +68,16 @@ def layer_products(x, W_in, W_out, q, k, v, path, causal, blocks):
     merged @ W_out  # (N, E) @ (E, E): the output projection
     merged.T @ merged, merged @ W_out.T  # its weight and input gradients
     if path == "fast":
-        scores = q @ k.swapaxes(-1, -2)  # (B, H, L, D) @ (B, H, D, L)
-        scores @ v  # P V
-        scores.swapaxes(-1, -2) @ q, q @ v.swapaxes(-1, -2)  # dV, dP
-        scores @ k, scores.swapaxes(-1, -2) @ q  # dQ, dK
+        # causal: chunks of causal_row_block rows, each on the keys its last row sees
+        T, S = q.shape[-2], k.shape[-2]
+        rows = min(T, get_block_sizes()["causal_row_block"]) if causal else T
+        for i0 in range(0, T, rows):
+            live = min(S, i0 + rows) if causal else S
+            qc, kc, vc = q[..., i0:i0 + rows, :], k[..., :live, :], v[..., :live, :]
+            scores = qc @ kc.swapaxes(-1, -2)  # (B, H, R, D) @ (B, H, D, live)
+            scores @ vc  # P V
+            scores.swapaxes(-1, -2) @ qc, qc @ vc.swapaxes(-1, -2)  # dV, dP
+            scores @ kc, scores.swapaxes(-1, -2) @ qc  # dQ, dK
     else:
         T, S = q.shape[-2], k.shape[-2]
         block_q, block_k = blocks

@@ -19,7 +19,7 @@ import numpy as np
 
 __all__ = ["causal_mask", "causal_offset", "check_is_causal", "prepare_mask", "float_mask",
            "fold_key_padding_mask", "additive_mask", "is_causal_additive", "causal_factors",
-           "CAUSAL_ALIGNMENTS"]
+           "causal_mask_offset", "CAUSAL_ALIGNMENTS"]
 
 #: What ``is_causal`` may be: no causal mask, top-left aligned (PyTorch's SDPA
 #: ``is_causal=True``) or bottom-right aligned (PyTorch's ``causal_lower_right``).
@@ -309,6 +309,8 @@ def _causal_arrays(T, S, bottom_right, dtype):
         a.flags.writeable = False
     _CAUSAL_ADDITIVES[id(mask)] = mask
     _CAUSAL_FACTORS[id(mask)] = factors
+    _CAUSAL_OFFSETS[id(mask)] = S - T if bottom_right else 0
+    weakref.finalize(mask, _CAUSAL_OFFSETS.pop, id(mask), None)
     return mask, factors
 
 
@@ -316,11 +318,23 @@ def _causal_arrays(T, S, bottom_right, dtype):
 # long as they live (the cache above holds both).
 _CAUSAL_ADDITIVES = weakref.WeakValueDictionary()
 _CAUSAL_FACTORS = weakref.WeakValueDictionary()
+_CAUSAL_OFFSETS = {}  # and the offset of its diagonal (causal_offset), until the mask dies
 
 
 def is_causal_additive(mask, dtype):
     """True for a shared causal mask of :func:`additive_mask` (0 / -inf, either alignment)."""
     return _CAUSAL_ADDITIVES.get(id(mask)) is mask and mask.dtype == np.dtype(dtype)
+
+
+def causal_mask_offset(mask, dtype):
+    """:func:`causal_offset` of a shared causal mask of :func:`additive_mask`; None for any other mask.
+
+    Query ``i`` of such a mask sees keys ``j <= i + offset`` only: the fast
+    core skips the keys that no row of a row chunk sees.
+    """
+    if mask is None or not is_causal_additive(mask, dtype):
+        return None
+    return _CAUSAL_OFFSETS.get(id(mask))
 
 
 def causal_factors(mask, dtype):

@@ -119,7 +119,7 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     -----
     ``"auto"`` runs the fast dense path, or the tiled path from
     ``tiled_min_length`` keys on (``causal_tiled_min_length`` under a causal
-    mask, where the tiled core skips half the blocks), or when the dense weights of ``groups``
+    mask; both cores skip most of the masked triangle there), or when the dense weights of ``groups``
     ``(T, S)`` matrices would exceed ``dense_weights_budget`` bytes (both
     :func:`set_block_sizes` settings). Weights requested keep the dense path:
     the tiled path never builds them, so ``impl="tiled"`` with weights falls

@@ -71,6 +71,14 @@ BLOCK_SIZE_DEFAULTS = {
     # in cache: 8 MiB measured 1-5% faster than 4 at L >= 2048, 1-2 10-13% slower.
     "row_block_bytes": 8 << 20,
     "min_row_block": 64,
+    # ... and of at most this many rows under a causal mask, each chunk
+    # skipping the keys none of its rows sees (the masked triangle, in steps).
+    # Layer fwd+bwd causal, fast path, 256 rows / one chunk as before (one
+    # process, median of 3-4 s): (4, 512, 512, 8) 78 / 81 ms float32, 161 /
+    # 174 float64; (1, 1024, 768, 12) 98 / 107, 199 / 219; (1, 2048, 512, 8)
+    # (two chunks before) 152 / 171, 293 / 297. 128 rows (1, 2048, 512, 8):
+    # 165, 301; at (8, 128, 256, 8) two chunks of 64 gained nothing.
+    "causal_row_block": 256,
     # Fewest rows (or columns) per thread for which a projection matmul splits.
     "min_split": 64,
     # Fewest floating-point operations of a projection that runs on OpenBLAS's
@@ -111,11 +119,13 @@ BLOCK_SIZE_DEFAULTS = {
     # impl="auto" takes the tiled path from this many keys on (from 4096 the
     # two cost about the same and tiled needs memory linear in L) ...
     "tiled_min_length": 4096,
-    # ... from this many keys on under a causal mask, where the tiled core skips
-    # the block pairs above the diagonal and the dense one computes them (full
-    # run of 2026-11-23, layer (1, 2048, 512, 8) causal fwd+bwd: tiled 240 ms,
-    # fast 295 ms float32, 486 / 520 float64; at L = 512 fast was faster) ...
-    "causal_tiled_min_length": 2048,
+    # ... from this many keys on under a causal mask. Both cores skip the
+    # masked triangle: the tiled one by block pairs, the dense one by chunks of
+    # causal_row_block rows (before those chunks, 2048 here: the dense core
+    # computed the triangle). Layer (1, 2048, 512, 8) causal fwd+bwd, one
+    # process each, two alternated rounds (2026-11-24): tiled 165 / 174 ms,
+    # fast 158 / 160 float32; 358 / 339 against 307 / 290 float64 ...
+    "causal_tiled_min_length": 4096,
     # ... or when the dense (..., H, T, S) weights would take more bytes than this.
     "dense_weights_budget": 256 << 20,
     # glibc's malloc serves blocks below this from its heap and keeps twice
@@ -124,7 +134,8 @@ BLOCK_SIZE_DEFAULTS = {
     # float32 page-faulted 192 times a step, 1.89 ms against 1.42). 0: as is.
     "heap_mmap_threshold": 32 << 20,
 }
-_MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "min_split": 1,
+_MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "causal_row_block": 1,
+            "min_split": 1,
             "min_parallel_flops": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
             "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
             "causal_tiled_min_length": 1,

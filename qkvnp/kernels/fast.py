@@ -65,7 +65,7 @@ from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, ow
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
-from ..masks import additive_mask, causal_factors, prepare_mask
+from ..masks import additive_mask, causal_factors, causal_mask_offset, prepare_mask
 from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
 from .fast_small import LARGE_SCORES, mask_row_max, masked_exp, small_backward, small_forward
 
@@ -88,8 +88,9 @@ MAX_BOUND_GAP = 24
 PROBE_KEYS = 8
 
 FastAttentionCache = namedtuple(
-    "FastAttentionCache", "query key value exp_scores inv_sum out scale shapes dropout_mask dropout_p",
-    defaults=(None, 0.0),
+    "FastAttentionCache",
+    "query key value exp_scores inv_sum out scale shapes dropout_mask dropout_p causal chunk_rows",
+    defaults=(None, 0.0, None, None),
 )
 FastAttentionCache.__doc__ = """What :func:`attention_backward` reads.
 
@@ -105,6 +106,13 @@ scale : float.
 shapes : the original shapes of query, key and value (for broadcast inputs).
 dropout_mask : bool, broadcastable to (..., T, S), True = keep; None without dropout.
 dropout_p : float, the drop probability (kept weights are scaled by 1 / (1 - p)).
+causal : None, or the offset of the diagonal of a shared causal mask (query
+    ``i`` sees keys ``j <= i + causal``: :func:`qkvnp.masks.causal_mask_offset`).
+chunk_rows : None when every entry of ``exp_scores`` was written. Else the
+    forward went by causal row chunks of this many rows, and in each chunk
+    left the numerators of the keys that none of its rows sees unwritten
+    (:func:`_live_keys`): the backward takes the same chunks, and
+    :func:`attention_weights` writes their zeros.
 """
 
 # ---------------------------------------------------------------- core
@@ -129,18 +137,42 @@ def _exp_scores_careful(scores, query, key_t, mask):
     return row_max
 
 
-def _row_chunks(G, T, S, itemsize):
-    """Row slices of a ``(G, T, S)`` block, about ``row_block_bytes`` per group.
+def _chunk_rows(T, S, itemsize, causal=None):
+    """Rows of one chunk of a ``(G, T, S)`` block: about ``row_block_bytes`` per group.
 
     A chunk's scores stay in the CPU cache between the matmul that writes
-    them and the elementwise passes that follow.
+    them and the elementwise passes that follow. Under a causal mask
+    (``causal``: the offset of its diagonal) a chunk has at most
+    ``causal_row_block`` rows: each chunk skips the keys that none of its
+    rows sees (:func:`_live_keys`), so that smaller chunks skip more of the
+    masked triangle. ``T``: one chunk.
     """
     sizes = get_block_sizes()
     rows = sizes["row_block_bytes"] // max(1, S * itemsize)
+    if causal is not None:
+        rows = min(rows, sizes["causal_row_block"])
+    return T if rows >= T else min(T, max(rows, sizes["min_row_block"]))
+
+
+def _row_slices(T, rows):
+    """The chunks of ``rows`` rows of ``T``, as slices (``[slice(None)]``: one chunk)."""
     if rows >= T:
         return [slice(None)]
-    rows = max(rows, sizes["min_row_block"])
     return [slice(start, min(start + rows, T)) for start in range(0, T, rows)]
+
+
+def _live_keys(rows, S, causal):
+    """How many leading keys the rows ``rows`` (a slice) may see: ``S`` without a causal mask.
+
+    Query ``i`` sees keys ``j <= i + causal``, so a chunk's last row sees
+    the most: the keys before ``rows.stop + causal``. A chunk that sees no
+    key at all (bottom-right aligned, ``T > S``) keeps them all, for the
+    fully masked rows' careful path.
+    """
+    if causal is None or rows.stop is None:
+        return S
+    live = min(S, rows.stop + causal)
+    return live if live > 0 else S
 
 
 def _augment(x, last, factor=None):
@@ -184,23 +216,27 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     ``r ((E * Z) V) / (1 - p)``: ``exp_scores`` and ``inv_sum`` stay those of
     the softmax before dropout.
 
-    Returns True when ``exp_scores`` holds the weights ``P = E r`` themselves
-    (a problem run serially with few scores, where normalising the
-    contiguous ``(T, S)`` scores costs less than scaling the strided
-    ``(T, Dv)`` output and three ``(T, D)`` operands of the backward:
-    (64, 8, 16, 2) layer fwd+bwd 435 -> 372 us float32, 522 -> 449 float64);
-    the cache then stores ``inv_sum=None``. False: numerators and ``inv_sum``.
+    Returns ``(normalized, chunk_rows)``. ``normalized`` is True when
+    ``exp_scores`` holds the weights ``P = E r`` themselves (a problem run
+    serially with few scores, where normalising the contiguous ``(T, S)``
+    scores costs less than scaling the strided ``(T, Dv)`` output and three
+    ``(T, D)`` operands of the backward: (64, 8, 16, 2) layer fwd+bwd 435 ->
+    372 us float32, 522 -> 449 float64); the cache then stores
+    ``inv_sum=None``. False: numerators and ``inv_sum``. ``chunk_rows``: None,
+    or the rows of the causal chunks whose unseen keys' numerators were left
+    unwritten (:class:`FastAttentionCache`'s field of that name).
     """
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
     if S == 0:  # NOTE: no key at all: every row is fully masked, output 0
         out[...] = 0
         inv_sum[...] = 0
-        return False
+        return False, None
     flops = 2 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 2)
     dtype = exp_scores.dtype
     mask_max = mask_row_max(mask, dtype)
     factors = causal_factors(mask, dtype)  # None, or the causal mask as 0 / 1: exp(S) * factors
+    causal = causal_mask_offset(mask, dtype)  # None, or that mask's diagonal
     threads = threads_for(flops)
     drop = None
     if dropout_mask is not None:
@@ -209,7 +245,8 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     if _whole_array(threads, exp_scores) and small_forward(
             query, key, value, mask, mask_max, exp_scores, inv_sum, out, drop, normalize=normalize,
             factors=factors):
-        return normalize
+        return normalize, None
+    chunks = _row_slices(T, _chunk_rows(T, S, exp_scores.itemsize, causal))
     log2e = dtype.type(np.log2(np.e))
     small_mask = small_mask_max = None
     if factors is not None:
@@ -217,8 +254,9 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     if mask is not None:
         small_mask = np.broadcast_to(mask, lead + (T, S))
         small_mask_max = np.broadcast_to(mask_max, lead + (T, 1))
-        # base-2 scores: exp(x) = exp2(x log2(e)) and exp2 is the faster ufunc
-        mask = np.broadcast_to(mask * log2e, lead + (T, S))
+        # base-2 scores: exp(x) = exp2(x log2(e)) and exp2 is the faster ufunc;
+        # the causal mask's 0 and -inf are their own base-2 values: no (T, S) pass
+        mask = np.broadcast_to(mask if factors is not None else mask * log2e, lead + (T, S))
         mask_max = np.broadcast_to(mask_max * log2e, lead + (T, 1))
     # a few keys whose scores give a lower bound on each row max (key 0 is
     # visible under a causal mask and usually under key padding)
@@ -230,8 +268,6 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
         with np.errstate(over="ignore", invalid="ignore", under="ignore"):
             for idx in part:
                 k, v = key[idx], value[idx]  # (G, S, D), (G, S, Dv)
-                G = math.prod(exp_scores[idx].shape[:-2])
-                chunks = _row_chunks(G, T, S, exp_scores.itemsize)
                 if len(chunks) == 1 and small_forward(
                         query[idx], k, v, None if mask is None else small_mask[idx],
                         None if mask is None else small_mask_max[idx],
@@ -249,14 +285,15 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
                                   None if mask is None else mask_max[block],
                                   inv_sum[block], out[block], probes, log2e,
                                   None if drop is None else (drop[0][block], drop[1]),
-                                  None if factors is None else factors[block])
+                                  None if factors is None else factors[block],
+                                  _live_keys(rows, S, causal))
 
     run(task, blocks(lead, T * S * exp_scores.itemsize, threads), flops)
-    return False
+    return False, (chunks[0].stop if causal is not None and len(chunks) > 1 else None)
 
 
 def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, inv, o,
-                  probes, log2e, drop=None, factors=None):
+                  probes, log2e, drop=None, factors=None, live=None):
     """Forward of one block of rows: scores, softmax numerators, output.
 
     The row max is replaced by the bound ``m = |q| max|k| + max(mask row)``
@@ -277,7 +314,19 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     numerators (one more matmul: the row sums need them all). ``factors``:
     None, or a causal ``mask`` as 0 / 1 (:func:`qkvnp.masks.causal_factors`),
     multiplied after ``exp2`` instead of adding the mask before it.
+
+    ``live`` (a causal chunk's, :func:`_live_keys`): only the first ``live``
+    keys are seen by any of the rows; the rest of their scores, whose
+    numerators are 0, are neither computed nor written. The bound's
+    ``max|k|`` over all keys stays a bound.
     """
+    if live is not None and live < scores.shape[-1]:
+        scores, k, key_aug_t, value_aug = (scores[..., :live], k[..., :live, :],
+                                           key_aug_t[..., :live], value_aug[..., :live, :])
+        mask = None if mask is None else mask[..., :live]
+        factors = None if factors is None else factors[..., :live]
+        drop = None if drop is None else (drop[0][..., :live], drop[1])
+        probes = probes[probes < live]  # key 0 among them: live > 0
     bound = np.sqrt(np.sum(q * q, axis=-1, keepdims=True)) * key_norm  # (G, R, 1)
     if mask_max is not None:
         bound += mask_max
@@ -328,6 +377,7 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     unscaled query, 1 for the gradient of the scaled one.
     """
     query, key, value, exp_scores, inv_sum, out = cache[:6]
+    causal = cache.causal
     lead = exp_scores.shape[:-2]
     T, S = exp_scores.shape[-2:]
     flops = 4 * math.prod(lead) * T * S * (query.shape[-1] + value.shape[-1] + 1)
@@ -341,13 +391,16 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
     # (seen rarely, state-dependent: float32 (2, 5) @ (5, 1), the row sums of
     # small_backward). The inputs are checked finite: the flag is noise, as in
     # the forward. np.errstate is per thread, so the workers set it too (task).
-    if _whole_array(threads, exp_scores):
+    if cache.chunk_rows is None and _whole_array(threads, exp_scores):
         with np.errstate(invalid="ignore"):
             small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dkey, dvalue,
                            dquery_scale, drop)
         return
     if inv_sum is None:  # exp_scores holds the weights: E = P, r = 1
         inv_sum = np.ones(lead + (T, 1), exp_scores.dtype)
+    # the forward's causal chunks if it left numerators unwritten; with every
+    # one written (0 where masked), any chunks
+    chunks = _row_slices(T, cache.chunk_rows or _chunk_rows(T, S, exp_scores.itemsize, causal))
 
     def task(part):
         with np.errstate(invalid="ignore"):  # in the worker thread (see the NOTE above)
@@ -357,8 +410,6 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
         scratch = partial = None
         for idx in part:
             k = key[idx]  # (G, S, D)
-            G = math.prod(exp_scores[idx].shape[:-2])
-            chunks = _row_chunks(G, T, S, exp_scores.itemsize)
             if len(chunks) == 1:  # the block fits in cache: whole-array calls
                 small_backward(dout[idx], query[idx], k, value[idx], exp_scores[idx], inv_sum[idx],
                                out[idx], dquery[idx], dkey[idx], dvalue[idx], dquery_scale,
@@ -370,6 +421,10 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
             dk_t = np.empty(dkey[idx].swapaxes(-1, -2).shape, k.dtype)  # (G, D, S)
             dv_t = np.empty(dvalue[idx].swapaxes(-1, -2).shape, k.dtype)  # (G, Dv, S)
             for n, rows in enumerate(chunks):
+                live = _live_keys(rows, S, causal)
+                if n == 0 and live < S:  # the first chunk writes, the others add: 0 beyond its keys
+                    dk_t[..., live:] = 0
+                    dv_t[..., live:] = 0
                 block = idx + (Ellipsis, rows, slice(None))
                 weights_num = exp_scores[block]  # (G, R, S)
                 R = weights_num.shape[-2]
@@ -380,7 +435,7 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
                 _backward_rows(dout[block], out[block], query[block], k, value_aug_t, weights_num,
                                inv_sum[block], scratch[..., :R, :], dquery[block], dk_t, dv_t,
                                dquery_scale, None if n == 0 else partial,
-                               None if drop is None else (drop[0][block], drop[1]))
+                               None if drop is None else (drop[0][block], drop[1]), live)
             dkey[idx] = dk_t.swapaxes(-1, -2)  # (G, D, S) -> (G, S, D)
             dvalue[idx] = dv_t.swapaxes(-1, -2)  # (G, Dv, S) -> (G, S, Dv)
 
@@ -388,14 +443,23 @@ def dense_backward(dout, cache, dquery, dkey, dvalue, dquery_scale):
 
 
 def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t, dv_t, dq_scale,
-                   partial, drop=None):
+                   partial, drop=None, live=None):
     """Backward of one block of rows; ``dk_t``, ``dv_t`` (transposed) are
     written (``partial`` is None) or accumulated through ``partial`` buffers.
 
     ``dP - delta`` comes out of one matmul: ``[dO | -delta] @ [V | 1]^T``;
     with ``drop = (Z, 1 / (1 - p))`` it is ``(dO V^T) * Z / (1 - p) - delta``
     (``delta = rowsum(dO * O)`` still: see ``docs/derivations.md``).
+    ``live``: as in :func:`_forward_rows`; only the first ``live`` columns
+    of ``dk_t`` and ``dv_t`` are written (or added to).
     """
+    if live is not None and live < weights_num.shape[-1]:
+        weights_num, dscores, k, value_aug_t = (weights_num[..., :live], dscores[..., :live],
+                                                k[..., :live, :], value_aug_t[..., :live])
+        dk_t, dv_t = dk_t[..., :live], dv_t[..., :live]
+        if partial is not None:
+            partial = partial[0][..., :live], partial[1][..., :live]
+        drop = None if drop is None else (drop[0][..., :live], drop[1])
     delta = np.sum(do * o, axis=-1, keepdims=True)  # rowsum(P * dP) = rowsum(dO * O), (G, R, 1)
     dv_rows = dv_t if partial is None else partial[1]
     if drop is None:
@@ -531,13 +595,14 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     exp_scores = recycled_empty(lead + (T, S), dtype)
     inv_sum = np.empty(lead + (T, 1), dtype)
     out = np.empty(lead + (T, Dv), dtype)
-    normalized = dense_forward(scaled_query, key_b, value_b, mask, exp_scores, inv_sum, out,
-                               drop_keep, drop_p)
+    normalized, chunk_rows = dense_forward(scaled_query, key_b, value_b, mask, exp_scores,
+                                           inv_sum, out, drop_keep, drop_p)
     # NOTE: the cache keeps its own copy of out (a (T, Dv) copy): a caller
     # editing the returned array in place must not change the gradients.
     cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores,
                                None if normalized else inv_sum, out.copy(),
-                               scale, (query.shape, key.shape, value.shape), drop_keep, drop_p)
+                               scale, (query.shape, key.shape, value.shape), drop_keep, drop_p,
+                               causal_mask_offset(mask, dtype), chunk_rows)
     return out, cache
 
 
@@ -588,8 +653,14 @@ def attention_weights(cache):
         return ungroup_weights(attention_weights(cache.inner), cache)
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
         return F.dropped_weights(cache)
-    weights = (cache.exp_scores.copy() if cache.inv_sum is None  # (..., T, S)
-               else cache.exp_scores * cache.inv_sum)
+    if cache.chunk_rows is not None:  # zeros where the causal chunks wrote nothing
+        T, S = cache.exp_scores.shape[-2:]
+        seen = np.arange(S) <= np.arange(T)[:, None] + cache.causal  # (T, S)
+        with np.errstate(all="ignore"):  # what the unwritten entries hold
+            weights = np.where(seen, cache.exp_scores * cache.inv_sum, 0)  # (..., T, S)
+    else:
+        weights = (cache.exp_scores.copy() if cache.inv_sum is None  # (..., T, S)
+                   else cache.exp_scores * cache.inv_sum)
     if cache.dropout_mask is not None:
         weights *= cache.dropout_mask
         weights *= keep_scale(cache.dropout_p, weights.dtype)

@@ -48,7 +48,7 @@ from .._checks import as_upstream_grad, owned, scores_may_overflow
 from ..dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
 from ..gqa import split_head_axis
-from ..masks import additive_mask, prepare_mask
+from ..masks import additive_mask, causal_mask_offset, prepare_mask
 from . import fast, mha_small, tiled
 from ._runtime import matmul, run, threads_for
 
@@ -411,11 +411,12 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         if H_kv != H:  # the dense core reads full leading dims: (..., H_kv, G, S, D) views
             k, v = np.broadcast_to(k, lead + k.shape[-2:]), np.broadcast_to(v, lead + v.shape[-2:])
             drop_keep = None if drop_keep is None else split_head_axis(drop_keep, H, H_kv, G)
-        normalized = fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads, drop_keep,
-                                        drop_p)
+        normalized, chunk_rows = fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads,
+                                                    drop_keep, drop_p)
         core_cache = fast.FastAttentionCache(q, k, v, exp_scores,
                                              None if normalized else inv_sum, out_heads, 1.0,
-                                             (q.shape, k.shape, v.shape), drop_keep, drop_p)
+                                             (q.shape, k.shape, v.shape), drop_keep, drop_p,
+                                             causal_mask_offset(add, dtype), chunk_rows)
         weights = fast.attention_weights(core_cache) if need_weights else None
         if weights is not None and H_kv != H:
             weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)

@@ -179,11 +179,12 @@ def test_choose_path_follows_the_settings_and_says_why():
     assert big.path == "tiled" and "dense_weights_budget" in big.reason
     wanted = kernels.choose_path("auto", 1, 8, sizes["tiled_min_length"], np.float32, True)
     assert wanted.path == "fast" and "weights requested" in wanted.reason
-    causal = sizes["causal_tiled_min_length"]
-    assert kernels.choose_path("auto", 8, causal, causal, np.float32).path == "fast"
-    tiled_causal = kernels.choose_path("auto", 8, causal, causal, np.float32, is_causal=True)
-    assert tiled_causal.path == "tiled" and "causal_tiled_min_length" in tiled_causal.reason
-    assert kernels.choose_path("auto", 8, causal, causal - 1, np.float32, is_causal=True).path == "fast"
+    assert sizes["causal_tiled_min_length"] <= sizes["tiled_min_length"]
+    with kernels.block_sizes(causal_tiled_min_length=512):  # below tiled_min_length
+        assert kernels.choose_path("auto", 8, 512, 512, np.float32).path == "fast"
+        tiled_causal = kernels.choose_path("auto", 8, 512, 512, np.float32, is_causal=True)
+        assert tiled_causal.path == "tiled" and "causal_tiled_min_length" in tiled_causal.reason
+        assert kernels.choose_path("auto", 8, 512, 511, np.float32, is_causal=True).path == "fast"
     fallback = kernels.choose_path("tiled", 1, 8, 8, np.float32, need_weights=True)
     assert fallback.path == "fast" and "fell back to the fast core" in fallback.reason
     assert kernels.choose_path("reference", 1, 8, 8, np.float32, True).path == "reference"

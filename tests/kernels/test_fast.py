@@ -318,21 +318,82 @@ def test_causal_scores_are_masked_after_the_exponential(monkeypatch, dtype, spli
 
 def test_causal_factors_are_the_shared_causal_mask_as_0_and_1():
     """Oracle: the boolean causal mask. Only the shared causal masks (either
-    alignment) have factors; any other additive mask is added as before."""
-    from qkvnp.masks import additive_mask, causal_factors, causal_mask
+    alignment) have factors and a diagonal offset (query i sees keys j <= i +
+    offset); any other additive mask is added as before."""
+    from qkvnp.masks import additive_mask, causal_factors, causal_mask, causal_mask_offset
 
-    for bottom_right in (False, True):
-        allowed = causal_mask(3, 5, bottom_right=bottom_right)
-        for dtype in (np.float32, np.float64):
-            mask = additive_mask(None, allowed, dtype)
-            factors = causal_factors(mask, dtype)
-            assert factors.dtype == dtype and not factors.flags.writeable
-            assert np.array_equal(factors, allowed.astype(dtype))
-            assert causal_factors(mask, np.float16 if dtype == np.float32 else np.float32) is None
+    for T, S in ((3, 5), (5, 3), (4, 4)):
+        for bottom_right in (False, True):
+            allowed = causal_mask(T, S, bottom_right=bottom_right)
+            for dtype in (np.float32, np.float64):
+                mask = additive_mask(None, allowed, dtype)
+                factors = causal_factors(mask, dtype)
+                assert factors.dtype == dtype and not factors.flags.writeable
+                assert np.array_equal(factors, allowed.astype(dtype))
+                other = np.float16 if dtype == np.float32 else np.float32
+                assert causal_factors(mask, other) is None
+                offset = causal_mask_offset(mask, dtype)
+                assert np.array_equal(allowed, np.arange(S) <= np.arange(T)[:, None] + offset)
+                assert causal_mask_offset(mask, other) is None
     user_keep = np.tril(np.ones((3, 5), bool))  # the same pattern, but the user's array
     assert causal_factors(additive_mask(None, user_keep, np.float64), np.float64) is None
+    assert causal_mask_offset(additive_mask(None, user_keep, np.float64), np.float64) is None
     assert causal_factors(np.zeros((3, 5)), np.float64) is None
     assert causal_factors(None, np.float64) is None
+    assert causal_mask_offset(None, np.float64) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("is_causal, T, S", [(True, 23, 23), (True, 17, 30), ("bottom_right", 17, 30),
+                                             ("bottom_right", 30, 17)])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_causal_row_chunks_skip_the_keys_no_row_sees(monkeypatch, dtype, threads, is_causal, T, S,
+                                                     dropout_p):
+    """Oracle: the reference core, and the triangle's area. Under a causal
+    mask the blocked core goes by chunks of ``causal_row_block`` rows and
+    computes, for each chunk, only the keys its last row sees. The numerators
+    it skips are never written: the score buffer starts full of NaN here, so
+    a gradient or weight that read one would be NaN. The backward takes the
+    forward's chunks even when the setting changes in between."""
+    monkeypatch.setattr(fast, "recycled_empty", lambda shape, dtype: np.full(shape, np.nan, dtype))
+    seen = {"forward": 0, "backward": 0}
+    for name, index, kind in (("_forward_rows", 0, "forward"), ("_backward_rows", 5, "backward")):
+        def spy(*args, _wrapped=getattr(fast, name), _index=index, _kind=kind):
+            seen[_kind] += args[_index].shape[-2] * min(args[-1], args[_index].shape[-1])
+            return _wrapped(*args)
+        monkeypatch.setattr(fast, name, spy)
+    rng = np.random.default_rng(7)
+    inputs = {"query": rng.normal(size=(2, T, 5)), "key": rng.normal(size=(2, S, 5)),
+              "value": rng.normal(size=(2, S, 3))}
+    options = {"is_causal": is_causal}
+    if dropout_p:
+        options.update(dropout_p=dropout_p, dropout_mask=rng.random((2, T, S)) >= dropout_p)
+    settings_ = dict(row_block_bytes=1 << 20, min_row_block=1, min_parallel_flops=0,
+                     fast_block_bytes=1)
+    with kernels.num_threads(threads), kernels.block_sizes(causal_row_block=4, **settings_):
+        out, cache = fast.attention_forward(**{n: a.astype(dtype) for n, a in inputs.items()},
+                                            **options)
+    assert cache.chunk_rows == 4
+    offset = S - T if is_causal == "bottom_right" else 0
+    # each chunk of 4 rows computes the keys before its end + offset (all of them if none)
+    stops = [min(start + 4, T) for start in range(0, T, 4)]
+    chunks = [(stop - start) * (min(S, stop + offset) if stop + offset > 0 else S)
+              for start, stop in zip(range(0, T, 4), stops)]
+    assert seen["forward"] == 2 * sum(chunks) < 2 * T * S
+    with kernels.num_threads(threads), kernels.block_sizes(causal_row_block=7, **settings_):
+        dout = rng.normal(size=out.shape).astype(dtype)
+        grads = fast.attention_backward(dout, cache)
+    assert seen["backward"] == seen["forward"]  # the forward's chunks, not 7 rows
+    ref_inputs = {n: a.astype(dtype) for n, a in inputs.items()}
+    out_ref, cache_ref = F.attention_forward(**ref_inputs, **options)
+    for name, a, b in zip(("out", "dquery", "dkey", "dvalue"), (out, *grads),
+                          (out_ref, *F.attention_backward(dout, cache_ref))):
+        assert_close(a, b, name)
+    weights = fast.attention_weights(cache)
+    assert_close(weights, F.dropped_weights(cache_ref), "weights")
+    above = np.arange(S) > np.arange(T)[:, None] + offset  # keys after each query's diagonal
+    assert (weights[..., above] == 0).all()
 
 
 def test_one_key_returns_its_value():
