@@ -40,6 +40,10 @@ differently, each step measured:
   ``dP - delta`` from one matmul ``[dO | -delta] @ [V | 1]^T`` and computes
   ``dK^T = Q^T dS`` and ``dV^T = dO^T P`` (measured up to 1.5x faster than
   ``dS^T Q`` in float64);
+- under the shared causal mask, the chunks have at most ``causal_row_block``
+  rows, and every product and pass of a chunk runs on the keys its last row
+  sees only: most of the masked triangle is neither computed nor written
+  (the cache's ``chunk_rows`` says which numerators were left unwritten);
 - results are written with ``out=`` into their final arrays (possibly
   strided views: numpy hands them to BLAS);
 - the (batch, head) groups are split into blocks that the worker threads
