@@ -352,10 +352,11 @@ def test_causal_row_chunks_skip_the_keys_no_row_sees(monkeypatch, dtype, threads
                                                      dropout_p):
     """Oracle: the reference core, and the triangle's area. Under a causal
     mask the blocked core goes by chunks of ``causal_row_block`` rows and
-    computes, for each chunk, only the keys its last row sees. The numerators
-    it skips are never written: the score buffer starts full of NaN here, so
-    a gradient or weight that read one would be NaN. The backward takes the
-    forward's chunks even when the setting changes in between."""
+    computes, for each chunk, only the keys its last row sees, storing them
+    packed (fast._packed). The numerators it skips are never written: the
+    score buffer starts full of NaN here, so a gradient or weight that read
+    one, or read a packed chunk as a plain one, would be NaN. The backward
+    takes the forward's chunks even when the setting changes in between."""
     monkeypatch.setattr(fast, "recycled_empty", lambda shape, dtype: np.full(shape, np.nan, dtype))
     seen = {"forward": 0, "backward": 0}
     for name, index, kind in (("_forward_rows", 0, "forward"), ("_backward_rows", 5, "backward")):
@@ -394,6 +395,22 @@ def test_causal_row_chunks_skip_the_keys_no_row_sees(monkeypatch, dtype, threads
     assert_close(weights, F.dropped_weights(cache_ref), "weights")
     above = np.arange(S) > np.arange(T)[:, None] + offset  # keys after each query's diagonal
     assert (weights[..., above] == 0).all()
+
+
+def test_packed_chunks_share_the_rows_memory_or_fall_back_to_a_strided_view():
+    """Oracle: numpy's own views. A (R, live) chunk of contiguous (R, S) rows
+    is packed in their first R * live entries; rows that are not contiguous
+    (or all S keys) give the plain strided view, whichever reader asks."""
+    rows = np.arange(24.0).reshape(1, 4, 6)  # (G, R, S)
+    packed = fast._packed(rows, 3)
+    assert packed.shape == (1, 4, 3) and np.shares_memory(packed, rows)
+    packed[...] = np.arange(12.0).reshape(1, 4, 3)
+    assert np.array_equal(rows.reshape(-1)[:12], np.arange(12.0))  # packed, row after row
+    assert np.array_equal(rows.reshape(-1)[12:], np.arange(12.0, 24.0))  # the rest untouched
+    every_other = np.arange(48.0).reshape(1, 4, 12)[..., ::2]  # rows not contiguous
+    assert np.array_equal(fast._packed(every_other, 3), every_other[..., :3])
+    whole = fast._packed(rows, 6)  # every key: the rows themselves
+    assert whole.strides == rows.strides and np.array_equal(whole, rows)
 
 
 def test_one_key_returns_its_value():
