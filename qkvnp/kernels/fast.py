@@ -104,6 +104,8 @@ exp_scores : (..., T, S) ``exp(S - m)``, unnormalised softmax numerators
     (0 at masked positions), ``m`` an upper bound of the row max (or the row
     max itself); the weights are ``exp_scores * inv_sum``. Or, when
     ``inv_sum`` is None, the weights themselves (see :func:`dense_forward`).
+    Stored by causal chunks when ``chunk_rows`` is set (below): read it
+    through :func:`attention_weights`.
 inv_sum : (..., T, 1) ``1 / rowsum(exp_scores)``, 0 for a fully masked row; or None.
 out : (..., T, Dv) the forward output.
 scale : float.
