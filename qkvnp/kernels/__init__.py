@@ -27,7 +27,8 @@ as PyTorch's ``why_not_fast_path`` does. Layers keep the last one as
 
 The runtime settings (worker threads, block sizes) are
 :func:`set_num_threads`, :func:`set_block_sizes` and their kin from
-:mod:`qkvnp.kernels._runtime`.
+:mod:`qkvnp.kernels._runtime`; the worker threads themselves (pinned, the
+caller running a share) are :mod:`qkvnp.kernels.workers`.
 """
 import functools
 import math

@@ -9,6 +9,8 @@ Settings, not globals to patch (the model is ``torch.set_num_threads``):
 - :func:`set_num_threads` / :func:`get_num_threads` / :func:`num_threads`
   (a context manager): the worker threads the fast and tiled kernels split
   their (batch, head) blocks over. BLAS inside the workers runs on one thread.
+  The calling thread runs one of the shares itself, pinned to one CPU while
+  it does (Linux; its CPU set is given back after).
   The default is the environment variable ``QKVNP_NUM_THREADS``, read at the
   first kernel call (not at import), else the CPUs this process may use (at
   most 8). 1 runs every kernel in the calling thread.
@@ -35,6 +37,7 @@ import numpy as np
 from .._checks import check_int
 from .heap import tune_heap
 from .openblas import openblas_info, openblas_thread_functions
+from .workers import crew, in_worker
 
 __all__ = [
     "set_num_threads",
@@ -411,11 +414,9 @@ class blas_threads:
 
 # ---------------------------------------------------------------- threads
 
-_POOL = None  # (pid, ThreadPoolExecutor of get_num_threads() CPU-pinned workers)
 _SECTION_LOCK = threading.Lock()  # one threaded section at a time (the pool is shared)
 _PIN_LOCK = threading.Lock()
 _PIN = {"depth": 0, "saved": None}  # sections inside single_threaded_blas, BLAS count before them
-_WORKER = threading.local()  # .active: this thread is one of the pool's workers
 
 
 class single_threaded_blas:
@@ -457,45 +458,6 @@ class single_threaded_blas:
         return False
 
 
-def _pin_worker(cpus, counter, lock):
-    """Pool initializer: pin this worker thread to the next CPU of ``cpus``.
-
-    NOTE: unpinned, a worker woken after an idle spell was often placed on the
-    CPU of the thread that woke it (Linux's wake-affine) and the two halves of
-    the work ran on one core: measured 27 ms instead of 15 ms for a layer
-    called after a 50 ms pause. Pinned workers run on their own cores.
-    """
-    _WORKER.active = True  # a job it runs runs serially (the pool is busy with it)
-    with lock:
-        cpu = cpus[next(counter) % len(cpus)]
-    try:
-        os.sched_setaffinity(0, {cpu})  # 0: the calling thread
-    except (AttributeError, OSError):  # not Linux, or not allowed
-        pass
-
-
-def _pool(workers):
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers != workers:
-        import itertools
-        from concurrent.futures import ThreadPoolExecutor
-
-        try:
-            cpus = sorted(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = list(range(os.cpu_count() or 1))
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="qkvnp-kernels",
-                                  initializer=_pin_worker,
-                                  initargs=(cpus, itertools.count(), threading.Lock()))
-        start = threading.Barrier(workers)
-        for future in [pool.submit(start.wait) for _ in range(workers)]:
-            future.result()  # all workers exist (and are pinned) from now on
-        if _POOL is not None and _POOL[0] == os.getpid():
-            _POOL[1].shutdown(wait=False)  # its idle workers exit
-        _POOL = (os.getpid(), pool)
-    return _POOL[1]
-
-
 def blocks(lead, group_bytes, threads):
     """Index tuples over the leading dims, one per block of (batch, head) groups.
 
@@ -524,14 +486,9 @@ def threads_for(flops, setting="min_parallel_flops"):
     Also 1 in a worker thread: a job that is a worker's share already (the
     layer's batch split) runs its inner jobs serially.
     """
-    if flops < _SIZES[setting] or _in_worker():
+    if flops < _SIZES[setting] or in_worker():
         return 1
     return get_num_threads()
-
-
-def _in_worker():
-    """True in one of the pool's worker threads (it runs its jobs serially)."""
-    return getattr(_WORKER, "active", False)
 
 
 def _snake_shares(work, threads):
@@ -555,7 +512,10 @@ def run(task, work, flops=None):
     after, even on error). Below that the job runs serially in the calling
     thread: handing work to a worker and waking it costs more than small
     matmuls (measured: at (B, L, E, H) = (8, 16, 32, 4) more than half of a
-    layer's time was spent waiting on the workers' locks).
+    layer's time was spent waiting on the workers' locks). In threads, the
+    calling thread runs the first share itself, pinned to a CPU for the
+    duration (its CPU set is given back after), and waits for the workers'
+    shares before it returns or re-raises an error (:class:`qkvnp.kernels.workers.Crew`).
 
     A job of one block that reaches the setting (one (batch, head) group, as
     a one-head layer on one sequence) cannot be shared: it runs in the
@@ -567,7 +527,7 @@ def run(task, work, flops=None):
     """
     workers = get_num_threads()
     threads = min(workers, len(work))
-    if (flops is not None and flops < _SIZES["min_parallel_flops"]) or _in_worker():
+    if (flops is not None and flops < _SIZES["min_parallel_flops"]) or in_worker():
         threads = 1  # small, or a worker's own share (no nested hand-off)
     elif threads == 1 and flops is not None and workers > 1 and _PIN["depth"]:
         _on_blas_threads(lambda: task(work), min(workers, _PIN["saved"]))
@@ -580,14 +540,8 @@ def run(task, work, flops=None):
                 task(work)
         return
     parts = _snake_shares(work, threads)
-    from concurrent.futures import wait
-
     with _SECTION_LOCK, single_threaded_blas():
-        # every share goes to a (CPU-pinned) worker; the caller only waits
-        futures = [_pool(workers).submit(task, part) for part in parts]
-        wait(futures)
-        for future in futures:
-            future.result()  # re-raise a worker's error
+        crew(workers).run(task, parts)  # share 0 in the calling thread (see workers.Crew)
 
 
 def _on_blas_threads(call, count):
@@ -622,7 +576,7 @@ def matmul(a, b, out=None, split="rows", blas_threads=False):
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     if _PIN["depth"] and flops < _SIZES["blas_thread_flops"]:  # the small ones: one thread
         return np.matmul(a, b, out=out)
-    threads = 1 if _in_worker() else get_num_threads()
+    threads = 1 if in_worker() else get_num_threads()
     if blas_threads and _PIN["depth"]:  # from blas_thread_flops on (see above)
         blas = min(threads, _PIN["saved"])
         if blas > 1:

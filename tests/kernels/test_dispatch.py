@@ -2,7 +2,7 @@
 
 Oracles: the documented rules of :func:`qkvnp.kernels.choose_path` (thresholds
 read back from the settings), the thread that runs a task (the calling
-thread, or a worker named ``qkvnp-kernels``), and fresh processes for the
+thread, or a worker named ``qkvnp-kernels-<i>``), and fresh processes for the
 environment variable read at first use.
 """
 import os
@@ -15,7 +15,7 @@ import pytest
 
 import qkvnp
 from qkvnp import kernels
-from qkvnp.kernels import _runtime, tiled
+from qkvnp.kernels import _runtime, tiled, workers
 
 from oracles import assert_matches_reference
 
@@ -51,23 +51,99 @@ def test_bad_thread_counts_are_refused(value, error, fragment):
     assert qkvnp.get_num_threads() == before
 
 
+def _can_pin():
+    """True where a thread can be pinned to one CPU of its own set (Linux)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
+def _affinity():
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
 def test_the_thread_setting_decides_who_runs_the_work():
-    """Oracle: the name of the thread that ran each share of the work."""
+    """Oracle: the name and CPU set of the thread that ran each share of the work."""
     if not _runtime.openblas_thread_functions():
         pytest.skip("numpy's OpenBLAS not found: the kernels never use worker threads")
     seen = []
 
     def task(part):
-        seen.append((threading.current_thread().name, len(part)))
+        seen.append((threading.current_thread().name, len(part), _affinity()))
 
+    me = threading.current_thread().name
     with qkvnp.num_threads(1):
         _runtime.run(task, [0, 1, 2, 3])
-    assert seen == [(threading.current_thread().name, 4)]
+    assert seen == [(me, 4, _affinity())]
     seen.clear()
+    before = _affinity()
     with qkvnp.num_threads(2):
         _runtime.run(task, [0, 1, 2, 3])
-    assert sorted(n for _, n in seen) == [2, 2]
-    assert all(name.startswith("qkvnp-kernels") for name, _ in seen), seen
+    assert _affinity() == before  # the caller's CPUs are given back
+    assert sorted(n for _, n, _ in seen) == [2, 2]
+    names = sorted(name for name, _, _ in seen)
+    if _can_pin():
+        # share 0 in the caller, pinned to worker 0's CPU; share 1 in worker 1
+        assert names == sorted([me, "qkvnp-kernels-1"]), seen
+        cpus = sorted(before)
+        pinned = {name: affinity for name, _, affinity in seen}
+        assert pinned[me] == {cpus[0]}
+        if len(cpus) > 1:
+            assert pinned["qkvnp-kernels-1"] == {cpus[1]}
+    else:
+        assert names == ["qkvnp-kernels-0", "qkvnp-kernels-1"], seen
+
+
+def test_a_caller_kept_off_the_first_cpu_only_waits():
+    """Oracle: the thread names. A caller whose own CPU set excludes worker 0's CPU is
+    not moved there: both shares go to the workers."""
+    if not _runtime.openblas_thread_functions() or not _can_pin():
+        pytest.skip("needs OpenBLAS and a thread that can be pinned (Linux)")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    seen = []
+    with qkvnp.num_threads(2):
+        _runtime.run(lambda part: None, [0, 1])  # the workers exist, pinned from the full set
+        os.sched_setaffinity(0, set(cpus[1:]))
+        try:
+            _runtime.run(lambda part: seen.append(threading.current_thread().name), [0, 1])
+            assert os.sched_getaffinity(0) == set(cpus[1:])  # untouched
+        finally:
+            os.sched_setaffinity(0, set(cpus))
+    assert sorted(seen) == ["qkvnp-kernels-0", "qkvnp-kernels-1"]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_share_error_is_raised_after_every_share_has_ended(failing):
+    """Oracle: the other share's end time against the raise. Share 0 runs in the
+    caller, share 1 in a worker: whichever fails, the other has finished writing."""
+    if not _runtime.openblas_thread_functions():
+        pytest.skip("numpy's OpenBLAS not found: the kernels never use worker threads")
+    import time
+
+    ended = []
+
+    def task(part):
+        (index,) = part
+        if index == failing:
+            raise KeyError(f"share {index}")
+        time.sleep(0.05)  # the share that works ends last
+        ended.append(index)
+
+    before = _affinity()
+    with qkvnp.num_threads(2):
+        with pytest.raises(KeyError, match=f"share {failing}"):
+            _runtime.run(task, [0, 1])
+        assert ended == [1 - failing]
+        assert _affinity() == before
+        assert not workers.in_worker()  # the caller is not left marked as a worker
+        ended.clear()
+        _runtime.run(lambda part: ended.append(part), [0, 1])  # the crew still works
+    assert sorted(ended) == [[0], [1]]
 
 
 def test_small_jobs_run_serially_in_the_calling_thread():
@@ -79,14 +155,15 @@ def test_small_jobs_run_serially_in_the_calling_thread():
     def task(part):
         seen.append(threading.current_thread().name)
 
+    me = threading.current_thread().name
     limit = kernels.get_block_sizes()["min_parallel_flops"]
     with qkvnp.num_threads(2):
         _runtime.run(task, [0, 1, 2, 3], flops=limit - 1)
-        assert seen == [threading.current_thread().name]
+        assert seen == [me]
         assert _runtime.threads_for(limit - 1) == 1 and _runtime.threads_for(limit) == 2
         seen.clear()
         _runtime.run(task, [0, 1, 2, 3], flops=limit)
-        assert len(seen) == 2 and all(n.startswith("qkvnp-kernels") for n in seen)
+        assert len(seen) == 2 and "qkvnp-kernels-1" in seen
 
 
 def _python(code, **env):
