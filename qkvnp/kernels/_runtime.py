@@ -422,8 +422,10 @@ _PIN = {"depth": 0, "saved": None}  # sections inside single_threaded_blas, BLAS
 class single_threaded_blas:
     """Context manager: BLAS at one thread inside; nested and concurrent sections share it.
 
-    The kernels run their BLAS calls at one thread: in their worker threads
-    (one per core), and in the calling thread for jobs too small to share;
+    The kernels run their BLAS calls at one thread: in the threads that run a
+    shared job's shares (the workers, one per core, and the calling thread,
+    which runs the first share), and in the calling thread for jobs too small
+    to share;
     the exceptions are a layer's projections beside a serial core, which
     :func:`matmul` raises to OpenBLAS's threads for the product alone, and a
     large job of one block, which :func:`run` cannot share.
