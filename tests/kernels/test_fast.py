@@ -548,17 +548,28 @@ def test_projection_runs_on_blas_threads_only_where_asked_and_large(monkeypatch)
         counting.counts.clear()
         got = _runtime.matmul(a, b, **kwargs)
         np.testing.assert_allclose(got, a @ b, rtol=1e-13)
-        return counting.counts
+        return counting.counts[:]
 
     with kernels.blas_threads(3), kernels.num_threads(2):
         with kernels.block_sizes(blas_thread_flops=limit), _runtime.single_threaded_blas():
             assert product(blas_threads=True) == [2]  # min(2 kernel threads, 3 before the pin)
             assert get() == 1  # the section's pin again
             assert product() == [1]  # not asked: below min_parallel_flops, one thread
-            seen = []
-            with kernels.block_sizes(min_parallel_flops=0):  # a worker's product: one thread
-                _runtime.run(lambda part: seen.extend(product(blas_threads=True)), [0, 1])
-            assert seen == [1, 1]
+            # a worker's product: one thread. The two shares run at once, so the
+            # counts are read after both end (a share reading the shared list
+            # while the other appends would see both counts)
+            counting.counts.clear()
+            shares = [None, None]
+
+            def share(part):
+                (index,) = part
+                shares[index] = _runtime.matmul(a, b, blas_threads=True)
+
+            with kernels.block_sizes(min_parallel_flops=0):
+                _runtime.run(share, [0, 1])
+            assert counting.counts == [1, 1]
+            for got in shares:
+                np.testing.assert_allclose(got, a @ b, rtol=1e-13)
         with kernels.block_sizes(blas_thread_flops=limit + 1), _runtime.single_threaded_blas():
             assert product(blas_threads=True) == [1]  # below the setting
         assert get() == 3
