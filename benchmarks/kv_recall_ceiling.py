@@ -9,14 +9,16 @@ and value projections onto the one query
 (:class:`qkvnp.training.KVRecallModel`'s Notes), so its matrix products are
 the (B, E) x (E, E) projections of the query and of the attention's output,
 the readout's, and the one-row attention's batched (1, E) x (E, P) and
-(1, P) x (P, E) products, forward and backward. Whatever the model's Python
+(1, P) x (P, E) products, forward and backward, and the embedding tables'
+folded (K, 2B) x (2B, E) products. Whatever the model's Python
 costs, a step cannot be faster than these products; RESULTS.md compares that
 floor with the whole step and with PyTorch's.
 
 The second floor is the whole step written as straight numpy: the model's
 math on the benchmark's initial weights and batches (``train_bench``), with
 the same ops where they cost (scipy's ``softmax`` and ``log_softmax``, the
-sparse one-hot product of the embedding backward, Adam on one flat array) and
+embedding tables' backward folded onto the attention's gradient factors as
+the model's, Adam on one flat array) and
 none of the library's checks, layers or caches. Its losses must match
 qkvnp's own step before it is timed. What the library's step takes beyond it
 is the price of the checks and the layers; a target below it cannot be met by
@@ -49,6 +51,9 @@ def step_products(X, q, Wq, Wk, Wv, Wr, dlogits):
     attended.T @ dlogits, dlogits @ Wr.T  # readout backward
     mixed.T @ attended, attended @ Wv.T  # value map backward
     (X @ mixed[:, :, None]), (scores[:, None] @ X)  # attention backward: dweights, d(q_items)
+    folded = np.ones((2 * X.shape[0], Wq.shape[0]), X.dtype)  # (2B, K): the tables' folded one-hots
+    for _ in range(2):  # each table's gradient: (K, 2B) @ (2B, E) (embedding_backward_factored)
+        folded.T @ np.concatenate([q_items, mixed])
     q_items.T @ query, q_items @ Wk  # key map backward
     q.T @ query, query @ Wq.T  # query projection backward
     return scores
@@ -107,20 +112,28 @@ class StepFloor:
         dweights = (items @ dmixed[:, :, None])[..., 0]  # (B, P)
         dscores = weights * (dweights - (weights * dweights).sum(axis=-1, keepdims=True)) * c
         dq_items = (dscores[:, None] @ items)[:, 0]  # (B, E)
-        # as keys plus as values, one product: [dS, P] (B, P, 2) @ [q_items; dO] (B, 2, E)
-        ditems = np.stack([dscores, weights], axis=-1) @ np.stack([q_items, dmixed], axis=1)
+        # as keys plus as values: dX = [dS, P] (B, P, 2) @ [q_items; dO] (B, 2, E), never
+        # formed: each table's one-hot product folds onto [dS, P] (embedding_backward_factored)
+        left = np.stack([dscores, weights], axis=1).reshape(2 * B, -1)  # (2B, P)
+        right = np.stack([q_items, dmixed], axis=1).reshape(2 * B, -1)  # (2B, E)
         g["attention.W_key"] += dq_items.T @ q
         dq = dq_items @ p["attention.W_key"]  # (B, E)
         g["attention.W_query"] += query_token.T @ dq
         dquery_token = dq @ p["attention.W_query"].T  # (B, E)
         g["query_marker"] += dquery_token.sum(axis=0)
-        for table, ids, rows in (("embed_value.weight", values, ditems),
-                                 ("embed_key.weight", keys, ditems),
-                                 ("embed_key.weight", query, dquery_token)):
-            ids = ids.reshape(-1)
-            onehot_t = csc_array((np.ones(ids.size, self.dtype), ids, np.arange(ids.size + 1)),
-                                 shape=(g[table].shape[0], ids.size))
-            g[table] += onehot_t @ rows.reshape(ids.size, -1)
+        for table, ids in (("embed_value.weight", values), ("embed_key.weight", keys)):
+            num = g[table].shape[0]
+            slots = np.arange(2 * B).reshape(B, 2, 1) * num + ids[:, None, :]  # (B, 2, P)
+            folded = np.bincount(slots.ravel(), weights=left.ravel(), minlength=2 * B * num)
+            g[table] += folded.reshape(2 * B, num).T.astype(self.dtype) @ right  # (num, E)
+        num, width = g["embed_key.weight"].shape  # the query's lookup: (B, E) entries
+        if self.dtype == np.float64 and B * width <= 4096:  # as embedding_backward does
+            slots = (query[:, None] * width + np.arange(width)).ravel()
+            g["embed_key.weight"] += np.bincount(slots, weights=dquery_token.ravel(),
+                                                 minlength=num * width).reshape(num, width)
+        else:
+            onehot_t = csc_array((np.ones(B, self.dtype), query, np.arange(B + 1)), shape=(num, B))
+            g["embed_key.weight"] += onehot_t @ dquery_token
         self.t += 1  # Adam (betas 0.9, 0.999, eps 1e-8), as qkvnp.optim.Adam
         self.m += 0.1 * (self.grad - self.m)
         self.v *= 0.999

@@ -29,7 +29,8 @@ import numpy as np
 from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_ndim, check_scale, compute_dtype, owned)
 from .dropout import dense_keep, keep_scale, prepare_dropout
-from .embedding import EmbeddingCache, embedding_backward, embedding_forward
+from .embedding import (EmbeddingCache, embedding_backward, embedding_backward_factored,
+                        embedding_forward)
 from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split_heads_backward,
                     split_heads_forward)
@@ -57,6 +58,7 @@ __all__ = [
     "HeadsCache",
     "embedding_forward",
     "embedding_backward",
+    "embedding_backward_factored",
     "EmbeddingCache",
 ]
 
@@ -501,27 +503,35 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
     cache : AttentionCache
     check : bool
         False: the gradient is already checked (composite backwards).
-    key_is_value : bool, keyword-only
+    key_is_value : bool or "factors", keyword-only
         True: the forward got one array ``X`` as both ``key`` and ``value``
         (attention over raw items, as the kv-recall model's); its gradient
         is the sum of the two, returned in the ``dkey`` slot, computed as
-        one product (see Notes). ``dvalue`` is then None.
+        one product (see Notes). ``dvalue`` is then None. ``"factors"``: the
+        same, with the product left to the caller: the ``dkey`` slot holds
+        ``(left, right)``, shapes ``(..., 2T, S)`` and ``(..., 2T, D)``, with
+        ``dX = swapaxes(left, -1, -2) @ right`` summed to ``key``'s shape
+        where the query's leading dims broadcast (a caller that multiplies
+        ``dX`` further may multiply a factor first: the kv-recall model
+        folds its embedding tables' one-hot products onto ``left``).
 
     Returns
     -------
     dquery : ndarray, shape of ``query``
     dkey : ndarray, shape of ``key``
-        With ``key_is_value=True``: ``dkey + dvalue``.
-    dvalue : ndarray, shape of ``value``, or None with ``key_is_value=True``
+        With ``key_is_value=True``: ``dkey + dvalue``; with
+        ``"factors"``: the pair ``(left, right)`` of that sum.
+    dvalue : ndarray, shape of ``value``, or None with ``key_is_value`` set
 
     Raises
     ------
     TypeError
-        If ``dout`` does not hold real numbers (complex, object...).
+        If ``dout`` does not hold real numbers (complex, object...), or
+        ``key_is_value`` is neither a bool nor a string.
     ValueError
         If ``dout`` is not of the output's shape exactly or holds NaN or inf;
-        with ``key_is_value=True``, if the forward's key and value were not
-        one array.
+        with ``key_is_value`` set, if the forward's key and value were not
+        one array; if ``key_is_value`` is a string other than ``"factors"``.
 
     Notes
     -----
@@ -539,14 +549,20 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
     array, and the one product took 23 us against 72 for two and their sum
     (kv-recall's (64, 16, 64) items, float64).
     """
+    if isinstance(key_is_value, (bool, np.bool_)):
+        key_is_value = bool(key_is_value)
+    elif not isinstance(key_is_value, str):
+        raise TypeError(f"key_is_value must be a bool or 'factors', got {type(key_is_value).__name__}")
+    elif key_is_value != "factors":
+        raise ValueError(f"key_is_value must be a bool or 'factors', got {key_is_value!r}")
     if isinstance(cache, GroupedCache):  # the core's backward sums each group
         if key_is_value:
-            raise ValueError("key_is_value=True needs an ungrouped cache (enable_gqa=False "
-                             "in the forward), got a grouped one")
+            raise ValueError(f"key_is_value={key_is_value!r} needs an ungrouped cache "
+                             "(enable_gqa=False in the forward), got a grouped one")
         return grouped_backward(attention_backward, dout, cache, check_dout=check, check=False)
     if key_is_value and cache.key is not cache.value:
-        raise ValueError("key_is_value=True needs the forward's key and value to be one array "
-                         "(the same object, passed as both), got two arrays")
+        raise ValueError(f"key_is_value={key_is_value!r} needs the forward's key and value to "
+                         "be one array (the same object, passed as both), got two arrays")
     value, weights = cache.value, cache.weights
     # NOTE: value's leading dims may broadcast beyond the weights' (query, key) ones.
     lead = broadcast_shapes(weights.shape[:-2], value.shape[:-2])
@@ -576,8 +592,11 @@ def _attention_backward(dout, cache, key_is_value=False):
         dscores *= scale
         left = np.concatenate(np.broadcast_arrays(dscores, kept), axis=-2)  # (..., 2T, S)
         right = np.concatenate(np.broadcast_arrays(query, dout), axis=-2)  # (..., 2T, D)
+        dquery = sum_to_shape(dquery, query.shape)
+        if key_is_value == "factors":
+            return dquery, (left, right), None
         dkey = np.swapaxes(left, -1, -2) @ right  # (..., S, 2T) @ (..., 2T, D) -> (..., S, D)
-        return sum_to_shape(dquery, query.shape), sum_to_shape(dkey, key.shape), None
+        return dquery, sum_to_shape(dkey, key.shape), None
     dkey = _product(np.swapaxes(dscores, -1, -2), query)  # (..., S, T) @ (..., T, D) -> (..., S, D)
     dkey *= scale
     return (

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from qkvnp.gradcheck import check_layer, check_op
-from qkvnp.functional import embedding_backward, embedding_forward
+from qkvnp.embedding import BINCOUNT_MAX_ENTRIES
+from qkvnp.functional import embedding_backward, embedding_backward_factored, embedding_forward
 from qkvnp.layers import Embedding, Linear
 
 # ---------------------------------------------------------------- Linear
@@ -151,14 +152,16 @@ def test_embedding_backward_adds_repeated_indices(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_embedding_backward_sums_in_input_order_to_the_bit(rng, dtype):
+@pytest.mark.parametrize("positions", [40, 400])  # float64: 600 entries by bincount, 6000 sparse
+def test_embedding_backward_sums_in_input_order_to_the_bit(rng, dtype, positions):
     # oracle: the Python loop above, in the weight's dtype, which adds the
     # positions of each row in input order, as np.add.at does (the backward
-    # multiplies by a sparse one-hot matrix: same order, same bits); many
-    # repeats of few rows, so that the order shows in float32
+    # multiplies by a sparse one-hot matrix, or bincounts float64 slots: same
+    # order, same bits); many repeats of few rows, so that the order shows in float32
+    assert 5 * 40 * 3 <= BINCOUNT_MAX_ENTRIES < 5 * 400 * 3
     weight = rng.normal(size=(4, 3)).astype(dtype)
-    indices = rng.integers(0, 3, size=(5, 40))  # row 3 never looked up
-    dout = rng.normal(size=(5, 40, 3)).astype(dtype)
+    indices = rng.integers(0, 3, size=(5, positions))  # row 3 never looked up
+    dout = rng.normal(size=(5, positions, 3)).astype(dtype)
     _, cache = embedding_forward(indices, weight)
     dweight = embedding_backward(dout, cache)
     expected = np.zeros_like(weight)
@@ -183,6 +186,42 @@ def test_embedding_backward_of_no_index_and_of_float16(rng):
     assert dweight.dtype == cache.dtype == np.float32
     expected = np.stack([dout[0, [0, 2, 3]].sum(0), np.zeros(2), dout[0, 1]])
     np.testing.assert_allclose(dweight, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("lead, rows, positions, num, dim", [
+    ((6,), 2, 5, 4, 3),  # folded: 2 x 4 columns <= 5 x 3 entries a position set
+    ((2, 3), 1, 8, 3, 2),  # folded, two leading dims
+    ((6,), 2, 5, 40, 3),  # 2 x 40 > 5 x 3: dout is formed, embedding_backward takes it
+    ((6,), 0, 5, 4, 3), ((6,), 2, 0, 4, 3), ((0,), 2, 5, 4, 3),  # empty: zeros
+])
+def test_embedding_backward_factored_equals_the_backward_of_the_formed_product(
+        rng, dtype, lead, rows, positions, num, dim):
+    # oracle: embedding_backward (the loop-checked op above) of
+    # dout = swapaxes(left) @ right, formed; the fold sums in another order
+    # (bincount in float64, then one product): equal to the dtype's rounding
+    weight = rng.normal(size=(num, dim)).astype(dtype)
+    indices = rng.integers(0, num, size=lead + (positions,))
+    left = rng.normal(size=lead + (rows, positions)).astype(dtype)
+    right = rng.normal(size=lead + (rows, dim)).astype(dtype)
+    _, cache = embedding_forward(indices, weight)
+    expected = embedding_backward(np.swapaxes(left, -1, -2) @ right, cache)
+    got = embedding_backward_factored(left, right, cache)
+    assert got.dtype == dtype and got.shape == (num, dim)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_embedding_backward_factored_refuses_factors_of_another_shape(rng):
+    # oracle: the documented contract, each error naming the argument
+    _, cache = embedding_forward(np.zeros((4, 5), dtype=int), np.ones((3, 2)))
+    left, right = np.ones((4, 2, 5)), np.ones((4, 2, 2))
+    for bad_left in (np.ones((4, 2, 6)), np.ones((3, 2, 5)), np.ones((2, 5))):
+        with pytest.raises(ValueError, match=r"left must have shape \(\.\.\., M, P\)"):
+            embedding_backward_factored(bad_left, right, cache)
+    for bad_right in (np.ones((4, 2, 3)), np.ones((4, 1, 2)), np.ones((4, 2))):
+        with pytest.raises(ValueError, match=r"right must have shape \(4, 2, 2\)"):
+            embedding_backward_factored(left, bad_right, cache)
 
 
 def test_embedding_gradcheck(rng):
