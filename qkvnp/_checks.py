@@ -461,6 +461,8 @@ def owned(arrays, originals):
     True
     """
     originals = [o for o in originals if isinstance(o, np.ndarray)]
+    if not originals:
+        return tuple(arrays)  # nothing to share memory with (check=False callers)
     copies = {}  # id -> copy: an array passed twice (a key that is the value) is copied once
 
     def own(a):

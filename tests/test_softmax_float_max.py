@@ -49,3 +49,22 @@ def test_the_tie_at_the_float_max_along_another_axis(dtype):
     assert weights.shape == (3, 2)
     np.testing.assert_allclose(weights, np.full((3, 2), 1 / 3), rtol=4 * np.finfo(dtype).eps)
     np.testing.assert_allclose(weights.sum(axis=0), [1.0, 1.0], rtol=4 * np.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_only_fully_masked_rows_become_zeros(axis):
+    """Oracle: the documented contract. Every entry -inf: zeros; a NaN or a +inf
+    makes its row NaN (no softmax is defined, none is invented); other rows are
+    scipy's softmax; no warning either way."""
+    import scipy.special
+
+    rows = np.array([[-np.inf, -np.inf, -np.inf], [np.nan, 1.0, 0.0],
+                     [np.inf, 1.0, 0.0], [-np.inf, 2.0, 0.5]])
+    scores = rows if axis == -1 else rows.T
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights = softmax(scores, axis=axis)
+    weights = weights if axis == -1 else weights.T
+    np.testing.assert_array_equal(weights[0], 0.0)
+    assert np.isnan(weights[1]).all() and np.isnan(weights[2]).all()
+    np.testing.assert_array_equal(weights[3], scipy.special.softmax(rows[3]))
