@@ -163,11 +163,13 @@ def embedding_backward_factored(left, right, cache):
     entry of ``left`` into the column of its position's row: a
     ``np.bincount`` over all leading indices at once; one product
     ``(num, N M) @ (N M, dim)`` then sums them (``N`` leading indices).
-    ``dout``, ``N P dim`` entries, is never written nor read back. The fold
-    takes ``N M num dim`` multiply-adds against the sparse product's
-    ``N P dim``: it is used where ``M num <= P dim`` (kv-recall: M = 2, num =
-    64 against P = 16, dim = 64); otherwise ``dout`` is formed and
-    :func:`embedding_backward` takes it.
+    ``dout``, ``N P dim`` entries, is never written nor read back. The fold's
+    product takes ``N M num dim`` multiply-adds in one BLAS call: it is used
+    where that is at most ``dim`` of them for each entry of ``dout`` it
+    avoids, ``M num <= P dim`` (kv-recall: M = 2, num = 64 against P = 16,
+    dim = 64; its float64 training step 0.94 -> 0.80-0.86 ms); otherwise
+    ``dout`` is formed and :func:`embedding_backward` takes it (a vocabulary
+    of thousands).
 
     Examples
     --------
