@@ -255,7 +255,8 @@ def softmax(x, axis=-1):
     if x.dtype.kind == "c":  # the checker's complex step: max of the real part, no scipy
         row_max = np.max(x.real, axis=axis, keepdims=True)
         dead = row_max == -np.inf
-        shifted = np.where(dead, 0, x) - np.where(dead, 0, row_max)
+        with np.errstate(over="ignore"):  # -big - big -> -inf, whose weight is 0
+            shifted = np.where(dead, 0, x) - np.where(dead, 0, row_max)
         weights = np.exp(shifted) / np.sum(np.exp(shifted), axis=axis, keepdims=True)
         return np.where(dead, 0, weights)
     # NOTE: scipy >= 1.9 (our minimum) computes exp(x - max) / sum: the shift
