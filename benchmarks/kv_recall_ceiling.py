@@ -2,7 +2,7 @@
 
 Usage: ``python benchmarks/kv_recall_ceiling.py [float64|float32]``
 
-Shape key: B sequences, P stored pairs, E width, V value vocabulary.
+Shape key: B sequences, P stored pairs, E width, K key and V value vocabularies.
 
 The default kv-recall step (B = 64, P = 16, E = 64, V = 64) folds the key
 and value projections onto the one query
@@ -31,16 +31,17 @@ import time
 
 import numpy as np
 
+from qkvnp.embedding import BINCOUNT_MAX_ENTRIES
 from qkvnp.kernels import blas_threads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_bench
 
 
-def step_products(X, q, Wq, Wk, Wv, Wr, dlogits):
+def step_products(X, q, Wq, Wk, Wv, Wr, dlogits, num_keys):
     """The products of one folded step, forward and backward (values discarded).
 
     ``X`` (B, P, E) items, ``q`` (B, E) query tokens, ``W*`` (E, E) and ``Wr``
-    (E, V) weights, ``dlogits`` (B, V).
+    (E, V) weights, ``dlogits`` (B, V); ``num_keys`` K, the key table's rows.
     """
     query = q @ Wq  # (B, E) @ (E, E)
     q_items = query @ Wk.T  # (B, E) @ (E, E): the key projection folded onto the query
@@ -51,9 +52,9 @@ def step_products(X, q, Wq, Wk, Wv, Wr, dlogits):
     attended.T @ dlogits, dlogits @ Wr.T  # readout backward
     mixed.T @ attended, attended @ Wv.T  # value map backward
     (X @ mixed[:, :, None]), (scores[:, None] @ X)  # attention backward: dweights, d(q_items)
-    folded = np.ones((2 * X.shape[0], Wq.shape[0]), X.dtype)  # (2B, K): the tables' folded one-hots
-    for _ in range(2):  # each table's gradient: (K, 2B) @ (2B, E) (embedding_backward_factored)
-        folded.T @ np.concatenate([q_items, mixed])
+    right = np.concatenate([q_items, mixed])  # (2B, E): [Q; dO] in the model
+    for rows in (num_keys, Wr.shape[1]):  # each table's gradient (embedding_backward_factored)
+        np.ones((2 * X.shape[0], rows), X.dtype).T @ right  # (K or V, 2B) @ (2B, E)
     q_items.T @ query, q_items @ Wk  # key map backward
     q.T @ query, query @ Wq.T  # query projection backward
     return scores
@@ -127,7 +128,7 @@ class StepFloor:
             folded = np.bincount(slots.ravel(), weights=left.ravel(), minlength=2 * B * num)
             g[table] += folded.reshape(2 * B, num).T.astype(self.dtype) @ right  # (num, E)
         num, width = g["embed_key.weight"].shape  # the query's lookup: (B, E) entries
-        if self.dtype == np.float64 and B * width <= 4096:  # as embedding_backward does
+        if self.dtype == np.float64 and B * width <= BINCOUNT_MAX_ENTRIES:  # as embedding_backward
             slots = (query[:, None] * width + np.arange(width)).ravel()
             g["embed_key.weight"] += np.bincount(slots, weights=dquery_token.ravel(),
                                                  minlength=num * width).reshape(num, width)
@@ -176,7 +177,7 @@ def time_steps(step, rounds, calls):
     return float(np.median(times))
 
 
-def main(dtype="float64", B=64, P=16, E=64, V=64, rounds=7, calls=200):
+def main(dtype="float64", B=64, P=16, E=64, K=64, V=64, rounds=7, calls=200):
     import train_bench
 
     rng = np.random.default_rng(0)
@@ -186,7 +187,8 @@ def main(dtype="float64", B=64, P=16, E=64, V=64, rounds=7, calls=200):
                      for shape in ((B, E), (E, E), (E, E), (E, E)))
     Wr, dlogits = rng.standard_normal((E, V)).astype(dtype), rng.standard_normal((B, V)).astype(dtype)
     with blas_threads(1):
-        seconds = time_steps(lambda: step_products(X, q, Wq, Wk, Wv, Wr, dlogits), rounds, calls)
+        seconds = time_steps(lambda: step_products(X, q, Wq, Wk, Wv, Wr, dlogits, K),
+                             rounds, calls)
     print(f"{dtype.name}: the products of one kv-recall step at one BLAS thread: "
           f"{1e3 * seconds:.3f} ms (median of {rounds} rounds of {calls})")
     check_floor(dtype)

@@ -12,7 +12,8 @@ import numpy as np
 
 from ._checks import as_float_array, as_upstream_grad, check_indices, owned
 
-__all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factored", "EmbeddingCache"]
+__all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factored",
+           "EmbeddingCache"]
 
 EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
 

@@ -554,7 +554,8 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
     if isinstance(key_is_value, (bool, np.bool_)):
         key_is_value = bool(key_is_value)
     elif not isinstance(key_is_value, str):
-        raise TypeError(f"key_is_value must be a bool or 'factors', got {type(key_is_value).__name__}")
+        raise TypeError("key_is_value must be a bool or 'factors', got "
+                        f"{type(key_is_value).__name__}")
     elif key_is_value != "factors":
         raise ValueError(f"key_is_value must be a bool or 'factors', got {key_is_value!r}")
     if isinstance(cache, GroupedCache):  # the core's backward sums each group

@@ -726,5 +726,5 @@ def test_kv_recall_floor_is_the_same_step(dtype):
     X = rng.standard_normal((B, P, E))
     q, Wq, Wk, Wv = (rng.standard_normal(shape) for shape in ((B, E), (E, E), (E, E), (E, E)))
     Wr, dlogits = rng.standard_normal((E, V)), rng.standard_normal((B, V))
-    scores = kv_recall_ceiling.step_products(X, q, Wq, Wk, Wv, Wr, dlogits)
+    scores = kv_recall_ceiling.step_products(X, q, Wq, Wk, Wv, Wr, dlogits, num_keys=7)
     np.testing.assert_allclose(scores, np.einsum("bpe,be->bp", X @ Wk, q @ Wq), rtol=1e-12)
