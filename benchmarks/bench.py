@@ -146,7 +146,7 @@ import numpy as np
 import qkvnp
 from qkvnp import MultiHeadAttention
 from qkvnp._io import atomic_write  # the package's one atomic write (shared helper module)
-from qkvnp.kernels import IMPLS, PATH_TOLERANCES
+from qkvnp.kernels import IMPLS, PATH_TOLERANCES, blas_threads
 from qkvnp.kernels._runtime import get_num_threads, openblas_info
 from qkvnp.kernels._runtime import run as run_in_workers
 
@@ -723,12 +723,18 @@ def _timing_stats(seconds, flops):
     return stats
 
 
-def measure_gemm_peak(dtype, size=GEMM_SIZE, repeats=5):
+def measure_gemm_peak(dtype, size=GEMM_SIZE, repeats=5, blas=None):
     """Best GFLOP/s of ``numpy.matmul`` on two (size, size) matrices of ``dtype``.
 
     Counts ``2 * size**3`` FLOPs per product; writes into a preallocated
     ``out=`` so that the number is the BLAS kernel's, not the allocator's.
+    ``blas``: None for numpy's BLAS at its own thread count, or a thread
+    count to pin it to for the measurement (``qkvnp.kernels.blas_threads``);
+    None is returned when that count cannot be set (no OpenBLAS found).
     """
+    if blas is not None:
+        with blas_threads(blas) as pinned:
+            return measure_gemm_peak(dtype, size, repeats) if pinned.available else None
     dtype = _check_dtype(dtype)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size), dtype=dtype)
@@ -1290,6 +1296,8 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
         implementation), ``training`` (one per task and dtype),
         ``tiled_memory``, ``settings``, ``attention_gemm_ceiling_gflops``
         (per dtype, :func:`measure_attention_gemm_ceiling`),
+        ``gemm_one_thread_gflops`` (per dtype, the GEMM peak's product on
+        one BLAS thread; empty when its count cannot be set),
         ``target_requirements`` (see :func:`target_requirements`),
         ``summary`` (the plain-language lines of :func:`summary.summarize`).
     """
@@ -1326,6 +1334,10 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     # measured before and after the timings; the higher one is the peak (a
     # busy machine lowers it, nothing raises it)
     peak_runs = {d.name: [measure_gemm_peak(d, gemm_size)] for d in dtypes}
+    # the same product on one BLAS thread: how much the second core adds
+    # (hosts differ: one measured 2.0x, another 1.0x, its two cores sharing
+    # their vector units)
+    one_thread_runs = {d.name: [measure_gemm_peak(d, gemm_size, blas=1)] for d in dtypes}
     ceiling_runs = {d.name: [measure_attention_gemm_ceiling(d)] for d in dtypes}
     report["import_time"] = None
     if import_repeats:
@@ -1374,10 +1386,13 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     progress("measuring the GEMM peak again")
     for dtype in dtypes:
         peak_runs[dtype.name].append(measure_gemm_peak(dtype, gemm_size))
+        one_thread_runs[dtype.name].append(measure_gemm_peak(dtype, gemm_size, blas=1))
         ceiling_runs[dtype.name].append(measure_attention_gemm_ceiling(dtype))
     report["gemm_peak_runs"] = peak_runs
     report["gemm_peak_gflops"] = peaks = {name: max(runs) for name, runs in peak_runs.items()}
     report["attention_gemm_ceiling_gflops"] = {name: max(runs) for name, runs in ceiling_runs.items()}
+    report["gemm_one_thread_gflops"] = {name: max(runs) for name, runs in one_thread_runs.items()
+                                        if None not in runs}
     _add_ratios(records, peaks)
 
     if memory:
@@ -1568,6 +1583,11 @@ def format_report(report):
     lines.append(f"GEMM peak (numpy.matmul, n = {report['settings']['gemm_size']}, best of 5, "
                  "before and after the timings): "
                  + ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items()))
+    one_thread = report.get("gemm_one_thread_gflops")
+    if one_thread:
+        lines.append("GEMM on one BLAS thread (same products): "
+                     + ", ".join(f"{d} {g:.1f} GFLOP/s (numpy's threads give {peaks[d] / g:.2f}x it)"
+                                 for d, g in one_thread.items() if peaks.get(d) and g))
     ceilings = report.get("attention_gemm_ceiling_gflops")
     if ceilings:
         lines.append(f"BLAS on attention shapes (one ({CEILING_LENGTH}, {CEILING_HEAD_DIM}) head per "

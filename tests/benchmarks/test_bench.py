@@ -9,9 +9,12 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
+
+from qkvnp.kernels.openblas import openblas_thread_functions
 
 # The harness lives beside the package (the wheel does not ship it): import it
 # from the checkout's benchmarks/ as the top-level module ``bench``, as
@@ -282,7 +285,6 @@ def test_plot_draws_every_series_and_writes_atomically(monkeypatch, tmp_path):
     # would be drawn (oracle: one time series and one memory series per
     # implementation and dtype, x = L) and that the file appears atomically
     import types
-    from unittest import mock
 
     axes = np.empty((1, 2), dtype=object)  # what subplots(1, 2, squeeze=False) returns
     axes[0, 0], axes[0, 1] = mock.MagicMock(), mock.MagicMock()
@@ -728,3 +730,38 @@ def test_kv_recall_floor_is_the_same_step(dtype):
     Wr, dlogits = rng.standard_normal((E, V)), rng.standard_normal((B, V))
     scores = kv_recall_ceiling.step_products(X, q, Wq, Wk, Wv, Wr, dlogits, num_keys=7)
     np.testing.assert_allclose(scores, np.einsum("bpe,be->bp", X @ Wk, q @ Wq), rtol=1e-12)
+
+
+def test_report_states_what_the_second_core_adds():
+    # oracle: hand-made peaks; 200 GFLOP/s on numpy's threads against 100 on one is 2.00x
+    report = {"environment": bench.environment_info(),
+              "settings": {"impls": [], "gemm_size": 2048, "repeats": 7, "warmup": 1, "pause_s": 0.3},
+              "gemm_peak_gflops": {"float32": 200.0, "float64": 102.0},
+              "gemm_one_thread_gflops": {"float32": 100.0, "float64": 100.0},
+              "import_time": None, "records": []}
+    line = [line for line in bench.format_report(report).splitlines()
+            if line.startswith("GEMM on one BLAS thread")]
+    assert line == ["GEMM on one BLAS thread (same products): float32 100.0 GFLOP/s (numpy's "
+                    "threads give 2.00x it), float64 100.0 GFLOP/s (numpy's threads give 1.02x it)"]
+    del report["gemm_one_thread_gflops"]  # reports of earlier runs have no such field
+    assert not any(line.startswith("GEMM on one") for line in
+                   bench.format_report(report).splitlines())
+
+
+def test_one_thread_gemm_peak_is_measured_on_one_thread():
+    # oracle: the count numpy's OpenBLAS reports from inside the measurement
+    seen = []
+    original = bench.measure_gemm_peak
+
+    def spy(dtype, size=bench.GEMM_SIZE, repeats=5, blas=None):
+        if blas is None:
+            functions = openblas_thread_functions()
+            seen.append(functions[0]() if functions else None)
+        return original(dtype, size, repeats, blas)
+
+    with mock.patch.object(bench, "measure_gemm_peak", spy):
+        gflops = bench.measure_gemm_peak("float64", 64, 1, blas=1)
+    if openblas_thread_functions():
+        assert seen == [1] and gflops > 0
+    else:
+        assert gflops is None and seen == []
