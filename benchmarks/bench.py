@@ -1334,9 +1334,9 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     # measured before and after the timings; the higher one is the peak (a
     # busy machine lowers it, nothing raises it)
     peak_runs = {d.name: [measure_gemm_peak(d, gemm_size)] for d in dtypes}
-    # the same product on one BLAS thread: how much the second core adds
-    # (hosts differ: one measured 2.0x, another 1.0x, its two cores sharing
-    # their vector units)
+    # the same product on one BLAS thread: how much the second core adds,
+    # and the one-thread rate the one-thread ceilings (layer_ceiling.py,
+    # RESULTS.md's tables) are to be read against; hosts differ in both
     one_thread_runs = {d.name: [measure_gemm_peak(d, gemm_size, blas=1)] for d in dtypes}
     ceiling_runs = {d.name: [measure_attention_gemm_ceiling(d)] for d in dtypes}
     report["import_time"] = None
