@@ -224,7 +224,13 @@ PROCESS_MAX_LENGTH = 128
 PROTOCOLS = ("processes", "same process")
 MASKS = ("none", "causal")
 #: A round of the one-library-per-process protocol lasts at least this long (s).
-ROUND_SECONDS = 0.05
+#: 0.25 (was 0.05): each round follows a pause, and the first calls after it
+#: run slow on some hosts. On an AMD EPYC host (2026-11-24 23:40 UTC, 7 rounds)
+#: 0.05 s rounds took 1.2-1.5x as long a call as 0.25 s rounds, for both
+#: libraries (qkvnp's (8, 16, 32, 4) float32 331 against 221 us, PyTorch's 769
+#: against 508), with interquartile ranges 2-5x as wide; a hot loop took 115 us
+#: at (1, 6, 3, 1) float64 causal, 0.25 s rounds 124-137, 0.05 s rounds 175-209.
+ROUND_SECONDS = 0.25
 
 KINDS = ("layer", "core")
 MODES = ("fwd", "fwd_bwd")

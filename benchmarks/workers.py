@@ -116,7 +116,7 @@ class WorkerPool:
         return False
 
 
-def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=0.05,
+def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=0.25,
                      progress=None):
     """Time each worker's runner in rounds, one worker after the other.
 
