@@ -1841,7 +1841,7 @@ def add_arguments(parser):
                               "layers at the last config only"
                               % ", ".join(str(tuple(c)) for c in QUICK_CONFIGS))
     presets.add_argument("--off-grid", action="store_true",
-                         help="sizes off the grid, about 4 minutes: configs %s (BERT-base, "
+                         help="sizes off the grid, about 5 minutes: configs %s (BERT-base, "
                               "GPT-2 small, lengths not powers of two), both dtypes and "
                               "masks, the layer on qkvnp's default path and PyTorch's only; "
                               "no training, memory or import timing"
