@@ -225,11 +225,12 @@ PROTOCOLS = ("processes", "same process")
 MASKS = ("none", "causal")
 #: A round of the one-library-per-process protocol lasts at least this long (s).
 #: 0.25 (was 0.05): each round follows a pause, and the first calls after it
-#: run slow on some hosts. On an AMD EPYC host (2026-11-24 23:40 UTC, 7 rounds)
-#: 0.05 s rounds took 1.2-1.5x as long a call as 0.25 s rounds, for both
-#: libraries (qkvnp's (8, 16, 32, 4) float32 331 against 221 us, PyTorch's 769
-#: against 508), with interquartile ranges 2-5x as wide; a hot loop took 115 us
-#: at (1, 6, 3, 1) float64 causal, 0.25 s rounds 124-137, 0.05 s rounds 175-209.
+#: run slow on some hosts. On an AMD EPYC host (2026-11-24 23:40 UTC, one run
+#: of 7 rounds each) 0.05 s rounds took 0.95-1.64x as long a call as 0.25 s
+#: rounds at (8, 16, 32, 4) and (64, 8, 16, 2), both libraries alike (qkvnp's
+#: (8, 16, 32, 4) float32 331 against 221 us, PyTorch's 769 against 508), and
+#: 0.78-1.28x at (16, 32, 64, 4). At (1, 6, 3, 1) float64 causal a hot loop
+#: took 115 us, 0.25 s rounds 137, 0.05 s rounds 175-209.
 ROUND_SECONDS = 0.25
 
 KINDS = ("layer", "core")
