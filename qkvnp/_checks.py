@@ -28,6 +28,8 @@ __all__ = [
     "owned",
     "as_numpy",
     "check_state_value",
+    "abs_max",
+    "core_scores_may_overflow",
     "row_norm_max",
     "scores_may_overflow",
     "complex_step_mode",
@@ -524,6 +526,43 @@ def check_state_value(value, name, shape, dtype, context=""):
     if arr.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}{context}, got shape {arr.shape}")
     return as_upstream_grad(arr, name, shape, dtype)  # real, cast, finite (after the cast too)
+
+
+def abs_max(a):
+    """``max|a|`` as a Python float (0.0 for an empty array; inf and NaN come through).
+
+    >>> abs_max(np.array([[1.0, -3.0], [2.0, 0.5]]))
+    3.0
+    """
+    if a.size <= 4096:  # one reduction of a small |a|: 1.5 us against 2.5 for max and min
+        return float(abs(a).max()) if a.size else 0.0
+    return max(float(a.max()), -float(a.min()))  # no |a| temporary
+
+
+def core_scores_may_overflow(query, key, scale):
+    """Whether the scores ``scale * q . k`` may reach ``sqrt(finfo.max)`` (:func:`scores_may_overflow`).
+
+    Parameters
+    ----------
+    query : ndarray, shape (..., T, D)
+    key : ndarray, shape (..., S, D)
+        Checked inputs of one dtype (:func:`check_attention_inputs`).
+    scale : float
+
+    Notes
+    -----
+    First a screen from the largest entries alone: each score is at most
+    ``|scale| |q_t| |k_s| <= |scale| D max|q| max|k|`` (Cauchy-Schwarz, with
+    ``|q_t| <= sqrt(D) max|q|``), two reductions over each input. Only a
+    screen at the limit pays for the exact bound from the row norms
+    (:func:`row_norm_max`: six passes over each input), whose answer is the
+    one given. The fast core's forward at (B, H, L, D) = (4, 8, 128, 32)
+    spent 19% of its time (0.42 of 2.24 ms, float32) in the row norms alone.
+    """
+    D = query.shape[-1]
+    if not scores_may_overflow(abs(scale) * D * abs_max(query) * abs_max(key), query.dtype):
+        return False
+    return scores_may_overflow(abs(scale) * row_norm_max(query) * row_norm_max(key), query.dtype)
 
 
 def row_norm_max(x):

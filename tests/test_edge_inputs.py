@@ -214,3 +214,42 @@ def test_paths_agree_or_stay_finite_at_extreme_magnitudes(problem):
                 error = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0))
                 assert error <= tol * max(1.0, unit) or not np.isfinite(unit), (
                     f"{path} {name}: error {error:.3g} > {tol:g} * {unit:.3g}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("path", ["fast", "tiled"])
+def test_the_overflow_screen_answers_as_the_exact_bound(dtype, path, monkeypatch):
+    """Oracle: the exact bound ``|scale| max|q_t| max|k_s|``, row norms in float64.
+
+    One nonzero entry per row makes the cheap screen (``|scale| D max|q|
+    max|k|``) exceed the exact bound D = 16 times: at half the limit the
+    screen is over it and the exact bound under (the fast core, no
+    fallback), at twice the limit both are over (the reference's result, as
+    the path defers to it); far below the limit the row norms are never
+    computed at all."""
+    from qkvnp import _checks
+
+    limit = float(np.sqrt(np.finfo(dtype).max))
+    T, D = 5, 16
+    eye = np.zeros((T, D))
+    eye[np.arange(T), np.arange(T)] = 1.0  # one nonzero per row: |q_t| = max|q|
+    value = np.random.default_rng(12).normal(size=(T, 3)).astype(dtype)
+    for ratio, over in ((0.5, False), (2.0, True)):
+        size = np.sqrt(ratio * limit)  # scale 1: the exact bound is size**2 = ratio * limit
+        q, k = (eye * size).astype(dtype), (eye * size).astype(dtype)
+        exact = np.linalg.norm(q.astype(np.float64), axis=-1).max() * np.linalg.norm(
+            k.astype(np.float64), axis=-1).max()
+        assert (exact >= limit) == over and D * size * size >= limit  # the screen is over
+        assert _checks.core_scores_may_overflow(q, k, 1.0) == over
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the reference may warn of overflow
+            out, cache = CORES[path].attention_forward(q, k, value, scale=1.0)
+        deferred = type(cache).__module__ == F.__name__  # the reference's own cache
+        assert deferred == over, f"ratio {ratio}: deferred to the reference {deferred}"
+
+    def refuse(x):
+        raise AssertionError("row norms computed below the screen")
+
+    monkeypatch.setattr(_checks, "row_norm_max", refuse)
+    small = eye.astype(dtype)
+    assert _checks.core_scores_may_overflow(small, small, 1.0) is False

@@ -64,8 +64,8 @@ from collections import namedtuple
 import numpy as np
 
 from .. import functional as F
-from .._checks import (as_upstream_grad, check_attention_inputs, check_scale, owned, row_norm_max,
-                       scores_may_overflow)
+from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
+                       core_scores_may_overflow, owned)
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
@@ -602,7 +602,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
-    if scores_may_overflow(abs(scale) * row_norm_max(query) * row_norm_max(key), query.dtype):
+    if core_scores_may_overflow(query, key, scale):
         # NOTE: scores near the float maximum: the reference's exact clipping
         # (its cache type tells attention_backward which backward to run)
         with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented

@@ -44,7 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import as_upstream_grad, owned, scores_may_overflow
+from .._checks import abs_max, as_upstream_grad, owned, scores_may_overflow
 from ..dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
 from ..gqa import split_head_axis
@@ -154,15 +154,8 @@ def projected_score_bound(query_rows, key_rows, head_dim):
     >>> projected_score_bound(np.ones((3, 4)), -2 * np.ones((5, 4)), head_dim=2)
     4.0
     """
-    query_max = _largest(query_rows)
-    return head_dim * query_max * (query_max if key_rows is query_rows else _largest(key_rows))
-
-
-def _largest(a):
-    """``max|a|`` as a Python float (0.0 for an empty array)."""
-    if a.size <= 4096:  # one reduction of a small |a|: 1.5 us against 2.5 for max and min
-        return float(abs(a).max()) if a.size else 0.0
-    return max(float(a.max()), -float(a.min()))  # no |a| temporary
+    query_max = abs_max(query_rows)
+    return head_dim * query_max * (query_max if key_rows is query_rows else abs_max(key_rows))
 
 
 def check_score_bound(whole_query, whole_key, query, key, head_dim, dtype):
