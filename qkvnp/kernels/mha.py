@@ -44,7 +44,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import abs_max, as_upstream_grad, owned, scores_may_overflow
+from .._checks import as_upstream_grad, owned, projected_score_bound, scores_may_overflow
 from ..dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
 from ..gqa import split_head_axis
@@ -136,26 +136,6 @@ class ScoresMayOverflow(Exception):
         super().__init__(f"scores may reach {bound:.3g}")
         self.bound = bound
         self.dropout_mask = dropout_mask
-
-
-def projected_score_bound(query_rows, key_rows, head_dim):
-    """An upper bound of every score ``q . k`` of the heads of these projections.
-
-    ``query_rows`` ``(N, H*D)`` (already scaled) and ``key_rows``
-    ``(N_kv, H_kv*D)``: each head's score is at most
-    ``|q_t| |k_s| <= D max|q| max|k|`` (Cauchy-Schwarz, ``|q_t| <= sqrt(D)
-    max|q|``). Arrays holding more columns than the queries' and keys' (a
-    whole fused projection) give a looser bound; one array passed as both is
-    reduced once. Two reductions after the projection: computed from the
-    parameters and inputs before it, the bound took five (9.2 us a layer
-    call at (1, 6, 3, 1), 11.5 at (8, 16, 32, 4)). Python floats: inf when
-    a projection overflowed, NaN for NaN, never a warning.
-
-    >>> projected_score_bound(np.ones((3, 4)), -2 * np.ones((5, 4)), head_dim=2)
-    4.0
-    """
-    query_max = abs_max(query_rows)
-    return head_dim * query_max * (query_max if key_rows is query_rows else abs_max(key_rows))
 
 
 def check_score_bound(whole_query, whole_key, query, key, head_dim, dtype):
