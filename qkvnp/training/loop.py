@@ -199,8 +199,9 @@ class _StopFlag:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, saving=True):
         self.signal = None
+        self.saving = saving
         self._previous = {}
 
     @property
@@ -209,11 +210,17 @@ class _StopFlag:
 
     def _handler(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            from ..cli import Interrupted
+
+            raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
         self.signal = signal.Signals(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else self.signal.name
-        sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint "
-                         f"({name} again aborts without saving)\n")
+        if self.saving:
+            sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint "
+                             f"({name} again aborts without saving)\n")
+        else:
+            sys.stderr.write(f"\n{name}: stopping after this step ({name} again stops at "
+                             "once)\n")
         sys.stderr.flush()
 
     def __enter__(self):
@@ -441,7 +448,8 @@ def _check_finite(model, step, config, loss=0.0):
         )
 
 
-def train(config, *, resume=None, save=None, save_every=None, callback=None):
+def train(config, *, resume=None, save=None, save_every=None, callback=None,
+          save_on_interrupt=True):
     """Train the model of ``config``; optionally resume from / save to a checkpoint.
 
     Parameters
@@ -466,8 +474,13 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None):
     callback : callable, optional
         Called after every step as ``callback(info)`` with a dict ``step,
         steps, loss, accuracy, lr, heldout`` (``heldout`` is the metrics
-        dict on evaluation steps, else None) and ``start_step``. The CLI's
+        dict on evaluation steps, else None), ``start_step`` and ``seconds``
+        (since this session's first step started). The CLI's
         :class:`qkvnp.training.report.Progress` is one.
+    save_on_interrupt : bool
+        Without ``save``, whether an interrupted run writes its checkpoint to
+        :func:`default_checkpoint_path` (default True). The ablation passes
+        False: it stops and keeps none of an interrupted run.
 
     Returns
     -------
@@ -526,7 +539,7 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None):
     heldout = evaluate(model, task, heldout_batch) if step else initial
     checkpoint_path = None
     started = time.perf_counter()
-    with _blas_single_thread(), _StopFlag() as stop:
+    with _blas_single_thread(), _StopFlag(save is not None or save_on_interrupt) as stop:
         while step < config.steps and not stop.requested:
             step += 1
             optimizer.lr = scheduled_lr(config, step)
@@ -553,12 +566,15 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None):
             if callback is not None:
                 callback({"step": step, "steps": config.steps, "start_step": start_step,
                           "loss": loss, "accuracy": acc, "lr": optimizer.lr,
-                          "heldout": evaluated})
+                          "heldout": evaluated, "seconds": time.perf_counter() - started})
         interrupted = stop.requested and step < config.steps  # a finished run just ends
         seconds = time.perf_counter() - started
         if interrupted:
             heldout = evaluate(model, task, heldout_batch)
-            checkpoint_path = save if save is not None else default_checkpoint_path(config, step)
+            if save is not None:
+                checkpoint_path = save
+            elif save_on_interrupt:
+                checkpoint_path = default_checkpoint_path(config, step)
         elif save is not None:
             checkpoint_path = save
         if checkpoint_path is not None:
