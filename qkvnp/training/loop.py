@@ -341,13 +341,7 @@ def check_resume(checkpoint, config):
         )
     probe = np.random.Generator(np.random.PCG64())
     try:
-        # NOTE: numpy before 2.0 takes -1 as a 128-bit state without a word
-        # (numpy 1.24 on Python 3.9): check the range before numpy sees it
-        words = checkpoint.rng_state["state"]
-        for name in ("state", "inc"):
-            word = words[name]
-            if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2 ** 128:
-                raise ValueError(f"state[{name!r}] must be an int in [0, 2**128), got {word!r}")
+        _check_pcg64_state(checkpoint.rng_state)
         probe.bit_generator.state = checkpoint.rng_state
     except (TypeError, ValueError, KeyError, OverflowError) as exc:
         raise CheckpointError(
@@ -355,6 +349,40 @@ def check_resume(checkpoint, config):
             f"({type(exc).__name__}: {exc})"
         ) from None
     _generator_states(checkpoint, build_model(config, 0).generators())
+
+
+def _is_int(value, low, high):
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def _check_pcg64_state(state):
+    """Refuse a PCG64 state that numpy would not write (``ValueError``); numpy checks less.
+
+    NOTE: numpy takes ``has_uint32`` of 2 or -1 and an even ``inc``, and before
+    2.0 a ``state`` of -1 (numpy 1.24 on Python 3.9): a generator it never
+    produces, so a checkpoint holding one was not written by a run.
+    """
+    if not isinstance(state, dict) or set(state) != {"bit_generator", "state", "has_uint32",
+                                                     "uinteger"}:
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"expected the keys bit_generator, state, has_uint32, uinteger, "
+                         f"got {keys}")
+    if state["bit_generator"] != "PCG64":
+        raise ValueError(f"bit_generator must be 'PCG64', got {state['bit_generator']!r}")
+    words = state["state"]
+    if not isinstance(words, dict) or set(words) != {"state", "inc"}:
+        raise ValueError(f"state must be a dict with the keys state and inc, got {words!r}")
+    for name in ("state", "inc"):
+        if not _is_int(words[name], 0, 2 ** 128):
+            raise ValueError(f"state[{name!r}] must be an int in [0, 2**128), "
+                             f"got {words[name]!r}")
+    if words["inc"] % 2 == 0:
+        raise ValueError(f"state['inc'] must be odd (numpy's PCG64 increments are), "
+                         f"got {words['inc']!r}")
+    if not _is_int(state["has_uint32"], 0, 2):
+        raise ValueError(f"has_uint32 must be 0 or 1, got {state['has_uint32']!r}")
+    if not _is_int(state["uinteger"], 0, 2 ** 32):
+        raise ValueError(f"uinteger must be an int in [0, 2**32), got {state['uinteger']!r}")
 
 
 def _generator_states(checkpoint, generators):
@@ -373,6 +401,8 @@ def _generator_states(checkpoint, generators):
     for name, state in saved.items():
         probe = np.random.Generator(type(generators[name].bit_generator)())
         try:
+            if isinstance(probe.bit_generator, np.random.PCG64):
+                _check_pcg64_state(state)
             probe.bit_generator.state = state
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' holds a "
@@ -539,7 +569,11 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None,
     heldout = evaluate(model, task, heldout_batch) if step else initial
     checkpoint_path = None
     started = time.perf_counter()
-    with _blas_single_thread(), _StopFlag(save is not None or save_on_interrupt) as stop:
+    # NOTE: numpy's overflow warnings say nothing that _check_finite and the
+    # layers' input checks do not say as one "training diverged" error (and
+    # under -W error they would be tracebacks instead of that error)
+    with _blas_single_thread(), _StopFlag(save is not None or save_on_interrupt) as stop, \
+            np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         while step < config.steps and not stop.requested:
             step += 1
             optimizer.lr = scheduled_lr(config, step)
