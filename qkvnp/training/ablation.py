@@ -2,8 +2,8 @@
 
 Shape key: P stored pairs, E model width (``dim``), K key vocabulary.
 
-The seeds ask: "why do we need key, value and query; could I use only one of
-them?". This command answers by experiment. The same
+Learners of attention ask: "why do we need key, value and query; could I use
+only one of them?". This command answers by experiment. The same
 :class:`~qkvnp.training.models.KVRecallModel` is trained with four projection
 variants:
 
