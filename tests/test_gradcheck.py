@@ -361,7 +361,11 @@ def test_skipped_inputs_and_pass_through_arguments(rng):
     ({"eps": "1e-3"}, TypeError, "eps must be a real number, got str"),
     ({"rtol": np.nan}, ValueError, "rtol must be a finite non-negative"),
     ({"atol": [1e-3]}, TypeError, "atol must be a real number, got list"),
-    ({"num_directions": 0}, ValueError, "num_directions must be a positive int, got 0"),
+    ({"num_directions": 0}, ValueError, r"num_directions must be an int in 1\.\.10000 "
+                                        r"\(MAX_DIRECTIONS\), got 0"),
+    # one above the bound; was accepted, so that 10**9 ran for days
+    ({"mode": "direction", "num_directions": 10_001}, ValueError,
+     r"num_directions must be an int in 1\.\.10000 \(MAX_DIRECTIONS\), got 10001"),
     ({"num_directions": 2.0}, TypeError, "num_directions must be an int, got float"),
     ({"rng": "seed"}, TypeError, "rng must be"),
 ])
