@@ -20,6 +20,7 @@ __all__ = [
     "check_same_shape",
     "make_rng",
     "check_int",
+    "check_bool",
     "check_attention_inputs",
     "is_real_number",
     "check_scale",
@@ -623,3 +624,25 @@ def scores_may_overflow(bound, dtype):
 
 
 _SCORE_LIMITS = {}  # dtype -> sqrt(finfo(dtype).max): np.finfo costs more than the test
+
+
+def check_bool(value, name, allow_none=False):
+    """Return ``value`` as a ``bool``, refusing anything but ``True``/``False`` (and ``np.bool_``).
+
+    NOTE: ``bool(0.1)`` is True: ``MultiHeadAttention(16, 4, 0.1)`` once meant
+    ``bias=True`` when PyTorch's user meant ``dropout=0.1``.
+
+    Raises
+    ------
+    TypeError
+        ``"<name> must be a bool, got <type> <value>"``.
+
+    >>> check_bool(np.True_, "bias")
+    True
+    """
+    if allow_none and value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        expected = "a bool or None" if allow_none else "a bool"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    return bool(value)
