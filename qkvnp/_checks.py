@@ -485,7 +485,11 @@ def as_numpy(value, name):
 
     Anything with ``.detach()`` whose result has ``.cpu().numpy()`` (a torch
     tensor, a parameter, one with ``requires_grad``, on any device) is
-    converted that way; everything else goes through ``np.asarray``.
+    converted that way; everything else goes through ``np.asarray``. A
+    floating-point tensor numpy has no dtype for (bfloat16, the float8
+    formats) goes through float32 first, which holds each of its values
+    exactly: the values are then cast as PyTorch's ``load_state_dict`` casts
+    them into a parameter of another dtype.
 
     >>> as_numpy([1.0, 2.0], "x")
     array([1., 2.])
@@ -494,14 +498,19 @@ def as_numpy(value, name):
     ------
     TypeError
         If ``value`` is None or its tensor cannot become a numpy array
-        (torch's bfloat16, for one).
+        (a sparse tensor, for one).
     """
     if value is None:
         raise TypeError(f"{name} must be an array, got None")
     if hasattr(value, "detach") and hasattr(value, "cpu"):
+        tensor = value.detach().cpu()
         try:
-            return value.detach().cpu().numpy()
+            return tensor.numpy()
         except (TypeError, RuntimeError) as error:  # bfloat16, a sparse tensor...
+            if getattr(tensor, "is_floating_point", lambda: False)() and \
+                    getattr(tensor, "element_size", lambda: 4)() < 4:
+                with contextlib.suppress(TypeError, RuntimeError):
+                    return tensor.float().numpy()  # exact: float32 holds every such value
             raise TypeError(f"{name}: cannot convert {type(value).__name__} to a numpy "
                             f"array ({error})") from None
     return np.asarray(value)
