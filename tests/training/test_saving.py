@@ -135,7 +135,7 @@ def test_check_writable_leaves_nothing_behind(tmp_path):
     "a" * 246 + ".npz",  # 250 bytes
     "a" * 251 + ".npz",  # 255 bytes: the longest legal name on most file systems
     "é" * 123 + ".npz",  # 250 bytes in UTF-8, 127 characters
-])
+], ids=["250-bytes", "255-bytes", "250-bytes-utf8"])
 def test_a_legal_long_name_is_saved(tmp_path, capsys, name):
     # oracle: the file system's limit on one name (NAME_MAX); was "File name too long",
     # because the temporary file's name added 13 bytes
