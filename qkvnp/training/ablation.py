@@ -324,8 +324,8 @@ def _interrupted(exc, rows, total, steps, args):
                  f"{stopped['variant']}, seed {stopped['seed']}{did}), which was dropped")
     finished = f"{len(rows)} finished run{'' if len(rows) == 1 else 's'}"
     if args.json is None or not rows:
-        kept = ("no run had finished" if not rows
-                else f"the {finished} are shown above only") + "; nothing was written"
+        kept = ("no run had finished; nothing was written" if not rows
+                else f"nothing was written (no --json) of the {finished}")
     else:
         try:
             with atomic_write(args.json, "w") as f:

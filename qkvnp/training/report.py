@@ -335,7 +335,7 @@ def figure_class(what, consequence, stream):
         from matplotlib.figure import Figure
     except ImportError:
         print(f"{what}: matplotlib is not installed; install it with pip install "
-              f"'qkvnp[plot]'  (or pip install matplotlib). {consequence}", file=stream)
+              f"'qkvnp[plot]' (or pip install matplotlib). {consequence}", file=stream)
         return None
     return Figure
 
