@@ -20,6 +20,7 @@ __all__ = [
     "check_same_shape",
     "make_rng",
     "check_int",
+    "check_bool",
     "check_attention_inputs",
     "is_real_number",
     "check_scale",
@@ -484,7 +485,11 @@ def as_numpy(value, name):
 
     Anything with ``.detach()`` whose result has ``.cpu().numpy()`` (a torch
     tensor, a parameter, one with ``requires_grad``, on any device) is
-    converted that way; everything else goes through ``np.asarray``.
+    converted that way; everything else goes through ``np.asarray``. A
+    floating-point tensor numpy has no dtype for (bfloat16, the float8
+    formats) goes through float32 first, which holds each of its values
+    exactly: the values are then cast as PyTorch's ``load_state_dict`` casts
+    them into a parameter of another dtype.
 
     >>> as_numpy([1.0, 2.0], "x")
     array([1., 2.])
@@ -493,14 +498,19 @@ def as_numpy(value, name):
     ------
     TypeError
         If ``value`` is None or its tensor cannot become a numpy array
-        (torch's bfloat16, for one).
+        (a sparse tensor, for one).
     """
     if value is None:
         raise TypeError(f"{name} must be an array, got None")
     if hasattr(value, "detach") and hasattr(value, "cpu"):
+        tensor = value.detach().cpu()
         try:
-            return value.detach().cpu().numpy()
+            return tensor.numpy()
         except (TypeError, RuntimeError) as error:  # bfloat16, a sparse tensor...
+            if getattr(tensor, "is_floating_point", lambda: False)() and \
+                    getattr(tensor, "element_size", lambda: 4)() < 4:
+                with contextlib.suppress(TypeError, RuntimeError):
+                    return tensor.float().numpy()  # exact: float32 holds every such value
             raise TypeError(f"{name}: cannot convert {type(value).__name__} to a numpy "
                             f"array ({error})") from None
     return np.asarray(value)
@@ -623,3 +633,25 @@ def scores_may_overflow(bound, dtype):
 
 
 _SCORE_LIMITS = {}  # dtype -> sqrt(finfo(dtype).max): np.finfo costs more than the test
+
+
+def check_bool(value, name, allow_none=False):
+    """Return ``value`` as a ``bool``, refusing anything but ``True``/``False`` (and ``np.bool_``).
+
+    NOTE: ``bool(0.1)`` is True: ``MultiHeadAttention(16, 4, 0.1)`` once meant
+    ``bias=True`` when PyTorch's user meant ``dropout=0.1``.
+
+    Raises
+    ------
+    TypeError
+        ``"<name> must be a bool, got <type> <value>"``.
+
+    >>> check_bool(np.True_, "bias")
+    True
+    """
+    if allow_none and value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        expected = "a bool or None" if allow_none else "a bool"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    return bool(value)

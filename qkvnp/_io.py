@@ -58,6 +58,23 @@ def write_target(path, what="path"):
     return target
 
 
+def _shortened(directory, name, extra):
+    """``name`` cut so that ``extra`` more bytes still fit the directory's longest file name.
+
+    NOTE: a legal name near the limit (255 bytes on most file systems) must
+    stay writable: its temporary file's name is the one that gets shorter.
+    """
+    try:
+        name_max = os.pathconf(directory, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # Windows, or a file system that cannot say
+        name_max = 255
+    if not name_max or name_max < 0:
+        name_max = 255
+    while name and len(os.fsencode(name)) + extra > name_max:
+        name = name[:-1]  # by characters: a multi-byte character is never split
+    return name
+
+
 def _create_temporary(directory, name):
     """Create a new, empty, private-name file in ``directory``; return ``(fd, path)``.
 
@@ -66,6 +83,7 @@ def _create_temporary(directory, name):
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) \
         | getattr(os, "O_BINARY", 0)
+    name = _shortened(directory, name, len(".") + len(".tmp") + 8)
     for _ in range(100):
         tmp_path = os.path.join(directory, f".{name}.tmp{secrets.token_hex(4)}")
         try:

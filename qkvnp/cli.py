@@ -5,24 +5,84 @@ Each command lives in its own module, which provides
 A command refuses a bad option by raising ``argparse.ArgumentError`` before
 it starts any work; :func:`main` prints it as argparse does (the command's
 usage, then ``<prog> <command>: error: ...``) and returns 2.
+
+Ctrl-C raises ``KeyboardInterrupt`` and, while a command runs, SIGTERM
+raises :class:`Interrupted` (a ``KeyboardInterrupt``): a command that can
+say what it kept catches it and prints one line; otherwise :func:`main`
+prints one line. The exit status is 128 + the signal's number (130 for
+Ctrl-C, 143 for SIGTERM), as a shell reports a process the signal killed.
 """
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "Interrupted", "interrupt_status", "interrupt_name",
+           "report_interrupt", "program_name"]
 
-# command name -> (module, one-line help)
+# command name -> (module, one-line help, the description its --help opens with)
+# NOTE: plain text here, not the modules' docstrings: those are reST (double
+# backticks), and None under ``python -OO``.
 COMMANDS = {
-    "demo": ("qkvnp.demo", "walk through the seeds' attention example step by step"),
-    "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically"),
-    "train": ("qkvnp.training.command", "train attention projections by gradient descent"),
-    "ablation": ("qkvnp.training.ablation", "why Q, K and V: tied and missing projections on two tasks"),
+    "demo": ("qkvnp.demo", "walk through a small attention example step by step",
+             "Walk through attention step by step, printing every number, on the six-token "
+             "sentence 'Your journey starts with one step' of Sebastian Raschka's Build a "
+             "Large Language Model (From Scratch), chapter 3."),
+    "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically",
+                  "Check the analytic gradients of SelfAttention and MultiHeadAttention "
+                  "against numerical derivatives."),
+    "train": ("qkvnp.training.command", "train attention projections by gradient descent",
+              "Train attention projections by gradient descent, with hand-derived gradients."),
+    "ablation": ("qkvnp.training.ablation",
+                 "why Q, K and V: tied and missing projections on two tasks",
+                 "Why Q, K and V? Train kv-recall and partner with separate, tied and missing "
+                 "projections."),
 }
 
 
-def _program_name():
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM while a command runs (Ctrl-C raises a plain ``KeyboardInterrupt``).
+
+    Parameters
+    ----------
+    signum : int
+        The signal; kept as ``signal.Signals`` in the ``signal`` attribute.
+    """
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signal = signal.Signals(signum)
+
+
+def interrupt_status(exc):
+    """The exit status for the interrupt ``exc``: 128 + its signal (Ctrl-C: 130, SIGTERM: 143)."""
+    return 128 + int(getattr(exc, "signal", None) or signal.SIGINT)
+
+
+def interrupt_name(exc):
+    """``"Ctrl-C"`` for SIGINT (or a plain ``KeyboardInterrupt``), else the signal's name."""
+    signum = getattr(exc, "signal", None) or signal.SIGINT
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def report_interrupt(exc, message):
+    """Print ``<Ctrl-C or SIGTERM>: <message>`` as one line on stderr; return :func:`interrupt_status`.
+
+    On a terminal the line starts on a fresh line (after ``^C`` or a live
+    progress line).
+    """
+    start = "\n" if sys.stderr.isatty() else ""
+    print(f"{start}{interrupt_name(exc)}: {message}", file=sys.stderr, flush=True)
+    return interrupt_status(exc)
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def program_name():
     """``qkvnp`` when run as the console script, else ``python -m qkvnp``.
 
     argparse's default, the basename of ``sys.argv[0]``, would print
@@ -43,20 +103,18 @@ def build_parser(command=None):
     from . import __version__
 
     parser = argparse.ArgumentParser(
-        prog=_program_name(),
+        prog=program_name(),
         description="Q/K/V attention in pure NumPy with hand-derived gradients.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, (module_name, help_text) in COMMANDS.items():
+    for name, (module_name, help_text, description) in COMMANDS.items():
         if name != command:
             sub.add_parser(name, help=help_text, add_help=False)
             continue
         module = importlib.import_module(module_name)
-        parser_for_command = sub.add_parser(
-            name, help=help_text, description=module.__doc__.strip().splitlines()[0]
-        )
+        parser_for_command = sub.add_parser(name, help=help_text, description=description)
         module.add_arguments(parser_for_command)
         parser_for_command.set_defaults(_run=module.run, _parser=parser_for_command)
     return parser
@@ -70,8 +128,13 @@ def main(argv=None):
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # under the command's usage, not the top level's
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         return int(args._run(args) or 0)
+    except KeyboardInterrupt as exc:  # a command that did not say what it kept
+        return report_interrupt(exc, f"{args._parser.prog} stopped before it finished")
     except argparse.ArgumentError as exc:
         args._parser.print_usage(sys.stderr)
         print(f"{args._parser.prog}: error: {exc}", file=sys.stderr)
@@ -81,3 +144,6 @@ def main(argv=None):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,4 +1,4 @@
-"""Walk through the seeds' attention example step by step, printing every number.
+"""Walk through attention step by step, printing every number.
 
 Shape key: T tokens (6 in the journey example, 4 in the numpy example),
 E embedding size of a token (3), D size of queries, keys and values (2 in the
@@ -9,6 +9,11 @@ Attention is a soft database lookup. Every token asks a question (its
 A query is matched against every key; the match scores, turned by a softmax
 into weights that sum to 1, mix the values into the token's *context vector*.
 
+The main example is the six-token sentence "Your journey starts with one
+step" of Sebastian Raschka's *Build a Large Language Model (From Scratch)*
+(Manning, 2024), chapter 3: its hand-picked 3-d embeddings and its 3x2
+projection matrices (``torch.rand`` after ``torch.manual_seed(123)``).
+
 The walkthrough has four parts, each computed through the public API
 (:mod:`qkvnp.functional`, :func:`qkvnp.softmax`,
 :func:`qkvnp.scaled_dot_product_attention`, :class:`qkvnp.SelfAttention`,
@@ -16,19 +21,18 @@ The walkthrough has four parts, each computed through the public API
 
 1. "Your journey starts with one step": query token 2 ("journey") alone,
    then all six tokens at once with :class:`~qkvnp.SelfAttention` whose
-   weights are set to the seeds' matrices, cross-checked against the
+   weights are set to the book's matrices, cross-checked against the
    functional ops.
-2. The numpy example: four integer "words" and integer weight matrices.
+2. A plain-numpy example: four integer "words" and integer weight matrices.
 3. Attention without trainable weights: ``scores = X X^T``.
 4. The book's chapter 3 multi-head layer (``d_in = 3``, ``d_out = 2``, two
    heads, causal) with the weights torch gives it under the book's seed
    (:data:`BOOK_MHA_STATE`), which reproduce the book's printed context vectors.
 
 It ends with a pointer to ``python -m qkvnp ablation``, the experiment that
-answers the seeds' last question: why three matrices, and not one?
+answers the question every learner asks: why three matrices, and not one?
 
-``python -m qkvnp demo --precision 8`` prints the 8 digits the seeds print
-for part 2. The command exits with 1 if a cross-check between two code paths
+``python -m qkvnp demo --precision 8`` prints 8 digits. The command exits with 1 if a cross-check between two code paths
 fails, 0 otherwise.
 
 Examples
@@ -124,7 +128,7 @@ BOOK_MHA_STATE = {
 BOOK_MHA_PRINTED = np.array([[0.3190, 0.4858], [0.2943, 0.3897], [0.2856, 0.3593],
                              [0.2693, 0.3873], [0.2639, 0.3928], [0.2575, 0.4028]])
 
-QUERY_TOKEN = 2  # the seeds count tokens from 1: x^2 = INPUTS[1] = "journey"
+QUERY_TOKEN = 2  # the book counts tokens from 1: x^2 = INPUTS[1] = "journey"
 
 # Two code paths computing the same float64 numbers may differ by round-off
 # only: a few ulps of values of order 1.
@@ -141,8 +145,7 @@ def add_arguments(parser):
         type=_precision,
         default=4,
         metavar="N",
-        help="digits printed after the decimal point (default 4; the seeds "
-        "print 4 for the journey example and 8 for the numpy example)",
+        help="digits printed after the decimal point (default 4, as the book prints)",
     )
 
 
@@ -229,7 +232,7 @@ def _cross_check(label, a, b):
 
 
 def walkthrough(precision=4):
-    """Print the seeds' attention examples step by step.
+    """Print the attention examples step by step.
 
     Parameters
     ----------
@@ -269,12 +272,15 @@ def _journey_one_query(p):
         "to 1) mix the VALUES of the tokens into the token's CONTEXT VECTOR.",
     )
     p.heading("Part 1. \"Your journey starts with one step\"")
-    p.say("Each token is a 3-d embedding (T = 6 tokens, E = 3):")
+    p.say(
+        "The six-token sentence of Sebastian Raschka's Build a Large Language Model",
+        "(From Scratch), chapter 3. Each token is a 3-d embedding (T = 6 tokens, E = 3):",
+    )
     p.rows("inputs (T, E)", INPUTS, WORDS)
     p.say(
         "",
         "Three trainable matrices project a token to its query, key and value",
-        "(d_in = 3 -> d_out = d_k = 2, the seeds' x @ W convention):",
+        "(d_in = 3 -> d_out = d_k = 2, the book's x @ W convention):",
     )
     p.show("W_query (E, D)", W_QUERY)
     p.show("W_key (E, D)", W_KEY)
@@ -306,7 +312,7 @@ def _journey_one_query(p):
         "unit-variance numbers has variance d_k, and without the scale large scores",
         "saturate the softmax (nearly one-hot weights, vanishing gradients).",
         "NOTE: d_k is the size of the keys (the head dim), not the embedding size;",
-        "the seeds' Transformer tutorial divides by sqrt(embed_size), a known bug.",
+        "some Transformer tutorials divide by sqrt(embed_size), a known bug.",
     )
     weights_2 = softmax(scores_2 * scale)  # (T,), sums to 1
     p.show(f"weights_{QUERY_TOKEN} = softmax(scores_{QUERY_TOKEN} / sqrt({d_k}))", weights_2)
@@ -314,7 +320,7 @@ def _journey_one_query(p):
     single = softmax(scores_2[QUERY_TOKEN - 1 : QUERY_TOKEN] * scale)  # (1,) -> (1,)
     p.say(
         "",
-        "Pitfall: the seed's text applies softmax to the single score",
+        "Pitfall: a softmax applied to the single score",
         f"score_{QUERY_TOKEN}{QUERY_TOKEN}. A softmax over one number is always 1, whatever the number:",
     )
     p.show(f"softmax([score_{QUERY_TOKEN}{QUERY_TOKEN} / sqrt({d_k})])", single)
@@ -348,7 +354,7 @@ def _journey_all_tokens(p):
     )
     layer = SelfAttention(INPUTS.shape[-1], W_QUERY.shape[-1])
     for name, matrix in (("W_query", W_QUERY), ("W_key", W_KEY), ("W_value", W_VALUE)):
-        layer.params[name][...] = matrix  # (E, D): the seeds' matrices replace the random init
+        layer.params[name][...] = matrix  # (E, D): the book's matrices replace the random init
     context, weights = layer.forward(INPUTS, return_weights=True)  # (T, E) -> (T, D), (T, T)
     p.rows("weights (T, T), row i = token i's weights over keys", weights, WORDS)
     p.say(f"row sums = {p.array(weights.sum(axis=-1))}")
@@ -402,7 +408,7 @@ def _without_weights(p):
     p.heading("Part 3. Attention without trainable weights: scores = X X^T")
     p.say(
         "The simplest attention uses the embeddings themselves as queries, keys and",
-        "values. The seeds do not scale the scores here (scale = 1).",
+        "values. The book does not scale the scores here (scale = 1).",
     )
     word = WORDS[QUERY_TOKEN - 1]
     x_2 = INPUTS[QUERY_TOKEN - 1]
@@ -449,7 +455,7 @@ def _book_multi_head(p):
 
 
 def _why_three_matrices(p):
-    """The seeds' last question, and where the answer is: ``python -m qkvnp ablation``."""
+    """Why three matrices, and where the answer is: ``python -m qkvnp ablation``."""
     p.heading("Why W_query, W_key and W_value, and not one matrix?")
     p.say(
         "Part 3 used the tokens themselves as queries and keys: its scores X X^T are",

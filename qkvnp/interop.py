@@ -119,6 +119,8 @@ def to_torch(layer, layout, *, prefix=""):
     prefix : str, keyword-only
         Put before every name: the layer's place in a larger torch model
         (``"trf_blocks.0.att."``), as that model's ``state_dict`` names it.
+        A prefix without its trailing dot gets one (``"enc"`` is ``"enc."``),
+        as in :func:`from_torch`.
 
     Returns
     -------
@@ -133,7 +135,7 @@ def to_torch(layer, layout, *, prefix=""):
         widths, its biases); the message says what differs.
     """
     _check_layout(layer, layout)
-    _check_prefix(prefix)
+    prefix = _check_prefix(prefix)
     p = layer.params
     state = {}
     if layout == "book.SelfAttention_v1":
@@ -160,9 +162,39 @@ def to_torch(layer, layout, *, prefix=""):
 
 
 def _check_prefix(prefix):
+    """``prefix`` with its trailing dot: ``"enc"`` and ``"enc."`` name the same layer."""
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a str (e.g. 'trf_blocks.0.att.'), got "
                         f"{type(prefix).__name__}")
+    # NOTE: torch joins a module's name and its parameters' with a dot, so a
+    # prefix without one can only mean the module's name
+    return prefix if prefix == "" or prefix.endswith(".") else prefix + "."
+
+
+def _is_module(value):
+    """A torch ``nn.Module`` by duck typing: a ``state_dict()`` method and no mapping."""
+    return callable(getattr(value, "state_dict", None)) and not hasattr(value, "keys")
+
+
+def _module_state(layer, module):
+    """The state dict of a torch module, refused for options a state dict cannot show."""
+    if type(module).__name__ == "MultiheadAttention":
+        if getattr(module, "add_zero_attn", False):
+            raise ValueError("the nn.MultiheadAttention was built with add_zero_attn=True: it "
+                             "attends to an extra all-zero key and value, which qkvnp does not "
+                             "support")
+        if getattr(module, "bias_k", None) is not None or \
+                getattr(module, "bias_v", None) is not None:
+            raise ValueError("the nn.MultiheadAttention was built with add_bias_kv=True: it "
+                             "appends a learned key and value to every sequence, which qkvnp "
+                             "does not support")
+    num_heads = getattr(module, "num_heads", None)
+    if isinstance(num_heads, int) and isinstance(layer, MultiHeadAttention) and \
+            num_heads != layer.num_heads:
+        raise ValueError(f"the {type(module).__name__} has num_heads={num_heads}, the layer "
+                         f"num_heads={layer.num_heads}: build the layer with the module's "
+                         "head count")
+    return module.state_dict()
 
 
 def _prefix_hint(layout, unexpected, expected):
@@ -200,18 +232,25 @@ def from_torch(layer, state_dict, layout, *, prefix=""):
     layer : SelfAttention or MultiHeadAttention
         Its arrays are overwritten (:meth:`qkvnp.layers.Layer.load_state_dict`):
         optimizers and models that share them see the new values.
-    state_dict : mapping
-        ``torch name -> tensor or array``, e.g. ``torch_module.state_dict()``.
-        Cast to the layer's dtype. For ``"torch.nn.MultiheadAttention"`` the
-        input projections may be packed (``in_proj_weight``) or separate
-        (``q_proj_weight`` ...), whichever the dict has.
+    state_dict : mapping or torch.nn.Module
+        ``torch name -> tensor or array``, e.g. ``torch_module.state_dict()``,
+        or the module itself (its ``state_dict()`` is read). Cast to the
+        layer's dtype, bfloat16 included, as torch's ``load_state_dict``
+        casts. For ``"torch.nn.MultiheadAttention"`` the input projections
+        may be packed (``in_proj_weight``) or separate (``q_proj_weight``
+        ...), whichever the dict has. A module shows what its state dict
+        cannot: an ``nn.MultiheadAttention`` built with ``add_zero_attn=True``
+        (or ``add_bias_kv=True``) is refused, and so is a module whose
+        ``num_heads`` differs from the layer's. A plain state dict cannot
+        show ``add_zero_attn``: pass the module when you have it.
     layout : str
         One of :data:`LAYOUTS`.
     prefix : str, keyword-only
         Load the keys that start with it, without it, and ignore the others:
         the layer's place in a larger model's ``state_dict`` (the book's GPT
         names its attention ``"trf_blocks.0.att."``; a model holding an
-        ``nn.MultiheadAttention`` as ``self.attn``, ``"attn."``).
+        ``nn.MultiheadAttention`` as ``self.attn``, ``"attn."``). A prefix
+        without its trailing dot gets one (``"enc"`` is ``"enc."``).
 
     Returns
     -------
@@ -223,24 +262,27 @@ def from_torch(layer, state_dict, layout, *, prefix=""):
         If ``layout`` is unknown or does not fit the layer or the dict
         (missing or unexpected keys, a shape, ``bias_k``/``bias_v``, no key
         under ``prefix``); the message says what differs, and names the
-        prefix when the keys carry one. Also on NaN or inf.
+        prefix when the keys carry one. For a module built with
+        ``add_zero_attn=True`` or ``add_bias_kv=True`` (naming the option),
+        or with another ``num_heads``. Also on NaN or inf.
     TypeError
-        If ``state_dict`` is not a mapping, ``prefix`` not a str, or a value
-        does not hold real numbers.
+        If ``state_dict`` is neither a mapping nor a module, ``prefix`` not
+        a str, or a value does not hold real numbers.
     """
     _check_layout(layer, layout)
-    _check_prefix(prefix)
+    prefix = _check_prefix(prefix)
+    if _is_module(state_dict):
+        state_dict = _module_state(layer, state_dict)
     if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
-        raise TypeError(f"state_dict must be a mapping of name -> tensor or array, got "
-                        f"{type(state_dict).__name__}")
+        raise TypeError(f"state_dict must be a mapping of name -> tensor or array, or a torch "
+                        f"module, got {type(state_dict).__name__}")
     if prefix:
         under = {name[len(prefix):]: state_dict[name] for name in state_dict.keys()
                  if name.startswith(prefix)}
         if not under:
             some = sorted(state_dict.keys())[:3]
             raise ValueError(f"state_dict has no key under prefix {prefix!r} (keys such as "
-                             f"{some}); the prefix is the layer's name in the model followed "
-                             f"by a dot")
+                             f"{some}); the prefix is the layer's name in the model")
         state_dict = under
     given = {name for name in state_dict if not (name == "mask" and layout.startswith("book."))}
     if layout == "torch.nn.MultiheadAttention":

@@ -563,3 +563,43 @@ def test_linear_layer_checks_each_input_once(monkeypatch):
         layer = qkvnp.Linear(4, 3, rng=0)
         layer.params[name].flat[0] = np.nan
         check(ValueError, lambda: layer.forward(x), f"{name} contains NaN or inf")
+
+
+# ---------------------------------------------------------------- constructors: keywords, bools
+
+
+@pytest.mark.parametrize("build", [
+    # PyTorch's third positional is dropout, the book's context_length: was bias=True, silently
+    lambda: qkvnp.MultiHeadAttention(16, 4, 0.1),
+    lambda: qkvnp.MultiHeadAttention(16, 4, True),  # every argument after num_heads
+    lambda: qkvnp.SelfAttention(3, 2, False, 0),  # rng: keyword-only after the book's qkv_bias
+    lambda: qkvnp.Linear(3, 2, True, 0),  # rng after nn.Linear's positional bias
+    lambda: qkvnp.Embedding(10, 4, 0),
+])
+def test_arguments_after_the_sizes_are_keyword_only(build):
+    # oracle: Python's own refusal of an extra positional argument
+    with pytest.raises(TypeError, match="positional argument"):
+        build()
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda: qkvnp.MultiHeadAttention(16, 4, bias=0.1), "bias"),
+    (lambda: qkvnp.MultiHeadAttention(16, 4, qkv_bias=1), "qkv_bias"),
+    (lambda: qkvnp.MultiHeadAttention(16, 4, out_bias="yes"), "out_bias"),
+    (lambda: qkvnp.SelfAttention(3, 2, 0.1), "qkv_bias"),  # the book's third positional
+    (lambda: qkvnp.SelfAttention(3, 2, qkv_bias=None), "qkv_bias"),
+    (lambda: qkvnp.Linear(3, 2, 0.0), "bias"),
+])
+def test_a_bias_flag_that_is_not_a_bool_names_its_keyword(build, name):
+    # was: bool(value), so 0.1 meant True and 0.0 False
+    with pytest.raises(TypeError, match=rf"^{name} must be a bool"):
+        build()
+
+
+def test_bias_flags_take_bools_and_the_books_positional_qkv_bias():
+    # oracle: the parameters each flag adds
+    assert set(qkvnp.SelfAttention(3, 2, True).params) >= {"b_query", "b_key", "b_value"}
+    assert "b_query" not in qkvnp.SelfAttention(3, 2, np.False_).params
+    layer = qkvnp.MultiHeadAttention(4, 2, bias=False, out_bias=np.True_)
+    assert "b_out" in layer.params and "b_query" not in layer.params
+    assert "b" not in qkvnp.Linear(3, 2, False).params

@@ -361,7 +361,11 @@ def test_skipped_inputs_and_pass_through_arguments(rng):
     ({"eps": "1e-3"}, TypeError, "eps must be a real number, got str"),
     ({"rtol": np.nan}, ValueError, "rtol must be a finite non-negative"),
     ({"atol": [1e-3]}, TypeError, "atol must be a real number, got list"),
-    ({"num_directions": 0}, ValueError, "num_directions must be a positive int, got 0"),
+    ({"num_directions": 0}, ValueError, r"num_directions must be an int in 1\.\.10000 "
+                                        r"\(MAX_DIRECTIONS\), got 0"),
+    # one above the bound; was accepted, so that 10**9 ran for days
+    ({"mode": "direction", "num_directions": 10_001}, ValueError,
+     r"num_directions must be an int in 1\.\.10000 \(MAX_DIRECTIONS\), got 10001"),
     ({"num_directions": 2.0}, TypeError, "num_directions must be an int, got float"),
     ({"rng": "seed"}, TypeError, "rng must be"),
 ])
@@ -501,6 +505,13 @@ def test_cli_reports_bad_sizes(cli):
     (["--sweep-eps", "--eps", "1e-3"], "--eps does not apply to --sweep-eps"),
     (["--sweep-eps", "--mode", "direction", "--dtype", "float32"],
      "--mode, --dtype do not apply to --sweep-eps"),
+    # the next four were ignored silently: these studies take no step, mode or method
+    (["--second-order", "--method", "central4"], "--method does not apply to --second-order"),
+    (["--second-order", "--eps", "1e-3", "--mode", "direction"],
+     "--eps, --mode do not apply to --second-order"),
+    (["--oracle", "--eps", "1e-3"], "--eps does not apply to --oracle"),
+    (["--oracle", "--method", "central", "--mode", "elementwise"],
+     "--mode, --method do not apply to --oracle"),
 ])
 def test_cli_refuses_bad_options_under_its_usage_before_any_work(monkeypatch, capsys, argv,
                                                                  message):
@@ -517,11 +528,34 @@ def test_cli_refuses_bad_options_under_its_usage_before_any_work(monkeypatch, ca
     assert " gradcheck: error: " in lines[-1] and message in lines[-1], lines[-1]
 
 
+def test_cli_sweep_eps_plot_without_matplotlib_is_refused_before_the_sweep(monkeypatch, capsys,
+                                                                          tmp_path):
+    # was: said so, swept, and exited 0 with no plot
+    import qkvnp.gradcheck.command as command
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setattr(command, "sweep_steps", lambda *a, **k: pytest.fail("work started"))
+    assert qkvnp.cli.main(["gradcheck", "--sweep-eps", "--plot", str(tmp_path / "s.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("usage: ") and " gradcheck: error: --plot " in lines[-1]
+    assert "matplotlib is not installed" in lines[-1] and "pip install 'qkvnp[plot]'" in lines[-1]
+    assert not list(tmp_path.iterdir())
+
+
 def test_cli_sweep_eps_shows_truncation_and_round_off(cli, tmp_path):
     # small layers (the sweep costs 19 steps x 3 methods x 2 dtypes per entry)
     curves, picture = tmp_path / "curves.json", tmp_path / "sweep.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # an optional extra: --plot is refused without it
+        plot = []
+    else:
+        plot = ["--plot", str(picture)]
     code, out = cli("--sweep-eps", "--batch", "1", "--seq", "3", "--embed", "4", "--d-out", "3",
-                    "--json", str(curves), "--plot", str(picture))
+                    "--json", str(curves), *plot)
     assert code == 0, out
     rows = re.findall(r"^\s*(\de-\d\d)\s+(\S+)\s+(\S+)$", out, flags=re.M)
     eps = np.array([float(e) for e, _, _ in rows])
@@ -553,12 +587,7 @@ def test_cli_sweep_eps_shows_truncation_and_round_off(cli, tmp_path):
         ("central", "float64"), ("central", "float32"), ("central4", "float64"),
         ("central4", "float32"), ("complex_step", "float64")}
     assert {c["tensor"] for c in result["curves"]} >= {"param W_query", "param W_out", "input 0"}
-    # the picture, or how to install matplotlib (an optional extra)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in out and not picture.exists()
-    else:
+    if plot:  # the picture
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -287,3 +287,74 @@ def test_a_layer_inside_a_larger_torch_model_loads_with_its_prefix(torch):
         or name.endswith(".mask"))
     for name, value in back.items():
         assert np.array_equal(model.state_dict()[name].numpy(), value), name
+
+
+# ---------------------------------------------------------------- prefixes, bfloat16, modules
+
+
+@pytest.mark.parametrize("layout, layer", [
+    (MHA, lambda: qkvnp.MultiHeadAttention(4, 2, rng=0)),
+    ("book.SelfAttention_v2", lambda: qkvnp.SelfAttention(3, 2, True, rng=0)),
+])
+def test_a_prefix_without_its_dot_is_the_same_prefix_both_ways(layout, layer):
+    """Oracle: the same call with the dot (torch joins module and parameter names with one).
+
+    Was: to_torch(prefix="enc") gave "encin_proj_weight", and from_torch refused it with
+    advice about kdim."""
+    source = layer()
+    dotted = to_torch(source, layout, prefix="enc.")
+    undotted = to_torch(source, layout, prefix="enc")
+    assert sorted(undotted) == sorted(dotted)
+    for name, value in undotted.items():
+        assert np.array_equal(value, dotted[name]), name
+    target = qkvnp.MultiHeadAttention(4, 2, rng=1) if layout == MHA else \
+        qkvnp.SelfAttention(3, 2, True, rng=1)
+    from_torch(target, {**dotted, "other.weight": np.ones(3)}, layout, prefix="enc")
+    for name, value in source.params.items():
+        assert np.array_equal(target.params[name], value), name
+
+
+def test_bfloat16_tensors_are_cast_as_torch_load_state_dict_casts(torch):
+    """Oracle: torch's own load_state_dict of the bfloat16 state into a float64 module.
+
+    Was: TypeError "unsupported ScalarType BFloat16"."""
+    torch.manual_seed(0)
+    half = torch.nn.MultiheadAttention(4, 2, batch_first=True).to(torch.bfloat16)
+    full = torch.nn.MultiheadAttention(4, 2, batch_first=True).double()
+    full.load_state_dict(half.state_dict())
+    for dtype in (np.float64, np.float32):
+        layer = qkvnp.MultiHeadAttention(4, 2, rng=0, dtype=dtype)
+        from_torch(layer, half.state_dict(), MHA)
+        expected = to_torch(layer, MHA)
+        for name, value in full.state_dict().items():
+            assert np.array_equal(expected[name], value.numpy().astype(dtype)), name
+
+
+def test_a_torch_module_loads_as_its_state_dict(torch):
+    """Oracle: the same load from the module's state_dict(), exactly."""
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    from_module, from_state = qkvnp.MultiHeadAttention(4, 2, rng=0), qkvnp.MultiHeadAttention(4, 2, rng=0)
+    from_torch(from_module, module, MHA)
+    from_torch(from_state, module.state_dict(), MHA)
+    for name, value in from_state.params.items():
+        assert np.array_equal(from_module.params[name], value), name
+
+
+@pytest.mark.parametrize("options, match", [
+    # the state dict of add_zero_attn=True is that of a plain layer: it loaded silently, and
+    # the outputs then differed by 0.079
+    ({"add_zero_attn": True}, r"built with add_zero_attn=True"),
+    ({"add_bias_kv": True}, r"built with add_bias_kv=True"),
+    ({"num_heads": 4}, r"has num_heads=4, the layer num_heads=2"),
+])
+def test_a_module_with_an_option_qkvnp_lacks_is_refused_naming_it(torch, options, match):
+    """Oracle: the error names the option; the refused load leaves the layer unchanged."""
+    module = torch.nn.MultiheadAttention(**{"embed_dim": 4, "num_heads": 2, **options},
+                                         batch_first=True)
+    layer = qkvnp.MultiHeadAttention(4, 2, rng=0)
+    before = layer.state_dict()
+    with pytest.raises(ValueError, match=match):
+        from_torch(layer, module, MHA)
+    for name, value in layer.params.items():
+        assert np.array_equal(value, before[name]), name

@@ -52,6 +52,7 @@ from .stencils import METHODS, ORDERS, numeric_directions, numeric_elementwise
 
 __all__ = [
     "MODES",
+    "MAX_DIRECTIONS",
     "Problem",
     "check_function",
     "check_op",
@@ -67,6 +68,11 @@ __all__ = [
 
 MODES = ("elementwise", "direction")
 
+#: The most directions per tensor a ``"direction"`` check takes. Each costs
+#: two or more forwards; beyond this many, an elementwise check of any tensor
+#: small enough to check is cheaper, and a typo (``10**9``) would run for days.
+MAX_DIRECTIONS = 10_000
+
 Problem = namedtuple("Problem", "slots evaluate analytic layer")
 Problem.__doc__ = """A function to check, in the checker's terms.
 
@@ -81,7 +87,8 @@ layer : the layer checked (a copy), or None for a function.
 def resolve(method, mode, dtype, eps, rtol, atol, num_directions=1):
     """Check the options of a check and fill in the defaults of :data:`TOLERANCES`.
 
-    Returns ``(dtype, Tolerance, num_directions)``.
+    Returns ``(dtype, Tolerance, num_directions)``; ``num_directions`` must
+    be in ``1 ..`` :data:`MAX_DIRECTIONS`.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -112,7 +119,8 @@ def resolve(method, mode, dtype, eps, rtol, atol, num_directions=1):
             raise ValueError(f"{name} must be a finite {'positive' if name == 'eps' else 'non-negative'} "
                              f"number, got {value}")
         values[name] = value
-    num_directions = check_int(num_directions, "num_directions", 1, expected="a positive int")
+    num_directions = check_int(num_directions, "num_directions", 1, MAX_DIRECTIONS,
+                               expected=f"an int in 1..{MAX_DIRECTIONS} (MAX_DIRECTIONS)")
     return dtype, Tolerance(floor=default.floor, **values), num_directions
 
 
@@ -334,7 +342,8 @@ def check_function(fun, inputs, vjp, *, method="central", mode="elementwise", dt
         Source of ``dout`` and of the directions; default seed 0, so that a
         check reproduces.
     num_directions : int
-        Directions per tensor in ``"direction"`` mode.
+        Directions per tensor in ``"direction"`` mode, at most
+        :data:`MAX_DIRECTIONS` (10,000).
 
     Returns
     -------

@@ -75,7 +75,9 @@ def add_arguments(parser):
     parser.add_argument("--plot", metavar="F", default=None,
                         help="with --sweep-eps: draw the curves to F (png/pdf/svg; needs "
                              "matplotlib)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs, weights, masks and directions "
+                             "(default 0)")
     parser.add_argument("--sweep-eps", action="store_true",
                         help="print the max relative error over eps = 1e-1 .. 1e-10 (half "
                              "decades) per "
@@ -131,6 +133,15 @@ def _check_options(args):
             raise argparse.ArgumentError(None, f"{', '.join(given)} "
                                                f"{'does' if len(given) == 1 else 'do'} not apply "
                                                f"to {what}")
+    if args.second_order or args.oracle:
+        given = [f"--{name}" for name in ("eps", "mode", "method") if getattr(args, name) is not None]
+        if given:
+            what = ("--second-order (it differentiates the backward with its own step)"
+                    if args.second_order else
+                    "--oracle (it compares two backwards, with no numerical derivative)")
+            raise argparse.ArgumentError(None, f"{', '.join(given)} "
+                                               f"{'does' if len(given) == 1 else 'do'} not apply "
+                                               f"to {what}")
     for name in ("json", "plot"):
         if getattr(args, name) is not None:
             if not args.sweep_eps:
@@ -141,6 +152,13 @@ def _check_options(args):
                 check_writable(getattr(args, name), f"--{name}")
             except (ValueError, OSError) as exc:
                 raise argparse.ArgumentError(None, str(exc)) from None
+    if args.plot is not None:
+        from .plot import have_matplotlib
+
+        if not have_matplotlib():  # refused before the sweep, which takes a while
+            raise argparse.ArgumentError(None, f"--plot {args.plot}: matplotlib is not "
+                                               "installed; install it with pip install "
+                                               "'qkvnp[plot]' (or pip install matplotlib)")
     if args.method == "complex_step" and args.dtype == "float32":
         raise argparse.ArgumentError(None, "--method complex_step runs in float64 only "
                                            "(complex128 forwards)")
@@ -214,7 +232,7 @@ def _fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
-def _print_sweep(problems, args):
+def _print_sweep(problems, args, written):
     """The sweep's tables: worst central error per dtype, fits per method, best step per tensor."""
     print("max relative error of numerical gradients vs the float64 analytic gradient")
     print("(every param and input of: " + "; ".join(p[0] for p in problems) + ")")
@@ -270,11 +288,13 @@ def _print_sweep(problems, args):
 
         with atomic_write(args.json, mode="w") as f:
             json.dump(result, f, indent=1)
+        written.append(f"--json {args.json}")
         print(f"curves written to {args.json}")
     if args.plot is not None:
         from .plot import plot_sweep
 
         plot_sweep(result, args.plot)
+        written.append(f"--plot {args.plot}")
     print(f"({time.perf_counter() - start:.1f} s)")
 
 
@@ -301,14 +321,25 @@ def run(args):
         the command's usage and returns 2.
     """
     _check_options(args)
-    if args.plot is not None:
-        from .plot import have_matplotlib
+    written = []
+    try:
+        return _run_checked(args, written)
+    except KeyboardInterrupt as exc:
+        from ..cli import report_interrupt
 
-        if not have_matplotlib():  # said before the sweep, which takes a while
-            print(f"--plot {args.plot}: matplotlib is not installed; install it with "
-                  "pip install 'qkvnp[plot]'  (or pip install matplotlib); sweeping without "
-                  "the plot")
-            args.plot = None
+        files = [f"--{name} {getattr(args, name)}" for name in ("json", "plot")
+                 if getattr(args, name) is not None]
+        if not files:
+            kept = "the tables printed above are complete, the rest was not run"
+        elif written:
+            kept = f"{' and '.join(written)} written, the rest not"
+        else:
+            kept = f"nothing was written ({', '.join(files)} not created or changed)"
+        return report_interrupt(exc, f"gradcheck stopped before it finished; {kept}")
+
+
+def _run_checked(args, written):
+    """:func:`run` after the options' checks; ``written`` collects the files written."""
     if args.gallery:
         from .gallery import run_gallery
 
@@ -318,7 +349,7 @@ def run(args):
         return 0 if ok else 1
     problems = _problems(args)
     if args.sweep_eps:
-        _print_sweep(problems, args)
+        _print_sweep(problems, args, written)
         return 0
     dtype = np.dtype(args.dtype or "float64")
     if args.second_order:

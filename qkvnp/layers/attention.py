@@ -10,7 +10,7 @@ of every path is in :mod:`qkvnp.kernels`, chosen by
 import numpy as np
 
 from .. import kernels
-from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype,
+from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng)
 from ..dropout import check_dropout_p, spawn_generator
 from ..kv_cache import KVCache, cached_forward
@@ -127,7 +127,9 @@ class SelfAttention(_AttentionLayer):
     d_out : int
         Size of queries, keys, values and of the output.
     qkv_bias : bool
-        Add ``b_query``, ``b_key``, ``b_value`` of shape ``(d_out,)``.
+        Add ``b_query``, ``b_key``, ``b_value`` of shape ``(d_out,)``. The
+        third positional argument, as the book's ``qkv_bias``; a non-bool
+        raises ``TypeError``. Every argument after it is keyword-only.
     rng : numpy.random.Generator or int, optional
         Source of the Xavier-uniform initial weights.
     dtype : float dtype
@@ -138,7 +140,7 @@ class SelfAttention(_AttentionLayer):
         default ``"auto"`` (fast, or tiled for long sequences; see
         :func:`qkvnp.kernels.choose_path`). Same results up to rounding.
     dropout : float
-        Keyword-only. Drop probability of the attention weights in training
+        Drop probability of the attention weights in training
         mode, in ``[0, 1)`` (the book's and PyTorch's ``dropout``). The masks
         come from the layer's own ``dropout_rng``, spawned from ``rng`` after
         the weights are drawn (the weights do not depend on ``dropout``).
@@ -177,11 +179,12 @@ class SelfAttention(_AttentionLayer):
     (6, 3)
     """
 
-    def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto", *,
+    def __init__(self, d_in, d_out, qkv_bias=False, *, rng=None, dtype=np.float64, impl="auto",
                  dropout=0.0):
         self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.dtype = layer_dtype(dtype)
         rng = make_rng(rng)
         self.params = {
@@ -298,26 +301,28 @@ class MultiHeadAttention(_AttentionLayer):
         ``H``, must divide ``E``; each head has ``D = E // H`` features.
     bias : bool
         Add ``b_query, b_key, b_value`` ``(E,)`` and ``b_out`` ``(out_dim,)``
-        (``qkv_bias`` and ``out_bias`` override it per group).
+        (``qkv_bias`` and ``out_bias`` override it per group). Keyword-only,
+        as is every argument after ``num_heads`` (PyTorch's third positional
+        is ``dropout``, the book's ``context_length``); ``bias``,
+        ``qkv_bias`` and ``out_bias`` given a non-bool raise ``TypeError``.
     kdim, vdim : int, optional
         Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
     rng : numpy.random.Generator or int, optional
     dtype : float dtype
     impl : {"auto", "reference", "fast", "tiled"}
         See :class:`SelfAttention`.
-    qdim : int, optional, keyword-only
+    qdim : int, optional
         Feature size of the ``query`` input (default ``E``; the book's ``d_in``).
-    out_dim : int, optional, keyword-only
+    out_dim : int, optional
         Feature size of the output (default ``E``).
-    qkv_bias, out_bias : bool, optional, keyword-only
+    qkv_bias, out_bias : bool, optional
         Biases of the input projections and of the output projection; None
         (default) follows ``bias``. The book's layer is ``qkv_bias=False``
         (its default) with ``out_bias=True``.
     dropout : float
-        Keyword-only: dropout on the attention weights in training mode; see
-        :class:`SelfAttention`. (Keyword-only because PyTorch's third
-        positional argument is ``dropout`` and qkvnp's is ``bias``.)
-    num_kv_heads : int, keyword-only, optional
+        Dropout on the attention weights in training mode; see
+        :class:`SelfAttention`.
+    num_kv_heads : int, optional
         ``K``, a divisor of ``H`` (default ``H``): grouped-query attention
         (``K = 1``: multi-query). Keys and values are projected to ``K`` heads
         of ``D`` features, query head ``h`` using key/value head
@@ -372,11 +377,13 @@ class MultiHeadAttention(_AttentionLayer):
     (2, 6, 2)
     """
 
-    def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
-                 dtype=np.float64, impl="auto", *,
-                 qdim=None, out_dim=None, qkv_bias=None, out_bias=None,
-                 dropout=0.0, num_kv_heads=None):
+    def __init__(self, embed_dim, num_heads, *, bias=True, kdim=None, vdim=None, rng=None,
+                 dtype=np.float64, impl="auto", qdim=None, out_dim=None, qkv_bias=None,
+                 out_bias=None, dropout=0.0, num_kv_heads=None):
         self.impl = kernels.check_impl(impl)
+        bias = check_bool(bias, "bias")
+        qkv_bias = check_bool(qkv_bias, "qkv_bias", allow_none=True)
+        out_bias = check_bool(out_bias, "out_bias", allow_none=True)
         self.embed_dim = check_int(embed_dim, "embed_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
         if self.embed_dim % self.num_heads:

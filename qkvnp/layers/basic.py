@@ -7,7 +7,7 @@ Each calls its forward and backward op of :mod:`qkvnp.functional`.
 import numpy as np
 
 from .. import functional as F
-from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype, make_rng,
+from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype, make_rng,
                        owned)
 from .base import Layer
 
@@ -24,7 +24,8 @@ class Linear(Layer):
     out_features : int
         ``M``, size of each output vector.
     bias : bool
-        Add ``b`` of shape ``(M,)``.
+        Add ``b`` of shape ``(M,)``. Positional, as ``nn.Linear``'s; a
+        non-bool raises ``TypeError``. ``rng`` and ``dtype`` are keyword-only.
     rng : numpy.random.Generator or int, optional
         Source of the initial weights.
     dtype : float dtype
@@ -58,11 +59,11 @@ class Linear(Layer):
     array([20., 20.])
     """
 
-    def __init__(self, in_features, out_features, bias=True, rng=None, dtype=np.float64):
+    def __init__(self, in_features, out_features, bias=True, *, rng=None, dtype=np.float64):
         self.in_features = check_int(in_features, "in_features", 1)
         self.out_features = check_int(out_features, "out_features", 1)
         self.dtype = layer_dtype(dtype)
-        self.bias = bool(bias)
+        self.bias = check_bool(bias, "bias")
         rng = make_rng(rng)
         bound = 1.0 / np.sqrt(self.in_features)
         self.params = {
@@ -190,7 +191,7 @@ class Embedding(Layer):
     array([2., 2., 2., 2.])
     """
 
-    def __init__(self, num_embeddings, embedding_dim, rng=None, dtype=np.float64):
+    def __init__(self, num_embeddings, embedding_dim, *, rng=None, dtype=np.float64):
         self.num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
         self.dtype = layer_dtype(dtype)

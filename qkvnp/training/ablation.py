@@ -2,8 +2,8 @@
 
 Shape key: P stored pairs, E model width (``dim``), K key vocabulary.
 
-The seeds ask: "why do we need key, value and query; could I use only one of
-them?". This command answers by experiment. The same
+Learners of attention ask: "why do we need key, value and query; could I use
+only one of them?". This command answers by experiment. The same
 :class:`~qkvnp.training.models.KVRecallModel` is trained with four projection
 variants:
 
@@ -62,6 +62,7 @@ from .ablation_report import (ATTENTION_FIELDS, format_attention, format_table, 
 
 __all__ = [
     "ABLATION_TASKS",
+    "AblationInterrupted",
     "ATTENTION_FIELDS",
     "DEFAULT_DIMS",
     "DEFAULT_STEPS",
@@ -89,6 +90,25 @@ QUICK = {"dims": (16,), "seeds": 2, "steps": 2000}
 # ---------------------------------------------------------------- runs
 
 
+class AblationInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped :func:`run_ablation`; no partial run is among the rows.
+
+    Attributes
+    ----------
+    rows : list of dict
+        The finished runs' rows, as :func:`run_ablation` returns them.
+    stopped : dict or None
+        The run that was stopped and dropped: ``task, variant, dim, seed,
+        steps`` (its planned steps), ``run`` (its 0-based index in this
+        call) and, when it stopped at the end of a step, ``step`` (the steps
+        it did); None if the signal came between two runs.
+    signal : signal.Signals or None
+        The signal (None: a plain ``KeyboardInterrupt``, Ctrl-C).
+    """
+
+    def __init__(self, rows, stopped, signal=None):
+        super().__init__(stopped)
+        self.rows, self.stopped, self.signal = list(rows), stopped, signal
 
 def partner_attention(model, batch):
     """Where the query's attention goes on partner sequences: its own entry or its partner's.
@@ -158,6 +178,10 @@ def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_ST
         For an unknown task or variant, ``seeds < 1``, or a configuration
         that :meth:`TrainConfig.resolved` refuses; every configuration is
         checked before the first run.
+    AblationInterrupted
+        On Ctrl-C or SIGTERM (a ``KeyboardInterrupt``): the run in progress
+        stops at the end of its step and is dropped; the exception holds the
+        finished rows and where the study stopped.
     """
     from .loop import TrainConfig, train
     from .models import VARIANTS
@@ -174,21 +198,31 @@ def run_ablation(variants=None, seeds=DEFAULT_SEEDS, dims=None, steps=DEFAULT_ST
     configs = [TrainConfig(**{**dict(base or {}), "task": task, "variant": variant,
                               "dim": int(dim), "seed": seed, "steps": steps}).resolved()
                for dim in dims for variant in variants for seed in range(seeds)]
-    rows = []
-    for config in configs:
-        result = train(config)
-        row = {"task": task, "variant": config.variant, "dim": config.dim, "seed": config.seed,
-               "accuracy": result.heldout["accuracy"], "loss": result.heldout["loss"],
-               "parameters": result.model.num_parameters(), "seconds": result.seconds,
-               **dict.fromkeys(ATTENTION_FIELDS)}
-        if task == "partner":
-            heldout = result.task.sample(make_streams(config.seed).heldout, config.eval_size)
-            row.update(partner_attention(result.model, heldout))
-        if keep_models:
-            row["model"] = result.model
-        rows.append(row)
-        if callback is not None:
-            callback(row)
+    rows, stopped = [], None
+    try:
+        for index, config in enumerate(configs):
+            stopped = {"task": task, "variant": config.variant, "dim": config.dim,
+                       "seed": config.seed, "steps": config.steps, "run": index}
+            result = train(config, save_on_interrupt=False)
+            if result.interrupted:  # NOTE: its accuracy is that of a shorter run: never a row
+                raise AblationInterrupted(rows, {**stopped, "step": result.step}, result.signal)
+            row = {"task": task, "variant": config.variant, "dim": config.dim,
+                   "seed": config.seed, "accuracy": result.heldout["accuracy"],
+                   "loss": result.heldout["loss"], "parameters": result.model.num_parameters(),
+                   "seconds": result.seconds, **dict.fromkeys(ATTENTION_FIELDS)}
+            if task == "partner":
+                heldout = result.task.sample(make_streams(config.seed).heldout, config.eval_size)
+                row.update(partner_attention(result.model, heldout))
+            if keep_models:
+                row["model"] = result.model
+            rows.append(row)
+            stopped = None
+            if callback is not None:
+                callback(row)
+    except AblationInterrupted:
+        raise
+    except KeyboardInterrupt as exc:  # a second signal, or one between two runs' steps
+        raise AblationInterrupted(rows, stopped, getattr(exc, "signal", None)) from None
     return rows
 
 
@@ -277,6 +311,36 @@ def _error(message):
     return 2
 
 
+def _interrupted(exc, rows, total, steps, args):
+    """Keep the finished ``rows`` (``--json``), drop the stopped run, say so in one line."""
+    from ..cli import report_interrupt
+
+    stopped = exc.stopped
+    if stopped is None:
+        where = f"after run {len(rows)}/{total}"
+    else:
+        did = f", after {stopped['step']} of {stopped['steps']} steps" if "step" in stopped else ""
+        where = (f"during run {len(rows) + 1}/{total} ({stopped['task']}, width {stopped['dim']}, "
+                 f"{stopped['variant']}, seed {stopped['seed']}{did}), which was dropped")
+    finished = f"{len(rows)} finished run{'' if len(rows) == 1 else 's'}"
+    if args.json is None or not rows:
+        kept = ("no run had finished; nothing was written" if not rows
+                else f"nothing was written (no --json) of the {finished}")
+    else:
+        try:
+            with atomic_write(args.json, "w") as f:
+                json.dump(to_json(summarize(rows), steps), f, indent=1)
+                f.write("\n")
+        except OSError as exc_write:
+            kept = (f"--json: could not write {args.json!r} ({exc_write.strerror or exc_write}); "
+                    "nothing was written")
+        else:
+            kept = f"kept the {finished} in {args.json}"
+    if args.plot is not None:
+        kept += ", no plot"
+    return report_interrupt(exc, f"the ablation stopped {where}; {kept}")
+
+
 def _plan(args):
     """``[(task, dims)]``, seeds, steps: the defaults, ``--quick``'s, then the options given."""
     quick = QUICK if args.quick else {}
@@ -312,10 +376,11 @@ def run(args):
         return _error(exc)
     plot = args.plot
     if plot is not None:
-        from .report import figure_class
-
-        if figure_class(f"--plot {plot}", "Running without the plot.", sys.stdout) is None:
-            plot = None
+        try:
+            import matplotlib.figure  # noqa: F401
+        except ImportError:
+            return _error(f"--plot {plot}: matplotlib is not installed; install it with pip "
+                          "install 'qkvnp[plot]' (or pip install matplotlib)")
     total = sum(len(dims) for _, dims in plan) * len(args.variants) * seeds
     done = []
     started = time.perf_counter()
@@ -331,9 +396,12 @@ def run(args):
               f"({row['seconds']:.1f}s, about {left:.0f}s left)", file=sys.stderr, flush=True)
 
     rows = []
-    for task, dims in plan:
-        rows += run_ablation(args.variants, seeds, dims, steps, base, report, task=task,
-                             keep_models=plot is not None)
+    try:
+        for task, dims in plan:
+            rows += run_ablation(args.variants, seeds, dims, steps, base, report, task=task,
+                                 keep_models=plot is not None)
+    except AblationInterrupted as exc:
+        return _interrupted(exc, rows + exc.rows, total, steps, args)
     table = summarize(rows)
     chance = 100 / (args.num_values or 64)
     for task, _ in plan:

@@ -20,6 +20,7 @@ import re
 import sys
 
 from .._io import check_writable
+from ..cli import interrupt_status, program_name
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import LOOKUP_TASKS, TASK_DEFAULTS, TrainConfig
 from .loop import SaveError, build_model, check_resume, checkpoint_layout, scheduled_lr, train
@@ -160,6 +161,9 @@ def _check_combinations(args, config):
                 check_writable(path, _option(name))
             except (OSError, ValueError) as exc:
                 raise _usage_error(str(exc)) from None
+    if args.plot is not None and not _have_matplotlib():
+        raise _usage_error(f"--plot {args.plot}: matplotlib is not installed; install it with "
+                           "pip install 'qkvnp[plot]' (or pip install matplotlib)")
 
 
 def _have_matplotlib():
@@ -218,11 +222,6 @@ def run(args):
         except CheckpointError as exc:
             return _error(f"--resume: {exc}; nothing was trained or written", 2)
     plot = args.plot
-    if plot is not None and not _have_matplotlib():
-        print(f"--plot {plot}: matplotlib is not installed; install it with "
-              "pip install 'qkvnp[plot]'  (or pip install matplotlib). Training without the "
-              "plot.", flush=True)
-        plot = None
     note = checkpoint and _schedule_note(checkpoint, config)
     if note:
         print(note, file=sys.stderr)
@@ -231,9 +230,9 @@ def run(args):
     try:
         result = train(config, resume=checkpoint, save=args.save, save_every=args.save_every,
                        callback=progress)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         return _error("aborted by a second Ctrl-C or SIGTERM (or before training started): "
-                      "nothing was saved", 130)
+                      "nothing was saved", interrupt_status(exc))
     except (FileNotFoundError, CheckpointError) as exc:
         return _error(f"{exc}; nothing was trained or written", 2)
     except (FloatingPointError, SaveError) as exc:
@@ -244,7 +243,7 @@ def run(args):
     for line in summary(result):
         print(line)
     if result.interrupted:
-        print(f"interrupted: resume with  python -m qkvnp train --resume {result.checkpoint}"
+        print(f"interrupted: resume with {program_name()} train --resume {result.checkpoint}"
               + (f" --save {args.save}" if args.save else ""))
         return 128 + result.signal
     if plot is not None:

@@ -199,8 +199,9 @@ class _StopFlag:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, saving=True):
         self.signal = None
+        self.saving = saving
         self._previous = {}
 
     @property
@@ -209,11 +210,17 @@ class _StopFlag:
 
     def _handler(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
+            from ..cli import Interrupted
+
+            raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
         self.signal = signal.Signals(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else self.signal.name
-        sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint "
-                         f"({name} again aborts without saving)\n")
+        if self.saving:
+            sys.stderr.write(f"\n{name}: stopping after this step and saving a checkpoint "
+                             f"({name} again aborts without saving)\n")
+        else:
+            sys.stderr.write(f"\n{name}: stopping after this step ({name} again stops at "
+                             "once)\n")
         sys.stderr.flush()
 
     def __enter__(self):
@@ -334,13 +341,7 @@ def check_resume(checkpoint, config):
         )
     probe = np.random.Generator(np.random.PCG64())
     try:
-        # NOTE: numpy before 2.0 takes -1 as a 128-bit state without a word
-        # (numpy 1.24 on Python 3.9): check the range before numpy sees it
-        words = checkpoint.rng_state["state"]
-        for name in ("state", "inc"):
-            word = words[name]
-            if isinstance(word, bool) or not isinstance(word, int) or not 0 <= word < 2 ** 128:
-                raise ValueError(f"state[{name!r}] must be an int in [0, 2**128), got {word!r}")
+        _check_pcg64_state(checkpoint.rng_state)
         probe.bit_generator.state = checkpoint.rng_state
     except (TypeError, ValueError, KeyError, OverflowError) as exc:
         raise CheckpointError(
@@ -348,6 +349,40 @@ def check_resume(checkpoint, config):
             f"({type(exc).__name__}: {exc})"
         ) from None
     _generator_states(checkpoint, build_model(config, 0).generators())
+
+
+def _is_int(value, low, high):
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def _check_pcg64_state(state):
+    """Refuse a PCG64 state that numpy would not write (``ValueError``); numpy checks less.
+
+    NOTE: numpy takes ``has_uint32`` of 2 or -1 and an even ``inc``, and before
+    2.0 a ``state`` of -1 (numpy 1.24 on Python 3.9): a generator it never
+    produces, so a checkpoint holding one was not written by a run.
+    """
+    if not isinstance(state, dict) or set(state) != {"bit_generator", "state", "has_uint32",
+                                                     "uinteger"}:
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"expected the keys bit_generator, state, has_uint32, uinteger, "
+                         f"got {keys}")
+    if state["bit_generator"] != "PCG64":
+        raise ValueError(f"bit_generator must be 'PCG64', got {state['bit_generator']!r}")
+    words = state["state"]
+    if not isinstance(words, dict) or set(words) != {"state", "inc"}:
+        raise ValueError(f"state must be a dict with the keys state and inc, got {words!r}")
+    for name in ("state", "inc"):
+        if not _is_int(words[name], 0, 2 ** 128):
+            raise ValueError(f"state[{name!r}] must be an int in [0, 2**128), "
+                             f"got {words[name]!r}")
+    if words["inc"] % 2 == 0:
+        raise ValueError(f"state['inc'] must be odd (numpy's PCG64 increments are), "
+                         f"got {words['inc']!r}")
+    if not _is_int(state["has_uint32"], 0, 2):
+        raise ValueError(f"has_uint32 must be 0 or 1, got {state['has_uint32']!r}")
+    if not _is_int(state["uinteger"], 0, 2 ** 32):
+        raise ValueError(f"uinteger must be an int in [0, 2**32), got {state['uinteger']!r}")
 
 
 def _generator_states(checkpoint, generators):
@@ -366,6 +401,8 @@ def _generator_states(checkpoint, generators):
     for name, state in saved.items():
         probe = np.random.Generator(type(generators[name].bit_generator)())
         try:
+            if isinstance(probe.bit_generator, np.random.PCG64):
+                _check_pcg64_state(state)
             probe.bit_generator.state = state
         except (TypeError, ValueError, KeyError, OverflowError) as exc:
             raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' holds a "
@@ -441,7 +478,8 @@ def _check_finite(model, step, config, loss=0.0):
         )
 
 
-def train(config, *, resume=None, save=None, save_every=None, callback=None):
+def train(config, *, resume=None, save=None, save_every=None, callback=None,
+          save_on_interrupt=True):
     """Train the model of ``config``; optionally resume from / save to a checkpoint.
 
     Parameters
@@ -466,8 +504,13 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None):
     callback : callable, optional
         Called after every step as ``callback(info)`` with a dict ``step,
         steps, loss, accuracy, lr, heldout`` (``heldout`` is the metrics
-        dict on evaluation steps, else None) and ``start_step``. The CLI's
+        dict on evaluation steps, else None), ``start_step`` and ``seconds``
+        (since this session's first step started). The CLI's
         :class:`qkvnp.training.report.Progress` is one.
+    save_on_interrupt : bool
+        Without ``save``, whether an interrupted run writes its checkpoint to
+        :func:`default_checkpoint_path` (default True). The ablation passes
+        False: it stops and keeps none of an interrupted run.
 
     Returns
     -------
@@ -526,7 +569,11 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None):
     heldout = evaluate(model, task, heldout_batch) if step else initial
     checkpoint_path = None
     started = time.perf_counter()
-    with _blas_single_thread(), _StopFlag() as stop:
+    # NOTE: numpy's overflow warnings say nothing that _check_finite and the
+    # layers' input checks do not say as one "training diverged" error (and
+    # under -W error they would be tracebacks instead of that error)
+    with _blas_single_thread(), _StopFlag(save is not None or save_on_interrupt) as stop, \
+            np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         while step < config.steps and not stop.requested:
             step += 1
             optimizer.lr = scheduled_lr(config, step)
@@ -553,12 +600,15 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None):
             if callback is not None:
                 callback({"step": step, "steps": config.steps, "start_step": start_step,
                           "loss": loss, "accuracy": acc, "lr": optimizer.lr,
-                          "heldout": evaluated})
+                          "heldout": evaluated, "seconds": time.perf_counter() - started})
         interrupted = stop.requested and step < config.steps  # a finished run just ends
         seconds = time.perf_counter() - started
         if interrupted:
             heldout = evaluate(model, task, heldout_batch)
-            checkpoint_path = save if save is not None else default_checkpoint_path(config, step)
+            if save is not None:
+                checkpoint_path = save
+            elif save_on_interrupt:
+                checkpoint_path = default_checkpoint_path(config, step)
         elif save is not None:
             checkpoint_path = save
         if checkpoint_path is not None:

@@ -157,9 +157,11 @@ class Progress:
     def _draw(self, info, now, end):
         start_time, start_step = self._started
         done = info["step"] - start_step
-        elapsed = now - start_time
-        rate = done / elapsed if elapsed > 0 else float("inf")
-        left = (info["steps"] - info["step"]) / rate if rate > 0 else float("inf")
+        # NOTE: the loop's own clock (``seconds``) includes the first step; this
+        # callback's first call would measure no time at all ("inf steps/s")
+        elapsed = info.get("seconds", now - start_time)
+        rate = done / elapsed if elapsed > 0 else math.nan
+        left = (info["steps"] - info["step"]) / rate if rate > 0 else math.nan
         width = len(str(info["steps"]))
         parts = [f"step {info['step']:>{width}}/{info['steps']}",
                  f"loss {np.mean(self._losses):.4g}"]
@@ -170,7 +172,8 @@ class Progress:
                 parts.append(f"held-out {100 * self._heldout['accuracy']:5.1f}%")
             else:
                 parts.append(f"held-out loss {self._heldout['loss']:.3g}")
-        parts += [f"lr {info['lr']:.2g}", f"{rate:,.0f} steps/s",
+        parts += [f"lr {info['lr']:.2g}",
+                  f"{rate:,.0f} steps/s" if math.isfinite(rate) else "? steps/s",
                   f"left {_format_duration(left)}"]
         line = "  ".join(parts)
         if self.live:
@@ -332,7 +335,7 @@ def figure_class(what, consequence, stream):
         from matplotlib.figure import Figure
     except ImportError:
         print(f"{what}: matplotlib is not installed; install it with pip install "
-              f"'qkvnp[plot]'  (or pip install matplotlib). {consequence}", file=stream)
+              f"'qkvnp[plot]' (or pip install matplotlib). {consequence}", file=stream)
         return None
     return Figure
 

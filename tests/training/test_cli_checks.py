@@ -7,6 +7,7 @@ lines; the checkpoint a signal leaves (its step) and a run that never stopped
 (``np.array_equal``); the package's ``__version__``.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,15 +113,14 @@ def test_an_unknown_option_of_gradcheck_prints_the_gradcheck_usage(capsys):
     assert " gradcheck [-h] " in err and "gradcheck: error: unrecognized arguments: --steps 3" in err
 
 
-def test_plot_checks_for_matplotlib_before_training(tmp_path, monkeypatch, capsys):
-    # was: said so after the whole run
+def test_plot_without_matplotlib_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    # was: said so before training, then trained and exited 0 with no plot
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    assert main(["train", "--steps", "3", "--plot", str(tmp_path / "out.png"), *TINY_ARGS]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert "matplotlib is not installed" in lines[0] and "pip install 'qkvnp[plot]'" in lines[0]
-    assert lines[1].startswith("kv-recall: ")  # the run's description comes after
-    assert not (tmp_path / "out.png").exists()
+    message = usage_error(["train", "--steps", "3", "--plot", str(tmp_path / "out.png"),
+                           *TINY_ARGS], capsys)
+    assert "matplotlib is not installed" in message and "pip install 'qkvnp[plot]'" in message
+    assert not list(tmp_path.iterdir())
 
 
 # ---------------------------------------------------------------- resume and the schedule
@@ -198,6 +198,60 @@ def test_a_real_sigterm_to_the_process(tmp_path):
     assert process.returncode == 143, err
     step = load_checkpoint(path).step
     assert 1 <= step < 100000 and f"stopped at step {step}/100000" in out
+
+
+def test_the_resume_hint_names_the_program_that_was_run(tmp_path, monkeypatch, capsys):
+    # oracle: how the user started it (sys.argv[0]); was always "python -m qkvnp", with two
+    # spaces before it
+    import qkvnp.training.report as report_module
+
+    class SendSigterm(report_module.Progress):
+        def __call__(self, info):
+            if info["step"] == 2:
+                signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(report_module, "Progress", SendSigterm)
+    path = tmp_path / "run.npz"
+    argv = ["train", "--steps", "20", "--save", str(path),
+            *[a for a in TINY_ARGS if a != "--quiet"]]
+    for argv0, program in [("/usr/local/bin/qkvnp", "qkvnp"),
+                           ("/x/qkvnp/__main__.py", "python -m qkvnp")]:
+        monkeypatch.setattr(sys, "argv", [argv0, *argv])
+        path.unlink(missing_ok=True)
+        assert main(argv) == 143
+        out = capsys.readouterr().out
+        hint = [line for line in out.splitlines() if line.startswith("interrupted:")]
+        assert hint == [f"interrupted: resume with {program} train --resume {path} "
+                        f"--save {path}"], out
+
+
+@pytest.mark.parametrize("warnings", [[], ["-W", "error"]])
+def test_divergence_is_one_line_with_or_without_warnings_as_errors(warnings, tmp_path):
+    # was: four RuntimeWarning lines before it, or a RuntimeWarning traceback under -W error
+    argv = [sys.executable, *warnings, "-m", "qkvnp", "train", "--optimizer", "sgd", "--lr", "10",
+            "--steps", "60", *TINY_ARGS]
+    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: training diverged at step ")
+
+
+def test_the_first_progress_line_after_resume_has_a_finite_rate(tmp_path, capsys):
+    # was "inf steps/s": the rate's clock started at the first callback, after the step
+    path = tmp_path / "run.npz"
+    assert main(["train", "--steps", "10", "--save", str(path), *TINY_ARGS]) == 0
+    capsys.readouterr()
+    quiet = [a for a in TINY_ARGS if a != "--quiet"]
+    assert main(["train", "--resume", str(path), "--steps", "13", "--eval-every", "1",
+                 *quiet]) == 0
+    progress = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("step ")]
+    assert len(progress) == 3 and progress[0].startswith("step 11/13")
+    for line in progress:
+        rate = float(re.search(r"  (\S+) steps/s", line).group(1).replace(",", ""))
+        assert 0 < rate < float("inf"), line
 
 
 # ---------------------------------------------------------------- --version

@@ -109,6 +109,45 @@ def test_generator_states_that_do_not_fit_the_model(saved, capsys, change, match
     refused(saved, "'meta/generator_states'", capsys, match=match)
 
 
+def _set(key, value):
+    def change(state):
+        if key in ("state", "inc"):
+            state["state"][key] = value
+        else:
+            state[key] = value
+    return change
+
+
+# NOTE: numpy's own setter takes each of these; numpy never writes one
+STATES_NUMPY_NEVER_WRITES = [
+    (_set("has_uint32", 2), "has_uint32 must be 0 or 1, got 2"),
+    (_set("has_uint32", -1), "has_uint32 must be 0 or 1, got -1"),
+    (_set("has_uint32", True), "has_uint32 must be 0 or 1, got True"),
+    (_set("inc", 2), "state['inc'] must be odd"),
+]
+
+
+@pytest.mark.parametrize("change, match", STATES_NUMPY_NEVER_WRITES)
+def test_a_data_generator_state_numpy_never_writes(saved, capsys, change, match):
+    # was: accepted, and the run went on from a state no run can reach
+    def rewrite(arrays):
+        state = json.loads(str(arrays["meta/rng_state"]))
+        change(state)
+        arrays["meta/rng_state"] = np.array(json.dumps(state))
+    _rewrite(saved, rewrite)
+    refused(saved, "'meta/rng_state'", capsys, match=match)
+
+
+@pytest.mark.parametrize("change, match", STATES_NUMPY_NEVER_WRITES)
+def test_a_dropout_generator_state_numpy_never_writes(saved, capsys, change, match):
+    def rewrite(arrays):
+        states = json.loads(str(arrays["meta/generator_states"]))
+        change(states["dropout_rng"])
+        arrays["meta/generator_states"] = np.array(json.dumps(states))
+    _rewrite(saved, rewrite)
+    refused(saved, "'meta/generator_states'", capsys, match=match)
+
+
 def test_an_optimizer_entry_of_inf(saved, capsys):
     def inf(arrays):
         arrays["optim/exp_avg_sq/readout.W"][2, 3] = np.inf

@@ -291,15 +291,19 @@ def test_demo_ends_with_the_pointer_to_the_ablation(capsys):
     assert tail.rstrip().endswith("All cross-checks agree.")
 
 
-def test_ablation_plot_without_matplotlib_says_how_to_install_it_and_runs(monkeypatch, capsys, tmp_path):
-    # oracle: the train command's behaviour (tests/training/test_cli_checks.py), for ablation
+def test_ablation_plot_without_matplotlib_is_refused_before_any_run(monkeypatch, capsys, tmp_path):
+    # oracle: the train command's refusal (tests/training/test_cli_checks.py), for ablation;
+    # was: said so, ran every run and exited 0 with no plot
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     argv = ["ablation", "--task", "partner", "--seeds", "1", "--steps", "2", "--dims", "4",
             "--variants", "tied_qk", "--num-keys", "8", "--num-values", "8", "--num-pairs", "4",
-            "--eval-size", "16", "--quiet", "--plot", str(tmp_path / "out.png")]
-    assert main(argv) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert "matplotlib is not installed" in out[0] and "Running without the plot." in out[0]
-    assert out[1] == "partner ablation: 2 steps per run, seed 0"
-    assert not (tmp_path / "out.png").exists()
+            "--eval-size", "16", "--plot", str(tmp_path / "out.png")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no table: nothing ran
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and "matplotlib is not installed" in lines[0]
+    assert "pip install 'qkvnp[plot]'" in lines[0]
+    assert not list(tmp_path.iterdir())
+

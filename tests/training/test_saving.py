@@ -131,6 +131,24 @@ def test_check_writable_leaves_nothing_behind(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("name", [
+    "a" * 246 + ".npz",  # 250 bytes
+    "a" * 251 + ".npz",  # 255 bytes: the longest legal name on most file systems
+    "é" * 123 + ".npz",  # 250 bytes in UTF-8, 127 characters
+], ids=["250-bytes", "255-bytes", "250-bytes-utf8"])
+def test_a_legal_long_name_is_saved(tmp_path, capsys, name):
+    # oracle: the file system's limit on one name (NAME_MAX); was "File name too long",
+    # because the temporary file's name added 13 bytes
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    if len(os.fsencode(name)) > limit:
+        pytest.skip(f"this file system's names are at most {limit} bytes")
+    path = tmp_path / name
+    assert main(["train", "--steps", "3", "--save", str(path), *TINY_ARGS]) == 0, \
+        capsys.readouterr().err
+    assert load_checkpoint(path).step == 3
+    assert os.listdir(tmp_path) == [name]  # and no temporary file left
+
+
 # ---------------------------------------------------------------- what is written
 
 
