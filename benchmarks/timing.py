@@ -110,6 +110,12 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
 
 
 def timing_stats(seconds, flops):
+    """What the report keeps of one implementation's times: median, minimum, quartiles, rate.
+
+    ``seconds``: one time per call (or per call of a round); ``flops``: the
+    matmul FLOPs of one call (:data:`grid.FLOPS`). Times in milliseconds;
+    ``gflops`` at the median.
+    """
     ms = np.asarray(seconds) * 1e3
     median = float(np.median(ms))
     stats = {

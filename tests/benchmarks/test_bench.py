@@ -601,6 +601,7 @@ def test_missing_pytorch_is_said_once(tmp_path):
     assert done.stderr.index(hint) < done.stderr.index("[1/"), done.stderr  # up front
     assert done.stdout.count(hint) == 1 and "MISSING" not in done.stdout, done.stdout
     assert "torch not installed" in done.stdout
+    assert "No attention comparison with PyTorch was measured: PyTorch is not installed." in done.stdout
     # one row per shape and mask: qkvnp's default path; none for PyTorch
     assert done.stdout.count("(1,16,16,2)") == 2 and done.stdout.count("(1,130,16,2)") == 2
     assert "kv-recall  float64" in done.stdout and "teacher    float64" in done.stdout
