@@ -71,7 +71,7 @@ class StepFloor:
         if (config.variant, config.optimizer, config.weight_decay) != ("separate", "adam", 0):
             raise ValueError("the floor is written for the default kv-recall configuration")
         data = train_bench.make_training_data("kv-recall", self.dtype)
-        self.batches = train_bench._batches("kv-recall", data)
+        self.batches = train_bench.training_batches("kv-recall", data)
         names = [key[len("param/"):] for key in data if key.startswith("param/")]
         sizes = [data["param/" + name].size for name in names]
         ends = np.cumsum(sizes)

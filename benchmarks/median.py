@@ -42,7 +42,7 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isfile(os.path.join(CHECKOUT, "qkvnp", "__init__.py")):  # as run.py: this checkout's
     sys.path.insert(0, CHECKOUT)                                     # qkvnp writes the JSON file
 
-from bench import read_json, write_json  # noqa: E402  (after the checkout is on sys.path)
+from report import read_json, write_json  # noqa: E402  (after the checkout is on sys.path)
 from summary import (default_path_ratios, peak_memory, plot_ratios, ratio_table,  # noqa: E402
                      summarize)
 

@@ -92,6 +92,9 @@ def summarize(report):
     if rows:
         lines.append("MultiHeadAttention forward+backward, qkvnp's default path against PyTorch's "
                      "nn.MultiheadAttention:")
+    elif report.get("records") and (report.get("environment") or {}).get("torch", "") is None:
+        lines.append("No attention comparison with PyTorch was measured: PyTorch is not "
+                     "installed.")
     elif report.get("records"):
         lines.append("No attention comparison with PyTorch was measured (is PyTorch installed? "
                      "did an implementation fail its check?)")

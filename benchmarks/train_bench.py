@@ -30,8 +30,12 @@ the same losses in both libraries (:data:`LOSS_TOLERANCES`).
 """
 import math
 import os
+import tempfile
 
 import numpy as np
+
+from workers import WorkerError, time_alternating
+from workloads import import_torch
 
 __all__ = [
     "TRAINING_TASKS",
@@ -40,6 +44,7 @@ __all__ = [
     "LOSS_TOLERANCES",
     "training_config",
     "make_training_data",
+    "training_batches",
     "make_training_runner",
     "check_losses",
     "run_training_case",
@@ -91,8 +96,11 @@ def _fields(task):
     return ("keys", "values", "query", "target") if task == "kv-recall" else ("x", "target")
 
 
-def _batches(task, data):
-    """The batches of ``data`` as a list of tuples in :func:`_fields` order."""
+def training_batches(task, data):
+    """The batches of ``data`` as a list of tuples, the target last.
+
+    kv-recall: ``(keys, values, query, target)``; teacher: ``(x, target)``.
+    """
     count = len({key.split("/")[1] for key in data if key.startswith("batch/")})
     return [tuple(data[f"batch/{index}/{field}"] for field in _fields(task))
             for index in range(count)]
@@ -116,7 +124,7 @@ class _QkvnpTraining:
         self.loss_forward, self.loss_backward = ((cross_entropy_forward, cross_entropy_backward)
                                                  if task == "kv-recall" else
                                                  (mse_forward, mse_backward))
-        self.batches = _batches(task, data)
+        self.batches = training_batches(task, data)
         self.index = 0
         self.blas_threads = blas_threads
 
@@ -166,15 +174,13 @@ class _TorchTraining:
     library = "torch"
 
     def __init__(self, task, dtype, data):
-        from bench import _import_torch
-
-        torch = _import_torch()
+        torch = import_torch()
         self.torch = torch
         config = training_config(task, dtype)
         if config.optimizer != "adam":
             raise ValueError(f"the benchmark rebuilds Adam only, got {config.optimizer!r}")
         self.batches = [tuple(torch.from_numpy(array) for array in batch)
-                        for batch in _batches(task, data)]
+                        for batch in training_batches(task, data)]
         self.index = 0
         params = {name[len("param/"):]: value for name, value in data.items()
                   if name.startswith("param/")}
@@ -301,10 +307,6 @@ def run_training_case(task, dtype, pool, repeats, warmup=1, pause=0.3, round_sec
         of one step, ``calls_per_round``; ``steps_per_s`` = 1000 / median),
         ``speedup`` (qkvnp's steps/s / PyTorch's).
     """
-    import tempfile
-
-    from workers import WorkerError, time_alternating
-
     dtype = np.dtype(dtype)
     record = {"task": task, "dtype": dtype.name, "status": "ok", "reason": None, "check": None,
               "qkvnp": None, "torch": None, "speedup": None}

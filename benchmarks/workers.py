@@ -1,6 +1,6 @@
 """One library per process: the worker processes of the benchmark's small-shape protocol.
 
-Shape key: B batch, L sequence length, E embedding, H heads (as in ``bench.py``).
+Shape key: B batch, L sequence length, E embedding, H heads (as in :mod:`grid`).
 
 At small sizes, a call takes tens of microseconds to a few milliseconds, and
 threads that one library leaves behind slow the other: PyTorch's OpenMP pool
@@ -10,23 +10,22 @@ implementation runs in a process of its own (the qkvnp ones never import
 PyTorch), and the parent asks them in turn for one timed round each:
 qkvnp, PyTorch, qkvnp, ... (:func:`time_alternating`).
 
-The parent talks to a worker over its stdin and stdout, one JSON object a
-line each way. A worker holds one runner at a time (``setup``), writes its
-results to an ``.npz`` file for the parent's cross-check (``result``),
-picks how many calls make a round last at least a given time
-(``calibrate``) and times that many calls (``time``). The runners are the
-harness's own: :func:`bench.make_runner` for attention,
-:func:`train_bench.make_training_runner` for a training step.
+This module is the parent's side: :class:`Worker` starts a fresh Python
+process running :func:`worker_child.serve` and sends it one JSON command a
+line (``setup`` a runner, write its ``result``, ``calibrate`` the calls of a
+round, ``time`` them); it knows nothing of what the runners compute. The
+child's side, which builds the runners of :mod:`workloads` and
+:mod:`train_bench`, is :mod:`worker_child`.
 """
-import gc
 import json
-import math
 import subprocess
 import sys
 import tempfile
 import time
 
-__all__ = ["WorkerError", "Worker", "WorkerPool", "serve", "time_alternating"]
+from timing import ROUND_SECONDS
+
+__all__ = ["WorkerError", "Worker", "WorkerPool", "time_alternating"]
 
 METHODS = {"fwd": "forward", "fwd_bwd": "forward_backward"}
 
@@ -50,7 +49,7 @@ class Worker:
     def __init__(self, name, path):
         self.name = name
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        code = "import sys; sys.path[:0] = sys.argv[1:]; from workers import serve; serve()"
+        code = "import sys; sys.path[:0] = sys.argv[1:]; from worker_child import serve; serve()"
         self.process = subprocess.Popen([sys.executable, "-c", code, *path], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                         bufsize=1)
@@ -116,7 +115,7 @@ class WorkerPool:
         return False
 
 
-def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=0.25,
+def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=ROUND_SECONDS,
                      progress=None):
     """Time each worker's runner in rounds, one worker after the other.
 
@@ -147,7 +146,7 @@ def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=
 
     Notes
     -----
-    The first worker of a round rotates, as in ``bench.time_interleaved``.
+    The first worker of a round rotates, as in :func:`timing.time_interleaved`.
     """
     method = METHODS[mode]
     names = list(workers)
@@ -172,104 +171,3 @@ def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=
             if round_index >= warmup:
                 seconds[name].append(elapsed / calls[name])
     return seconds, calls
-
-
-# ---------------------------------------------------------------- the child
-
-
-def _make_runner(workload, spec):
-    if workload == "attention":
-        from bench import make_problem, make_runner
-
-        problem = make_problem(spec["kind"], spec["config"], spec["dtype"], causal=spec["causal"])
-        return make_runner(spec["impl"], problem)
-    if workload == "training":
-        from train_bench import make_training_runner
-
-        return make_training_runner(spec["library"], spec["task"], spec["dtype"], spec["data"])
-    raise ValueError(f"workload must be 'attention' or 'training', got {workload!r}")
-
-
-def _calibrate(call, seconds):
-    """Calls that make a round last at least ``seconds``, from a short trial after a warm call."""
-    call()
-    done, start = 0, time.perf_counter()
-    while True:
-        call()
-        done += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min(seconds, 0.02) and done >= 2:
-            break
-    return max(1, math.ceil(seconds / (elapsed / done)))
-
-
-def _repeat(runner, method, calls):
-    """Seconds taken by ``calls`` calls of ``runner.<method>`` (its ``repeat`` if it has one)."""
-    gc.collect()
-    repeat = getattr(runner, "repeat", None)
-    if repeat is not None:
-        start = time.perf_counter()
-        repeat(method, calls)
-        return time.perf_counter() - start
-    call = getattr(runner, method)
-    start = time.perf_counter()
-    for _ in range(calls):
-        result = call()
-    elapsed = time.perf_counter() - start
-    del result
-    return elapsed
-
-
-def serve():
-    """The worker's main loop: read commands from stdin, answer on stdout, until ``quit``."""
-    import numpy as np
-
-    from bench import ImplementationMissing
-
-    protocol = sys.stdout
-    sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
-    runner = None
-    for line in sys.stdin:
-        command = json.loads(line)
-        op = command.get("op")
-        if op == "quit":
-            break
-        try:
-            if op == "setup":
-                runner = None
-                gc.collect()
-                threads = command["spec"].get("torch_threads")
-                if threads:  # only when asked: PyTorch's default otherwise
-                    import torch
-
-                    torch.set_num_threads(threads)
-                try:
-                    runner = _make_runner(command["workload"], command["spec"])
-                except ImplementationMissing as missing:
-                    reply = {"missing": str(missing)}
-                else:
-                    reply = {"library": runner.library}
-                    if runner.library == "torch":
-                        import torch
-
-                        reply["torch_threads"] = torch.get_num_threads()
-            elif op == "result":
-                arrays = runner.result()
-                np.savez(command["path"], **arrays)
-                reply = {"saved": command["path"]}
-                dispatch = getattr(runner, "dispatch", None)
-                if dispatch is not None:
-                    reply["dispatch"] = dispatch
-            elif op == "calibrate":
-                repeat = getattr(runner, "repeat", None)
-                call = ((lambda: repeat(command["method"], 1)) if repeat is not None
-                        else getattr(runner, command["method"]))
-                reply = {"calls": _calibrate(call, command["seconds"])}
-            elif op == "time":
-                reply = {"seconds": _repeat(runner, command["method"], command["calls"])}
-            else:
-                raise ValueError(f"unknown op {op!r}")
-        except Exception as error:
-            reply = {"error": f"{type(error).__name__}: {error}"}
-        protocol.write(json.dumps(reply) + "\n")
-        protocol.flush()

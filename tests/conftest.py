@@ -8,6 +8,9 @@ runs many more for a local deep check.
 PyTorch is an oracle, never a dependency: tests that need it take the
 ``torch`` fixture, which skips when PyTorch is absent, except under
 ``QKVNP_REQUIRE_TORCH=1`` (set by ``.ci/run``) where a missing PyTorch fails.
+The skips it causes are reported as one, so that the short summary of a run
+without PyTorch (``-ra``) ends with one line about them, not one per test
+function; every other skip reason still gets its own line.
 """
 import os
 
@@ -43,6 +46,26 @@ def _import_torch():
         pytest.skip(TORCH_INSTALL_HINT)
     torch.set_num_threads(1)
     return torch
+
+
+#: The one line of the short test summary under which every skip for a
+#: missing PyTorch is counted.
+TORCH_SKIP_SUMMARY = f"the comparisons with PyTorch: {TORCH_INSTALL_HINT}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fold the skips for a missing PyTorch into one (path, line, reason) of this file.
+
+    pytest's summary gives one line per distinct location and reason, and
+    reports a skip raised in a fixture at the test function's location: one
+    line per test function that takes the ``torch`` fixture (33 of them).
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3
+            and str(report.longrepr[2]).endswith(TORCH_INSTALL_HINT)):
+        report.longrepr = (__file__, None, f"Skipped: {TORCH_SKIP_SUMMARY}")
 
 
 @pytest.fixture(scope="session")

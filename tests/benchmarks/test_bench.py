@@ -1,10 +1,11 @@
-"""Tests of the benchmark harness (benchmarks/bench.py): fast, and no wall-clock assertions.
+"""Tests of the benchmark harness (benchmarks/): fast, and no wall-clock assertions.
 
 Oracles: FLOPs counted independently from the list of matmuls each workload
 runs; the cross-check against known perturbations (a wrong gradient must be
 refused, rounding-level noise accepted); a JSON file read back equal to what
 was written; the command's exit status and output on a tiny configuration.
 """
+import ast
 import json
 import os
 import subprocess
@@ -16,14 +17,24 @@ import pytest
 
 from qkvnp.kernels.openblas import openblas_thread_functions
 
-# The harness lives beside the package (the wheel does not ship it): import it
-# from the checkout's benchmarks/ as the top-level module ``bench``, as
+# The harness lives beside the package (the wheel does not ship it): import
+# its modules from the checkout's benchmarks/ as top-level modules, as
 # benchmarks/run.py does. (Not in a tests/benchmarks/conftest.py: two
 # conftest.py files outside packages clash under --doctest-modules.)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                 os.pardir, "benchmarks"))
-import bench  # noqa: E402  (benchmarks/bench.py)
-from bench import Config  # noqa: E402
+import bench  # noqa: E402  (benchmarks/bench.py: one run)
+import crosscheck  # noqa: E402
+import grid  # noqa: E402
+import import_cost  # noqa: E402
+import machine  # noqa: E402
+import memory  # noqa: E402
+import run  # noqa: E402  (benchmarks/run.py: the command line)
+import timing  # noqa: E402
+import workloads  # noqa: E402
+from grid import Config  # noqa: E402
+from report import (format_report, plot_results, read_json, target_lines,  # noqa: E402
+                    target_requirements, write_json)
 
 BENCHMARKS_DIR = os.path.dirname(os.path.abspath(bench.__file__))
 
@@ -63,18 +74,18 @@ def test_flops_match_an_explicit_list_of_matmuls(config):
     D = E // H
     projections = [(4, B * L, E, E)]          # Q, K, V and out: (B*L, E) @ (E, E)
     core = [(B * H, L, D, L), (B * H, L, L, D)]  # Q K^T and P V per (batch, head)
-    assert bench.core_flops(config) == matmul_flops(core)
-    assert bench.layer_flops(config) == matmul_flops(projections + core)
+    assert grid.core_flops(config) == matmul_flops(core)
+    assert grid.layer_flops(config) == matmul_flops(projections + core)
     # backward: each (m, k) @ (k, n) needs (m, n) @ (n, k) and (k, m) @ (m, n)
     backward = [(c, m, n, k) for c, m, k, n in projections + core] + \
                [(c, k, m, n) for c, m, k, n in projections + core]
-    assert bench.layer_flops(config, backward=True) == matmul_flops(projections + core + backward)
-    assert bench.core_flops(config, backward=True) == 3 * matmul_flops(core)
+    assert grid.layer_flops(config, backward=True) == matmul_flops(projections + core + backward)
+    assert grid.core_flops(config, backward=True) == 3 * matmul_flops(core)
 
 
 def test_flops_of_the_issue_configuration_by_hand():
     # (8, 128, 256, 8): 8*8*128*256^2 + 4*8*128^2*256
-    assert bench.layer_flops(Config(8, 128, 256, 8)) == 536_870_912 + 134_217_728
+    assert grid.layer_flops(Config(8, 128, 256, 8)) == 536_870_912 + 134_217_728
 
 
 # ---------------------------------------------------------------- cross-check
@@ -103,9 +114,9 @@ class Perturbed:
 @pytest.mark.parametrize("kind", ["layer", "core"])
 def test_reference_agrees_with_itself(kind):
     # oracle: the same code on the same inputs gives identical arrays
-    problem = bench.make_problem(kind, TINY, "float64")
-    runner = bench.make_runner("reference", problem)
-    check = bench.cross_check(runner.result(), runner.result(), "float64")
+    problem = workloads.make_problem(kind, TINY, "float64")
+    runner = workloads.make_runner("reference", problem)
+    check = crosscheck.cross_check(runner.result(), runner.result(), "float64")
     assert check.ok and check.error == 0.0
 
 
@@ -116,12 +127,12 @@ def test_reference_agrees_with_itself(kind):
     ("float32", 1e-3, False),   # a real error in float32
 ])
 def test_cross_check_tolerance_by_dtype(dtype, relative, accepted):
-    problem = bench.make_problem("core", TINY, dtype)
-    runner = bench.make_runner("reference", problem)
+    problem = workloads.make_problem("core", TINY, dtype)
+    runner = workloads.make_runner("reference", problem)
     expected = runner.result()
     results = dict(expected)
     results["dkey"] = expected["dkey"] * (1 + relative)
-    check = bench.cross_check(results, expected, dtype)
+    check = crosscheck.cross_check(results, expected, dtype)
     assert check.ok is accepted, check
     assert check.worst == "dkey"
 
@@ -132,18 +143,18 @@ def test_cross_check_tolerance_by_dtype(dtype, relative, accepted):
     (lambda a: -a, "wrong sign"),
 ])
 def test_cross_check_refuses_broken_arrays(change, why):
-    problem = bench.make_problem("core", TINY, "float64")
-    expected = bench.make_runner("reference", problem).result()
+    problem = workloads.make_problem("core", TINY, "float64")
+    expected = workloads.make_runner("reference", problem).result()
     results = dict(expected, dvalue=change(expected["dvalue"]))
-    assert not bench.cross_check(results, expected, "float64").ok, why
+    assert not crosscheck.cross_check(results, expected, "float64").ok, why
     del results["dvalue"]
-    assert not bench.cross_check(results, expected, "float64").ok, "missing array"
+    assert not crosscheck.cross_check(results, expected, "float64").ok, "missing array"
 
 
 def test_wrong_implementation_is_refused_and_not_timed(monkeypatch, tmp_path):
     # a "fast" path whose dquery is 0.1% off and a "tiled" one that returns
     # NaN must get no timing, and their records must still be valid JSON
-    make_runner = bench.make_runner
+    make_runner = workloads.make_runner
     wrong = {"fast": lambda a: a * 1.001, "tiled": lambda a: a * np.nan}
 
     def with_wrong_paths(impl, problem):
@@ -151,7 +162,7 @@ def test_wrong_implementation_is_refused_and_not_timed(monkeypatch, tmp_path):
         return Perturbed(runner, "dquery", wrong[impl]) if impl in wrong else runner
 
     monkeypatch.setattr(bench, "make_runner", with_wrong_paths)
-    records = bench._run_case("core", TINY, np.dtype("float64"), ("reference", "fast", "tiled"),
+    records = bench.run_case("core", TINY, np.dtype("float64"), ("reference", "fast", "tiled"),
                               repeats=1, warmup=0, pause=0.0)
     by_impl = {r["impl"]: r for r in records}
     for impl in wrong:
@@ -159,20 +170,20 @@ def test_wrong_implementation_is_refused_and_not_timed(monkeypatch, tmp_path):
         assert "dquery" in by_impl[impl]["reason"]
         assert by_impl[impl]["fwd"] is None and by_impl[impl]["fwd_bwd"] is None
     assert by_impl["tiled"]["check"]["max_rel_err"] is None  # inf is not JSON
-    assert bench.write_json(tmp_path / "r.json", {"records": records})["records"] == records
+    assert write_json(tmp_path / "r.json", {"records": records})["records"] == records
     assert by_impl["reference"]["status"] == "ok"
     assert len(by_impl["reference"]["fwd_bwd"]["times_ms"]) == 1
 
 
 def test_missing_implementation_is_reported_not_raised(monkeypatch):
-    monkeypatch.setitem(bench.CORE_MODULES, "fast", "qkvnp._no_such_module")
-    records = bench._run_case("core", TINY, np.dtype("float32"), ("reference", "fast"),
+    monkeypatch.setitem(workloads.CORE_MODULES, "fast", "qkvnp._no_such_module")
+    records = bench.run_case("core", TINY, np.dtype("float32"), ("reference", "fast"),
                               repeats=1, warmup=0, pause=0.0)
     fast = next(r for r in records if r["impl"] == "fast")
     assert fast["status"] == "missing" and "qkvnp._no_such_module" in fast["reason"]
-    problem = bench.make_problem("layer", TINY, "float32")
-    with pytest.raises(bench.ImplementationMissing):
-        bench._QkvnpLayer("no-such-impl", problem)
+    problem = workloads.make_problem("layer", TINY, "float32")
+    with pytest.raises(workloads.ImplementationMissing):
+        workloads._QkvnpLayer("no-such-impl", problem)
 
 
 @pytest.mark.parametrize("kind", ["layer", "core"])
@@ -181,9 +192,9 @@ def test_pytorch_computes_the_same_function(torch, kind, dtype):
     # oracle: the reference path; checks that the weights are copied across
     # with the right transposes and that db_key (zero in exact arithmetic) is
     # judged on the bias gradients' scale
-    problem = bench.make_problem(kind, TINY, dtype)
-    expected = bench.make_runner("reference", problem).result()
-    check = bench.cross_check(bench.make_runner("torch", problem).result(), expected, dtype)
+    problem = workloads.make_problem(kind, TINY, dtype)
+    expected = workloads.make_runner("reference", problem).result()
+    check = crosscheck.cross_check(workloads.make_runner("torch", problem).result(), expected, dtype)
     assert check.ok, check
 
 
@@ -200,9 +211,9 @@ def test_timing_interleaves_and_pauses_between_implementations(monkeypatch):
         def forward(self):
             log.append(self.name)
 
-    monkeypatch.setattr(bench.time, "sleep", lambda seconds: log.append("sleep"))
+    monkeypatch.setattr(timing.time, "sleep", lambda seconds: log.append("sleep"))
     runners = {"a": Fake("a", "qkvnp"), "b": Fake("b", "qkvnp"), "t": Fake("t", "torch")}
-    times = bench.time_interleaved(runners, "fwd", repeats=3, warmup=1, pause=0.5)
+    times = timing.time_interleaved(runners, "fwd", repeats=3, warmup=1, pause=0.5)
     assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "t": 3}
     assert log == ["a", "sleep", "b", "sleep", "t",                    # warm-up
                    "sleep", "b", "sleep", "t", "sleep", "a",           # rounds rotate their start
@@ -210,8 +221,8 @@ def test_timing_interleaves_and_pauses_between_implementations(monkeypatch):
                    "sleep", "a", "sleep", "b", "sleep", "t"]
     # one implementation alone never pauses; pause=0 never sleeps
     log.clear()
-    bench.time_interleaved({"a": runners["a"]}, "fwd", repeats=2, warmup=1, pause=0.5)
-    bench.time_interleaved(runners, "fwd", repeats=1, warmup=0, pause=0)
+    timing.time_interleaved({"a": runners["a"]}, "fwd", repeats=2, warmup=1, pause=0.5)
+    timing.time_interleaved(runners, "fwd", repeats=1, warmup=0, pause=0)
     assert log == ["a", "a", "a", "a", "b", "t"]
 
 
@@ -222,10 +233,10 @@ def test_json_round_trip_is_atomic(tmp_path):
     path = tmp_path / "results.json"
     report = {"records": [{"impl": "fast", "fwd": {"median_ms": 1.5, "times_ms": [1.5, 2.0]},
                            "memory": None}], "gemm_peak_gflops": {"float32": np.float64(200.0)}}
-    assert bench.write_json(path, report) == json.loads(json.dumps(report, default=float))
+    assert write_json(path, report) == json.loads(json.dumps(report, default=float))
     with pytest.raises(ValueError):  # NaN is not JSON: the old file must survive intact
-        bench.write_json(path, {"bad": float("nan")})
-    assert bench.read_json(path)["gemm_peak_gflops"] == {"float32": 200.0}
+        write_json(path, {"bad": float("nan")})
+    assert read_json(path)["gemm_peak_gflops"] == {"float32": 200.0}
     assert os.listdir(tmp_path) == ["results.json"]  # no temporary file left behind
 
 
@@ -235,27 +246,29 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     path = tmp_path / "bench.json"
     # every workload and implementation asked for: at L <= 128 the default is
     # the layer's auto path and PyTorch only
-    status = bench.main(TINY_ARGS + ["--json", str(path), "--kinds", "layer", "core",
-                                     "--impls", *bench.IMPLEMENTATIONS])
+    status = run.main(TINY_ARGS + ["--json", str(path), "--kinds", "layer", "core",
+                                     "--impls", *grid.IMPLEMENTATIONS])
     out = capsys.readouterr().out
     assert status == 0, out
-    report = bench.read_json(path)
+    report = read_json(path)
     assert report["settings"]["configs"] == [[1, 16, 16, 2]]
     assert {(r["kind"], r["dtype"], r["impl"]) for r in report["records"]} == {
-        (k, d, i) for k in bench.KINDS for d in ("float32", "float64")
-        for i in bench.KIND_IMPLEMENTATIONS[k]}
-    assert "auto" in bench.KIND_IMPLEMENTATIONS["layer"] and "auto" not in bench.KIND_IMPLEMENTATIONS["core"]
+        (k, d, i) for k in grid.KINDS for d in ("float32", "float64")
+        for i in grid.KIND_IMPLEMENTATIONS[k]}
+    assert "auto" in grid.KIND_IMPLEMENTATIONS["layer"] and "auto" not in grid.KIND_IMPLEMENTATIONS["core"]
     for record in report["records"]:
         assert record["status"] in ("ok", "missing"), record
         if record["status"] == "ok":
             assert len(record["fwd_bwd"]["times_ms"]) == 1
     assert "GEMM peak" in out and "OPENBLAS_CORETYPE=" in out
-    assert out.count("(1,16,16,2)") == len(report["records"])
+    # one row per record; without PyTorch its rows give way to one line
+    shown = [r for r in report["records"] if r["impl"] != "torch" or r["status"] != "missing"]
+    assert out.count("(1,16,16,2)") == len(shown)
+    assert (len(shown) < len(report["records"])) == (workloads.TORCH_MISSING in out)
 
 
 def test_command_through_run_py(capsys):
-    # the command is benchmarks/run.py now (python -m qkvnp bench is gone)
-    import run  # benchmarks/run.py
+    # the command is benchmarks/run.py (python -m qkvnp bench is gone)
     status = run.main(TINY_ARGS + ["--kinds", "core", "--dtypes", "float64"])
     assert status == 0
     assert "attention core" in capsys.readouterr().out
@@ -269,13 +282,13 @@ def test_command_through_run_py(capsys):
 ])
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
-        bench.main(argv)
+        run.main(argv)
     assert message in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if absent
-    assert bench.plot_results({"records": []}, tmp_path / "plot.png") is False
+    assert plot_results({"records": []}, tmp_path / "plot.png") is False
     assert "pip install 'qkvnp[plot]'" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
 
@@ -304,7 +317,7 @@ def test_plot_draws_every_series_and_writes_atomically(monkeypatch, tmp_path):
                           record(128, "torch", None),
                           dict(record(128, "tiled", None), status="missing")]}
     path = tmp_path / "plot.png"
-    assert bench.plot_results(report, path) is True
+    assert plot_results(report, path) is True
     assert path.read_bytes() == b"PNG png" and os.listdir(tmp_path) == ["plot.png"]
     time_axis, memory_axis = axes[0]
     drawn = {call.kwargs["label"]: call.args[:2] for call in time_axis.plot.call_args_list}
@@ -316,7 +329,7 @@ def test_plot_draws_every_series_and_writes_atomically(monkeypatch, tmp_path):
 
 
 def test_refused_rows_print_no_numbers():
-    report = {"environment": bench.environment_info(), "gemm_peak_gflops": {"float64": 100.0},
+    report = {"environment": machine.environment_info(), "gemm_peak_gflops": {"float64": 100.0},
               "settings": {"impls": ["reference", "fast"], "repeats": 7, "warmup": 1,
                            "pause_s": 0.3, "gemm_size": 2048},
               "import_time": None,
@@ -324,7 +337,7 @@ def test_refused_rows_print_no_numbers():
                            "impl": "fast", "status": "refused", "memory": None,
                            "reason": "disagrees with the reference path", "fwd": None,
                            "fwd_bwd": None}]}
-    row = [line for line in bench.format_report(report).splitlines() if "fast" in line][0]
+    row = [line for line in format_report(report).splitlines() if "fast" in line][0]
     assert "REFUSED: disagrees" in row and not any(c.isdigit() for c in row.split("fast")[1])
 
 
@@ -341,7 +354,7 @@ def test_target_lines_name_the_worst_case():
                           record("layer", (4, 512, 512, 8), "fast", 0.9, 80.0),
                           record("core", (4, 512, 512, 8), "fast", 0.95, 60.0),
                           record("core", (8, 128, 256, 8), "fast", 1.5, 10.0)]}
-    lines = bench._targets(report)
+    lines = target_lines(report)
     assert ("  layer fwd+bwd <= 0.8x nn.MultiheadAttention: fast worst 0.90 at (4, 512, 512, 8) "
             "float32 (1/2 within) MISSED") in lines
     # the core target starts at L = 512: the 1.5x at L = 128 does not count
@@ -366,21 +379,21 @@ def test_target_requirements_by_hand():
               "records": [torch_record("layer", (4, 512, 512, 8), 92.3),
                           torch_record("core", (8, 128, 256, 8), 14.6),
                           dict(torch_record("layer", (1, 2048, 512, 8), 1.0), impl="fast")]}
-    (needs,) = bench.target_requirements(report)
+    (needs,) = target_requirements(report)
     assert needs["kind"] == "layer" and needs["config"] == (4, 512, 512, 8)
     assert needs["target_ms"] == pytest.approx(73.84)
     assert needs["floor_ms"] == pytest.approx(19327352832 / 360e6)
     assert needs["needed_percent"] == pytest.approx(100 * 53.68709120 / 73.84, rel=1e-9)
     assert needs["ceiling_percent"] == pytest.approx(75.0)
     # without a measured peak there is nothing to compare with
-    assert bench.target_requirements(dict(report, gemm_peak_gflops={})) == []
+    assert target_requirements(dict(report, gemm_peak_gflops={})) == []
 
 
 def test_attention_gemm_ceiling_is_a_rate():
     # oracle: none for the value (it is a timing); the call must run the fast
     # path's threads and return a positive finite GFLOP/s for each dtype
     for dtype in ("float32", "float64"):
-        rate = bench.measure_attention_gemm_ceiling(dtype, length=64, head_dim=8, rounds=2, repeats=1)
+        rate = machine.measure_attention_gemm_ceiling(dtype, length=64, head_dim=8, rounds=2, repeats=1)
         assert np.isfinite(rate) and rate > 0
 
 
@@ -390,44 +403,84 @@ def test_attention_gemm_ceiling_is_a_rate():
 def test_memory_child_sees_the_weights_matrix():
     # oracle: the reference core keeps the (L, L) float64 weights in its cache,
     # 8 MiB at L = 1024, so the peak extra memory is at least that
-    measured = bench.measure_memory("core", "reference", Config(1, 1024, 16, 1), "float64")
+    measured = memory.measure_memory("core", "reference", Config(1, 1024, 16, 1), "float64")
     assert "error" not in measured, measured
     assert measured["rss_mib"] >= 8.0
     assert measured["tracemalloc_mib"] >= 8.0
 
 
-def test_importing_qkvnp_and_the_bench_module_stays_light():
-    # oracle: sys.modules of a fresh interpreter (issue 4 item 4)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import qkvnp, bench; "
+def test_importing_qkvnp_and_the_harness_stays_light():
+    # oracle: sys.modules of a fresh interpreter (issue 4 item 4): the command
+    # line imports every module of the run, the worker processes worker_child
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import qkvnp, run, worker_child, median; "
             "print(' '.join(m for m in ('scipy', 'torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, BENCHMARKS_DIR], capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == ""
-    timing = bench.measure_import_time(repeats=1)
-    assert timing["extra_modules"] == []
-    assert timing["numpy_ms"] > 0 and timing["qkvnp_ms"] > 0
+    cost = import_cost.measure_import_time(repeats=1)
+    assert cost["extra_modules"] == []
+    assert cost["numpy_ms"] > 0 and cost["qkvnp_ms"] > 0
+
+
+def harness_modules():
+    return sorted(name for name in os.listdir(BENCHMARKS_DIR) if name.endswith(".py"))
 
 
 def test_doctests_of_the_harness():
     # benchmarks/ is outside pytest's testpaths (qkvnp, tests), so the harness's
-    # doctests (FLOPs by hand, relative_error) run here, with the project's flags
+    # doctests (FLOPs by hand, relative_error, the summary's phrases, the loss
+    # check) run here, with the project's flags. Oracle for the count: the
+    # docstrings holding an example, read with ast (one doctest item each)
+    def with_examples(tree):
+        nodes = [tree] + [node for node in tree.body if isinstance(node, (ast.FunctionDef,
+                                                                          ast.ClassDef))]
+        nodes += [member for node in tree.body if isinstance(node, ast.ClassDef)
+                  for member in node.body if isinstance(member, ast.FunctionDef)]
+        return sum(">>>" in (ast.get_docstring(node) or "") for node in nodes)
+
+    paths = [os.path.join(BENCHMARKS_DIR, name) for name in harness_modules()]
+    expected = 0
+    for path in paths:
+        with open(path, encoding="utf-8") as source:
+            expected += with_examples(ast.parse(source.read()))
+    assert expected >= 5  # grid, timing, crosscheck, summary, train_bench
     checkout = os.path.dirname(BENCHMARKS_DIR)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--doctest-modules", os.path.join(BENCHMARKS_DIR, "bench.py")],
+                           "--doctest-modules", *paths],
                           cwd=checkout, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout, done.stdout
+    assert f"{expected} passed" in done.stdout, done.stdout
 
 
-def test_doctests_of_the_new_harness_modules():
-    # summary.py (the phrases users read) and train_bench.py (the loss check)
-    checkout = os.path.dirname(BENCHMARKS_DIR)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--doctest-modules", os.path.join(BENCHMARKS_DIR, "summary.py"),
-                           os.path.join(BENCHMARKS_DIR, "train_bench.py")],
-                          cwd=checkout, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout, done.stdout
+def test_harness_imports_one_way_in_modules_of_readable_size():
+    # oracle: the import graph of benchmarks/*.py read with ast (imports inside
+    # functions count), as tests/test_layout.py reads the package's
+    names = {name[:-3] for name in harness_modules()}
+    graph = {}
+    for name in names:
+        with open(os.path.join(BENCHMARKS_DIR, name + ".py"), encoding="utf-8") as source:
+            text = source.read()
+        lines = text.count("\n")
+        assert lines <= 700, f"{name}.py: {lines} lines"
+        tree = ast.parse(text)
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                graph[name] |= {alias.name for alias in node.names if alias.name in names}
+            elif isinstance(node, ast.ImportFrom) and node.module in names:
+                graph[name].add(node.module)
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{name} imports private {node.module}.{private}"
+
+    def reaches(start, goal, seen=()):
+        return any(after == goal or (after not in seen and reaches(after, goal, seen + (after,)))
+                   for after in graph[start])
+
+    cycles = sorted(name for name in names if reaches(name, name))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+    # the command line sits on top, the grid at the bottom
+    assert not any("run" in after for name, after in graph.items() if name != "run")
+    assert graph["grid"] == set()
 
 
 def test_benchmarks_run_py_is_the_same_command():
@@ -435,7 +488,7 @@ def test_benchmarks_run_py_is_the_same_command():
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "--quick" in out and "--no-memory" in out
-    assert bench.__doc__.splitlines()[0] in " ".join(out.split())  # help text rewraps lines
+    assert run.__doc__.splitlines()[0] in " ".join(out.split())  # help text rewraps lines
 
 
 # ---------------------------------------------------------------- the grid and its protocols
@@ -446,8 +499,8 @@ def test_grid_holds_the_users_sizes_and_the_large_ones():
     users = [(1, 6, 3, 1), (8, 16, 32, 4), (64, 8, 16, 2), (16, 32, 64, 4), (64, 33, 64, 1),
              (32, 64, 128, 8)]
     large = [(8, 128, 256, 8), (4, 512, 512, 8), (1, 2048, 512, 8), (1, 4096, 256, 4)]
-    assert [tuple(c) for c in bench.DEFAULT_CONFIGS] == users + large
-    cases = bench.plan_cases(bench.DEFAULT_CONFIGS, ["float32", "float64"])
+    assert [tuple(c) for c in grid.DEFAULT_CONFIGS] == users + large
+    cases = grid.plan_cases(grid.DEFAULT_CONFIGS, ["float32", "float64"])
     layer = {(tuple(c.config), c.dtype.name, c.mask): c for c in cases if c.kind == "layer"}
     for config in users + large:  # each shape, dtype and mask has the default path and PyTorch
         for dtype in ("float32", "float64"):
@@ -461,7 +514,7 @@ def test_grid_holds_the_users_sizes_and_the_large_ones():
 
 
 def test_quick_plan_is_the_users_view():
-    cases = bench.plan_cases(bench.QUICK_CONFIGS, ["float32"], quick=True)
+    cases = grid.plan_cases(grid.QUICK_CONFIGS, ["float32"], quick=True)
     assert {c.impls for c in cases} == {("auto", "torch")} and {c.kind for c in cases} == {"layer"}
     assert any(c.protocol == "same process" for c in cases)
     assert {c.mask for c in cases} == {"none", "causal"}
@@ -470,7 +523,7 @@ def test_quick_plan_is_the_users_view():
 def test_off_grid_preset_times_the_layer_against_pytorch_only(monkeypatch):
     # oracle: the shapes listed by hand (BERT-base and GPT-2 small's attention,
     # lengths that are not powers of two), and what the help promises
-    assert [tuple(c) for c in bench.OFF_GRID_CONFIGS] == [
+    assert [tuple(c) for c in grid.OFF_GRID_CONFIGS] == [
         (1, 16, 768, 12), (4, 100, 64, 4), (1, 128, 768, 12), (8, 128, 768, 12),
         (32, 200, 64, 4), (2, 256, 768, 12), (1, 1000, 64, 1), (1, 1024, 768, 12)]
 
@@ -480,35 +533,95 @@ def test_off_grid_preset_times_the_layer_against_pytorch_only(monkeypatch):
     def run_benchmark(**kwargs):
         raise Planned(kwargs)
 
-    monkeypatch.setattr(bench, "run_benchmark", run_benchmark)
+    monkeypatch.setattr(run, "run_benchmark", run_benchmark)
     with pytest.raises(Planned) as planned:
-        bench.main(["--off-grid"])
+        run.main(["--off-grid"])
     kwargs = planned.value.args[0]
-    assert kwargs["configs"] == bench.OFF_GRID_CONFIGS
+    assert kwargs["configs"] == grid.OFF_GRID_CONFIGS
     assert kwargs["kinds"] == ("layer",) and kwargs["impls"] == ("auto", "torch")
-    assert kwargs["dtypes"] == ("float32", "float64") and kwargs["masks"] == bench.MASKS
+    assert kwargs["dtypes"] == ("float32", "float64") and kwargs["masks"] == grid.MASKS
     assert not kwargs["memory"] and not kwargs["training"] and kwargs["import_repeats"] == 0
     with pytest.raises(Planned) as planned:  # an explicit option still wins
-        bench.main(["--off-grid", "--configs", "2,8,16,2", "--dtypes", "float64"])
+        run.main(["--off-grid", "--configs", "2,8,16,2", "--dtypes", "float64"])
     assert [tuple(c) for c in planned.value.args[0]["configs"]] == [(2, 8, 16, 2)]
     assert planned.value.args[0]["dtypes"] == ["float64"]
     with pytest.raises(SystemExit) as exited:  # two presets: argparse's error
-        bench.main(["--off-grid", "--quick"])
+        run.main(["--off-grid", "--quick"])
     assert exited.value.code == 2
+
+
+def test_max_length_keeps_the_small_and_medium_shapes(monkeypatch, capsys):
+    # oracle: the grid's shapes listed by hand, cut at L <= 512 and L <= 128
+    class Planned(Exception):
+        pass
+
+    def run_benchmark(**kwargs):
+        raise Planned(kwargs)
+
+    monkeypatch.setattr(run, "run_benchmark", run_benchmark)
+    users = [(1, 6, 3, 1), (8, 16, 32, 4), (64, 8, 16, 2), (16, 32, 64, 4), (64, 33, 64, 1),
+             (32, 64, 128, 8)]
+    with pytest.raises(Planned) as planned:
+        run.main(["--max-length", "512"])
+    kwargs = planned.value.args[0]
+    assert [tuple(c) for c in kwargs["configs"]] == users + [(8, 128, 256, 8), (4, 512, 512, 8)]
+    assert kwargs["dtypes"] == ("float32", "float64") and kwargs["masks"] == grid.MASKS
+    assert kwargs["memory"] and kwargs["training"] and kwargs["import_repeats"] == 7
+    assert not kwargs["tiled_memory"]  # its L = 16384 is beyond the limit
+    with pytest.raises(Planned) as planned:
+        run.main(["--max-length", "128"])
+    assert [tuple(c) for c in planned.value.args[0]["configs"]] == users + [(8, 128, 256, 8)]
+    with pytest.raises(Planned) as planned:  # with a preset: its shapes, cut
+        run.main(["--off-grid", "--max-length", "128"])
+    assert [tuple(c) for c in planned.value.args[0]["configs"]] == [
+        (1, 16, 768, 12), (4, 100, 64, 4), (1, 128, 768, 12), (8, 128, 768, 12)]
+    with pytest.raises(Planned) as planned:  # the full grid still measures the tiled core
+        run.main([])
+    assert planned.value.args[0]["tiled_memory"]
+    with pytest.raises(SystemExit) as exited:
+        run.main(["--max-length", "5"])
+    assert exited.value.code == 2
+    assert "--max-length 5 leaves no configuration" in capsys.readouterr().err
+
+
+def test_missing_pytorch_is_said_once(tmp_path):
+    # oracle: the command's own output, in a fresh process whose `import torch`
+    # fails (a torch.py raising ImportError first on PYTHONPATH, inherited by
+    # the worker processes): two shapes x two masks, the training steps, yet
+    # one note on stderr and one line in the report
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "torch.py").write_text("raise ImportError('PyTorch hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=str(hidden))
+    argv = ["--configs", "1,16,16,2", "1,130,16,2", "--dtypes", "float64", "--kinds", "layer",
+            "--impls", "auto", "torch", "--repeats", "1", "--no-memory", "--import-repeats", "0",
+            "--pause", "0", "--gemm-size", "128", "--round-time", "0.001"]
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS_DIR, "run.py"), *argv],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    hint = workloads.TORCH_MISSING
+    assert done.stderr.count(hint) == 1, done.stderr
+    assert done.stderr.index(hint) < done.stderr.index("[1/"), done.stderr  # up front
+    assert done.stdout.count(hint) == 1 and "MISSING" not in done.stdout, done.stdout
+    assert "torch not installed" in done.stdout
+    assert "No attention comparison with PyTorch was measured: PyTorch is not installed." in done.stdout
+    # one row per shape and mask: qkvnp's default path; none for PyTorch
+    assert done.stdout.count("(1,16,16,2)") == 2 and done.stdout.count("(1,130,16,2)") == 2
+    assert "kv-recall  float64" in done.stdout and "teacher    float64" in done.stdout
 
 
 @pytest.mark.parametrize("kind", ["layer", "core"])
 def test_causal_problem_changes_the_output(kind):
     # oracle: a behavioural property; under the causal mask, changing the last
     # position's input does not change the first position's output
-    problem = bench.make_problem(kind, TINY, "float64", causal=True)
-    out = bench.make_runner("reference", problem).result()["out"]
-    plain = bench.make_runner("reference", bench.make_problem(kind, TINY, "float64")).result()["out"]
+    problem = workloads.make_problem(kind, TINY, "float64", causal=True)
+    out = workloads.make_runner("reference", problem).result()["out"]
+    plain = workloads.make_runner("reference", workloads.make_problem(kind, TINY, "float64")).result()["out"]
     assert out.shape == plain.shape
     assert not np.allclose(out, plain)
     name = "x" if kind == "layer" else "key"
     problem.arrays[name][..., -1, :] += 1.0
-    changed = bench.make_runner("reference", problem).result()["out"]
+    changed = workloads.make_runner("reference", problem).result()["out"]
     np.testing.assert_array_equal(changed[..., 0, :], out[..., 0, :])
 
 
@@ -518,7 +631,7 @@ def test_worker_process_checks_and_times_one_library(tmp_path):
     # threads differently); the round protocol returns one time per round
     import workers
 
-    with workers.WorkerPool(bench.CHILD_PATH) as pool:
+    with workers.WorkerPool(machine.CHILD_PATH) as pool:
         worker = pool.get("fast")
         spec = {"kind": "layer", "config": list(TINY), "dtype": "float64", "causal": True,
                 "impl": "fast"}
@@ -527,10 +640,10 @@ def test_worker_process_checks_and_times_one_library(tmp_path):
         assert reply["dispatch"]["path"] == "fast"
         with np.load(tmp_path / "r.npz") as stored:
             results = dict(stored)
-        expected = bench.make_runner("fast", bench.make_problem("layer", TINY, "float64",
+        expected = workloads.make_runner("fast", workloads.make_problem("layer", TINY, "float64",
                                                                  causal=True)).result()
         assert sorted(results) == sorted(expected)
-        check = bench.cross_check(results, expected, "float64")
+        check = crosscheck.cross_check(results, expected, "float64")
         assert check.ok, check
         seconds, calls = workers.time_alternating({"fast": worker}, "fwd_bwd", repeats=3,
                                                   warmup=1, pause=0, round_seconds=0.001)
@@ -556,8 +669,8 @@ def test_process_case_refuses_a_wrong_result(monkeypatch):
             if op == "setup":
                 return {"library": "qkvnp"}
             if op == "result":
-                problem = bench.make_problem("layer", TINY, "float64")
-                results = bench.make_runner("reference", problem).result()
+                problem = workloads.make_problem("layer", TINY, "float64")
+                results = workloads.make_runner("reference", problem).result()
                 results["dx"] = results["dx"] * self.scale
                 np.savez(fields["path"], **results)
                 return {"saved": fields["path"]}
@@ -570,7 +683,7 @@ def test_process_case_refuses_a_wrong_result(monkeypatch):
             return FakeWorker(impl, 1.001 if impl == "fast" else 1.0)
 
     monkeypatch.setattr(workers.time, "sleep", lambda seconds: None)
-    records = bench._run_case_in_processes("layer", TINY, np.dtype("float64"), ["fast", "auto"],
+    records = bench.run_case_in_processes("layer", TINY, np.dtype("float64"), ["fast", "auto"],
                                            repeats=2, warmup=0, pause=0.1, pool=FakePool())
     by_impl = {r["impl"]: r for r in records}
     assert by_impl["fast"]["status"] == "refused" and by_impl["fast"]["fwd_bwd"] is None
@@ -641,7 +754,7 @@ def test_summary_states_each_result_plainly():
 
 
 def test_printed_report_has_no_target_list_unless_asked():
-    report = {"environment": bench.environment_info(), "gemm_peak_gflops": {"float32": 100.0},
+    report = {"environment": machine.environment_info(), "gemm_peak_gflops": {"float32": 100.0},
               "settings": {"impls": ["auto", "torch"], "repeats": 7, "warmup": 1,
                            "pause_s": 0.3, "gemm_size": 2048},
               "import_time": {"ratio": 1.1, "numpy_ms": 50.0, "qkvnp_ms": 55.0,
@@ -654,11 +767,11 @@ def test_printed_report_has_no_target_list_unless_asked():
                                         "q1_ms": 8.0, "q3_ms": 10.0, "gflops": 1.0,
                                         "percent_peak": 1.0})
                           for impl, ratio in (("auto", 0.9), ("torch", 1.0))]}
-    plain = bench.format_report(report)
+    plain = format_report(report)
     assert "issue" not in plain.lower() and "target" not in plain.lower()
     assert "qkvnp is 1.1x faster than PyTorch" in plain
     report["show_targets"] = True
-    assert "developers' targets (--targets" in bench.format_report(report)
+    assert "developers' targets (--targets" in format_report(report)
 
 
 def test_ratio_plot_has_one_series_per_dtype_and_mask(monkeypatch, tmp_path):
@@ -734,33 +847,33 @@ def test_kv_recall_floor_is_the_same_step(dtype):
 
 def test_report_states_what_the_second_core_adds():
     # oracle: hand-made peaks; 200 GFLOP/s on numpy's threads against 100 on one is 2.00x
-    report = {"environment": bench.environment_info(),
+    report = {"environment": machine.environment_info(),
               "settings": {"impls": [], "gemm_size": 2048, "repeats": 7, "warmup": 1, "pause_s": 0.3},
               "gemm_peak_gflops": {"float32": 200.0, "float64": 102.0},
               "gemm_one_thread_gflops": {"float32": 100.0, "float64": 100.0},
               "import_time": None, "records": []}
-    line = [line for line in bench.format_report(report).splitlines()
+    line = [line for line in format_report(report).splitlines()
             if line.startswith("GEMM on one BLAS thread")]
     assert line == ["GEMM on one BLAS thread (same products): float32 100.0 GFLOP/s (numpy's "
                     "threads give 2.00x it), float64 100.0 GFLOP/s (numpy's threads give 1.02x it)"]
     del report["gemm_one_thread_gflops"]  # reports of earlier runs have no such field
     assert not any(line.startswith("GEMM on one") for line in
-                   bench.format_report(report).splitlines())
+                   format_report(report).splitlines())
 
 
 def test_one_thread_gemm_peak_is_measured_on_one_thread():
     # oracle: the count numpy's OpenBLAS reports from inside the measurement
     seen = []
-    original = bench.measure_gemm_peak
+    original = machine.measure_gemm_peak
 
-    def spy(dtype, size=bench.GEMM_SIZE, repeats=5, blas=None):
+    def spy(dtype, size=machine.GEMM_SIZE, repeats=5, blas=None):
         if blas is None:
             functions = openblas_thread_functions()
             seen.append(functions[0]() if functions else None)
         return original(dtype, size, repeats, blas)
 
-    with mock.patch.object(bench, "measure_gemm_peak", spy):
-        gflops = bench.measure_gemm_peak("float64", 64, 1, blas=1)
+    with mock.patch.object(machine, "measure_gemm_peak", spy):
+        gflops = machine.measure_gemm_peak("float64", 64, 1, blas=1)
     if openblas_thread_functions():
         assert seen == [1] and gflops > 0
     else:

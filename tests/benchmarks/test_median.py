@@ -1,7 +1,7 @@
 """Tests of the median of several benchmark runs (benchmarks/median.py); no benchmark runs.
 
 Oracles: medians worked out by hand from small hand-made reports in the
-schema of ``bench.run_benchmark``; the summary of a single hand-made report
+schema of ``bench.run_benchmark`` (benchmarks/bench.py); the summary of a single hand-made report
 holding those medians (what the median report must read as); the file names
 and measurements each refusal must name.
 """
@@ -17,9 +17,10 @@ import pytest
 # as test_bench.py: the harness is imported from the checkout's benchmarks/
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                 os.pardir, "benchmarks"))
-import bench  # noqa: E402  (benchmarks/bench.py)
+import machine  # noqa: E402  (benchmarks/machine.py)
 import median  # noqa: E402  (benchmarks/median.py)
 import summary  # noqa: E402  (benchmarks/summary.py)
+from report import read_json  # noqa: E402  (benchmarks/report.py)
 
 SMALL, SMALL2, LONG = (1, 6, 3, 1), (8, 16, 32, 4), (1, 2048, 512, 8)
 
@@ -179,7 +180,7 @@ def test_command_prints_runs_spread_and_summary_without_targets(tmp_path, capsys
     assert "Summary (medians of 3 runs)" in out and "qkvnp is 2.2x faster" in out
     lowered = out.lower()
     assert "target" not in lowered and "issue" not in lowered and not re.search(r"#\s*\d", out)
-    written = bench.read_json(out_json)
+    written = read_json(out_json)
     assert written["median_of"] == 3 and written["summary"] == median.median_report(
         three_runs(), paths, median.combine(three_runs(), paths))["summary"]
     assert sorted(os.listdir(tmp_path)) == ["median.json", "run1.json", "run2.json", "run3.json"]
@@ -267,9 +268,9 @@ def test_the_median_report_is_not_taken_for_a_run(tmp_path, capsys):
 def test_commit_of_the_checkout_is_recorded(monkeypatch, tmp_path):
     # oracle: git's own hash of a throw-away repository's commit, then "-dirty"
     # once a tracked file changes; outside a git checkout (a wheel): None
-    monkeypatch.setattr(bench, "CHILD_PATH", [bench.CHILD_PATH[0], str(tmp_path)])
-    assert bench.checkout_commit() is None
-    assert "commit" in bench.environment_info()
+    monkeypatch.setattr(machine, "CHILD_PATH", [machine.CHILD_PATH[0], str(tmp_path)])
+    assert machine.checkout_commit() is None
+    assert "commit" in machine.environment_info()
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
@@ -283,7 +284,7 @@ def test_commit_of_the_checkout_is_recorded(monkeypatch, tmp_path):
     git("add", "file.txt")
     git("commit", "-q", "-m", "one")
     head = git("rev-parse", "HEAD").strip()
-    commit = bench.checkout_commit()
+    commit = machine.checkout_commit()
     assert commit and head.startswith(commit)
     (tmp_path / "file.txt").write_text("two")
-    assert bench.checkout_commit() == commit + "-dirty"
+    assert machine.checkout_commit() == commit + "-dirty"
