@@ -35,6 +35,7 @@ from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split_heads_backward,
                     split_heads_forward)
 from .masks import prepare_mask
+from .overflow import product
 
 __all__ = [
     "softmax",
@@ -453,8 +454,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
 
-    scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (..., T, D) @ (..., D, S) -> (..., T, S)
-    scores = _clip_overflow(scores)
+    # NOTE: exact where the exact score fits the dtype, even when partial
+    # products overflow; beyond the range, +-inf is clipped to +-max (qkvnp.overflow)
+    scores = product(query, np.swapaxes(key, -1, -2), scale, clip=True)  # (..., T, D) @ (..., D, S) -> (..., T, S)
     if bias is not None:
         scores = np.minimum(scores + bias, np.finfo(scores.dtype).max)  # -inf stays -inf
     if keep is not None:
@@ -485,14 +487,6 @@ def dropped_weights(cache):
     kept = cache.weights * cache.dropout_mask  # (..., T, S)
     kept *= keep_scale(cache.dropout_p, kept.dtype)
     return kept
-
-
-def _clip_overflow(scores):
-    """Replace overflowed scores (inf, or NaN from inf - inf) by finite values."""
-    if np.isfinite(scores).all():
-        return scores
-    big = np.finfo(scores.dtype).max
-    return np.nan_to_num(scores, nan=0.0, posinf=big, neginf=-big)
 
 
 def attention_backward(dout, cache, check=True, *, key_is_value=False):
