@@ -566,25 +566,39 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
     if check:
         dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
                                 weights.dtype)
-    return _attention_backward(dout, cache, key_is_value)
+    grads = _attention_backward(dout, cache, key_is_value)
+    if key_is_value == "factors" or all(np.isfinite(g).all() for g in grads if g is not None):
+        return grads
+    # NOTE: an inf or NaN gradient of finite inputs means that a product
+    # overflowed: once more with products that overflow only where the
+    # exact result does (qkvnp.overflow); what is still inf is so exactly
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _attention_backward(dout, cache, key_is_value, careful=True)
 
 
-def _attention_backward(dout, cache, key_is_value=False):
-    """:func:`attention_backward` of a ``dout`` already checked and cast."""
+def _attention_backward(dout, cache, key_is_value=False, careful=False):
+    """:func:`attention_backward` of a ``dout`` already checked and cast.
+
+    ``careful``: every product through :func:`qkvnp.overflow.product`, and the
+    softmax backward as ``P dP - P delta`` (no ``inf * 0`` where ``P = 0``).
+    """
     query, key, value, weights, scale = cache[:5]
+    matmul = product if careful else _product
     # O = P~ V with P~ = P, or P * Z / (1 - p) after dropout: dV = P~^T dO, dP = (dO V^T) * Z / (1 - p)
     kept = weights if cache.dropout_mask is None else dropped_weights(cache)  # P~, (..., T, S)
     if not key_is_value:  # else dV joins dK in one product below
-        dvalue = _product(np.swapaxes(kept, -1, -2), dout)  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
-    dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+        dvalue = matmul(np.swapaxes(kept, -1, -2), dout)  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+    dweights = matmul(dout, np.swapaxes(value, -1, -2))  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
     if cache.dropout_mask is not None:
         dweights *= cache.dropout_mask
         dweights *= keep_scale(cache.dropout_p, dweights.dtype)
     if weights.shape != dweights.shape:
         weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
-    dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
-    dquery = dscores @ key  # (..., T, S) @ (..., S, D) -> (..., T, D)
-    dquery *= scale  # in place: new arrays, whose allocation costs as much as the multiply
+    if careful:  # P dP - P delta: each term finite, unlike dP - delta
+        dscores = weights * dweights - weights * np.sum(weights * dweights, axis=-1, keepdims=True)
+    else:
+        dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
+    dquery = matmul(dscores, key, scale)  # (..., T, S) @ (..., S, D) -> (..., T, D)
     if key_is_value:  # dX = c dS^T Q + P~^T dO = [c dS; P~]^T [Q; dO] (Notes)
         dscores *= scale
         left = np.concatenate(np.broadcast_arrays(dscores, kept), axis=-2)  # (..., 2T, S)
@@ -592,10 +606,9 @@ def _attention_backward(dout, cache, key_is_value=False):
         dquery = sum_to_shape(dquery, query.shape)
         if key_is_value == "factors":
             return dquery, (left, right), None
-        dkey = np.swapaxes(left, -1, -2) @ right  # (..., S, 2T) @ (..., 2T, D) -> (..., S, D)
+        dkey = matmul(np.swapaxes(left, -1, -2), right)  # (..., S, 2T) @ (..., 2T, D) -> (..., S, D)
         return dquery, sum_to_shape(dkey, key.shape), None
-    dkey = _product(np.swapaxes(dscores, -1, -2), query)  # (..., S, T) @ (..., T, D) -> (..., S, D)
-    dkey *= scale
+    dkey = matmul(np.swapaxes(dscores, -1, -2), query, scale)  # (..., S, T) @ (..., T, D) -> (..., S, D)
     return (
         sum_to_shape(dquery, query.shape),
         sum_to_shape(dkey, key.shape),
@@ -603,16 +616,17 @@ def _attention_backward(dout, cache, key_is_value=False):
     )
 
 
-def _product(a, b):
-    """``a @ b``; a contraction of length 1 (one query row) as the outer products it is.
+def _product(a, b, factor=1.0):
+    """``(a @ b) * factor``; a contraction of length 1 (one query row) as the outer products it is.
 
     NOTE: numpy's batched matmul takes a slow loop when the contracted axis has
     length 1: (64, 16, 1) @ (64, 1, 64) float32 took 88 us, einsum 18 us (same
     products, no sums).
     """
-    if a.shape[-1] == 1:
-        return np.einsum("...ik,...kj->...ij", a, b)
-    return a @ b
+    out = np.einsum("...ik,...kj->...ij", a, b) if a.shape[-1] == 1 else a @ b
+    if factor != 1.0:
+        out *= factor  # in place: new arrays, whose allocation costs as much as the multiply
+    return out
 
 
 def scaled_dot_product_attention(

@@ -74,10 +74,11 @@ def product(a, b, factor=1.0, clip=False):
     >>> product(np.array([[1e308]]), np.array([[10.0]]), clip=True)
     array([[1.79769313e+308]])
     """
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = a @ b  # (..., M, K) @ (..., K, N) -> (..., M, N)
-        if factor != 1.0:
-            out *= factor  # in place: same values as (a @ b) * factor
+    # NOTE: no np.errstate here (3 us a call, against a 40 us forward at
+    # small shapes): numpy warns of an overflow, as it did before the rescue
+    out = a @ b  # (..., M, K) @ (..., K, N) -> (..., M, N)
+    if factor != 1.0:
+        out *= factor  # in place: same values as (a @ b) * factor
     if np.isfinite(out).all():
         return out
     if out.dtype.kind == "f":
