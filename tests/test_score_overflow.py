@@ -132,7 +132,7 @@ def test_nan_is_never_turned_into_a_finite_score():
             CORES[path].attention_forward(q, k, v)
 
 
-@pytest.mark.parametrize("path", ["reference"])
+@pytest.mark.parametrize("path", sorted(CORES))
 def test_gradients_stay_exact_when_products_with_huge_values_overflow(path):
     """Oracle: homogeneity. The gradients of the queries and keys are linear in
     the values and those of the values do not depend on them, so the
@@ -276,3 +276,30 @@ def test_kv_cache_decoding_near_1e160_equals_the_full_causal_forward(impl, layer
     assert steps.shape == full.shape == want.shape
     np.testing.assert_allclose(full, want, rtol=0, atol=1e-12 * scale)
     np.testing.assert_allclose(steps, want, rtol=0, atol=1e-12 * scale)
+
+
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+def test_a_layer_with_values_near_the_float_maximum_is_exact(impl):
+    """Oracle: homogeneity in ``W_value``. SelfAttention's output is linear in
+    ``W_value``, so the reference layer with ``W_value`` scaled by 2**-8,
+    scaled back, gives it. The positive values reach ~1e308 and the scores
+    are equal: the fast cores' unnormalised sums of the values overflow,
+    so the calls go to the reference, and the dispatch says why. (The
+    backward is left out: its input gradient ``dv W_value^T`` is itself
+    near the float maximum here.)"""
+    rng = np.random.default_rng(11)
+    x = rng.uniform(0.5, 1.0, size=(2, 5, 8))
+    layer = qkvnp.SelfAttention(8, 8, rng=0, impl=impl)
+    layer.params["W_query"][...] = 0.0  # equal scores: each output is the mean of the values
+    layer.params["W_value"] = np.abs(layer.params["W_value"]) * 3e307  # positive values
+    oracle = qkvnp.SelfAttention(8, 8, rng=0, impl="reference")
+    oracle.load_state_dict({**layer.state_dict(), "W_value": layer.params["W_value"] * 2.0 ** -8})
+    with _quiet():
+        out = layer.forward(x)
+    want = oracle.forward(x) * 2.0 ** 8
+    assert out.shape == want.shape
+    assert np.abs(want).max() > float(np.finfo(np.float64).max) / 5  # a sum of 5 overflows
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    if impl != "reference":
+        assert layer.last_dispatch.path == "reference"
+        assert "values reach" in layer.last_dispatch.reason

@@ -65,7 +65,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
-                       core_scores_may_overflow, owned)
+                       core_scores_may_overflow, owned, values_may_overflow)
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
@@ -602,8 +602,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
-    if core_scores_may_overflow(query, key, scale):
-        # NOTE: scores near the float maximum: the reference's exact clipping
+    if core_scores_may_overflow(query, key, scale) or values_may_overflow(value):
+        # NOTE: scores or values near the float maximum: the reference's exact clipping
         # (its cache type tells attention_backward which backward to run)
         with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
             return F.attention_forward(*originals, attn_mask, is_causal, scale, dropout_p=dropout_p,

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
-                       core_scores_may_overflow, owned)
+                       core_scores_may_overflow, owned, values_may_overflow)
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
@@ -270,8 +270,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
     dropout_args = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
-    if core_scores_may_overflow(query, key, scale):
-        # NOTE: scores near the float maximum: the reference's exact clipping
+    if core_scores_may_overflow(query, key, scale) or values_may_overflow(value):
+        # NOTE: scores or values near the float maximum: the reference's exact clipping
         return _reference_forward(originals, is_causal, scale, block_size, out, dropout_args)
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]
