@@ -427,9 +427,15 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     .. math:: \\bar Q = c\\, \\bar S K, \\quad \\bar K = c\\, \\bar S^T Q
 
     A query row whose keys are all masked has ``P = 0``: its output row is 0
-    and no gradient flows through it. Scores that overflow (inputs of
-    magnitude ~1e150 in float64) are clipped to the dtype's largest finite
-    value, so the output stays finite; their gradient is taken as if unclipped.
+    and no gradient flows through it.
+
+    Near the float maximum: a score whose exact value fits the dtype is
+    computed as such, even when partial products of ``q . k`` overflow
+    (``[1e308, 1e308] . [10, -9]``), and so are the gradients
+    (:mod:`qkvnp.overflow`). A score whose exact value is beyond the range
+    is clipped to the dtype's largest finite value of its sign, so the
+    output stays finite; its gradient is taken as if unclipped. NaN is never
+    turned into a finite score (NaN and inf inputs are refused).
 
     Examples
     --------

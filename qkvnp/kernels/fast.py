@@ -135,7 +135,7 @@ def _exp_scores_careful(scores, query, key_t, mask):
     """
     big = np.finfo(scores.dtype).max
     np.matmul(query, key_t, out=scores)
-    np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
+    np.nan_to_num(scores, copy=False, nan=np.nan, posinf=big, neginf=-big)  # NaN stays NaN
     if mask is not None:
         scores += mask
         np.minimum(scores, big, out=scores)  # -inf stays -inf
@@ -578,10 +578,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     (:math:`G = \\bar S / r`, the softmax backward of the reference times the
     row sum). A fully masked row has :math:`E = 0` and :math:`r = 0`: output
     0 and no gradient; so does every row when there is no key at all
-    (``S = 0``, where the reference raises). Scores that overflow are clipped
-    as in the reference; since the scale is applied to Q first, where exactly
-    a product of huge inputs overflows can differ from the reference (both
-    stay finite).
+    (``S = 0``, where the reference raises). Scores that may come near the
+    float maximum, and values there, go to the reference (the cheap screens
+    :func:`qkvnp._checks.core_scores_may_overflow` and
+    :func:`qkvnp._checks.values_may_overflow`), which computes them exactly
+    and clips only what overflows exactly.
 
     Large score buffers are recycled between calls once nothing refers to
     them (the ``recycle_bytes`` setting).

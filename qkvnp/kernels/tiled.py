@@ -230,9 +230,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     as in the reference. With no keys at all (``S = 0``) every row is
     fully masked and the output is 0.
 
-    Overflowing scores are clipped to the dtype's largest value as in the
-    reference, except that the scale is folded into the queries first, so a
-    score overflows only if its scaled value does.
+    Scores that may come near the float maximum, and values there, go to
+    the reference path, which computes them exactly and clips only what
+    overflows exactly (:func:`qkvnp.functional.attention_forward`).
 
     Threads: the query blocks of the forward and the key blocks of the
     backward are shared between ``qkvnp.get_num_threads()`` Python threads
