@@ -606,7 +606,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if core_scores_may_overflow(query, key, scale) or values_may_overflow(value):
         # NOTE: scores or values near the float maximum: the reference's exact clipping
         # (its cache type tells attention_backward which backward to run)
-        with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
+        with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly, then clipped
             return F.attention_forward(*originals, attn_mask, is_causal, scale, dropout_p=dropout_p,
                                        rng=rng, dropout_mask=dropout_mask)
     (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
@@ -658,7 +658,7 @@ def attention_backward(dout, cache):
     if isinstance(cache, GroupedCache):  # the core's backward sums each group
         return grouped_backward(attention_backward, dout, cache)
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly
             return F.attention_backward(dout, cache)
     query, key, value, exp_scores, inv_sum, out, scale, shapes = cache[:8]
     dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype

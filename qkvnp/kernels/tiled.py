@@ -327,7 +327,7 @@ def _reference_forward(originals, is_causal, scale, block_size, out, dropout_arg
     """The reference forward, for scores near the float maximum, with this path's checks."""
     query, key, value, attn_mask = originals
     check_is_causal(is_causal)
-    with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
+    with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly, then clipped
         result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale,
                                             **dropout_args)
     lead = cache.weights.shape[:-2]
@@ -411,7 +411,7 @@ def attention_backward(dout, cache, grads_out=None, check=True):
     True
     """
     if isinstance(cache, (F.AttentionCache, GroupedCache)):  # reference, or grouped heads
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly
             if isinstance(cache, GroupedCache):  # the core's backward sums each group
                 grads = grouped_backward(attention_backward, dout, cache)
             else:  # a forward deferred to the reference
