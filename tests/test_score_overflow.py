@@ -164,7 +164,7 @@ def test_gradients_stay_exact_when_products_with_huge_values_overflow(path):
 
 
 def _identity_cross_layer(impl, dtype):
-    """MultiHeadAttention(2, 1) with every projection the identity: the cores' repro."""
+    """MultiHeadAttention(2, 1) with every projection the identity: the cores' inputs."""
     layer = qkvnp.MultiHeadAttention(2, 1, bias=False, rng=0, dtype=dtype, impl=impl)
     layer.load_state_dict({name: np.eye(2) for name in layer.state_dict()})
     return layer
@@ -172,7 +172,7 @@ def _identity_cross_layer(impl, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("impl", kernels.IMPLS)
-def test_the_repro_through_a_layer_on_every_impl(impl, dtype):
+def test_a_layer_is_exact_when_partial_products_of_a_finite_score_overflow(impl, dtype):
     """Oracle: the one-hot closed form of the cores' test, through identity
     projections: the output is key 0's value ``[1, 0]``."""
     size = REPRO[dtype]
