@@ -32,6 +32,7 @@ __all__ = [
     "abs_max",
     "projected_score_bound",
     "core_scores_may_overflow",
+    "values_may_overflow",
     "row_norm_max",
     "scores_may_overflow",
     "complex_step_mode",
@@ -595,6 +596,20 @@ def core_scores_may_overflow(query, key, scale):
                                query.dtype):
         return False
     return scores_may_overflow(abs(scale) * row_norm_max(query) * row_norm_max(key), query.dtype)
+
+
+def values_may_overflow(value):
+    """Whether ``max|v|`` reaches ``sqrt(finfo.max)`` (:func:`scores_may_overflow`'s limit).
+
+    The fast and tiled cores sum unnormalised weighted values (up to ``S
+    max|v|``) and multiply ``dO v^T`` in their backward, where the reference
+    sums normalised weights and recomputes an overflowed gradient exactly
+    (:mod:`qkvnp.overflow`); they defer to it from there on. One reduction.
+
+    >>> values_may_overflow(np.array([1e300, 1.0])), values_may_overflow(np.ones(2))
+    (True, False)
+    """
+    return scores_may_overflow(abs_max(value), value.dtype)
 
 
 def row_norm_max(x):

@@ -35,6 +35,7 @@ from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split_heads_backward,
                     split_heads_forward)
 from .masks import prepare_mask
+from .overflow import product
 
 __all__ = [
     "softmax",
@@ -426,9 +427,15 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     .. math:: \\bar Q = c\\, \\bar S K, \\quad \\bar K = c\\, \\bar S^T Q
 
     A query row whose keys are all masked has ``P = 0``: its output row is 0
-    and no gradient flows through it. Scores that overflow (inputs of
-    magnitude ~1e150 in float64) are clipped to the dtype's largest finite
-    value, so the output stays finite; their gradient is taken as if unclipped.
+    and no gradient flows through it.
+
+    Near the float maximum: a score whose exact value fits the dtype is
+    computed as such, even when partial products of ``q . k`` overflow
+    (``[1e308, 1e308] . [10, -9]``), and so are the gradients
+    (:mod:`qkvnp.overflow`). A score whose exact value is beyond the range
+    is clipped to the dtype's largest finite value of its sign, so the
+    output stays finite; its gradient is taken as if unclipped. NaN is never
+    turned into a finite score (NaN and inf inputs are refused).
 
     Examples
     --------
@@ -453,8 +460,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), query.dtype)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
 
-    scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (..., T, D) @ (..., D, S) -> (..., T, S)
-    scores = _clip_overflow(scores)
+    # NOTE: exact where the exact score fits the dtype, even when partial
+    # products overflow; beyond the range, +-inf is clipped to +-max (qkvnp.overflow)
+    scores = product(query, np.swapaxes(key, -1, -2), scale, clip=True)  # (..., T, D) @ (..., D, S) -> (..., T, S)
     if bias is not None:
         scores = np.minimum(scores + bias, np.finfo(scores.dtype).max)  # -inf stays -inf
     if keep is not None:
@@ -485,14 +493,6 @@ def dropped_weights(cache):
     kept = cache.weights * cache.dropout_mask  # (..., T, S)
     kept *= keep_scale(cache.dropout_p, kept.dtype)
     return kept
-
-
-def _clip_overflow(scores):
-    """Replace overflowed scores (inf, or NaN from inf - inf) by finite values."""
-    if np.isfinite(scores).all():
-        return scores
-    big = np.finfo(scores.dtype).max
-    return np.nan_to_num(scores, nan=0.0, posinf=big, neginf=-big)
 
 
 def attention_backward(dout, cache, check=True, *, key_is_value=False):
@@ -572,25 +572,39 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
     if check:
         dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
                                 weights.dtype)
-    return _attention_backward(dout, cache, key_is_value)
+    grads = _attention_backward(dout, cache, key_is_value)
+    if key_is_value == "factors" or all(np.isfinite(g).all() for g in grads if g is not None):
+        return grads
+    # NOTE: an inf or NaN gradient of finite inputs means that a product
+    # overflowed: once more with products that overflow only where the
+    # exact result does (qkvnp.overflow); what is still inf is so exactly
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _attention_backward(dout, cache, key_is_value, careful=True)
 
 
-def _attention_backward(dout, cache, key_is_value=False):
-    """:func:`attention_backward` of a ``dout`` already checked and cast."""
+def _attention_backward(dout, cache, key_is_value=False, careful=False):
+    """:func:`attention_backward` of a ``dout`` already checked and cast.
+
+    ``careful``: every product through :func:`qkvnp.overflow.product`, and the
+    softmax backward as ``P dP - P delta`` (no ``inf * 0`` where ``P = 0``).
+    """
     query, key, value, weights, scale = cache[:5]
+    matmul = product if careful else _product
     # O = P~ V with P~ = P, or P * Z / (1 - p) after dropout: dV = P~^T dO, dP = (dO V^T) * Z / (1 - p)
     kept = weights if cache.dropout_mask is None else dropped_weights(cache)  # P~, (..., T, S)
     if not key_is_value:  # else dV joins dK in one product below
-        dvalue = _product(np.swapaxes(kept, -1, -2), dout)  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
-    dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+        dvalue = matmul(np.swapaxes(kept, -1, -2), dout)  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+    dweights = matmul(dout, np.swapaxes(value, -1, -2))  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
     if cache.dropout_mask is not None:
         dweights *= cache.dropout_mask
         dweights *= keep_scale(cache.dropout_p, dweights.dtype)
     if weights.shape != dweights.shape:
         weights = np.broadcast_to(weights, dweights.shape)  # (..., T, S) -> (lead, T, S)
-    dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
-    dquery = dscores @ key  # (..., T, S) @ (..., S, D) -> (..., T, D)
-    dquery *= scale  # in place: new arrays, whose allocation costs as much as the multiply
+    if careful:  # P dP - P delta: each term finite, unlike dP - delta
+        dscores = weights * dweights - weights * np.sum(weights * dweights, axis=-1, keepdims=True)
+    else:
+        dscores = _softmax_backward(dweights, SoftmaxCache(weights, -1))  # (..., T, S)
+    dquery = matmul(dscores, key, scale)  # (..., T, S) @ (..., S, D) -> (..., T, D)
     if key_is_value:  # dX = c dS^T Q + P~^T dO = [c dS; P~]^T [Q; dO] (Notes)
         dscores *= scale
         left = np.concatenate(np.broadcast_arrays(dscores, kept), axis=-2)  # (..., 2T, S)
@@ -598,10 +612,9 @@ def _attention_backward(dout, cache, key_is_value=False):
         dquery = sum_to_shape(dquery, query.shape)
         if key_is_value == "factors":
             return dquery, (left, right), None
-        dkey = np.swapaxes(left, -1, -2) @ right  # (..., S, 2T) @ (..., 2T, D) -> (..., S, D)
+        dkey = matmul(np.swapaxes(left, -1, -2), right)  # (..., S, 2T) @ (..., 2T, D) -> (..., S, D)
         return dquery, sum_to_shape(dkey, key.shape), None
-    dkey = _product(np.swapaxes(dscores, -1, -2), query)  # (..., S, T) @ (..., T, D) -> (..., S, D)
-    dkey *= scale
+    dkey = matmul(np.swapaxes(dscores, -1, -2), query, scale)  # (..., S, T) @ (..., T, D) -> (..., S, D)
     return (
         sum_to_shape(dquery, query.shape),
         sum_to_shape(dkey, key.shape),
@@ -609,16 +622,17 @@ def _attention_backward(dout, cache, key_is_value=False):
     )
 
 
-def _product(a, b):
-    """``a @ b``; a contraction of length 1 (one query row) as the outer products it is.
+def _product(a, b, factor=1.0):
+    """``(a @ b) * factor``; a contraction of length 1 (one query row) as the outer products it is.
 
     NOTE: numpy's batched matmul takes a slow loop when the contracted axis has
     length 1: (64, 16, 1) @ (64, 1, 64) float32 took 88 us, einsum 18 us (same
     products, no sums).
     """
-    if a.shape[-1] == 1:
-        return np.einsum("...ik,...kj->...ij", a, b)
-    return a @ b
+    out = np.einsum("...ik,...kj->...ij", a, b) if a.shape[-1] == 1 else a @ b
+    if factor != 1.0:
+        out *= factor  # in place: new arrays, whose allocation costs as much as the multiply
+    return out
 
 
 def scaled_dot_product_attention(

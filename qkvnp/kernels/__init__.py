@@ -89,7 +89,8 @@ def _mib(nbytes):
     return f"{nbytes / (1 << 20):.3g} MiB"
 
 
-def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False):
+def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False,
+                value_bound=0.0):
     """The path a forward takes, and why: the only place a path is decided.
 
     Parameters
@@ -111,6 +112,9 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     is_causal : bool
         A causal mask (either alignment): the tiled core skips the blocks
         above the diagonal.
+    value_bound : float
+        ``max|value|``, when the fused kernels computed it
+        (:class:`qkvnp.kernels.mha.ScoresMayOverflow`).
 
     Returns
     -------
@@ -125,9 +129,10 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     :func:`set_block_sizes` settings). Weights requested keep the dense path:
     the tiled path never builds them, so ``impl="tiled"`` with weights falls
     back to the fast core, and says so. Scores that may come near the float
-    maximum (``score_bound >= sqrt(finfo.max)``) take the reference path
-    whatever ``impl`` says: only it clips overflowing scores exactly, and the
-    others would return inf or NaN gradients where it is finite. Dropout
+    maximum (``score_bound >= sqrt(finfo.max)``), and values there
+    (``value_bound``), take the reference path whatever ``impl`` says: only
+    it computes overflowing products exactly (:mod:`qkvnp.overflow`), and
+    the others would return inf or NaN where it is finite. Dropout
     does not enter the choice: every path has it, and draws the same mask
     from the same Generator state (:mod:`qkvnp.dropout`). Nor do grouped-query
     attention and both causal alignments: every path runs them.
@@ -142,6 +147,10 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     impl = check_impl(impl)
     if impl != "reference" and scores_may_overflow(score_bound, dtype):
         return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
+                                           f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
+                                           "reference path stays exact there")
+    if impl != "reference" and scores_may_overflow(value_bound, dtype):
+        return Dispatch(impl, "reference", f"values reach {value_bound:.3g}, beyond "
                                            f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
                                            "reference path stays exact there")
     sizes = get_block_sizes()  # arguments of the cached choice
@@ -248,7 +257,8 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
         except mha.ScoresMayOverflow as overflow:
             # the projections bound the scores beyond what the fused paths
             # keep exact: choose_path sends such scores to the reference
-            dispatch = choose_path(*path_args, score_bound=overflow.bound, is_causal=causal)
+            dispatch = choose_path(*path_args, score_bound=overflow.bound, is_causal=causal,
+                                   value_bound=overflow.value_bound)
             if overflow.dropout_mask is not None:  # drawn by the batch split: apply that one
                 dropout["dropout_mask"] = overflow.dropout_mask
     out, weights, cache = reference.forward(params, inputs, kind, num_heads, mask, is_causal,

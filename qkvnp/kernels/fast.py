@@ -65,7 +65,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
-                       core_scores_may_overflow, owned)
+                       core_scores_may_overflow, owned, values_may_overflow)
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
@@ -135,7 +135,7 @@ def _exp_scores_careful(scores, query, key_t, mask):
     """
     big = np.finfo(scores.dtype).max
     np.matmul(query, key_t, out=scores)
-    np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
+    np.nan_to_num(scores, copy=False, nan=np.nan, posinf=big, neginf=-big)  # NaN stays NaN
     if mask is not None:
         scores += mask
         np.minimum(scores, big, out=scores)  # -inf stays -inf
@@ -578,10 +578,11 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     (:math:`G = \\bar S / r`, the softmax backward of the reference times the
     row sum). A fully masked row has :math:`E = 0` and :math:`r = 0`: output
     0 and no gradient; so does every row when there is no key at all
-    (``S = 0``, where the reference raises). Scores that overflow are clipped
-    as in the reference; since the scale is applied to Q first, where exactly
-    a product of huge inputs overflows can differ from the reference (both
-    stay finite).
+    (``S = 0``, where the reference raises). Scores that may come near the
+    float maximum, and values there, go to the reference (the cheap screens
+    :func:`qkvnp._checks.core_scores_may_overflow` and
+    :func:`qkvnp._checks.values_may_overflow`), which computes them exactly
+    and clips only what overflows exactly.
 
     Large score buffers are recycled between calls once nothing refers to
     them (the ``recycle_bytes`` setting).
@@ -602,10 +603,10 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
-    if core_scores_may_overflow(query, key, scale):
-        # NOTE: scores near the float maximum: the reference's exact clipping
+    if core_scores_may_overflow(query, key, scale) or values_may_overflow(value):
+        # NOTE: scores or values near the float maximum: the reference's exact clipping
         # (its cache type tells attention_backward which backward to run)
-        with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
+        with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly, then clipped
             return F.attention_forward(*originals, attn_mask, is_causal, scale, dropout_p=dropout_p,
                                        rng=rng, dropout_mask=dropout_mask)
     (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
@@ -657,7 +658,7 @@ def attention_backward(dout, cache):
     if isinstance(cache, GroupedCache):  # the core's backward sums each group
         return grouped_backward(attention_backward, dout, cache)
     if isinstance(cache, F.AttentionCache):  # a forward deferred to the reference
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly
             return F.attention_backward(dout, cache)
     query, key, value, exp_scores, inv_sum, out, scale, shapes = cache[:8]
     dout = as_upstream_grad(dout, "dout", out.shape, out.dtype)  # no copy if already out.dtype

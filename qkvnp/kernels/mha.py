@@ -44,7 +44,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from .._checks import as_upstream_grad, owned, projected_score_bound, scores_may_overflow
+from .._checks import (abs_max, as_upstream_grad, owned, projected_score_bound,
+                       scores_may_overflow)
 from ..dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
 from ..gqa import split_head_axis
@@ -130,29 +131,40 @@ class ScoresMayOverflow(Exception):
         The bound (:func:`projected_score_bound`), inf or NaN when a
         projection overflowed.
     dropout_mask : ndarray of bool or None
+    value_bound : float
+        ``max|v|`` of the value projection when it was computed (0.0 if
+        not): values from ``sqrt(finfo.max)`` on take the reference path too.
     """
 
-    def __init__(self, bound, dropout_mask=None):
-        super().__init__(f"scores may reach {bound:.3g}")
+    def __init__(self, bound, dropout_mask=None, value_bound=0.0):
+        super().__init__(f"scores may reach {bound:.3g}, values {value_bound:.3g}")
         self.bound = bound
         self.dropout_mask = dropout_mask
+        self.value_bound = value_bound
 
 
-def check_score_bound(whole_query, whole_key, query, key, head_dim, dtype):
-    """Raise :class:`ScoresMayOverflow` when the projections bound the scores at the limit.
+def check_score_bound(whole_query, whole_key, query, key, head_dim, dtype, value=None,
+                      values_apart=False):
+    """Raise :class:`ScoresMayOverflow` when the projections bound the scores, or the values, at the limit.
 
     NOTE: first a looser bound, from the whole fused projections that hold
     the queries (``whole_query``) and the keys (``whole_key``), values
     included: contiguous reductions, where the query and key columns are
     strided views. Only a screen at the limit pays for the exact bound from
     ``query`` and ``key``, whose value the dispatch reports. (64, 8, 16, 2)
-    float32: 17 -> 4 us; (64, 33, 64, 1): 106 -> 44 us.
+    float32: 17 -> 4 us; (64, 33, 64, 1): 106 -> 44 us. The same screen
+    bounds ``max|value|`` (``D max|y|^2 < sqrt(max)`` gives ``max|y| <
+    sqrt(max)``), except with ``values_apart`` (cross attention: the values
+    have a projection of their own), which pays for one reduction of them.
     """
     bound = projected_score_bound(whole_query, whole_key, head_dim)
-    if scores_may_overflow(bound, dtype):
-        bound = projected_score_bound(query, key, head_dim)
+    if values_apart or scores_may_overflow(bound, dtype):
+        value_bound = 0.0 if value is None else abs_max(value)
         if scores_may_overflow(bound, dtype):
-            raise ScoresMayOverflow(bound)  # before any draw from rng: the reference draws it
+            bound = projected_score_bound(query, key, head_dim)
+        if scores_may_overflow(bound, dtype) or scores_may_overflow(value_bound, dtype):
+            # before any draw from rng: the reference draws it
+            raise ScoresMayOverflow(bound, value_bound=value_bound)
 
 
 #: The parameter stems each fused input projection covers, by layer kind.
@@ -346,7 +358,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         fused_outputs.append(y)
         projected.extend(columns)
     keys_output = next(y for y, names in zip(fused_outputs, groups) if "key" in names)
-    check_score_bound(fused_outputs[0], keys_output, projected[0], projected[1], D, dtype)
+    check_score_bound(fused_outputs[0], keys_output, projected[0], projected[1], D, dtype,
+                      projected[2], values_apart=kind == "cross")
     if path == "fast" and dropout is not None and dropout.mask is None:
         # the tiled core draws its own mask by blocks
         dropout = prepare_dropout(dropout_p, rng, None, lead + (T, S))
@@ -634,7 +647,7 @@ def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need
     try:
         run(task, list(enumerate(shares)))
     except ScoresMayOverflow as overflow:  # the reference must apply the mask drawn above
-        raise ScoresMayOverflow(overflow.bound, dropout_mask) from None
+        raise ScoresMayOverflow(overflow.bound, dropout_mask, overflow.value_bound) from None
     weights = np.concatenate([result[1] for result in results]) if need_weights else None
     caches = tuple(result[2] for result in results)
     return out, weights, SplitLayerCache("fast", kind, shares, caches, out.shape,

@@ -142,7 +142,7 @@ def forward(params, x, num_heads, mask, is_causal, need_weights, out_proj, works
         b[:E] *= dtype.type(scale)
         projected += b
     q, k, v = _head_views(projected, batch, T, H, 3, out_proj)
-    check_bound(projected, projected, q, k, E // num_heads, dtype)
+    check_bound(projected, projected, q, k, E // num_heads, dtype, v)
     (out_heads,) = _head_views(merged, batch, T, H, 1, out_proj)
     mask = additive_mask(bias, keep, dtype)
     inv_sum = np.empty(weights.shape[:-1] + (1,), dtype)  # (..., H, T, 1)

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
-                       core_scores_may_overflow, owned)
+                       core_scores_may_overflow, owned, values_may_overflow)
 from ..functional import sum_to_shape
 from ..dropout import dense_keep, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
@@ -230,9 +230,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     as in the reference. With no keys at all (``S = 0``) every row is
     fully masked and the output is 0.
 
-    Overflowing scores are clipped to the dtype's largest value as in the
-    reference, except that the scale is folded into the queries first, so a
-    score overflows only if its scaled value does.
+    Scores that may come near the float maximum, and values there, go to
+    the reference path, which computes them exactly and clips only what
+    overflows exactly (:func:`qkvnp.functional.attention_forward`).
 
     Threads: the query blocks of the forward and the key blocks of the
     backward are shared between ``qkvnp.get_num_threads()`` Python threads
@@ -270,8 +270,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
     dropout_args = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
-    if core_scores_may_overflow(query, key, scale):
-        # NOTE: scores near the float maximum: the reference's exact clipping
+    if core_scores_may_overflow(query, key, scale) or values_may_overflow(value):
+        # NOTE: scores or values near the float maximum: the reference's exact clipping
         return _reference_forward(originals, is_causal, scale, block_size, out, dropout_args)
     T, D = query.shape[-2:]
     S, Dv = value.shape[-2:]
@@ -327,7 +327,7 @@ def _reference_forward(originals, is_causal, scale, block_size, out, dropout_arg
     """The reference forward, for scores near the float maximum, with this path's checks."""
     query, key, value, attn_mask = originals
     check_is_causal(is_causal)
-    with np.errstate(over="ignore"):  # overflowing scores are clipped, as documented
+    with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly, then clipped
         result, cache = F.attention_forward(query, key, value, attn_mask, is_causal, scale,
                                             **dropout_args)
     lead = cache.weights.shape[:-2]
@@ -411,7 +411,7 @@ def attention_backward(dout, cache, grads_out=None, check=True):
     True
     """
     if isinstance(cache, (F.AttentionCache, GroupedCache)):  # reference, or grouped heads
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly
             if isinstance(cache, GroupedCache):  # the core's backward sums each group
                 grads = grouped_backward(attention_backward, dout, cache)
             else:  # a forward deferred to the reference

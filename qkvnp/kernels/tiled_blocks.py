@@ -91,7 +91,7 @@ def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, causal, safe, s
             np.matmul(qs_block, np.swapaxes(k_block, -1, -2), out=scores)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
         if not np.isfinite(scores).all():
             big = np.finfo(scores.dtype).max
-            np.nan_to_num(scores, copy=False, nan=0.0, posinf=big, neginf=-big)
+            np.nan_to_num(scores, copy=False, nan=np.nan, posinf=big, neginf=-big)  # NaN stays NaN
     if bias is not None:
         with np.errstate(over="ignore"):
             np.add(scores, _mask_block(bias, i0, i1, j0, j1), out=scores)
