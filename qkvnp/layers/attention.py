@@ -79,11 +79,6 @@ class _AttentionLayer(Layer):
         """The path the calling thread's last forward ran and why (None before one)."""
         return self._thread.dispatch
 
-    @property
-    def _decoded(self):
-        """The calling thread's last forward was a kv_cache decoding step."""
-        return self._thread.decoded
-
     def _decode(self, query, attn_mask, is_causal, key_padding_mask, return_weights, kv_cache,
                 dropout_mask):
         """``forward(query, kv_cache=...)``: one inference-only decoding step (no dropout).
@@ -107,16 +102,18 @@ class _AttentionLayer(Layer):
 
     def _need_cache(self):
         """:meth:`Layer._need_cache`, which also refuses a backward after a decoding step."""
-        if getattr(self, "_cache", None) is None and self._decoded:
+        state = self._thread
+        if state.cache is None and state.decoded:
             name = type(self).__name__
             raise RuntimeError(f"{name}.backward after a kv_cache decoding step: "
                                "forward(x, kv_cache=...) is inference only and keeps nothing "
                                "for a backward; train with forward(x, is_causal=True)")
         return super()._need_cache()
 
-    def _kernel_backward(self, dout, retain_cache):
-        """Run :func:`qkvnp.kernels.layer_backward`; accumulate; return the input gradients."""
-        cache = self._need_cache()
+    def _kernel_backward(self, dout, retain_cache, cache=None):
+        """Run :func:`qkvnp.kernels.layer_backward` on ``cache`` (default the calling
+        thread's, :meth:`_need_cache`); accumulate; return the input gradients."""
+        cache = self._need_cache() if cache is None else cache
         grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
         self._accumulate_all(grads)  # one lock for the 8 additions
         self._release_cache(retain_cache)
@@ -596,8 +593,9 @@ class MultiHeadAttention(_AttentionLayer):
             Without a forward cache to use (see :class:`Layer`), or after a
             ``kv_cache`` decoding step (inference only).
         """
-        kind = self._need_cache().kind
-        dinputs = self._kernel_backward(dout, retain_cache)
+        cache = self._need_cache()
+        kind = cache.kind
+        dinputs = self._kernel_backward(dout, retain_cache, cache)
         if kind == "self":
             return dinputs[0]  # the input fed query, key and value: their sum
         if kind == "key_only":

@@ -261,14 +261,12 @@ class Layer(ABC):
                 if name in own:
                     own[name] += grad
 
-    @property
-    def _thread(self):
-        """The calling thread's state of this layer (:class:`_ThreadState`)."""
-        state = self.__dict__.get("_thread_state")
-        if state is None:
-            # NOTE: setdefault is atomic: two threads asking first get one state
-            state = self.__dict__.setdefault("_thread_state", _ThreadState())
-        return state
+    def __new__(cls, *args, **kwargs):
+        """A layer with its per-thread state (before any ``__init__``, which subclasses
+        need not chain; ``copy`` and ``pickle`` come through here too)."""
+        layer = super().__new__(cls)
+        layer.__dict__["_thread"] = _ThreadState()  # the calling thread's state of this layer
+        return layer
 
     @property
     def _cache(self):
@@ -290,7 +288,7 @@ class Layer(ABC):
     def __getstate__(self):
         """For ``copy`` and ``pickle``: everything but the per-thread caches."""
         state = dict(self.__dict__)
-        state.pop("_thread_state", None)
+        del state["_thread"]
         return state
 
     def __setstate__(self, state):
