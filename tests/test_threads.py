@@ -169,3 +169,33 @@ def test_the_cache_a_backward_uses_is_its_own_threads():
     thread.start()
     thread.join()
     assert "before forward" in str(errors[0].value)
+
+
+@pytest.mark.parametrize("path", ["fast", "tiled", "auto"])
+def test_threads_sharing_the_worker_pool_get_the_serial_results(path, fast_switching):
+    """The batch split and the cores' worker threads (2 threads, thresholds 0)
+    serve 8 calling threads at once: 8 x 50 forward/backward pairs match
+    the serial ones bit for bit."""
+    from qkvnp import kernels
+
+    layer = qkvnp.MultiHeadAttention(8, 2, rng=0, impl=path)
+    rng = np.random.default_rng(5)
+    problems = [(rng.normal(size=(4, 5, 8)), rng.normal(size=(4, 5, 8))) for _ in range(4)]
+    wrong = []
+    with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0, min_parallel_flops=0):
+        serial = []
+        for x, dout in problems:
+            out = layer.forward(x, is_causal=True)
+            serial.append((out, layer.backward(dout)))
+
+        def work(thread):
+            for call in range(50):
+                i = (thread + call) % len(problems)
+                x, dout = problems[i]
+                out = layer.forward(x, is_causal=True)
+                dx = layer.backward(dout)
+                if not (np.array_equal(out, serial[i][0]) and np.array_equal(dx, serial[i][1])):
+                    wrong.append((thread, call))
+
+        _in_threads(work)
+    assert not wrong, f"{len(wrong)} of {THREADS * 50} pairs differ, first {wrong[:3]}"

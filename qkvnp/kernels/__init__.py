@@ -224,6 +224,14 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     cache : ReferenceLayerCache, FusedLayerCache or SplitLayerCache
         For :func:`layer_backward`.
     dispatch : Dispatch
+
+    Notes
+    -----
+    Every path writes only into memory this call owns (fresh arrays, or a
+    buffer of the pool of :func:`qkvnp.kernels._runtime.recycled_empty` that
+    no array refers to), and its cache keeps copies of the weights it read:
+    a refused call, another thread's call or a parameter edited before the
+    backward changes no cache (:class:`qkvnp.layers.Layer`).
     """
     T, S = inputs[0].shape[-2], inputs[-1].shape[-2]
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
