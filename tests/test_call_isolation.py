@@ -49,6 +49,9 @@ LAYERS = {
     "MultiHeadAttention cross": lambda impl: qkvnp.MultiHeadAttention(8, 2, kdim=6, vdim=5,
                                                                       rng=0, impl=impl),
     "SelfAttention": lambda impl: qkvnp.SelfAttention(8, 6, qkv_bias=True, rng=0, impl=impl),
+    # training mode: the refused call draws no mask from dropout_rng either
+    "MultiHeadAttention dropout": lambda impl: qkvnp.MultiHeadAttention(8, 2, rng=0, impl=impl,
+                                                                        dropout=0.3),
 }
 
 
