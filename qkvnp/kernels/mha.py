@@ -52,7 +52,7 @@ from . import fast, mha_small, tiled
 from ._runtime import matmul, recycled_empty, run, threads_for
 
 __all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "CACHES",
-           "PATHS", "ScoresMayOverflow", "projected_score_bound", "weights_apart", "read_weights"]
+           "PATHS", "ScoresMayOverflow", "projected_score_bound", "weights_apart"]
 
 #: The cores this module runs a layer on.
 PATHS = ("fast", "tiled")
@@ -158,7 +158,7 @@ _GROUPS = {"self": (("query", "key", "value"),),
            "cross": (("query",), ("key",), ("value",))}
 
 
-def read_weights(params, out_proj):
+def _read_weights(params, out_proj):
     """``params`` with ``W_out`` copied: the weights a forward reads by reference.
 
     NOTE: a backward differentiates the forward as it ran
@@ -274,7 +274,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     # owns: nothing of an earlier call's cache is reused, so a late refusal
     # (ScoresMayOverflow, then the reference's ValueError) or another thread's
     # call can change no other cache.
-    params = read_weights(params, out_proj)
+    params = _read_weights(params, out_proj)
     if (kind == "self" and path == "fast" and no_dropout(dropout_p, dropout_mask)
             and mha_small.applies(params, inputs[0], num_heads, out_proj)):
         result = mha_small.forward(params, inputs[0], num_heads, mask, is_causal, need_weights,
@@ -324,7 +324,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
             # fewer rows than input features: one product per matrix, each
             # written into its columns of y, and the scale applied to the
             # query's N rows, not to W_query's `in` rows (see weights_apart)
-            W = tuple(p["W_" + name].copy() for name in names)  # the cache's (read_weights)
+            W = tuple(p["W_" + name].copy() for name in names)  # the cache's (_read_weights)
             for W_name, y_name in zip(W, columns):
                 matmul(x2d, W_name, y_name, blas_threads=blas)  # (N, in) @ (in, width)
             if has_bias:

@@ -51,7 +51,7 @@ weights : (..., H, T, S) the softmax weights ``P`` (normalised in place).
 out_heads : (..., H, T, D) view of ``merged``, the core's output.
 merged : (N, E) the heads merged, input of ``W_out``.
 W_out : (E, out_dim), or None for SelfAttention (no output projection); the
-    forward's copy (:func:`qkvnp.kernels.mha.read_weights`), not the parameter.
+    forward's copy, not the parameter (:class:`qkvnp.layers.Layer`).
 out_shape : shape of the forward output ``(..., T, out_dim)``.
 has_bias, has_out_bias : bool, ``b_query/b_key/b_value`` and ``b_out`` exist.
 projected : (N, 3E) the fused projection, this forward's own array.
