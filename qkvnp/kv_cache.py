@@ -12,6 +12,7 @@ only: the layer keeps no cache for a backward (which then raises
 ``RuntimeError``), as PyTorch's ``torch.no_grad()`` decoding loops.
 """
 import weakref
+from collections import namedtuple
 
 import numpy as np
 
@@ -100,20 +101,51 @@ class KVCache:
 
     def append(self, layer, key, value):
         """Append the ``T`` new keys and values ``(..., K, T, D)``; return all ``S`` of each."""
+        staged = self._stage(layer, key, value)
+        self._commit(staged)
+        return self.key, self.value
+
+    def _stage(self, layer, key, value):
+        """The ``S`` keys and values with the ``T`` new ones, **without appending them**.
+
+        They are written where no one reads: past the cached tokens of the
+        storage (``key`` and ``value`` show only those), or into a grown copy.
+        A decoding step stages, runs every check that can refuse it, and only
+        then calls :meth:`_commit`: a refused step leaves the cache as it was.
+
+        Returns
+        -------
+        staged : tuple
+            For :meth:`_commit`; ``staged.keys`` and ``staged.values``, shape
+            ``(..., K, S, D)``, are the ``S`` keys and values.
+        """
         self.check(layer, key)
         T = key.shape[-2]
+        key_buffer, value_buffer = self._key, self._value
+        if key_buffer is None:
+            key_buffer = np.empty(key.shape[:-2] + (max(T, 16), key.shape[-1]), key.dtype)
+            value_buffer = np.empty(value.shape[:-2] + (max(T, 16), value.shape[-1]), value.dtype)
+        elif self._length + T > key_buffer.shape[-2]:
+            capacity = max(2 * key_buffer.shape[-2], self._length + T)
+            key_buffer = _grown(key_buffer, self._length, capacity)
+            value_buffer = _grown(value_buffer, self._length, capacity)
+        length = self._length + T
+        key_buffer[..., self._length:length, :] = key
+        value_buffer[..., self._length:length, :] = value
+        return _Staged(layer, key_buffer, value_buffer, self._length, length,
+                       key_buffer[..., :length, :], value_buffer[..., :length, :])
+
+    def _commit(self, staged):
+        """Make the tokens :meth:`_stage` wrote part of the cache."""
+        if staged.start != self._length:
+            raise RuntimeError("kv_cache changed between stage and commit: stage again")
         if self._key is None:
-            self._layer = weakref.ref(layer)
-            self._key = np.empty(key.shape[:-2] + (max(T, 16), key.shape[-1]), key.dtype)
-            self._value = np.empty(value.shape[:-2] + (max(T, 16), value.shape[-1]), value.dtype)
-        elif self._length + T > self._key.shape[-2]:
-            capacity = max(2 * self._key.shape[-2], self._length + T)
-            self._key = _grown(self._key, self._length, capacity)
-            self._value = _grown(self._value, self._length, capacity)
-        self._key[..., self._length:self._length + T, :] = key
-        self._value[..., self._length:self._length + T, :] = value
-        self._length += T
-        return self.key, self.value
+            self._layer = weakref.ref(staged.layer)
+        self._key, self._value = staged.key_buffer, staged.value_buffer
+        self._length = staged.length
+
+
+_Staged = namedtuple("_Staged", "layer key_buffer value_buffer start length keys values")
 
 
 def _grown(buffer, length, capacity):
@@ -177,7 +209,10 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     dispatch = kernels.choose_path(layer.impl, int(np.prod(batch, dtype=np.int64)) * H, T, S,
                                    layer.dtype, need_weights, is_causal=T == S)
     dispatch = dispatch._replace(reason="kv_cache decoding step; " + dispatch.reason)
-    keys, values = kv_cache.append(layer, k, v)  # (..., K, S, D) each
+    # NOTE: staged, not appended: the core below may still refuse the step
+    # (keys overflowed to inf), which must leave the cache as it was
+    staged = kv_cache._stage(layer, k, v)
+    keys, values = staged.keys, staged.values  # (..., K, S, D) each
     if one_head:  # SelfAttention's shapes have no head axis
         q, keys, values = q[..., 0, :, :], keys[..., 0, :, :], values[..., 0, :, :]
     core = {"reference": F, "fast": fast, "tiled": tiled}[dispatch.path]
@@ -186,6 +221,7 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     # the scores may overflow (the layer's bound covers the new tokens only).
     heads, cache = core.attention_forward(q, keys, values, mask, "bottom_right",
                                           enable_gqa=K != H)  # -> (..., H, T, D)
+    kv_cache._commit(staged)  # every check passed
     weights = None
     if need_weights:
         weights = fast.attention_weights(cache) if dispatch.path == "fast" else cache.weights

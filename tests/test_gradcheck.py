@@ -129,7 +129,7 @@ def test_exactly_zero_gradient_passes_thanks_to_the_floor():
     report = check_layer(layer, x)
     row = report.row("param b_key")
     assert report.ok, report.table()
-    assert np.abs(layer.grads["b_key"]).max() < 1e-14 and abs(row.analytic) < 1e-14
+    assert abs(row.analytic) < 1e-14  # the largest |analytic| entry (the layer's grads untouched)
     assert row.numeric != 0.0 and abs(row.numeric) < 1e-9  # measured ~1e-10
     no_floor = check_layer(layer, x, atol=0.0)
     assert not no_floor.ok and not no_floor.row("param b_key").ok

@@ -137,6 +137,11 @@ def draw_dout(out, dtype, rng):
 
 def _check_grad_shape(grad, name, shape):
     grad = np.asarray(grad)
+    if grad.dtype.kind not in "fiu":
+        # NOTE: refused, as a non-float output is (draw_dout): a complex
+        # gradient cast to float64 would drop its imaginary part with a warning
+        raise TypeError(f"the analytic gradient of {name!r} must hold real numbers, "
+                        f"got dtype {grad.dtype}")
     if grad.shape != tuple(shape):
         raise ValueError(
             f"the analytic gradient of {name!r} must have the shape of {name!r}, "
@@ -495,11 +500,19 @@ def _oracle_check(fun, vjp, inputs, oracle_dtype, options):
 
 
 def _layer_copy(layer, dtype, reference):
-    """``layer`` itself, or a deep copy cast to ``dtype`` (on the reference path if asked)."""
-    if not reference and all(p.dtype == dtype for p in layer.params.values()):
-        return layer
-    layer = copy.deepcopy(layer)
-    layer.params = {name: p.astype(dtype) for name, p in layer.params.items()}
+    """A deep copy of ``layer`` cast to ``dtype`` (on the reference path if asked).
+
+    NOTE: always a copy: the checker leaves the layer as it found it (its
+    cache, every thread's, its grads, params, training mode and generators),
+    so that a check between a user's forward and backward changes nothing.
+    """
+    try:
+        layer = copy.deepcopy(layer)
+    except Exception as error:  # noqa: BLE001 -- any failure to copy, named
+        raise TypeError(f"check_layer checks a deep copy of the layer, to leave it as it "
+                        f"was; copy.deepcopy({type(layer).__name__}) failed: {error}") from error
+    if any(p.dtype != dtype for p in layer.params.values()):
+        layer.params = {name: p.astype(dtype) for name, p in layer.params.items()}
     if hasattr(layer, "dtype"):
         layer.dtype = dtype
     if reference and hasattr(layer, "impl"):
@@ -561,11 +574,10 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, method="ce
     layer : Layer
         Anything with ``params``, ``grads``, ``forward``, ``backward`` and
         ``zero_grad`` (:class:`qkvnp.SelfAttention`,
-        :class:`qkvnp.MultiHeadAttention`). Its ``params`` are perturbed in
-        place and restored exactly; ``zero_grad()`` is called, and afterwards
-        ``grads`` hold the gradients of the check's random ``dout``. If
-        ``dtype`` differs from the params' dtype, a cast deep copy is checked
-        and ``layer`` is left untouched.
+        :class:`qkvnp.MultiHeadAttention`). A deep copy (cast to ``dtype``)
+        is checked: ``layer`` is left as it was found, its parameters,
+        gradients, cache (a forward awaiting its backward keeps it), training
+        mode and generators.
     *inputs : ndarray
         Positional inputs of ``layer.forward`` (copied and cast to ``dtype``;
         integer and bool arrays, such as token ids, stay as they are and
@@ -621,9 +633,6 @@ def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, method="ce
     dout = draw_dout(out, dtype, rng)
     out = np.array(out, dtype=np.float64)  # a copy: it may be a view of a perturbed input
     grads = problem.analytic(dout)
-    if complex_step:  # the original's grads, as the other methods leave them
-        layer.grads = {name: problem.layer.grads[name].astype(layer.params[name].dtype)
-                       for name in layer.params}
     return _run(problem, out, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
                 num_directions, model_floor=atol is None)
 

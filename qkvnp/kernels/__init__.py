@@ -193,7 +193,7 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
 
 
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
-                  need_weights=False, out_proj=True, previous=None, originals=(), *,
+                  need_weights=False, out_proj=True, originals=(), *,
                   dropout_p=0.0, rng=None, dropout_mask=None):
     """Run an attention layer's forward on the path :func:`choose_path` picks.
 
@@ -217,9 +217,6 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     out_proj : bool
         False for :class:`qkvnp.SelfAttention` (one head, no head axis, no
         output projection).
-    previous : cache, optional
-        The cache of the layer's previous forward, **which will not be used
-        again**: the fast and tiled paths reuse its large buffers.
     originals : tuple of array_like
         The caller's own arrays behind ``inputs``: an input that may share
         memory with one of them is copied before the fused kernels keep it
@@ -236,6 +233,14 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     cache : ReferenceLayerCache, FusedLayerCache or SplitLayerCache
         For :func:`layer_backward`.
     dispatch : Dispatch
+
+    Notes
+    -----
+    Every path writes only into memory this call owns (fresh arrays, or a
+    buffer of the pool of :func:`qkvnp.kernels._runtime.recycled_empty` that
+    no array refers to), and its cache keeps copies of the weights it read:
+    a refused call, another thread's call or a parameter edited before the
+    backward changes no cache (:class:`qkvnp.layers.Layer`).
     """
     T, S = inputs[0].shape[-2], inputs[-1].shape[-2]
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
@@ -245,14 +250,13 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     mha, reference = _layer_kernels()
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     if dispatch.path != "reference":
-        workspace = previous if isinstance(previous, mha.CACHES) else None
         fused_inputs = owned(inputs, originals)
         try:
             with single_threaded_blas():  # one setting for the whole call, not one per matmul
                 out, weights, cache = mha.forward(params, fused_inputs, kind, num_heads, mask,
                                                   is_causal, path=dispatch.path,
                                                   need_weights=need_weights, out_proj=out_proj,
-                                                  workspace=workspace, **dropout)
+                                                  **dropout)
             return out, weights, cache, dispatch
         except mha.ScoresMayOverflow as overflow:
             # the projections bound the scores beyond what the fused paths

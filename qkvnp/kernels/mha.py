@@ -12,8 +12,7 @@ S key length, E embedding, D = E // H head dim, N = B*T (or B*S) rows,
 What they do differently: one fused ``(N, in) @ (in, 3E)`` projection for
 self-attention (one product per matrix where the rows are fewer than the
 features: :func:`weights_apart`), heads as strided views of it, the core's output written
-straight into the merged ``(N, E)`` layout, buffers reused from the previous
-call, and the projections split over the same pinned worker threads as the
+straight into the merged ``(N, E)`` layout, and the projections split over the same pinned worker threads as the
 core (after a multi-threaded OpenBLAS call its idle threads spin and slowed
 what followed). The path is chosen by :func:`qkvnp.kernels.choose_path`,
 never here.
@@ -51,7 +50,7 @@ from ..functional import column_sums
 from ..gqa import split_head_axis
 from ..masks import additive_mask, causal_mask_offset, prepare_mask
 from . import fast, mha_small, tiled
-from ._runtime import matmul, run, threads_for
+from ._runtime import matmul, recycled_empty, run, threads_for
 
 __all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "CACHES",
            "PATHS", "ScoresMayOverflow", "projected_score_bound", "weights_apart"]
@@ -62,7 +61,7 @@ PATHS = ("fast", "tiled")
 FusedLayerCache = namedtuple(
     "FusedLayerCache",
     "path kind rows in_shapes W_in in_names scale core_cache batch T S H merged W_out "
-    "out_proj has_bias out_shape buffers has_out_bias H_kv blas_threads",
+    "out_proj has_bias out_shape has_out_bias H_kv blas_threads",
 )
 FusedLayerCache.__doc__ = """What :func:`backward` reads.
 
@@ -72,8 +71,8 @@ rows : tuple of the 2-D inputs ``(N, in)`` fed to each projection.
 in_shapes : tuple of the shapes of those inputs before flattening.
 W_in : per entry of ``rows``, the fused projection matrix actually used (the
     query part already multiplied by ``scale``), or, where the forward
-    multiplied by the weights apart (:func:`weights_apart`), the tuple of the
-    parameters themselves, unscaled (read by reference, as ``W_out``).
+    multiplied by the weights apart (:func:`weights_apart`), the tuple of
+    copies of the parameters, unscaled (taken at the forward, as ``W_out``).
 in_names : tuple, per projection, of the parameter stems it fuses
     (``("query", "key", "value")`` for self-attention).
 scale : float, folded into the query projection (applied to the query's
@@ -82,12 +81,10 @@ core_cache : :class:`qkvnp.kernels.fast.FastAttentionCache` or
     :class:`qkvnp.kernels.tiled.TiledAttentionCache`, over the heads.
 batch, T, S, H : leading dims, lengths and head count.
 merged : (N, E) attention output with heads merged (input of ``W_out``).
-W_out : (E, out_dim) or None.
+W_out : (E, out_dim) or None, a copy of the parameter taken at the forward.
 out_proj : bool, False for SelfAttention (no output projection, no head axis).
 has_bias : bool, the input projections have biases.
 out_shape : shape of the forward output ``(..., T, out_dim)``.
-buffers : dict of the large arrays above by name, offered for reuse to the
-    next forward (``workspace=``).
 has_out_bias : bool, the output projection has ``b_out`` (the book's layer
     has it without input biases).
 H_kv : key/value heads (``H`` but for grouped-query attention, where the
@@ -173,13 +170,21 @@ _GROUPS = {"self": (("query", "key", "value"),),
            "cross": (("query",), ("key",), ("value",))}
 
 
-def _buffer(workspace, name, shape, dtype, buffers):
-    """``workspace``'s buffer ``name`` if it has this shape and dtype, else a new one."""
-    old = None if workspace is None else workspace.buffers.get(name)
-    if old is None or old.shape != shape or old.dtype != dtype:
-        old = np.empty(shape, dtype)
-    buffers[name] = old
-    return old
+def _read_weights(params, out_proj):
+    """``params`` with ``W_out`` copied: the weights a forward reads by reference.
+
+    NOTE: a backward differentiates the forward as it ran
+    (:class:`qkvnp.layers.Layer`): what its cache keeps of the parameters is
+    this copy (or the fused matrix made from them), so that an optimizer
+    step, ``load_state_dict`` or an in-place write between the forward and
+    the backward changes neither. The copy is also what the forward
+    multiplies by, so forward and backward see the same weights.
+    """
+    if not out_proj:
+        return params
+    read = dict(params)
+    read["W_out"] = params["W_out"].copy()
+    return read
 
 
 def _heads(x2d, batch, T, H):
@@ -202,7 +207,7 @@ def _unheads(x):
 
 
 def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
-            need_weights=False, out_proj=True, block_size=None, workspace=None, *,
+            need_weights=False, out_proj=True, block_size=None, *,
             dropout_p=0.0, rng=None, dropout_mask=None, out=None):
     """Attention layer forward on the fast or tiled core.
 
@@ -229,13 +234,6 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         a single head, no head axis).
     block_size : int, optional
         Passed to the tiled core.
-    workspace : FusedLayerCache or SplitLayerCache, optional
-        The cache of a previous forward **that will not be used again**: its
-        large buffers (projections, softmax numerators, merged heads) are
-        overwritten when their shapes match, which saves allocating and
-        page-faulting them on every call (the layers pass their previous
-        cache, which they drop first). Input errors (``ValueError``,
-        ``TypeError``) are raised before anything is written into it.
     dropout_p, rng, dropout_mask
         Dropout on the attention weights, as in
         :func:`qkvnp.functional.attention_forward` (the same ``rng`` draws
@@ -282,18 +280,17 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         shares = _batch_shares(params, inputs, num_heads, out_proj)
         if len(shares) > 1:
             return split_forward(shares, params, inputs, kind, num_heads, mask, is_causal,
-                                 need_weights, out_proj, workspace, dropout_p=dropout_p, rng=rng,
+                                 need_weights, out_proj, dropout_p=dropout_p, rng=rng,
                                  dropout_mask=dropout_mask)
-    if isinstance(workspace, mha_small.SmallLayerCache):
-        small_workspace, workspace = workspace, None  # the general kernel's buffers differ
-    else:
-        small_workspace = None
-        if isinstance(workspace, SplitLayerCache):  # the previous call split its batch
-            workspace = None
+    # NOTE: from here on everything is written into fresh arrays this call
+    # owns: nothing of an earlier call's cache is reused, so a late refusal
+    # (ScoresMayOverflow, then the reference's ValueError) or another thread's
+    # call can change no other cache.
+    params = _read_weights(params, out_proj)
     if (kind == "self" and path == "fast" and no_dropout(dropout_p, dropout_mask)
             and mha_small.applies(params, inputs[0], num_heads, out_proj)):
         result = mha_small.forward(params, inputs[0], num_heads, mask, is_causal, need_weights,
-                                   out_proj, small_workspace, out, check_score_bound)
+                                   out_proj, out, check_score_bound)
         if result is not None:  # None: the whole-array core refused its bounds
             return result
     p = params
@@ -310,8 +307,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     c = dtype.type(scale)
     has_bias = "b_query" in p
     lead = batch + (H,) if out_proj else batch  # SelfAttention: no head axis
-    # NOTE: every check that can refuse the input runs here, before anything
-    # is written into ``workspace``, so that a refused call leaves it intact.
+    # NOTE: every check that can refuse the input runs here, before any work
     bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
     # only checked here: a drawn mask is drawn after the score bound below
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=False)
@@ -330,17 +326,17 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     # serially, forward and backward (its backward, the larger pass, below the
     # pool's threshold): their spinning threads slowed a pooled core 1.2-1.45x
     blas = path == "fast" and threads_for(4 * math.prod(lead) * T * S * (2 * D + 1)) == 1
-    rows, W_in, projected, buffers, fused_outputs = [], [], [], {}, []
+    rows, W_in, projected, fused_outputs = [], [], [], []
     for i, (x, names) in enumerate(zip(inputs, groups)):
         x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
         width = sum(widths[name] for name in names)
-        y = _buffer(workspace, f"projected{i}", (x2d.shape[0], width), dtype, buffers)
+        y = np.empty((x2d.shape[0], width), dtype)  # (N, widths)
         columns = _columns(y, names, widths)  # (N, E) or (N, E_kv) views
         if weights_apart(*x2d.shape):
             # fewer rows than input features: one product per matrix, each
             # written into its columns of y, and the scale applied to the
             # query's N rows, not to W_query's `in` rows (see weights_apart)
-            W = tuple(p["W_" + name] for name in names)
+            W = tuple(p["W_" + name].copy() for name in names)  # the cache's (_read_weights)
             for W_name, y_name in zip(W, columns):
                 matmul(x2d, W_name, y_name, blas_threads=blas)  # (N, in) @ (in, width)
             if has_bias:
@@ -365,7 +361,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         dropout = prepare_dropout(dropout_p, rng, None, lead + (T, S))
     k = _heads(projected[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     v = _heads(projected[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
-    merged = _buffer(workspace, "merged", (projected[0].shape[0], E), dtype, buffers)  # (N, E)
+    merged = np.empty((projected[0].shape[0], E), dtype)  # (N, E)
     if H_kv != H:  # grouped-query attention: K/V broadcast over each group (qkvnp.gqa)
         G = H // H_kv
         lead = batch + (H_kv, G)
@@ -389,8 +385,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
         weights = None
     else:
         add = additive_mask(bias, keep, dtype)
-        exp_scores = _buffer(workspace, "exp_scores", lead + (T, S), dtype, buffers)
-        inv_sum = _buffer(workspace, "inv_sum", lead + (T, 1), dtype, buffers)
+        exp_scores = recycled_empty(lead + (T, S), dtype)  # a pool's buffer no array refers to
+        inv_sum = np.empty(lead + (T, 1), dtype)
         drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
         if drop_keep is not None:
             (drop_keep,) = owned((drop_keep,), (dropout_mask,))  # the cache owns what backward reads
@@ -411,7 +407,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
                             tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
                             p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
-                            buffers, "b_out" in p, H_kv, blas)
+                            "b_out" in p, H_kv, blas)
     return out, weights, cache
 
 
@@ -611,7 +607,7 @@ def _share_of(a, share, full_ndim):
 
 
 def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need_weights=False,
-                  out_proj=True, workspace=None, *, dropout_p=0.0, rng=None, dropout_mask=None):
+                  out_proj=True, *, dropout_p=0.0, rng=None, dropout_mask=None):
     """:func:`forward` on the fast path, one share of the first batch dim per worker thread.
 
     Same arguments as :func:`forward` (``path="fast"``), and ``shares``, the
@@ -628,8 +624,6 @@ def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, scores_shape)
     if dropout is not None and dropout_mask is None:
         dropout_mask = dense_keep(dropout)  # drawn once, for the whole batch
-    previous = (workspace.caches if isinstance(workspace, SplitLayerCache)
-                and workspace.shares == shares else (None,) * len(shares))
     full_ndim = len(scores_shape)
     results = [None] * len(shares)
     out_dim = (params["W_out"] if out_proj else params["W_query"]).shape[1]
@@ -639,7 +633,7 @@ def split_forward(shares, params, inputs, kind, num_heads, mask, is_causal, need
         for i, share in work:
             results[i] = forward(params, tuple(x[share] for x in inputs), kind, num_heads,
                                  _share_of(mask, share, full_ndim), is_causal, "fast",
-                                 need_weights, out_proj, workspace=previous[i],
+                                 need_weights, out_proj,
                                  dropout_p=dropout_p if dropout is not None else 0.0,
                                  dropout_mask=_share_of(dropout_mask, share, full_ndim),
                                  out=out[share])

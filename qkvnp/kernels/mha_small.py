@@ -50,10 +50,11 @@ q, k, v : (..., H, T, D) views of ``projected`` (``(..., T, D)`` without
 weights : (..., H, T, S) the softmax weights ``P`` (normalised in place).
 out_heads : (..., H, T, D) view of ``merged``, the core's output.
 merged : (N, E) the heads merged, input of ``W_out``.
-W_out : (E, out_dim), or None for SelfAttention (no output projection).
+W_out : (E, out_dim), or None for SelfAttention (no output projection); the
+    forward's copy, not the parameter (:class:`qkvnp.layers.Layer`).
 out_shape : shape of the forward output ``(..., T, out_dim)``.
 has_bias, has_out_bias : bool, ``b_query/b_key/b_value`` and ``b_out`` exist.
-projected : (N, 3E) the fused projection, a buffer the next forward reuses.
+projected : (N, 3E) the fused projection, this forward's own array.
 """
 
 
@@ -92,19 +93,16 @@ def _head_views(rows, batch, T, H, parts, out_proj):
     return heads.transpose((n + 1,) + tuple(range(n)) + (n + 2, n, n + 3))
 
 
-def forward(params, x, num_heads, mask, is_causal, need_weights, out_proj, workspace, out,
-            check_bound):
+def forward(params, x, num_heads, mask, is_causal, need_weights, out_proj, out, check_bound):
     """Self-attention forward on one thread: ``(out, weights, SmallLayerCache)``, or None.
 
     Parameters
     ----------
     params, num_heads, mask, is_causal, need_weights, out_proj, out
-        As :func:`qkvnp.kernels.mha.forward`'s.
+        As :func:`qkvnp.kernels.mha.forward`'s (``params["W_out"]`` the
+        forward's copy, kept by the cache).
     x : ndarray, shape (..., T, in)
         Checked by the layer.
-    workspace : SmallLayerCache or None
-        The previous forward's cache, not to be used again: its buffers are
-        reused when the input has the same shape.
     check_bound : callable
         :func:`qkvnp.kernels.mha.check_score_bound`, which raises
         :class:`qkvnp.kernels.mha.ScoresMayOverflow` when the scores of the
@@ -123,19 +121,14 @@ def forward(params, x, num_heads, mask, is_causal, need_weights, out_proj, works
     H = num_heads if out_proj else 1
     scale = 1.0 / math.sqrt(E // num_heads)
     scores_shape = batch + (H,) * out_proj + (T, T)  # (..., H, T, S), S = T
-    bias, keep = prepare_mask(mask, is_causal, scores_shape, dtype)  # before any buffer is written
+    bias, keep = prepare_mask(mask, is_causal, scores_shape, dtype)  # before any work
     x2d = x.reshape(-1, x.shape[-1])  # (..., T, in) -> (N, in)
     W = np.concatenate((W_query, p["W_key"], p["W_value"]), axis=1)  # (in, 3E)
     W[:, :E] *= dtype.type(scale)
-    if (workspace is not None and workspace.weights.shape == scores_shape
-            and workspace.projected.shape == (x2d.shape[0], 3 * E)
-            and workspace.projected.dtype == dtype):  # the previous call's buffers
-        projected, merged, weights = workspace.projected, workspace.merged, workspace.weights
-        np.matmul(x2d, W, out=projected)  # (N, in) @ (in, 3E) -> (N, 3E)
-    else:
-        projected = x2d @ W  # (N, in) @ (in, 3E) -> (N, 3E)
-        merged = np.empty((x2d.shape[0], E), dtype)  # (N, E)
-        weights = np.empty(scores_shape, dtype)
+    # NOTE: fresh arrays, this call's own (never an earlier cache's buffers)
+    projected = x2d @ W  # (N, in) @ (in, 3E) -> (N, 3E)
+    merged = np.empty((x2d.shape[0], E), dtype)  # (N, E)
+    weights = np.empty(scores_shape, dtype)
     has_bias = "b_query" in p
     if has_bias:
         b = np.concatenate((p["b_query"], p["b_key"], p["b_value"]))  # (3E,)

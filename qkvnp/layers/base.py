@@ -6,6 +6,8 @@ cache of its last call, ``backward`` adding into ``grads``, ``state_dict`` /
 ``load_state_dict`` for saving and loading weights. A :class:`Model` holds
 layers assigned to its attributes, as a PyTorch ``Module`` does.
 """
+import os
+import threading
 from abc import ABC, abstractmethod
 from collections import namedtuple
 from collections.abc import Mapping
@@ -22,6 +24,32 @@ LoadResult.__doc__ = """What :meth:`Layer.load_state_dict` did not load (as PyTo
 missing_keys : list of str, parameters the dict did not have (left as they were).
 unexpected_keys : list of str, entries of the dict that are no parameter (ignored).
 """
+
+
+# NOTE: one lock for every layer's gradient accumulation: an addition into
+# ``grads`` is short next to the backward that computed it, and one
+# module-level lock can be renewed in a forked child (a lock held by another
+# thread at the fork would never be released there).
+_GRADS_LOCK = threading.Lock()
+
+
+def _renew_grads_lock():
+    global _GRADS_LOCK
+    _GRADS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_grads_lock)
+
+
+class _ThreadState(threading.local):
+    """One thread's view of a layer: its last forward's cache and what it ran."""
+
+    cache = None  # the cache of this thread's last forward, until a backward uses it up
+    used_cache = None  # the cache the last backward used up (until the next forward)
+    used = False  # a backward used up a cache (the message of a second backward)
+    decoded = False  # the last forward was a kv_cache decoding step
+    dispatch = None  # the path the last forward ran (attention layers)
 
 
 def xavier_uniform(rng, fan_in, fan_out, dtype):
@@ -51,6 +79,35 @@ class Layer(ABC):
 
     ``training`` (True by default, as in PyTorch) is set by ``train()`` and
     ``eval()``: drawn dropout runs only in training mode.
+
+    **Parameters edited between forward and backward.** A backward
+    differentiates the forward as it ran: its cache holds the weights that
+    forward read (copies, or arrays made from them such as the fused
+    ``[c W_q, W_k, W_v]``), never the parameter arrays themselves. An
+    optimizer ``step``, a ``load_state_dict`` or an in-place write
+    (``layer.params["W_out"] *= 2``) after the forward changes the next
+    forward, not the gradients of this one, on every path (``reference``,
+    ``fast``, ``tiled``, ``auto``), as if the edit came after the backward.
+    (A version counter could not see numpy's in-place writes; the copies
+    cost a pass over the weights a forward, small next to the products that
+    read them.)
+
+    **Threads.** The cache is kept per thread: a backward uses the cache of
+    the **calling thread's** last forward, so threads sharing a layer may
+    each run their forward/backward pairs. Forwards write only into memory
+    they own (nothing is reused from an earlier call), so concurrent
+    forwards return exactly what serial calls return. Backwards from several
+    threads add into ``grads`` under a lock, as if run one after another
+    (the layers of :mod:`qkvnp.layers`; a :class:`Model` subclass's own
+    backward adds as it writes it).
+    ``training``, ``params`` and the dropout Generator are shared: change
+    them while no other thread runs the layer.
+
+    **Refused calls.** A forward or backward that raises leaves the layer
+    as it was: its cache, its gradients and its parameters.
+
+    ``copy.deepcopy`` (and pickling) copies the parameters, gradients and
+    settings, not the per-thread caches.
     """
 
     params: dict
@@ -195,27 +252,72 @@ class Layer(ABC):
 
     def _accumulate(self, name, grad):
         if grad is not None:
-            self.grads[name] += grad
+            with _GRADS_LOCK:  # backwards from several threads add as if serial
+                self.grads[name] += grad
+
+    def _accumulate_all(self, grads):
+        """Add each ``grads[name]`` into ``self.grads[name]`` (the names ``grads`` shares), locked."""
+        own = self.grads
+        with _GRADS_LOCK:  # backwards from several threads add as if serial
+            for name, grad in grads.items():
+                if name in own:
+                    own[name] += grad
+
+    def __new__(cls, *args, **kwargs):
+        """A layer with its per-thread state (before any ``__init__``, which subclasses
+        need not chain; ``copy`` and ``pickle`` come through here too)."""
+        layer = super().__new__(cls)
+        layer.__dict__["_thread"] = _ThreadState()  # the calling thread's state of this layer
+        return layer
+
+    @property
+    def _cache(self):
+        """The cache of the calling thread's last forward (None once used up)."""
+        return self._thread.cache
+
+    @_cache.setter
+    def _cache(self, cache):
+        state = self._thread
+        state.cache, state.used_cache = cache, None
+        if cache is not None:
+            state.used = state.decoded = False
+
+    @property
+    def _used_cache(self):
+        """The cache the calling thread's last backward used up, until its next forward."""
+        return self._thread.used_cache
+
+    def __getstate__(self):
+        """For ``copy`` and ``pickle``: everything but the per-thread caches."""
+        state = dict(self.__dict__)
+        del state["_thread"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
 
     def _need_cache(self):
         """The cache of the last forward, or a ``RuntimeError`` saying what to call."""
-        if getattr(self, "_cache", None) is None:
+        state = self._thread
+        if state.cache is None:
             name = type(self).__name__
-            if getattr(self, "_used_cache", None) is None:
+            if not state.used:
                 raise RuntimeError(f"{name}.backward called before forward: call forward(...) first")
             raise RuntimeError(f"{name}.backward called twice for one forward: call forward(...) "
                                "again (retain_cache=True keeps a cache for one more backward)")
-        return self._cache
+        return state.cache
 
     def _release_cache(self, retain_cache):
         """After a successful backward: drop the cache unless ``retain_cache``.
 
         NOTE: as PyTorch frees the graph unless ``retain_graph=True``: else a
         second backward would silently add the same gradients twice. The used
-        cache stays aside only for the next forward to reuse its buffers.
+        cache stays readable as ``_used_cache`` (the tests look at what ran)
+        until the thread's next forward, which drops it first.
         """
         if not retain_cache:
-            self._used_cache, self._cache = self._cache, None
+            state = self._thread
+            state.used_cache, state.cache, state.used = state.cache, None, True
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)

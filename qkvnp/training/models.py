@@ -189,17 +189,19 @@ class KVRecallModel(Model):
             query, self.embed_key.params["weight"])  # (B,) -> (B, E)
         query_token += own["query_marker"]  # in place: take's own new array
         # NOTE: check=False: no second check or copy of the model's own arrays
-        # (made from checked ids; the parameters are read by reference, as an
-        # optimizer updates them after the backward): 0.2-0.35 ms of a 1.9-2.9 ms
-        # step, measured before the fold below
-        q, q_cache = F.linear_forward(query_token, own[role_q], check=False)  # (B, E) -> (B, E)
+        # (made from checked ids): 0.2-0.35 ms of a 1.9-2.9 ms step, measured
+        # before the fold below. The weights the caches keep are copies taken
+        # here: the backward differentiates this forward even if the
+        # parameters are edited before it (qkvnp.layers.Layer)
+        matrices = {role: own[role].copy() for role in (role_q, role_k, role_v) if role}
+        q, q_cache = F.linear_forward(query_token, matrices[role_q], check=False)  # (B, E) -> (B, E)
         # NOTE: the projections are folded onto the one query (see Notes):
         # q K^T = (q W_k^T) X^T and softmax(.) V = (softmax(.) X) W_v, so the
         # P items are never projected: E^2 multiply-adds a sequence per
         # matrix instead of P E^2 (a step 1.9 -> 0.85 ms float64, 1.0 -> 0.5 ms
         # float32, written as straight numpy). The query side stays 2-D: numpy
         # multiplies a (B, 1, E) stack as B products (15.6 against 6.6 us)
-        q_items, qk_cache = F.linear_forward(q, own[role_k].T, check=False)  # (B, E) -> (B, E)
+        q_items, qk_cache = F.linear_forward(q, matrices[role_k].T, check=False)  # (B, E) -> (B, E)
         drawn = self.training and self.dropout > 0
         mixed, attention_cache = F.attention_forward(
             q_items[:, None], items, items, dropout_p=self.dropout if drawn else 0.0,
@@ -207,7 +209,7 @@ class KVRecallModel(Model):
         if role_v is None:
             attended, v_cache = mixed[:, 0], None  # NOTE: no value projection: values are the items
         else:
-            attended, v_cache = F.linear_forward(mixed[:, 0], own[role_v],
+            attended, v_cache = F.linear_forward(mixed[:, 0], matrices[role_v],
                                                  check=False)  # (B, E) -> (B, E)
         logits = self.readout.forward(attended, check=False)  # (B, E) -> (B, V)
         self._cache = (keys_cache, values_cache, query_cache, q_cache, qk_cache, attention_cache,
