@@ -32,6 +32,7 @@ if plt is not None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), constrained_layout=True)
     for ax, w, title in zip(axes, (weights, causal), ("all tokens", "causal")):
         image = ax.imshow(w, cmap="viridis", vmin=0, vmax=w.max())
+        fig.colorbar(image, ax=ax, shrink=0.8, label="attention weight")
         ax.set_xticks(range(6), WORDS, rotation=45)
         ax.set_yticks(range(6), WORDS)
         ax.set_xlabel("key (attended token)")
@@ -41,5 +42,4 @@ if plt is not None:
                 ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", fontsize=8,
                         color="white" if w[i, j] < 0.6 * w.max() else "black")
     axes[0].set_ylabel("query (attending token)")
-    fig.colorbar(image, ax=axes, shrink=0.8, label="attention weight")
     plt.show()

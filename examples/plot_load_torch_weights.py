@@ -7,7 +7,7 @@ layer, and :func:`qkvnp.interop.to_torch` gives the arrays back under
 PyTorch's names. First the multi-head layer of chapter 3 of Sebastian
 Raschka's *Build a Large Language Model (From Scratch)* (Manning 2024),
 with the weights ``torch.manual_seed(123)`` gives it, stored as numpy arrays
-in :mod:`qkvnp.demo` so that this part runs without PyTorch.
+in ``qkvnp.demo`` so that this part runs without PyTorch.
 """
 import numpy as np
 

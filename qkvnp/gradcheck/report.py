@@ -26,11 +26,17 @@ __all__ = [
 Tolerance = namedtuple("Tolerance", "eps rtol atol floor", defaults=(0.0,))
 Tolerance.__doc__ = """Default step and tolerances of one dtype and method.
 
-eps : the step ``h`` (the first, largest step for ``"richardson"``).
-rtol : largest accepted relative error.
-atol : absolute floor of the relative error's denominator.
-floor : floor relative to the check's largest numeric gradient entry (over
-    every tensor): the denominator is ``max(|a|, |n|, atol, floor * max|n|)``.
+Attributes
+----------
+eps : float
+    The step ``h`` (the first, largest step for ``"richardson"``).
+rtol : float
+    Largest accepted relative error.
+atol : float
+    Absolute floor of the relative error's denominator.
+floor : float
+    Floor relative to the check's largest numeric gradient entry (over every
+    tensor): the denominator is ``max(|a|, |n|, atol, floor * max|n|)``.
 """
 
 # NOTE: the one table of defaults, keyed by the dtype the check computes in.
