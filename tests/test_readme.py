@@ -1,9 +1,11 @@
-"""The README's code and the "Coming from PyTorch or the book" page's examples run.
+"""The README's code and the documentation pages' examples run.
 
-Oracles: the README's taste of the API asserts its own claims (the cached
-decoding equals one causal forward; the gradient check passes); the book's
-printed context vector for the first token (``[0.3190, 0.4858]``, which the
-page quotes); PyTorch's own layer, to 1e-12, in the page's second example.
+Oracles: the gradient check's own verdict in the README's taste; the
+walkthrough's printed weights and context vector of "journey" on the
+attention page; the cached decoding equal to the causal forward on the
+getting-started page; the book's printed context vector for the first token
+(``[0.3190, 0.4858]``) and PyTorch's own layer, to 1e-12, on the PyTorch
+page.
 """
 import contextlib
 import io
@@ -65,3 +67,29 @@ def test_book_example_prints_the_books_numbers():
 def test_torch_example_runs(torch):
     namespace, _ = run(python_blocks(PYTORCH_PAGE)[1], "docs/pytorch.md")
     assert namespace["y"].shape == (2, 5, 16)
+
+
+def test_getting_started_taste_runs():
+    blocks = python_blocks(ROOT / "docs" / "getting_started.md")
+    assert len(blocks) == 1
+    namespace, output = run(blocks[0], "docs/getting_started.md")
+    # the decoded steps equal the causal forward, as the page says
+    assert output.splitlines()[-1] == "True"
+    assert namespace["y"].shape == (2, 5, 16)
+
+
+def test_attention_page_gives_the_walkthroughs_numbers():
+    blocks = python_blocks(ROOT / "docs" / "attention.md")
+    assert len(blocks) == 1
+    namespace, _ = run(blocks[0], "docs/attention.md")
+    # the page's step 4 and step 5 numbers, for token 2 ("journey")
+    np.testing.assert_allclose(namespace["weights"][1],
+                               [0.1500, 0.2264, 0.2199, 0.1311, 0.0906, 0.1820], atol=5e-5)
+    np.testing.assert_allclose(namespace["context"][1], [0.3061, 0.8210], atol=5e-5)
+
+
+def test_masks_page_dropout_example_runs():
+    blocks = python_blocks(ROOT / "docs" / "masks.md")
+    assert len(blocks) == 1
+    namespace, _ = run(blocks[0], "docs/masks.md")
+    assert namespace["weights"].shape == (2, 2, 5, 5)
