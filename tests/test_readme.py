@@ -87,9 +87,3 @@ def test_attention_page_gives_the_walkthroughs_numbers():
                                [0.1500, 0.2264, 0.2199, 0.1311, 0.0906, 0.1820], atol=5e-5)
     np.testing.assert_allclose(namespace["context"][1], [0.3061, 0.8210], atol=5e-5)
 
-
-def test_masks_page_dropout_example_runs():
-    blocks = python_blocks(ROOT / "docs" / "masks.md")
-    assert len(blocks) == 1
-    namespace, _ = run(blocks[0], "docs/masks.md")
-    assert namespace["weights"].shape == (2, 2, 5, 5)
