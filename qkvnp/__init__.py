@@ -12,7 +12,7 @@ from .kernels import get_num_threads, num_threads, set_num_threads
 from .kv_cache import KVCache
 from .layers import Embedding, Linear, Model, MultiHeadAttention, SelfAttention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "functional",

@@ -373,14 +373,14 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         scaled by ``1 / (1 - dropout_p)`` (PyTorch's ``dropout_p``). 0: no
         dropout, bitwise the forward without it.
     rng : numpy.random.Generator or int, optional
-        Draws the dropout mask (one 64-bit draw; see :mod:`qkvnp.dropout`).
+        Draws the dropout mask (one 64-bit draw; see ``qkvnp/dropout.py``).
         Unused when ``dropout_p == 0`` or ``dropout_mask`` is given.
     dropout_mask : ndarray of bool, optional
         Broadcastable to ``(..., T, S)``, True = keep: replays a mask (from
         ``cache.dropout_mask``, or one applied in PyTorch by hand). Needs
         ``0 < dropout_p < 1``.
     enable_gqa : bool, keyword-only
-        ``key``/``value`` may have ``K`` heads dividing the query's ``H`` (:mod:`qkvnp.gqa`).
+        ``key``/``value`` may have ``K`` heads dividing the query's ``H`` (``qkvnp/gqa.py``).
     check : bool, keyword-only
         False: ``query``, ``key`` and ``value`` are a composite's own arrays
         (float, one dtype, valid shapes, finite), which it does not edit
@@ -393,7 +393,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     Returns
     -------
     out : ndarray, shape (..., T, Dv)
-    cache : AttentionCache (or :class:`qkvnp.gqa.GroupedCache` around one)
+    cache : AttentionCache (or ``qkvnp.gqa.GroupedCache`` around one)
         Holds the inputs, the softmax weights ``(..., T, S)`` (before
         dropout), the scale, and ``dropout_mask`` (bool, True = keep, or
         None) with ``dropout_p``.
@@ -641,7 +641,7 @@ def scaled_dot_product_attention(
 ):
     """Scaled dot-product attention, the forward alone.
 
-    Same arguments as :func:`attention_forward` (and as PyTorch's
+    Same arguments as :func:`~qkvnp.functional.attention_forward` (and as PyTorch's
     ``torch.nn.functional.scaled_dot_product_attention``, mask polarity
     included: True = may attend; ``"bottom_right"`` is ``causal_lower_right``;
     ``dropout_p`` included, plus ``rng`` and ``dropout_mask`` to seed or replay

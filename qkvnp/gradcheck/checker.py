@@ -331,7 +331,7 @@ def check_function(fun, inputs, vjp, *, method="central", mode="elementwise", dt
         ``<dout, fun(**inputs)>`` w.r.t. each input, of that input's shape. A
         name mapped to None (or absent) is skipped.
     method : {"central", "central4", "richardson", "complex_step"}
-        The numerical derivative (:mod:`qkvnp.gradcheck.stencils`).
+        The numerical derivative (``qkvnp/gradcheck/stencils.py``).
         ``"complex_step"`` needs ``fun.supports_complex_step = True`` (it
         runs ``fun`` on complex arrays) and float64.
     mode : {"elementwise", "direction"}
@@ -446,7 +446,7 @@ def check_op(forward, backward, inputs, *, forward_kwargs=None, wrt=None, oracle
         Instead of a numerical derivative, compare the backward in ``dtype``
         (float32) with the same op's backward in ``oracle_dtype`` (float64)
         at the same point, normwise per tensor in units of ``dtype``'s
-        epsilon (:func:`qkvnp.gradcheck.oracle.oracle_report`).
+        epsilon (``qkvnp.gradcheck.oracle.oracle_report``).
     **options
         ``method, mode, dtype, eps, rtol, atol, rng, num_directions`` of
         :func:`check_function`. ``method="complex_step"`` needs

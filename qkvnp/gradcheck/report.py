@@ -26,11 +26,17 @@ __all__ = [
 Tolerance = namedtuple("Tolerance", "eps rtol atol floor", defaults=(0.0,))
 Tolerance.__doc__ = """Default step and tolerances of one dtype and method.
 
-eps : the step ``h`` (the first, largest step for ``"richardson"``).
-rtol : largest accepted relative error.
-atol : absolute floor of the relative error's denominator.
-floor : floor relative to the check's largest numeric gradient entry (over
-    every tensor): the denominator is ``max(|a|, |n|, atol, floor * max|n|)``.
+Attributes
+----------
+eps : float
+    The step ``h`` (the first, largest step for ``"richardson"``).
+rtol : float
+    Largest accepted relative error.
+atol : float
+    Absolute floor of the relative error's denominator.
+floor : float
+    Floor relative to the check's largest numeric gradient entry (over every
+    tensor): the denominator is ``max(|a|, |n|, atol, floor * max|n|)``.
 """
 
 # NOTE: the one table of defaults, keyed by the dtype the check computes in.
@@ -69,18 +75,26 @@ GradcheckRow = namedtuple(
 )
 GradcheckRow.__doc__ = """Result of one checked tensor.
 
-name : str, e.g. ``"x"``, ``"param W_query"``, ``"input 0"``.
-shape : tuple, the tensor's shape.
-max_abs_err, max_rel_err : float, over entries (or directions). With
-    ``oracle_dtype``, the normwise error ``max|g - g_oracle| / max|g_oracle|``.
-worst_index : tuple (entry) or int (direction number) of the largest
-    relative error.
-analytic, numeric : float, the two values at ``worst_index`` (the oracle's
-    value in place of the numeric one with ``oracle_dtype``).
-ok : bool, ``max_rel_err <= rtol``.
-diagnosis : str or None, a code of :data:`qkvnp.gradcheck.diagnosis.DIAGNOSES`
-    on a failing row.
-detail : str, the diagnosis in words.
+Attributes
+----------
+name : str
+    E.g. ``"x"``, ``"param W_query"``, ``"input 0"``.
+shape : tuple
+    The tensor's shape.
+max_abs_err, max_rel_err : float
+    Over entries (or directions). With ``oracle_dtype``, the normwise error
+    ``max|g - g_oracle| / max|g_oracle|``.
+worst_index : tuple or int
+    The entry (tuple) or direction number (int) of the largest relative error.
+analytic, numeric : float
+    The two values at ``worst_index`` (the oracle's value in place of the
+    numeric one with ``oracle_dtype``).
+ok : bool
+    ``max_rel_err <= rtol``.
+diagnosis : str or None
+    A code of :data:`qkvnp.gradcheck.DIAGNOSES` on a failing row.
+detail : str
+    The diagnosis in words.
 """
 
 

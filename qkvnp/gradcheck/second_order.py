@@ -109,7 +109,7 @@ def check_symmetry_function(fun, inputs, vjp, *, dtype=np.float64, eps=None, rto
     dtype : {float64, float32}
     eps, rtol : float, optional
         Step of the differences of the backward, and pass mark; default
-        :data:`SYMMETRY_TOLERANCES` (1e-4 and 1e-6 in float64).
+        ``SYMMETRY_TOLERANCES`` (1e-4 and 1e-6 in float64).
     rng : Generator or int, optional
         Source of ``dout``, ``u`` and ``v`` (default seed 0).
 

@@ -96,7 +96,7 @@ def sweep_steps(problems, eps_values=SWEEP_EPS, methods=SWEEP_METHODS,
     problems : list of (title, layer, inputs, forward_kwargs)
     eps_values : sequence of float
     methods : sequence of str
-        Of :data:`qkvnp.gradcheck.stencils.METHODS` except ``"richardson"``
+        Of :data:`qkvnp.gradcheck.METHODS` except ``"richardson"``
         (which picks its own steps); ``"complex_step"`` runs in float64 only,
         on the reference path.
     dtypes : sequence of dtype
@@ -111,7 +111,7 @@ def sweep_steps(problems, eps_values=SWEEP_EPS, methods=SWEEP_METHODS,
         ``{"eps": [...], "curves": [...], "summary": [...]}``: a curve is
         ``{"problem", "tensor", "method", "dtype", "errors"}``; a summary
         entry is the worst error over every tensor of one ``(problem,
-        method, dtype)`` with its :func:`fit_branches` and ``optimal_eps``.
+        method, dtype)`` with its ``fit_branches`` and ``optimal_eps``.
     """
     eps_values = [float(e) for e in eps_values]
     curves = []

@@ -107,8 +107,8 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     score_bound : float
         An upper bound of ``|score|``. The layers' fused kernels compute one
         from their projections, before their core runs
-        (:func:`qkvnp.kernels.mha.projected_score_bound`), and come back here
-        with it when it is too large (:class:`qkvnp.kernels.mha.ScoresMayOverflow`).
+        (``qkvnp.kernels.mha.projected_score_bound``), and come back here
+        with it when it is too large (``qkvnp.kernels.mha.ScoresMayOverflow``).
     is_causal : bool
         A causal mask (either alignment): the tiled core skips the blocks
         above the diagonal.
@@ -134,7 +134,7 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     it computes overflowing products exactly (:mod:`qkvnp.overflow`), and
     the others would return inf or NaN where it is finite. Dropout
     does not enter the choice: every path has it, and draws the same mask
-    from the same Generator state (:mod:`qkvnp.dropout`). Nor do grouped-query
+    from the same Generator state (``qkvnp/dropout.py``). Nor do grouped-query
     attention and both causal alignments: every path runs them.
 
     Examples
@@ -223,7 +223,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
         (the reference ops copy theirs themselves), so that the caller may
         edit its arrays after the forward without changing the gradients.
     dropout_p, rng, dropout_mask
-        Dropout on the attention weights (:mod:`qkvnp.dropout`); every path
+        Dropout on the attention weights (``qkvnp/dropout.py``); every path
         has it, and the same ``rng`` state draws the same mask on each.
 
     Returns

@@ -386,7 +386,7 @@ class blas_threads:
 
     Does nothing when numpy's OpenBLAS cannot be found (``available`` is then
     False). Setting the count is global to the process. Entering it also
-    gives glibc the heap thresholds, once (:mod:`qkvnp.kernels.heap`): the
+    gives glibc the heap thresholds, once (``qkvnp/kernels/heap.py``): the
     training loop runs in it.
 
     >>> with blas_threads(1) as pinned:

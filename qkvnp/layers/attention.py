@@ -285,7 +285,7 @@ class SelfAttention(_AttentionLayer):
         ValueError
             If ``dout`` has another shape or holds NaN or inf.
         RuntimeError
-            Without a forward cache to use (see :class:`Layer`).
+            Without a forward cache to use (see :class:`~qkvnp.layers.Layer`).
         """
         (dx,) = self._kernel_backward(dout, retain_cache)  # x fed query, key and value: their sum
         return dx
@@ -597,7 +597,7 @@ class MultiHeadAttention(_AttentionLayer):
         ValueError
             If ``dout`` has another shape or holds NaN or inf.
         RuntimeError
-            Without a forward cache to use (see :class:`Layer`), or after a
+            Without a forward cache to use (see :class:`~qkvnp.layers.Layer`), or after a
             ``kv_cache`` decoding step (inference only).
         """
         cache = self._need_cache()

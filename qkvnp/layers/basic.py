@@ -147,7 +147,7 @@ class Linear(Layer):
         ValueError
             If ``dout`` has another shape or holds NaN or inf.
         RuntimeError
-            Without a forward cache to use (see :class:`Layer`).
+            Without a forward cache to use (see :class:`~qkvnp.layers.Layer`).
         """
         linear_cache, _ = self._need_cache()
         dx, dW, db = F.linear_backward(dout, linear_cache, check)  # checks dout unless check=False
@@ -243,7 +243,7 @@ class Embedding(Layer):
         ValueError
             If ``dout`` has another shape or holds NaN or inf.
         RuntimeError
-            Without a forward cache to use (see :class:`Layer`).
+            Without a forward cache to use (see :class:`~qkvnp.layers.Layer`).
         """
         cache = self._need_cache()
         self._accumulate("weight", F.embedding_backward(dout, cache, check))

@@ -138,7 +138,7 @@ def save_checkpoint(path, params, optimizer_state, step, rng_state, config, hist
     config : dict
         JSON-serialisable configuration of the run.
     history : dict of str to sequence
-        The run's history from step 1, keyed by :data:`HISTORY_FIELDS`:
+        The run's history from step 1, keyed by ``HISTORY_FIELDS``:
         ``step`` (ints ``1 .. step``), ``loss``, ``accuracy``, ``lr`` (one
         number per step; ``accuracy`` may hold None), ``eval_step`` (ints,
         strictly increasing, within ``1 .. step``), ``eval_loss``,
@@ -407,7 +407,7 @@ def load_checkpoint(path, layout=None):
         configuration (a dict), the ``{"param/<name>" or "optim/<key>":
         (shape, dtype)}`` entries it implies and the largest step it allows.
         It raises ``ValueError`` or ``TypeError`` for a configuration it
-        refuses (:func:`qkvnp.training.loop.checkpoint_layout` bounds every
+        refuses (``qkvnp.training.loop.checkpoint_layout`` bounds every
         size). Without it, any float ``param/`` and numeric ``optim/``
         entries are accepted.
 

@@ -68,7 +68,7 @@ class TrainConfig:
     """Everything that defines a training run (saved as JSON in checkpoints).
 
     ``steps`` and ``lr`` left as None take the task's default
-    (:data:`TASK_DEFAULTS`; SGD has its own learning rates), ``eval_every``
+    (``TASK_DEFAULTS``; SGD has its own learning rates), ``eval_every``
     None means ``steps // 10``: :meth:`resolved` fills them in.
 
     Attributes
@@ -138,7 +138,7 @@ class TrainConfig:
             A field of the wrong type (``"<field> must be an int, ..."``).
         ValueError
             A field out of range or of an unknown choice, a combination that
-            cannot be built, or sizes beyond :data:`MAXIMA`; the message
+            cannot be built, or sizes beyond ``MAXIMA``; the message
             starts with the field's name.
         """
         config = dataclasses.replace(self)

@@ -496,7 +496,7 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None,
     save : str or os.PathLike, optional
         Checkpoint written at the end (and on Ctrl-C or SIGTERM), atomically;
         a symlink is written through. Checked before the first step (see
-        :func:`qkvnp._io.check_writable`).
+        ``qkvnp._io.check_writable``).
     save_every : int, optional
         Also write ``save`` every ``save_every`` steps, so that a run killed
         without warning (SIGKILL, out of memory, power cut) loses at most that
@@ -506,7 +506,7 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None,
         steps, loss, accuracy, lr, heldout`` (``heldout`` is the metrics
         dict on evaluation steps, else None), ``start_step`` and ``seconds``
         (since this session's first step started). The CLI's
-        :class:`qkvnp.training.report.Progress` is one.
+        ``qkvnp.training.report.Progress`` is one.
     save_on_interrupt : bool
         Without ``save``, whether an interrupted run writes its checkpoint to
         :func:`default_checkpoint_path` (default True). The ablation passes
@@ -521,7 +521,7 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None,
     CheckpointError
         (a ``ValueError``) if ``resume`` is unreadable or belongs to another
         run (configuration, parameter names, shapes or dtypes); nothing is
-        trained or written then. :func:`qkvnp.training.checkpoint.load_checkpoint`
+        trained or written then. :func:`qkvnp.training.load_checkpoint`
         lists what makes a file unreadable.
     FileNotFoundError
         If ``resume`` does not exist, or the directory of ``save`` does not.

@@ -206,7 +206,7 @@ class PartnerTask(KVRecallTask):
     Attributes
     ----------
     partner : ndarray of int64, shape (K,)
-        The pairing ``pi`` (see :func:`draw_pairing`).
+        The pairing ``pi`` (see ``draw_pairing``).
 
     Notes
     -----

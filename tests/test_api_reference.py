@@ -1,0 +1,82 @@
+"""Every public name has a page in the API reference.
+
+Oracle: each module's ``__all__`` against the names its page under
+``docs/api/`` lists in its ``autosummary`` directives (read from the sources;
+Sphinx is not built here). A name documented on another page counts when it
+is the same object there (``qkvnp.layers.SelfAttention`` is
+``qkvnp.SelfAttention``: a class gets one page), and a module of ``__all__``
+counts when it has its own page.
+"""
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+API = Path(__file__).resolve().parents[1] / "docs" / "api"
+
+#: The modules whose public names the reference must document, and which of
+#: their names it need not (with why).
+MODULES = {
+    "qkvnp": {"__version__": "a string, stated in the page's introduction"},
+    "qkvnp.functional": {},
+    "qkvnp.layers": {},
+    "qkvnp.gradcheck": {},
+    "qkvnp.interop": {},
+    "qkvnp.kernels": {
+        # the layers' own machinery, not a setting a user changes
+        "check_impl": "internal", "layer_forward": "internal", "layer_backward": "internal",
+    },
+    "qkvnp.training": {},
+    "qkvnp.losses": {},
+    "qkvnp.optim": {},
+}
+
+
+def documented():
+    """``{page module: [names its autosummary lists]}`` from docs/api/*.rst."""
+    pages = {}
+    for path in sorted(API.glob("*.rst")):
+        text = path.read_text(encoding="utf-8")
+        module = re.search(r"^\.\. module:: (\S+)", text, flags=re.M)
+        if module is None:
+            continue
+        names = []
+        for block in re.findall(r"^\.\. autosummary::\n((?:   .*\n|\n)*)", text, flags=re.M):
+            names += [line.strip() for line in block.splitlines()
+                      if line.strip() and not line.strip().startswith(":")]
+        pages[module[1]] = names
+    return pages
+
+
+def test_every_page_is_in_the_index():
+    index = (API / "index.rst").read_text(encoding="utf-8")
+    for path in API.glob("*.rst"):
+        if path.name != "index.rst":
+            assert f"   {path.stem}\n" in index, f"{path.name} is not in docs/api/index.rst"
+
+
+@pytest.mark.parametrize("module_name", sorted(MODULES))
+def test_every_public_name_has_a_page(module_name):
+    pages = documented()
+    assert module_name in pages, f"no page in docs/api/ declares .. module:: {module_name}"
+    objects = {id(getattr(importlib.import_module(page), name))
+               for page, names in pages.items() for name in names}
+    module = importlib.import_module(module_name)
+    exempt = MODULES[module_name]
+    missing = []
+    for name in module.__all__:
+        value = getattr(module, name)
+        if name in exempt or name in pages[module_name] or id(value) in objects:
+            continue
+        if getattr(value, "__name__", None) in pages and hasattr(value, "__all__"):
+            continue  # a module with a page of its own
+        missing.append(name)
+    assert not missing, f"{module_name}: no API page for {missing}"
+
+
+def test_pages_list_only_public_names():
+    for page, names in documented().items():
+        module = importlib.import_module(page)
+        unknown = [name for name in names if name not in module.__all__]
+        assert not unknown, f"docs/api page of {page} lists names outside __all__: {unknown}"
