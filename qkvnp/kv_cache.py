@@ -59,6 +59,7 @@ class KVCache:
         self._layer = None  # weakref.ref to the layer, once bound
         self._key = self._value = None  # (..., K, capacity, D) buffers
         self._length = 0
+        self.start = 0  # tokens dropped from the front (keep_last): the position of key 0
 
     def __len__(self):
         """The number of cached tokens ``S``."""
@@ -114,6 +115,28 @@ class KVCache:
         self._value[..., self._length:self._length + T, :] = value
         self._length += T
         return self.key, self.value
+
+
+    def keep_last(self, n):
+        """Keep only the last ``n`` cached tokens (a sliding window's rolling buffer).
+
+        The dropped tokens' count adds to ``start``, so that positions (RoPE)
+        continue across steps. The buffers keep their capacity: a window
+        ``(left, 0)`` decoding token by token holds at most ``left + 1`` keys,
+        in buffers that stop growing.
+        """
+        drop = self._length - max(int(n), 0)
+        if drop <= 0:
+            return
+        for buffer in (self._key, self._value):
+            buffer[..., :self._length - drop, :] = buffer[..., drop:self._length, :].copy()
+        self._length -= drop
+        self.start += drop
+
+    @property
+    def nbytes(self):
+        """Bytes held by the key and value buffers (their capacity, not their length)."""
+        return 0 if self._key is None else self._key.nbytes + self._value.nbytes
 
 
 def _grown(buffer, length, capacity):

@@ -89,7 +89,8 @@ def _mib(nbytes):
     return f"{nbytes / (1 << 20):.3g} MiB"
 
 
-def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False):
+def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False,
+                variants=()):
     """The path a forward takes, and why: the only place a path is decided.
 
     Parameters
@@ -111,6 +112,11 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     is_causal : bool
         A causal mask (either alignment): the tiled core skips the blocks
         above the diagonal.
+    variants : tuple of str
+        The attention variants the layer uses (``("rope", "softcap")``,
+        :func:`qkvnp.kernels.variant_layer.active_variants`): they run on
+        the reference path, and a request for another path falls back there
+        with the variants named in the reason.
 
     Returns
     -------
@@ -140,6 +146,9 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     'tiled cannot return the attention weights (it never builds them): fell back to the fast core'
     """
     impl = check_impl(impl)
+    if variants and impl != "reference":
+        return Dispatch(impl, "reference", f"{', '.join(variants)} run on the reference path "
+                                           f"only: impl={impl!r} fell back to it")
     if impl != "reference" and scores_may_overflow(score_bound, dtype):
         return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
                                            f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
@@ -185,7 +194,7 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
 
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
                   need_weights=False, out_proj=True, previous=None, originals=(), *,
-                  dropout_p=0.0, rng=None, dropout_mask=None):
+                  dropout_p=0.0, rng=None, dropout_mask=None, variants=None):
     """Run an attention layer's forward on the path :func:`choose_path` picks.
 
     Parameters
@@ -219,6 +228,9 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     dropout_p, rng, dropout_mask
         Dropout on the attention weights (:mod:`qkvnp.dropout`); every path
         has it, and the same ``rng`` state draws the same mask on each.
+    variants : qkvnp.kernels.variant_layer.VariantOptions, optional
+        The layer's attention variants (RoPE, position bias, sinks,
+        soft-cap, window); they run on :mod:`qkvnp.kernels.variant_layer`.
 
     Returns
     -------
@@ -232,6 +244,17 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
     path_args = (impl, groups, T, S, params["W_query"].dtype, need_weights)
     causal = check_is_causal(is_causal) is not False
+    if variants is not None:
+        from . import variant_layer
+
+        names = variant_layer.active_variants(variants)
+        if names:
+            dispatch = choose_path(*path_args, is_causal=causal, variants=names)
+            out, weights, cache = variant_layer.forward(
+                params, inputs, kind, num_heads, mask, is_causal, variants,
+                need_weights=need_weights, dropout_p=dropout_p, rng=rng,
+                dropout_mask=dropout_mask)
+            return out, weights, cache, dispatch
     dispatch = choose_path(*path_args, is_causal=causal)
     mha, reference = _layer_kernels()
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
@@ -286,5 +309,9 @@ def layer_backward(dout, cache):
     mha, reference = _layer_kernels()
     if isinstance(cache, reference.ReferenceLayerCache):
         return reference.backward(dout, cache)
+    from . import variant_layer  # imported with the first variant layer's forward
+
+    if isinstance(cache, variant_layer.VariantLayerCache):
+        return variant_layer.backward(dout, cache)
     with single_threaded_blas():
         return mha.backward(dout, cache)

@@ -27,6 +27,7 @@ class _AttentionLayer(Layer):
     supports_complex_step = True  # on the reference path (qkvnp.gradcheck, method="complex_step")
     dropout = 0.0
     dropout_rng = None
+    variants = None  # qkvnp.kernels.variant_layer.VariantOptions of a layer built with variants
 
     def _init_dropout(self, dropout, rng):
         """``dropout`` checked, and the layer's own Generator, spawned from ``rng``.
@@ -68,7 +69,7 @@ class _AttentionLayer(Layer):
             out, weights, self._cache, self.last_dispatch = kernels.layer_forward(
                 self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
                 need_weights=need_weights, out_proj=out_proj, previous=previous,
-                originals=originals, **(dropout or {}))
+                originals=originals, variants=self.variants, **(dropout or {}))
         except (ValueError, TypeError):
             self._cache, self._used_cache = saved  # refused before any buffer was written
             raise
@@ -90,8 +91,14 @@ class _AttentionLayer(Layer):
                              "dropout_mask cannot be given with kv_cache")
         check_is_causal(is_causal)
         query = self._check_tokens(query)
-        out, weights, self.last_dispatch = cached_forward(self, query, kv_cache, attn_mask,
-                                                          key_padding_mask, return_weights)
+        if self.variants is not None:
+            from ..variant_decoding import decode
+
+            out, weights, self.last_dispatch = decode(
+                self, query, kv_cache, attn_mask, key_padding_mask, return_weights)
+        else:
+            out, weights, self.last_dispatch = cached_forward(self, query, kv_cache, attn_mask,
+                                                              key_padding_mask, return_weights)
         self._cache = self._used_cache = None  # nothing for a backward: inference only
         self._decoded = True
         return out, weights
@@ -322,6 +329,28 @@ class MultiHeadAttention(_AttentionLayer):
         (``K = 1``: multi-query). Keys and values are projected to ``K`` heads
         of ``D`` features, query head ``h`` using key/value head
         ``h // (H / K)`` (PyTorch's ``enable_gqa`` order), on every path.
+    rope, rope_base, rope_layout : keyword-only
+        ``rope=True`` rotates each head's queries and keys after the
+        projections (:func:`qkvnp.functional.rope_forward`, base
+        ``rope_base``, pairs by ``rope_layout``), query ``i`` at position
+        ``i`` (``i + S - T`` bottom-right), key ``j`` at ``j``. With a
+        ``KVCache``, keys are cached rotated and positions continue.
+    position_bias : {None, "alibi", "relative"}, keyword-only
+        ``"alibi"``: ALiBi's fixed bias :func:`qkvnp.positions.alibi_bias`;
+        ``"relative"``: T5's learned ``rel_bias`` ``(num_buckets, H)``
+        (zeros), looked up by :func:`qkvnp.positions.relative_position_bucket`
+        (``num_buckets``, ``max_distance`` keyword-only; bidirectional unless
+        the forward is causal).
+    sinks : bool, keyword-only
+        A learned logit per head in each softmax's denominator: parameter
+        ``sinks`` ``(H,)``, zeros.
+    softcap : float, optional, keyword-only
+        Scores become ``softcap * tanh(scores / softcap)``.
+    window : (left, right), optional, keyword-only
+        Sliding window (:func:`qkvnp.functional.attention_forward`); a
+        ``KVCache`` then keeps only the last ``left`` keys between steps.
+    The variants run on the reference path (``last_dispatch`` says so);
+    derivations in ``docs/derivations_variants.md``.
 
     Attributes
     ----------
@@ -375,7 +404,9 @@ class MultiHeadAttention(_AttentionLayer):
     def __init__(self, embed_dim, num_heads, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto", *,
                  qdim=None, out_dim=None, qkv_bias=None, out_bias=None,
-                 dropout=0.0, num_kv_heads=None):
+                 dropout=0.0, num_kv_heads=None, rope=False, rope_base=10000.0,
+                 rope_layout="half", position_bias=None, num_buckets=32, max_distance=128,
+                 sinks=False, softcap=None, window=None):
         self.impl = kernels.check_impl(impl)
         self.embed_dim = check_int(embed_dim, "embed_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -410,6 +441,17 @@ class MultiHeadAttention(_AttentionLayer):
                 self.params[name] = np.zeros(E if name == "b_query" else E_kv, dtype=self.dtype)
         if self.out_bias:
             self.params["b_out"] = np.zeros(self.out_dim, dtype=self.dtype)
+        from ..kernels.variant_layer import check_options  # no rng draw: the weights stay the same
+
+        self.variants = check_options(self.num_heads, self.head_dim, rope=rope, rope_base=rope_base,
+                                      rope_layout=rope_layout, position_bias=position_bias,
+                                      num_buckets=num_buckets, max_distance=max_distance,
+                                      sinks=sinks, softcap=softcap, window=window)
+        if self.variants is not None and self.variants.position_bias == "relative":
+            self.params["rel_bias"] = np.zeros((self.variants.num_buckets, self.num_heads),
+                                               dtype=self.dtype)
+        if self.variants is not None and self.variants.sinks:
+            self.params["sinks"] = np.zeros(self.num_heads, dtype=self.dtype)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
@@ -422,8 +464,15 @@ class MultiHeadAttention(_AttentionLayer):
         defaults = {"kdim": self.embed_dim, "vdim": self.embed_dim, "qdim": self.embed_dim,
                     "out_dim": self.embed_dim, "qkv_bias": self.bias, "out_bias": self.bias,
                     "num_kv_heads": self.num_heads}
-        return [(name, value) for name, value in super()._repr_items()
-                if name not in defaults or value != defaults[name]]
+        items = [(name, value) for name, value in super()._repr_items()
+                 if name not in defaults or value != defaults[name]]
+        if self.variants is not None:  # the variants that are on
+            off = {"rope": False, "rope_base": 10000.0, "rope_layout": "half",
+                   "position_bias": None, "num_buckets": 32, "max_distance": 128,
+                   "sinks": False, "softcap": None, "window": None}
+            items += [(name, value) for name, value in self.variants._asdict().items()
+                      if value != off[name]]
+        return items
 
     def _check_kv_heads(self, num_kv_heads):
         """``num_kv_heads`` (default ``num_heads``), a positive divisor of ``num_heads``."""
