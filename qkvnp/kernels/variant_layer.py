@@ -146,8 +146,10 @@ def backward(dout, cache):
     grads = {}
     dmerged, grads["W_out"], grads["b_out"] = F.linear_backward(dout, c.out_cache, check=False)
     dheads = F.merge_heads_backward(dmerged, c.merge_cache, check=False)
-    dq_heads, dk_heads, dv_heads, dscore_bias, grads["sinks"] = F.attention_backward(
-        dheads, c.attention_cache, check=False)
+    dattention = F.attention_backward(dheads, c.attention_cache, check=False)
+    # (dq, dk, dv), and (dscore_bias, dsinks) when the forward had a variant of its own
+    dattention += (None,) * (5 - len(dattention))
+    dq_heads, dk_heads, dv_heads, dscore_bias, grads["sinks"] = dattention
     if c.buckets is not None:  # rel_bias[bucket(i, j), h] fed score (h, i, j): a scatter-add
         drel = np.zeros((c.num_buckets, dscore_bias.shape[0]), dscore_bias.dtype)  # (NB, H)
         np.add.at(drel, c.buckets, np.moveaxis(dscore_bias, 0, -1))  # (T, S, H) into (NB, H)
