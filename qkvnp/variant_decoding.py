@@ -12,7 +12,9 @@ import numpy as np
 
 from . import functional as F
 from . import kernels
+from .kernels import tiled_variants
 from .kernels.variant_layer import active_variants, position_score_bias
+from .positions import alibi_slopes
 from .masks import fold_key_padding_mask, prepare_mask
 from .variants import check_window
 
@@ -59,11 +61,18 @@ def decode(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
                                    variants=active_variants(options))
     dispatch = dispatch._replace(reason="kv_cache decoding step; " + dispatch.reason)
     keys, values = kv_cache.append(layer, k, v)  # (..., K, S, D) each
-    score_bias, _ = position_score_bias(params, options, H, T, S, S - T, True, q.dtype)
-    out_heads, cache = F.attention_forward(q, keys, values, mask, "bottom_right",
-                                           enable_gqa=K != H, score_bias=score_bias,
-                                           softcap=options.softcap, sinks=params.get("sinks"),
-                                           window=window)  # -> (..., H, T, D)
+    if dispatch.path == "tiled":  # ALiBi from its slopes, by blocks
+        slopes = alibi_slopes(H) if options.position_bias == "alibi" else None
+        out_heads, cache = tiled_variants.attention_forward(
+            q, keys, values, mask, "bottom_right", enable_gqa=K != H, alibi_slopes=slopes,
+            softcap=options.softcap, sinks=params.get("sinks"), window=window)  # -> (..., H, T, D)
+    else:
+        score_bias, _ = position_score_bias(params, options, H, T, S, S - T, True, q.dtype)
+        out_heads, cache = F.attention_forward(q, keys, values, mask, "bottom_right",
+                                               enable_gqa=K != H, score_bias=score_bias,
+                                               softcap=options.softcap,
+                                               sinks=params.get("sinks"),
+                                               window=window)  # -> (..., H, T, D)
     weights = cache.weights if need_weights else None
     if window is not None and window[0] is not None:
         kv_cache.keep_last(window[0])  # the next query, at S, sees keys S - left .. S

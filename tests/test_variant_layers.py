@@ -123,12 +123,49 @@ def test_variant_options_keep_the_weights_of_a_seed():
         np.testing.assert_array_equal(plain.params[name], varied.params[name])
 
 
-@pytest.mark.parametrize("impl", ["auto", "fast", "tiled"])
-def test_dispatch_names_the_variants_it_fell_back_for(impl):
-    layer = MultiHeadAttention(8, 2, rng=0, impl=impl, rope=True, softcap=30.0)
-    layer.forward(np.ones((1, 3, 8)))
-    assert layer.last_dispatch.path == "reference"
-    assert "rope, softcap" in layer.last_dispatch.reason
+@pytest.mark.parametrize("impl, options, path, words", [
+    ("auto", {"rope": True, "softcap": 30.0}, "reference", "rope, softcap with 3 keys"),
+    ("fast", {"rope": True}, "reference", "the fast path has none of them"),
+    ("tiled", {"rope": True, "softcap": 30.0}, "tiled", "rope, softcap on the tiled path"),
+    ("tiled", {"position_bias": "relative"}, "reference",
+     "position_bias='relative' run on the reference path only"),
+    ("auto", {"window": (1, 0), "position_bias": "alibi"}, "tiled", "skips the blocks"),
+])
+def test_dispatch_says_which_path_runs_the_variants(impl, options, path, words):
+    layer = MultiHeadAttention(8, 2, rng=0, impl=impl, **options)
+    layer.forward(np.ones((1, 3, 8)), is_causal=True)
+    assert layer.last_dispatch.path == path
+    assert words in layer.last_dispatch.reason
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("options", [
+    {"window": (5, 0), "rope": True, "num_kv_heads": 1},
+    {"position_bias": "alibi", "softcap": 2.0, "sinks": True},
+    {"window": (3, 2), "sinks": True, "rope": True, "rope_layout": "interleaved"},
+])
+@pytest.mark.parametrize("is_causal", [True, False, "bottom_right"])
+def test_tiled_path_equals_the_reference_path(options, is_causal, dtype):
+    from qkvnp.kernels import PATH_TOLERANCES
+
+    if is_causal and options.get("window", (0, 0))[1]:
+        pytest.skip("a causal forward refuses a window's right side")
+    tol = PATH_TOLERANCES[np.dtype(dtype)]
+    results = []
+    rng = np.random.default_rng(12)
+    query, key = rng.standard_normal((2, 37, 8)), rng.standard_normal((2, 45, 8))
+    dout = rng.standard_normal((2, 37, 8))
+    for impl in ("reference", "tiled"):
+        layer = make_layer(dtype=dtype, impl=impl, **options)
+        out = layer.forward(query, key, is_causal=is_causal)
+        assert layer.last_dispatch.path == impl
+        grads = layer.backward(dout)
+        results.append((out, grads[0], grads[1], dict(layer.grads)))
+    (out, dquery, dkey, grads), (tiled_out, tiled_dq, tiled_dk, tiled_grads) = results
+    for ours, theirs in [(tiled_out, out), (tiled_dq, dquery), (tiled_dk, dkey)] + [
+            (tiled_grads[name], grads[name]) for name in grads]:
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        assert np.abs(ours - theirs).max() <= tol * max(1.0, np.abs(theirs).max())
 
 
 def test_refused_options_and_refused_steps_change_nothing():

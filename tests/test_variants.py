@@ -230,3 +230,57 @@ def test_check_window_values():
     assert check_window([4, None]) == (4, None)
     assert window_keep(2, 4, (0, 0), "bottom_right").astype(int).tolist() == [[0, 0, 1, 0],
                                                                              [0, 0, 0, 1]]
+
+
+# ---------------------------------------------------------------- the tiled core
+
+
+TILED_OPTIONS = [
+    {"window": (3, 0), "is_causal": True},
+    {"window": (2, 4)},
+    {"window": (5, 0), "is_causal": "bottom_right", "softcap": 1.3},
+    {"is_causal": True, "softcap": 0.9},
+    {"window": (0, 0)},
+    {"window": (4, None), "dropout_p": 0.3, "rng": 5},
+    {"attn_mask": np.arange(17) % 3 != 0, "window": (6, 1)},  # a key-padding-like bool mask
+]
+
+
+@pytest.mark.parametrize("options", TILED_OPTIONS)
+@pytest.mark.parametrize("block_size", [(4, 5), (13, 3), (1, 17)])
+def test_tiled_variants_equal_the_reference(options, block_size):
+    # oracle: the reference ops; ALiBi against alibi_bias added as a score bias
+    from qkvnp.kernels import tiled_variants
+    from qkvnp.positions import alibi_bias, alibi_slopes
+
+    rng = np.random.default_rng(10)
+    B, H, T, S = 2, 3, 13, 17
+    q, k, v = (rng.standard_normal((B, H, n, d)) for n, d in ((T, 4), (S, 4), (S, 3)))
+    bias, sinks = rng.standard_normal((T, S)), rng.standard_normal(H)
+    offset = S - T if options.get("is_causal") == "bottom_right" else 0
+    alibi = alibi_bias(T, S, alibi_slopes(H), offset)
+    out, cache = F.attention_forward(q, k, v, score_bias=bias + alibi, sinks=sinks, **options)
+    tiled, tiled_cache = tiled_variants.attention_forward(
+        q, k, v, score_bias=bias, alibi_slopes=alibi_slopes(H), sinks=sinks,
+        block_size=block_size, **options)
+    dout = rng.standard_normal(out.shape)
+    expected = F.attention_backward(dout, cache)
+    got = tiled_variants.attention_backward(dout, tiled_cache)
+    assert tiled.shape == out.shape
+    np.testing.assert_allclose(tiled, out, rtol=0, atol=1e-13)
+    expected = expected[:3] + (expected[3].sum(axis=0), expected[4])  # (H, T, S) -> (T, S)
+    for ours, theirs in zip(got, expected):
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+
+
+def test_tiled_window_visits_only_the_band():
+    # closed form: query block [i0, i1) sees keys [i0 - left, i1 - 1] under a causal window
+    from qkvnp.kernels.tiled_variants import band_key_range
+
+    for i0 in range(0, 4096, 128):
+        lo, hi = band_key_range(i0, i0 + 128, 4096, 0, (255, 0), True)
+        assert (lo, hi) == (max(0, i0 - 255), i0 + 128)
+    assert band_key_range(0, 4, 10, 6, (1, None), "bottom_right") == (5, 10)
+    assert band_key_range(0, 4, 10, 0, (1, 2), False) == (0, 6)
+    assert band_key_range(8, 10, 10, 0, (0, 0), False) == (8, 10)

@@ -44,6 +44,7 @@ from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block
 
 __all__ = [
     "IMPLS",
+    "TILED_VARIANTS",
     "PATH_TOLERANCES",
     "Dispatch",
     "check_impl",
@@ -114,9 +115,10 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
         above the diagonal.
     variants : tuple of str
         The attention variants the layer uses (``("rope", "softcap")``,
-        :func:`qkvnp.kernels.variant_layer.active_variants`): they run on
-        the reference path, and a request for another path falls back there
-        with the variants named in the reason.
+        :func:`qkvnp.kernels.variant_layer.active_variants`). The tiled path
+        runs those of :data:`TILED_VARIANTS` (:mod:`qkvnp.kernels.tiled_variants`),
+        the reference path all of them, the fast path none: a request a path
+        cannot serve falls back to the reference, the variants named in the reason.
 
     Returns
     -------
@@ -146,9 +148,9 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     'tiled cannot return the attention weights (it never builds them): fell back to the fast core'
     """
     impl = check_impl(impl)
-    if variants and impl != "reference":
-        return Dispatch(impl, "reference", f"{', '.join(variants)} run on the reference path "
-                                           f"only: impl={impl!r} fell back to it")
+    if variants:
+        return _choose_variants(impl, tuple(variants), groups, T, S, np.dtype(dtype),
+                                bool(need_weights), score_bound)
     if impl != "reference" and scores_may_overflow(score_bound, dtype):
         return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
                                            f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
@@ -190,6 +192,37 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
                                        f"dense_weights_budget {_mib(budget)}")
     return Dispatch(impl, "fast", f"auto: {S} keys < tiled_min_length {min_length} and dense "
                                   f"weights of {_mib(dense_bytes)} within dense_weights_budget")
+
+
+#: The layer variants the tiled path runs itself (:mod:`qkvnp.kernels.tiled_variants`).
+TILED_VARIANTS = ("rope", "position_bias='alibi'", "sinks", "softcap", "window")
+
+
+def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bound):
+    """:func:`choose_path` for a layer with variants: tiled where it runs them all, else reference."""
+    names = ", ".join(variants)
+    if impl == "reference":
+        return Dispatch(impl, "reference", "impl='reference' requested")
+    missing = [name for name in variants if name not in TILED_VARIANTS]
+    if missing or need_weights or scores_may_overflow(score_bound, dtype):
+        why = (f"{', '.join(missing)} run on the reference path only" if missing else
+               "weights requested, which the tiled path never builds" if need_weights else
+               f"scores may reach {score_bound:.3g}: only the reference path clips them exactly")
+        return Dispatch(impl, "reference", f"{names}: {why}; impl={impl!r} fell back to the "
+                                           "reference path")
+    if impl == "fast":
+        return Dispatch(impl, "reference", f"{names}: the fast path has none of them; "
+                                           "impl='fast' fell back to the reference path")
+    if impl == "tiled":
+        return Dispatch(impl, "tiled", f"impl='tiled' requested; {names} on the tiled path")
+    sizes = get_block_sizes()
+    dense_bytes = groups * T * S * dtype.itemsize
+    if "window" in variants or S >= sizes["tiled_min_length"] or \
+            dense_bytes > sizes["dense_weights_budget"]:
+        return Dispatch(impl, "tiled", f"auto: {names} on the tiled path (it skips the blocks "
+                                       "outside a window; no (T, S) weights)")
+    return Dispatch(impl, "reference", f"auto: {names} with {S} keys < tiled_min_length "
+                                       f"{sizes['tiled_min_length']}: the reference path")
 
 
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
@@ -253,7 +286,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
             out, weights, cache = variant_layer.forward(
                 params, inputs, kind, num_heads, mask, is_causal, variants,
                 need_weights=need_weights, dropout_p=dropout_p, rng=rng,
-                dropout_mask=dropout_mask)
+                dropout_mask=dropout_mask, path=dispatch.path)
             return out, weights, cache, dispatch
     dispatch = choose_path(*path_args, is_causal=causal)
     mha, reference = _layer_kernels()

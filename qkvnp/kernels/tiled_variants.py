@@ -46,7 +46,7 @@ from ..masks import causal_offset, check_is_causal, prepare_mask
 from ..variants import VariantCache, VariantGroupedCache, check_softcap, check_window
 from ._runtime import check_block_pair, get_block_sizes
 
-__all__ = ["TiledVariantCache", "TiledVariantGroupedCache", "attention_forward",
+__all__ = ["TiledVariantCache", "TiledVariantGroupedCache", "TILED_CACHES", "attention_forward",
            "attention_backward", "band_key_range"]
 
 TiledVariantCache = namedtuple(
@@ -70,6 +70,10 @@ class TiledVariantGroupedCache(_Grouped):
     """The grouped-query form: the inner cache and the callers' shapes (``shapes`` as in :mod:`qkvnp.variants`)."""
 
     __slots__ = ()
+
+
+#: The caches of this core's own forward (not of a forward deferred to the reference).
+TILED_CACHES = (TiledVariantCache, TiledVariantGroupedCache)
 
 
 def band_key_range(i0, i1, S, offset, window, causal):

@@ -20,6 +20,7 @@ from .._checks import as_upstream_grad
 from ..masks import causal_offset, check_is_causal
 from ..positions import alibi_bias, alibi_slopes, relative_position_bucket
 from ..variants import check_window
+from . import tiled_variants
 
 __all__ = ["VariantOptions", "VariantLayerCache", "active_variants", "check_options",
            "position_score_bias", "forward", "backward", "POSITION_BIASES"]
@@ -91,8 +92,11 @@ def position_score_bias(params, options, num_heads, T, S, offset, causal, dtype)
 
 
 def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weights=False, *,
-            dropout_p=0.0, rng=None, dropout_mask=None):
+            dropout_p=0.0, rng=None, dropout_mask=None, path="reference"):
     """The layer's forward (same arguments as :func:`qkvnp.kernels.reference.forward`, plus ``options``).
+
+    ``path="tiled"`` runs the attention core of :mod:`qkvnp.kernels.tiled_variants`
+    (ALiBi from its slopes, never a ``(H, T, S)`` bias); the rest is the same ops.
 
     Returns
     -------
@@ -118,17 +122,28 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
         rope = {"base": options.rope_base, "layout": options.rope_layout}
         q_heads, q_rope = F.rope_forward(q_heads, np.arange(T) + offset, **rope)  # (..., H, T, D)
         k_heads, k_rope = F.rope_forward(k_heads, np.arange(S), **rope)  # (..., K, S, D)
-    score_bias, buckets = position_score_bias(p, options, num_heads, T, S, offset, causal, q.dtype)
-    heads, attention_cache = F.attention_forward(
-        q_heads, k_heads, v_heads, mask, is_causal, enable_gqa=num_kv_heads != num_heads,
-        score_bias=score_bias, softcap=options.softcap, sinks=p.get("sinks"),
-        window=window, dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)  # -> (..., H, T, D)
+    dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
+    if path == "tiled":  # the variants of qkvnp.kernels.TILED_VARIANTS only
+        slopes = alibi_slopes(num_heads) if options.position_bias == "alibi" else None
+        buckets = None
+        heads, attention_cache = tiled_variants.attention_forward(
+            q_heads, k_heads, v_heads, mask, is_causal, enable_gqa=num_kv_heads != num_heads,
+            alibi_slopes=slopes, softcap=options.softcap, sinks=p.get("sinks"), window=window,
+            **dropout)  # -> (..., H, T, D)
+    else:
+        score_bias, buckets = position_score_bias(p, options, num_heads, T, S, offset, causal,
+                                                  q.dtype)
+        heads, attention_cache = F.attention_forward(
+            q_heads, k_heads, v_heads, mask, is_causal, enable_gqa=num_kv_heads != num_heads,
+            score_bias=score_bias, softcap=options.softcap, sinks=p.get("sinks"),
+            window=window, **dropout)  # -> (..., H, T, D)
     merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
     out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, out)
     cache = VariantLayerCache(kind, q_cache, k_cache, v_cache, q_split, k_split, v_split, q_rope,
                               k_rope, buckets, options.num_buckets if buckets is not None else None,
                               attention_cache, merge_cache, out_cache, out.shape)
-    return out, F.dropped_weights(attention_cache) if need_weights else None, cache
+    weights = F.dropped_weights(attention_cache) if need_weights and path != "tiled" else None
+    return out, weights, cache
 
 
 def backward(dout, cache):
@@ -146,7 +161,10 @@ def backward(dout, cache):
     grads = {}
     dmerged, grads["W_out"], grads["b_out"] = F.linear_backward(dout, c.out_cache, check=False)
     dheads = F.merge_heads_backward(dmerged, c.merge_cache, check=False)
-    dattention = F.attention_backward(dheads, c.attention_cache, check=False)
+    if isinstance(c.attention_cache, tiled_variants.TILED_CACHES):
+        dattention = tiled_variants.attention_backward(dheads, c.attention_cache)
+    else:
+        dattention = F.attention_backward(dheads, c.attention_cache, check=False)
     # (dq, dk, dv), and (dscore_bias, dsinks) when the forward had a variant of its own
     dattention += (None,) * (5 - len(dattention))
     dq_heads, dk_heads, dv_heads, dscore_bias, grads["sinks"] = dattention
