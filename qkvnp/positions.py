@@ -90,7 +90,7 @@ def alibi_bias(T, S, slopes, offset=0):
     if slopes.ndim != 1:
         raise ValueError(f"slopes must have shape (H,), got shape {slopes.shape}")
     distance = np.abs(relative_positions(T, S, offset))  # (T, S)
-    return -slopes[:, None, None] * distance  # (H,) -> (H, T, S)
+    return slopes[:, None, None] * -distance  # (H,) -> (H, T, S); 0, not -0, on the diagonal
 
 
 def relative_position_bucket(T, S, num_buckets=32, max_distance=128, bidirectional=True, *,
