@@ -44,7 +44,7 @@ from ..dropout import block_keep, keep_scale, prepare_dropout
 from ..gqa import split_groups, split_head_axis
 from ..masks import causal_offset, check_is_causal, prepare_mask
 from ..variants import VariantCache, VariantGroupedCache, check_softcap, check_window
-from ._runtime import check_block_pair, get_block_sizes
+from ._runtime import check_block_pair, get_block_sizes, run, single_threaded_blas
 
 __all__ = ["TiledVariantCache", "TiledVariantGroupedCache", "TILED_CACHES", "attention_forward",
            "attention_backward", "band_key_range"]
@@ -111,16 +111,20 @@ def _block_scores(c, qs, i0, i1, j0, j1):
         scores = c.softcap * capped
     if c.bias is not None:
         scores = scores + _slice(c.bias, i0, i1, j0, j1)
-    allowed = np.ones(distance.shape, dtype=bool)
     left, right = (None, None) if c.window is None else c.window
-    if left is not None:
-        allowed &= distance >= -left
-    if right is not None:
-        allowed &= distance <= right
     if c.causal:
-        allowed &= distance <= 0
+        right = 0 if right is None else min(right, 0)
+    allowed = None
+    # only a block that crosses an edge of the band needs its mask
+    if left is not None and j0 - (i1 - 1 + c.offset) < -left:
+        allowed = distance >= -left
+    if right is not None and (j1 - 1) - (i0 + c.offset) > right:
+        allowed = distance <= right if allowed is None else allowed & (distance <= right)
     if c.keep is not None:
-        allowed = allowed & _slice(c.keep, i0, i1, j0, j1)
+        keep = _slice(c.keep, i0, i1, j0, j1)
+        allowed = keep if allowed is None else allowed & keep
+    if allowed is None:
+        return scores, capped
     return np.where(allowed, scores, -np.inf), capped
 
 
@@ -133,9 +137,21 @@ def _blocks(c, T, S):
         yield i0, i1, [(j0, min(j0 + c.block_k, S)) for j0 in range(first, hi, c.block_k)]
 
 
-def _check_block_size(block_size, T, S):
+def _check_block_size(block_size, T, S, window=None, causal=False):
+    """``(block_q, block_k)``; by default the ``tiled_block`` setting, smaller for a narrow window."""
     if block_size is None:
         block_q, block_k = get_block_sizes()["tiled_block"]
+        left, right = (None, None) if window is None else window
+        right = 0 if causal else right
+        if left is not None and right is not None:
+            # NOTE: a block wider than the band computes mostly masked scores:
+            # key blocks of about a quarter of the band, query blocks twice that.
+            # Measured, (1, 16384, 64) float32, window (255, 0), fwd+bwd on a
+            # loaded 2-core host: (512, 512) 1.1-1.3 s, (128, 64) 0.61-0.69 s,
+            # (64, 64) 0.73-0.84 s, (256, 128) 0.75-0.84 s
+            width = left + right + 1
+            block = max(32, 2 ** int(math.log2(max(width // 4, 1))))
+            block_q, block_k = min(block_q, 2 * block), min(block_k, block)
     else:
         block_q, block_k = check_block_pair(block_size, "block_size")
     return max(1, min(block_q, T)), max(1, min(block_k, S))
@@ -206,9 +222,9 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         sinks_column = sinks[..., None, None]  # (..., 1, 1)
         _check_broadcasts(sinks_column.shape, lead + (T, 1), "sinks", "(H,)")
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
-    block_q, block_k = _check_block_size(block_size, T, S)
     offset = causal_offset(is_causal, T, S) or 0
     causal = check_is_causal(is_causal) is not False
+    block_q, block_k = _check_block_size(block_size, T, S, window, causal)
     Dv = value.shape[-1]
     cache = TiledVariantCache(query.copy(), key.copy(), value.copy(), _at_least_2d(bias),
                               _at_least_2d(keep), score_bias, alibi, softcap, sinks, window,
@@ -218,33 +234,53 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     row_max = np.empty(lead + (T, 1), dtype)  # (..., T, 1)
     row_sum = np.empty(lead + (T, 1), dtype)  # (..., T, 1)
     v = np.broadcast_to(value, lead + (S, Dv))  # a view
-    for i0, i1, key_blocks in _blocks(cache, T, S):
-        qs = query[..., i0:i1, :] * scale  # (..., bq, D), the scale folded into Q
-        bq = i1 - i0
-        if sinks_column is None:
-            m = np.full(lead + (bq, 1), -np.inf, dtype)
-            total = np.zeros(lead + (bq, 1), dtype)
-        else:  # the sink is one more logit of every row
-            m = np.broadcast_to(sinks_column, lead + (bq, 1)).astype(dtype)
-            total = np.ones(lead + (bq, 1), dtype)
-        acc = np.zeros(lead + (bq, Dv), dtype)
-        for j0, j1 in key_blocks:
-            scores, _ = _block_scores(cache, qs, i0, i1, j0, j1)  # (..., bq, bk)
-            new_m = np.maximum(m, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
-            shift = np.where(np.isneginf(new_m), 0, new_m)  # a row masked so far: no -inf - -inf
-            weights = np.exp(scores - shift)  # (..., bq, bk)
-            rescale = np.exp(m - shift)
-            total = rescale * total + weights.sum(axis=-1, keepdims=True)
-            if dropout is not None:
-                weights = weights * block_keep(dropout, i0, i1, j0, j1)
-            acc = rescale * acc + weights @ v[..., j0:j1, :]  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
-            m = new_m
-        out[..., i0:i1, :] = acc / np.where(total == 0, 1, total)
-        row_max[..., i0:i1, :] = m
-        row_sum[..., i0:i1, :] = total
+
+    def rows(part):  # query blocks are independent: each task writes its own rows (of dq too)
+        for i0, i1, key_blocks in part:
+            _forward_rows(cache, v, sinks_column, i0, i1, key_blocks, out, row_max, row_sum)
+
+    work = list(_blocks(cache, T, S))
+    # NOTE: BLAS pinned to one thread: OpenBLAS's own threads on these small
+    # block products made the forward 20x slower ((1, 4096, 64), window 256)
+    with single_threaded_blas():
+        run(rows, work, _flops(lead, work, query.shape[-1], Dv))
     if dropout is not None:
         out *= keep_scale(dropout.p, dtype)
     return out, cache._replace(out=out.copy(), row_max=row_max, row_sum=row_sum)
+
+
+def _flops(lead, work, D, Dv):
+    """The products' floating-point operations over the visited block pairs (for :func:`run`)."""
+    pairs = sum((i1 - i0) * sum(j1 - j0 for j0, j1 in blocks) for i0, i1, blocks in work)
+    return 2 * math.prod(lead) * pairs * (D + Dv)
+
+
+def _forward_rows(c, v, sinks_column, i0, i1, key_blocks, out, row_max, row_sum):
+    """The online softmax of query rows ``i0:i1`` over their key blocks (see the module docstring)."""
+    lead, dtype = out.shape[:-2], out.dtype
+    qs = c.query[..., i0:i1, :] * c.scale  # (..., bq, D), the scale folded into Q
+    bq, Dv = i1 - i0, out.shape[-1]
+    if sinks_column is None:
+        m = np.full(lead + (bq, 1), -np.inf, dtype)
+        total = np.zeros(lead + (bq, 1), dtype)
+    else:  # the sink is one more logit of every row
+        m = np.broadcast_to(sinks_column, lead + (bq, 1)).astype(dtype)
+        total = np.ones(lead + (bq, 1), dtype)
+    acc = np.zeros(lead + (bq, Dv), dtype)
+    for j0, j1 in key_blocks:
+        scores, _ = _block_scores(c, qs, i0, i1, j0, j1)  # (..., bq, bk)
+        new_m = np.maximum(m, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
+        shift = np.where(np.isneginf(new_m), 0, new_m)  # a row masked so far: no -inf - -inf
+        weights = np.exp(scores - shift)  # (..., bq, bk)
+        rescale = np.exp(m - shift)
+        total = rescale * total + weights.sum(axis=-1, keepdims=True)
+        if c.dropout is not None:
+            weights = weights * block_keep(c.dropout, i0, i1, j0, j1)
+        acc = rescale * acc + weights @ v[..., j0:j1, :]  # (..., bq, bk) @ (..., bk, Dv) -> (..., bq, Dv)
+        m = new_m
+    out[..., i0:i1, :] = acc / np.where(total == 0, 1, total)
+    row_max[..., i0:i1, :] = m
+    row_sum[..., i0:i1, :] = total
 
 
 def _check_broadcasts(shape, target, name, expected):
@@ -283,6 +319,31 @@ def _grouped_forward(grouped, is_causal, scale, score_bias, alibi_slopes, softca
     return out.reshape(out_shape), cls(inner, shapes, out_shape, out.shape, out.dtype)  # (..., K, G, T, Dv) -> (..., H, T, Dv)
 
 
+def _backward_rows(c, k, v, dout, delta, shift, inv_sum, i0, i1, key_blocks, dq, dk, dv,
+                   dscore_bias):
+    """The gradients of query rows ``i0:i1``: their ``dq`` rows, added into ``dk``, ``dv``, ``dscore_bias``."""
+    qs = c.query[..., i0:i1, :] * c.scale  # (..., bq, D)
+    dout_block = dout[..., i0:i1, :]  # (..., bq, Dv)
+    drop_scale = None if c.dropout is None else keep_scale(c.dropout.p, dout.dtype)
+    for j0, j1 in key_blocks:
+        scores, capped = _block_scores(c, qs, i0, i1, j0, j1)
+        weights = np.exp(scores - shift[..., i0:i1, :]) * inv_sum[..., i0:i1, :]  # P, (..., bq, bk)
+        dweights = dout_block @ np.swapaxes(v[..., j0:j1, :], -1, -2)  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
+        kept = weights
+        if c.dropout is not None:
+            drop = block_keep(c.dropout, i0, i1, j0, j1) * drop_scale
+            kept, dweights = weights * drop, dweights * drop
+        dv[..., j0:j1, :] += np.swapaxes(kept, -1, -2) @ dout_block  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
+        dscores = weights * (dweights - delta[..., i0:i1, :])  # (..., bq, bk)
+        if capped is not None:
+            dscores = dscores * (1 - capped * capped)
+        if dscore_bias is not None:
+            target = _slice(dscore_bias, i0, i1, j0, j1)
+            target += F.sum_to_shape(dscores, target.shape)
+        dq[..., i0:i1, :] += dscores @ k[..., j0:j1, :]  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
+        dk[..., j0:j1, :] += np.swapaxes(dscores, -1, -2) @ qs  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)
+
+
 def attention_backward(dout, cache):
     """Backward of :func:`attention_forward`: ``(dquery, dkey, dvalue, dscore_bias, dsinks)``."""
     if isinstance(cache, (VariantCache, VariantGroupedCache)):  # deferred to the reference
@@ -302,30 +363,32 @@ def attention_backward(dout, cache):
     shift = np.where(np.isneginf(c.row_max), 0, c.row_max)  # (..., T, 1)
     inv_sum = np.where(c.row_sum == 0, 0, 1 / np.where(c.row_sum == 0, 1, c.row_sum))  # (..., T, 1)
     dq = np.zeros(lead + (T, D), dtype)
-    dk = np.zeros(lead + (S, D), dtype)
-    dv = np.zeros(lead + (S, Dv), dtype)
-    dscore_bias = None if c.score_bias is None else np.zeros(c.score_bias.shape, dtype)
-    drop_scale = None if c.dropout is None else keep_scale(c.dropout.p, dtype)
-    for i0, i1, key_blocks in _blocks(c, T, S):
-        qs = c.query[..., i0:i1, :] * c.scale  # (..., bq, D)
-        dout_block = dout[..., i0:i1, :]  # (..., bq, Dv)
-        for j0, j1 in key_blocks:
-            scores, capped = _block_scores(c, qs, i0, i1, j0, j1)
-            weights = np.exp(scores - shift[..., i0:i1, :]) * inv_sum[..., i0:i1, :]  # P, (..., bq, bk)
-            dweights = dout_block @ np.swapaxes(v[..., j0:j1, :], -1, -2)  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
-            kept = weights
-            if c.dropout is not None:
-                drop = block_keep(c.dropout, i0, i1, j0, j1) * drop_scale
-                kept, dweights = weights * drop, dweights * drop
-            dv[..., j0:j1, :] += np.swapaxes(kept, -1, -2) @ dout_block  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
-            dscores = weights * (dweights - delta[..., i0:i1, :])  # (..., bq, bk)
-            if capped is not None:
-                dscores = dscores * (1 - capped * capped)
-            if dscore_bias is not None:
-                target = _slice(dscore_bias, i0, i1, j0, j1)
-                target += F.sum_to_shape(dscores, target.shape)
-            dq[..., i0:i1, :] += dscores @ k[..., j0:j1, :]  # (..., bq, bk) @ (..., bk, D) -> (..., bq, D)
-            dk[..., j0:j1, :] += np.swapaxes(dscores, -1, -2) @ qs  # (..., bk, bq) @ (..., bq, D) -> (..., bk, D)
+    bias_shape = None if c.score_bias is None else c.score_bias.shape
+    work = list(_blocks(c, T, S))
+    sums = {}  # first work item -> (dk, dv, dscore_bias) of the task that ran it
+
+    def new_sums():
+        return (np.zeros(lead + (S, D), dtype), np.zeros(lead + (S, Dv), dtype),
+                None if bias_shape is None else np.zeros(bias_shape, dtype))
+
+    def columns(part):  # each task adds into its own dk, dv: summed below in a fixed order
+        if not part:
+            return
+        sums[part[0][0]] = own = new_sums()
+        for i0, i1, key_blocks in part:
+            _backward_rows(c, k, v, dout, delta, shift, inv_sum, i0, i1, key_blocks, dq, *own)
+
+    with single_threaded_blas():
+        run(columns, work, 2 * _flops(lead, work, D, Dv))
+    if not sums:  # no query rows
+        sums[0] = new_sums()
+    ordered = [sums.pop(first) for first in sorted(sums)]
+    dk, dv, dscore_bias = ordered[0]
+    for other in ordered[1:]:  # in place, in a fixed order: the result repeats bitwise
+        for total, part in zip((dk, dv, dscore_bias), other):
+            if total is not None:
+                total += part
+    del ordered
     dq *= c.scale
     dsinks = None
     if c.sinks is not None:  # the sink's share pi = e^(sink - m) / l, dsink = -sum pi * Delta
