@@ -143,6 +143,7 @@ def test_dispatch_says_which_path_runs_the_variants(impl, options, path, words):
     {"window": (5, 0), "rope": True, "num_kv_heads": 1},
     {"position_bias": "alibi", "softcap": 2.0, "sinks": True},
     {"window": (3, 2), "sinks": True, "rope": True, "rope_layout": "interleaved"},
+    {"window": (4, 0), "position_bias": "alibi", "dropout": 0.3, "num_kv_heads": 1},
 ])
 @pytest.mark.parametrize("is_causal", [True, False, "bottom_right"])
 def test_tiled_path_equals_the_reference_path(options, is_causal, dtype):
@@ -155,9 +156,12 @@ def test_tiled_path_equals_the_reference_path(options, is_causal, dtype):
     rng = np.random.default_rng(12)
     query, key = rng.standard_normal((2, 37, 8)), rng.standard_normal((2, 45, 8))
     dout = rng.standard_normal((2, 37, 8))
+    replay = {}
+    if options.get("dropout"):  # the same replayed mask on both paths
+        replay["dropout_mask"] = rng.random((2, 2, 37, 45)) > 0.3
     for impl in ("reference", "tiled"):
         layer = make_layer(dtype=dtype, impl=impl, **options)
-        out = layer.forward(query, key, is_causal=is_causal)
+        out = layer.forward(query, key, is_causal=is_causal, **replay)
         assert layer.last_dispatch.path == impl
         grads = layer.backward(dout)
         results.append((out, grads[0], grads[1], dict(layer.grads)))
@@ -247,6 +251,15 @@ def test_layer_matches_torch_autograd():
     close(dx, xt.grad)
     for name in layer.params:
         close(layer.grads[name], p[name].grad)
+
+
+def test_weights_requested_run_on_the_reference_path():
+    layer = make_layer(window=(2, 0), sinks=True)
+    out, weights = layer.forward(np.ones((1, 5, 8)), is_causal=True, return_weights=True)
+    assert layer.last_dispatch.path == "reference" and "weights requested" in layer.last_dispatch.reason
+    assert weights.shape == (1, 2, 5, 5)
+    assert np.all(weights.sum(-1) < 1)  # the sinks take their share
+    assert np.all(np.triu(weights[0, 0], 1) == 0) and np.all(np.tril(weights[0, 0], -3) == 0)
 
 
 def test_public_names():

@@ -243,6 +243,8 @@ TILED_OPTIONS = [
     {"window": (0, 0)},
     {"window": (4, None), "dropout_p": 0.3, "rng": 5},
     {"attn_mask": np.arange(17) % 3 != 0, "window": (6, 1)},  # a key-padding-like bool mask
+    {"attn_mask": np.arange(13)[:, None] != 4, "window": (2, 2)},  # query 4 fully masked
+    {"window": (1, 0), "is_causal": True, "attn_mask": np.where(np.eye(13, 17) > 0, -1.5, 0.0)},
 ]
 
 
@@ -284,3 +286,19 @@ def test_tiled_window_visits_only_the_band():
     assert band_key_range(0, 4, 10, 6, (1, None), "bottom_right") == (5, 10)
     assert band_key_range(0, 4, 10, 0, (1, 2), False) == (0, 6)
     assert band_key_range(8, 10, 10, 0, (0, 0), False) == (8, 10)
+
+
+def test_tiled_variants_defer_huge_scores_to_the_reference():
+    # oracle: the reference ops, which clip overflowing scores exactly
+    from qkvnp.kernels import tiled_variants
+    from qkvnp.variants import VariantCache
+
+    rng = np.random.default_rng(11)
+    q, k, v = rng.standard_normal((5, 4)) * 1e154, rng.standard_normal((6, 4)), rng.standard_normal((6, 2))
+    with np.errstate(over="ignore"):
+        out, cache = tiled_variants.attention_forward(q, k, v, window=(2, 2), sinks=np.array(0.1))
+        expected, _ = F.attention_forward(q, k, v, window=(2, 2), sinks=np.array(0.1))
+    assert isinstance(cache, VariantCache)
+    np.testing.assert_array_equal(out, expected)
+    grads = tiled_variants.attention_backward(rng.standard_normal(out.shape), cache)
+    assert all(np.isfinite(g).all() for g in grads if g is not None)
