@@ -13,6 +13,7 @@ import numpy as np
 from . import functional as F
 from . import kernels
 from .kernels import tiled_variants
+from .kernels._runtime import single_threaded_blas
 from .kernels.variant_layer import active_variants, position_score_bias
 from .positions import alibi_slopes
 from .masks import fold_key_padding_mask, prepare_mask
@@ -44,6 +45,14 @@ def decode(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
     mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
     prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
     kv_cache.check(layer, np.empty(batch + (K, T, D), layer.dtype))
+    with single_threaded_blas():  # as the layer's forward (qkvnp.kernels.layer_forward)
+        return _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch)
+
+
+def _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch):
+    """The step after its checks: projections, RoPE, the cache, attention, output projection."""
+    options, params = layer.variants, layer.params
+    past = S - T
     heads = []
     for name, n in (("query", H), ("key", K), ("value", K)):
         y = x @ params["W_" + name]  # (..., T, E) @ (E, n*D) -> (..., T, n*D)

@@ -283,10 +283,14 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
         names = variant_layer.active_variants(variants)
         if names:
             dispatch = choose_path(*path_args, is_causal=causal, variants=names)
-            out, weights, cache = variant_layer.forward(
-                params, inputs, kind, num_heads, mask, is_causal, variants,
-                need_weights=need_weights, dropout_p=dropout_p, rng=rng,
-                dropout_mask=dropout_mask, path=dispatch.path)
+            # NOTE: BLAS on one thread, as the fused paths: OpenBLAS's threads
+            # made the (8, 128, 256, 8) float32 layer with rope=True 10x slower
+            # on a loaded 2-core host (1244 against 83 ms fwd+bwd)
+            with single_threaded_blas():
+                out, weights, cache = variant_layer.forward(
+                    params, inputs, kind, num_heads, mask, is_causal, variants,
+                    need_weights=need_weights, dropout_p=dropout_p, rng=rng,
+                    dropout_mask=dropout_mask, path=dispatch.path)
             return out, weights, cache, dispatch
     dispatch = choose_path(*path_args, is_causal=causal)
     mha, reference = _layer_kernels()
@@ -345,6 +349,7 @@ def layer_backward(dout, cache):
     from . import variant_layer  # imported with the first variant layer's forward
 
     if isinstance(cache, variant_layer.VariantLayerCache):
-        return variant_layer.backward(dout, cache)
+        with single_threaded_blas():
+            return variant_layer.backward(dout, cache)
     with single_threaded_blas():
         return mha.backward(dout, cache)
