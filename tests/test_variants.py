@@ -302,3 +302,22 @@ def test_tiled_variants_defer_huge_scores_to_the_reference():
     np.testing.assert_array_equal(out, expected)
     grads = tiled_variants.attention_backward(rng.standard_normal(out.shape), cache)
     assert all(np.isfinite(g).all() for g in grads if g is not None)
+
+
+@settings(max_examples=30)
+@given(variant_cases(), st.integers(1, 4), st.integers(1, 4))
+def test_tiled_variants_property(case, block_q, block_k):
+    # oracle: the reference ops at the same point, any block sizes, every option drawn
+    from qkvnp.kernels import tiled_variants
+
+    inputs, options = case
+    out, cache = F.attention_forward(**inputs, **options)
+    tiled, tiled_cache = tiled_variants.attention_forward(**inputs, **options,
+                                                          block_size=(block_q, block_k))
+    assert tiled.shape == out.shape
+    np.testing.assert_allclose(tiled, out, rtol=0, atol=1e-12)
+    dout = np.random.default_rng(0).standard_normal(out.shape)
+    for ours, theirs in zip(tiled_variants.attention_backward(dout, tiled_cache),
+                            F.attention_backward(dout, cache)):
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-11)
