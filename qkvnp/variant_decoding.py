@@ -34,7 +34,8 @@ def decode(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
     Returns ``(out, weights, dispatch)``.
     """
     options, params = layer.variants, layer.params
-    H = layer.num_heads
+    one_head = "W_out" not in params  # SelfAttention: no head axis in its masks and output
+    H = 1 if one_head else layer.num_heads
     D = params["W_query"].shape[1] // H
     K = params["W_key"].shape[1] // D
     batch, T = x.shape[:-2], x.shape[-2]
@@ -42,8 +43,12 @@ def decode(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
     S = past + T
     # every check that can refuse the call runs before the cache changes
     window = check_window(options.window, "bottom_right")
-    mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
-    prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
+    if one_head:  # broadcastable to (..., T, S), as in SelfAttention.forward
+        prepare_mask(attn_mask, "bottom_right", batch + (T, S), layer.dtype)
+        mask = attn_mask if np.ndim(attn_mask) < 3 else np.asarray(attn_mask)[..., None, :, :]  # (..., 1, T, S)
+    else:
+        mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
+        prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
     kv_cache.check(layer, np.empty(batch + (K, T, D), layer.dtype))
     with single_threaded_blas():  # as the layer's forward (qkvnp.kernels.layer_forward)
         return _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch)
@@ -86,6 +91,8 @@ def _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch):
     if window is not None and window[0] is not None:
         kv_cache.keep_last(window[0])  # the next query, at S, sees keys S - left .. S
     merged = F.merge_heads_forward(out_heads)[0]  # (..., H, T, D) -> (..., T, E)
+    if "W_out" not in params:  # SelfAttention: one head, no output projection
+        return merged, None if weights is None else weights[..., 0, :, :], dispatch
     out = merged @ params["W_out"]  # (..., T, E) @ (E, out) -> (..., T, out)
     if "b_out" in params:
         out = out + params["b_out"]

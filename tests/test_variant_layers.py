@@ -262,6 +262,33 @@ def test_weights_requested_run_on_the_reference_path():
     assert np.all(np.triu(weights[0, 0], 1) == 0) and np.all(np.tril(weights[0, 0], -3) == 0)
 
 
+@pytest.mark.parametrize("method", ["central", "complex_step"])
+@pytest.mark.parametrize("options", [
+    {"rope": True, "sinks": True, "window": (2, 0)},
+    {"position_bias": "relative", "num_buckets": 6, "softcap": 2.0},
+    {"position_bias": "alibi", "sinks": True, "impl": "tiled"},
+])
+def test_self_attention_with_variants(options, method):
+    layer = qkvnp.SelfAttention(6, 4, rng=0, **options)
+    rng = np.random.default_rng(13)
+    for name in ("sinks", "rel_bias"):
+        if name in layer.params:
+            assert layer.params[name].shape == {"sinks": (1,), "rel_bias": (6, 1)}[name]
+            layer.params[name][...] = rng.standard_normal(layer.params[name].shape)
+    x = rng.standard_normal((2, 7, 6))
+    keep = rng.random((2, 7, 7)) > 0.2  # (B, T, S): no head axis
+    report = check_layer(layer, x, method=method,
+                         forward_kwargs={"is_causal": True, "attn_mask": keep})
+    assert report.ok, report
+    full = layer.forward(x, is_causal=True)
+    cache = KVCache()
+    steps = np.concatenate([layer.forward(x[:, t:t + 1], kv_cache=cache) for t in range(7)], 1)
+    assert steps.shape == full.shape
+    np.testing.assert_allclose(steps, full, rtol=0, atol=1e-13)
+    _, weights = layer.forward(x, is_causal=True, return_weights=True)
+    assert weights.shape == (2, 7, 7)
+
+
 def test_public_names():
     assert qkvnp.functional.rope_forward is qkvnp.variants.rope_forward
     assert callable(qkvnp.positions.alibi_slopes)

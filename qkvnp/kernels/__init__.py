@@ -290,7 +290,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
                 out, weights, cache = variant_layer.forward(
                     params, inputs, kind, num_heads, mask, is_causal, variants,
                     need_weights=need_weights, dropout_p=dropout_p, rng=rng,
-                    dropout_mask=dropout_mask, path=dispatch.path)
+                    dropout_mask=dropout_mask, path=dispatch.path, out_proj=out_proj)
             return out, weights, cache, dispatch
     dispatch = choose_path(*path_args, is_causal=causal)
     mha, reference = _layer_kernels()

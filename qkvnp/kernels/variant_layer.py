@@ -92,11 +92,14 @@ def position_score_bias(params, options, num_heads, T, S, offset, causal, dtype)
 
 
 def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weights=False, *,
-            dropout_p=0.0, rng=None, dropout_mask=None, path="reference"):
+            dropout_p=0.0, rng=None, dropout_mask=None, path="reference", out_proj=True):
     """The layer's forward (same arguments as :func:`qkvnp.kernels.reference.forward`, plus ``options``).
 
     ``path="tiled"`` runs the attention core of :mod:`qkvnp.kernels.tiled_variants`
     (ALiBi from its slopes, never a ``(H, T, S)`` bias); the rest is the same ops.
+    ``out_proj=False`` is :class:`qkvnp.SelfAttention`: one head (given a head
+    axis of 1 here, so that ``sinks (1,)`` and ``rel_bias (NB, 1)`` read as
+    for H = 1), no output projection; masks and weights without a head axis.
 
     Returns
     -------
@@ -122,6 +125,9 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
         rope = {"base": options.rope_base, "layout": options.rope_layout}
         q_heads, q_rope = F.rope_forward(q_heads, np.arange(T) + offset, **rope)  # (..., H, T, D)
         k_heads, k_rope = F.rope_forward(k_heads, np.arange(S), **rope)  # (..., K, S, D)
+    if not out_proj:  # SelfAttention's masks have no head axis: give them one of 1
+        mask, dropout_mask = (None if a is None or np.ndim(a) < 3 else np.asarray(a)[..., None, :, :]
+                              for a in (mask, dropout_mask))  # (..., T, S) -> (..., 1, T, S)
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     if path == "tiled":  # the variants of qkvnp.kernels.TILED_VARIANTS only
         slopes = alibi_slopes(num_heads) if options.position_bias == "alibi" else None
@@ -138,11 +144,15 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
             score_bias=score_bias, softcap=options.softcap, sinks=p.get("sinks"),
             window=window, **dropout)  # -> (..., H, T, D)
     merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
-    out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, out)
+    out, out_cache = merged, None  # SelfAttention: no output projection
+    if out_proj:
+        out, out_cache = F.linear_forward(merged, p["W_out"], p.get("b_out"))  # (..., T, E) -> (..., T, out)
     cache = VariantLayerCache(kind, q_cache, k_cache, v_cache, q_split, k_split, v_split, q_rope,
                               k_rope, buckets, options.num_buckets if buckets is not None else None,
                               attention_cache, merge_cache, out_cache, out.shape)
     weights = F.dropped_weights(attention_cache) if need_weights and path != "tiled" else None
+    if weights is not None and not out_proj:
+        weights = weights[..., 0, :, :]  # (..., 1, T, S) -> (..., T, S)
     return out, weights, cache
 
 
@@ -157,9 +167,11 @@ def backward(dout, cache):
         As :func:`qkvnp.kernels.reference.backward`.
     """
     c = cache
-    dout = as_upstream_grad(dout, "dout", c.out_shape, c.out_cache.W.dtype)
+    dout = as_upstream_grad(dout, "dout", c.out_shape, c.query_cache.W.dtype)
     grads = {}
-    dmerged, grads["W_out"], grads["b_out"] = F.linear_backward(dout, c.out_cache, check=False)
+    dmerged = dout  # SelfAttention: no output projection
+    if c.out_cache is not None:
+        dmerged, grads["W_out"], grads["b_out"] = F.linear_backward(dout, c.out_cache, check=False)
     dheads = F.merge_heads_backward(dmerged, c.merge_cache, check=False)
     if isinstance(c.attention_cache, tiled_variants.TILED_CACHES):
         dattention = tiled_variants.attention_backward(dheads, c.attention_cache)

@@ -39,14 +39,36 @@ class _AttentionLayer(Layer):
         self.dropout = check_dropout_p(dropout, "dropout")
         self.dropout_rng = spawn_generator(rng)
 
+    def _init_variants(self, num_heads, head_dim, **options):
+        """The variant options checked (:func:`qkvnp.kernels.variant_layer.check_options`) and
+        their parameters: ``rel_bias`` ``(num_buckets, H)`` and ``sinks`` ``(H,)``, zeros (no
+        draw from ``rng``: the weights of a seed do not depend on the options)."""
+        from ..kernels.variant_layer import check_options
+
+        self.variants = check_options(num_heads, head_dim, **options)
+        if self.variants is not None and self.variants.position_bias == "relative":
+            self.params["rel_bias"] = np.zeros((self.variants.num_buckets, num_heads), self.dtype)
+        if self.variants is not None and self.variants.sinks:
+            self.params["sinks"] = np.zeros(num_heads, dtype=self.dtype)
+
+    def _variant_repr_items(self):
+        """The variant options that are on, for ``repr``."""
+        if self.variants is None:
+            return []
+        off = {"rope": False, "rope_base": 10000.0, "rope_layout": "half", "position_bias": None,
+               "num_buckets": 32, "max_distance": 128, "sinks": False, "softcap": None,
+               "window": None}
+        return [(name, value) for name, value in self.variants._asdict().items()
+                if value != off[name]]
+
     def generators(self):
         """``{"dropout_rng": the Generator that draws the dropout masks}``."""
         return {"dropout_rng": self.dropout_rng}
 
     def _repr_items(self):
-        """``dropout`` only when not 0."""
+        """``dropout`` only when not 0; the variant options that are on."""
         return [(name, value) for name, value in super()._repr_items()
-                if name != "dropout" or value]
+                if name != "dropout" or value] + self._variant_repr_items()
 
     def _dropout_args(self, dropout_mask, rng):
         """The dropout arguments of one forward: a given mask always, a drawn one in training."""
@@ -149,6 +171,9 @@ class SelfAttention(_AttentionLayer):
         mode, in ``[0, 1)`` (the book's and PyTorch's ``dropout``). The masks
         come from the layer's own ``dropout_rng``, spawned from ``rng`` after
         the weights are drawn (the weights do not depend on ``dropout``).
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window
+        Keyword-only: the attention variants, as :class:`MultiHeadAttention`'s
+        with one head (``rel_bias`` ``(num_buckets, 1)``, ``sinks`` ``(1,)``).
 
     Attributes
     ----------
@@ -185,7 +210,9 @@ class SelfAttention(_AttentionLayer):
     """
 
     def __init__(self, d_in, d_out, qkv_bias=False, rng=None, dtype=np.float64, impl="auto", *,
-                 dropout=0.0):
+                 dropout=0.0, rope=False, rope_base=10000.0, rope_layout="half",
+                 position_bias=None, num_buckets=32, max_distance=128, sinks=False, softcap=None,
+                 window=None):
         self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
@@ -199,6 +226,10 @@ class SelfAttention(_AttentionLayer):
             for name in ("b_query", "b_key", "b_value"):
                 self.params[name] = np.zeros(self.d_out, dtype=self.dtype)
         self.qkv_bias = bool(qkv_bias)
+        self._init_variants(1, self.d_out, rope=rope, rope_base=rope_base,
+                            rope_layout=rope_layout, position_bias=position_bias,
+                            num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
+                            softcap=softcap, window=window)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
@@ -441,17 +472,10 @@ class MultiHeadAttention(_AttentionLayer):
                 self.params[name] = np.zeros(E if name == "b_query" else E_kv, dtype=self.dtype)
         if self.out_bias:
             self.params["b_out"] = np.zeros(self.out_dim, dtype=self.dtype)
-        from ..kernels.variant_layer import check_options  # no rng draw: the weights stay the same
-
-        self.variants = check_options(self.num_heads, self.head_dim, rope=rope, rope_base=rope_base,
-                                      rope_layout=rope_layout, position_bias=position_bias,
-                                      num_buckets=num_buckets, max_distance=max_distance,
-                                      sinks=sinks, softcap=softcap, window=window)
-        if self.variants is not None and self.variants.position_bias == "relative":
-            self.params["rel_bias"] = np.zeros((self.variants.num_buckets, self.num_heads),
-                                               dtype=self.dtype)
-        if self.variants is not None and self.variants.sinks:
-            self.params["sinks"] = np.zeros(self.num_heads, dtype=self.dtype)
+        self._init_variants(self.num_heads, self.head_dim, rope=rope, rope_base=rope_base,
+                            rope_layout=rope_layout, position_bias=position_bias,
+                            num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
+                            softcap=softcap, window=window)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
@@ -464,15 +488,8 @@ class MultiHeadAttention(_AttentionLayer):
         defaults = {"kdim": self.embed_dim, "vdim": self.embed_dim, "qdim": self.embed_dim,
                     "out_dim": self.embed_dim, "qkv_bias": self.bias, "out_bias": self.bias,
                     "num_kv_heads": self.num_heads}
-        items = [(name, value) for name, value in super()._repr_items()
-                 if name not in defaults or value != defaults[name]]
-        if self.variants is not None:  # the variants that are on
-            off = {"rope": False, "rope_base": 10000.0, "rope_layout": "half",
-                   "position_bias": None, "num_buckets": 32, "max_distance": 128,
-                   "sinks": False, "softcap": None, "window": None}
-            items += [(name, value) for name, value in self.variants._asdict().items()
-                      if value != off[name]]
-        return items
+        return [(name, value) for name, value in super()._repr_items()
+                if name not in defaults or value != defaults[name]]
 
     def _check_kv_heads(self, num_kv_heads):
         """``num_kv_heads`` (default ``num_heads``), a positive divisor of ``num_heads``."""
