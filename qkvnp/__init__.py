@@ -6,7 +6,7 @@ D head dim.
 ``import qkvnp`` imports numpy and nothing else; scipy is imported the first
 time a softmax runs, and PyTorch never.
 """
-from . import functional, interop
+from . import functional, interop, positions, variants
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
 from .kv_cache import KVCache
@@ -17,6 +17,8 @@ __version__ = "0.2.0"
 __all__ = [
     "functional",
     "interop",
+    "positions",
+    "variants",
     "softmax",
     "scaled_dot_product_attention",
     "SelfAttention",

@@ -36,6 +36,8 @@ from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split
                     split_heads_forward)
 from .masks import prepare_mask
 from .overflow import product
+from .variants import (VariantCache, VariantGroupedCache, has_variants, rope_backward, rope_forward,
+                       variant_attention_backward, variant_attention_forward)
 
 __all__ = [
     "softmax",
@@ -61,6 +63,8 @@ __all__ = [
     "embedding_backward",
     "embedding_backward_factored",
     "EmbeddingCache",
+    "rope_forward",
+    "rope_backward",
 ]
 
 LinearCache = namedtuple("LinearCache", "x W has_bias")
@@ -351,7 +355,8 @@ def _softmax_backward(dweights, cache):
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, check=True):
+                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, check=True,
+                      score_bias=None, softcap=None, sinks=None, window=None):
     """Scaled dot-product attention ``dropout(softmax(q k^T * scale + mask)) v``.
 
     Parameters
@@ -389,6 +394,13 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         gradients are with the backwards' ``check=False``: at the kv-recall
         model's shapes the checks and copies took 10-12% of a training step.
         Masks and dropout arguments are checked either way.
+    score_bias, softcap, sinks, window : keyword-only, optional
+        The variants of :mod:`qkvnp.variants` (a learnable bias added to the
+        scaled scores, ``softcap * tanh(s / softcap)``, one extra logit per
+        head in the softmax's denominator, a sliding ``(left, right)``
+        window); given any, the forward is
+        :func:`qkvnp.variants.variant_attention_forward` and the backward
+        returns ``(dquery, dkey, dvalue, dscore_bias, dsinks)``.
 
     Returns
     -------
@@ -446,6 +458,12 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     array([[3., 5.],
            [3., 5.]])
     """
+    if has_variants(score_bias, softcap, sinks, window):
+        return variant_attention_forward(query, key, value, attn_mask, is_causal, scale,
+                                         score_bias=score_bias, softcap=softcap, sinks=sinks,
+                                         window=window, dropout_p=dropout_p, rng=rng,
+                                         dropout_mask=dropout_mask, enable_gqa=enable_gqa,
+                                         check=check)
     grouped = split_groups(query, key, value, attn_mask, enable_gqa)
     if grouped is not None:  # K < H key/value heads, broadcast over each group
         return grouped_forward(attention_forward, grouped, is_causal, scale, dropout_p=dropout_p,
@@ -524,6 +542,9 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
         With ``key_is_value=True``: ``dkey + dvalue``; with
         ``"factors"``: the pair ``(left, right)`` of that sum.
     dvalue : ndarray, shape of ``value``, or None with ``key_is_value`` set
+    dscore_bias, dsinks : ndarray or None
+        Only after a forward with a variant (:mod:`qkvnp.variants`): the
+        gradients of ``score_bias`` and ``sinks`` (None for one not given).
 
     Raises
     ------
@@ -558,6 +579,11 @@ def attention_backward(dout, cache, check=True, *, key_is_value=False):
                         f"{type(key_is_value).__name__}")
     elif key_is_value != "factors":
         raise ValueError(f"key_is_value must be a bool or 'factors', got {key_is_value!r}")
+    if isinstance(cache, (VariantCache, VariantGroupedCache)):  # (dq, dk, dv, dscore_bias, dsinks)
+        if key_is_value:
+            raise ValueError("key_is_value needs a forward without score_bias, softcap, sinks "
+                             "or window")
+        return variant_attention_backward(dout, cache, check)
     if isinstance(cache, GroupedCache):  # the core's backward sums each group
         if key_is_value:
             raise ValueError(f"key_is_value={key_is_value!r} needs an ungrouped cache "
@@ -637,7 +663,8 @@ def _product(a, b, factor=1.0):
 
 def scaled_dot_product_attention(
     query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False, *,
-    dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False
+    dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, score_bias=None, softcap=None,
+    sinks=None, window=None
 ):
     """Scaled dot-product attention, the forward alone.
 
@@ -664,7 +691,8 @@ def scaled_dot_product_attention(
     """
     out, cache = attention_forward(query, key, value, attn_mask, is_causal, scale,
                                    dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask,
-                                   enable_gqa=enable_gqa)
+                                   enable_gqa=enable_gqa, score_bias=score_bias, softcap=softcap,
+                                   sinks=sinks, window=window)
     if not return_weights:
         return out
     return out, (cache.weights if cache.dropout_mask is None else dropped_weights(cache))

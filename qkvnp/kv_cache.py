@@ -60,6 +60,7 @@ class KVCache:
         self._layer = None  # weakref.ref to the layer, once bound
         self._key = self._value = None  # (..., K, capacity, D) buffers
         self._length = 0
+        self.start = 0  # tokens dropped from the front (keep_last): the position of key 0
 
     def __len__(self):
         """The number of cached tokens ``S``."""
@@ -101,22 +102,22 @@ class KVCache:
 
     def append(self, layer, key, value):
         """Append the ``T`` new keys and values ``(..., K, T, D)``; return all ``S`` of each."""
-        staged = self._stage(layer, key, value)
-        self._commit(staged)
+        staged = self.stage(layer, key, value)
+        self.commit(staged)
         return self.key, self.value
 
-    def _stage(self, layer, key, value):
+    def stage(self, layer, key, value):
         """The ``S`` keys and values with the ``T`` new ones, **without appending them**.
 
         They are written where no one reads: past the cached tokens of the
         storage (``key`` and ``value`` show only those), or into a grown copy.
         A decoding step stages, runs every check that can refuse it, and only
-        then calls :meth:`_commit`: a refused step leaves the cache as it was.
+        then calls :meth:`commit`: a refused step leaves the cache as it was.
 
         Returns
         -------
         staged : tuple
-            For :meth:`_commit`; ``staged.keys`` and ``staged.values``, shape
+            For :meth:`commit`; ``staged.keys`` and ``staged.values``, shape
             ``(..., K, S, D)``, are the ``S`` keys and values.
         """
         self.check(layer, key)
@@ -135,8 +136,8 @@ class KVCache:
         return _Staged(layer, key_buffer, value_buffer, self._length, length,
                        key_buffer[..., :length, :], value_buffer[..., :length, :])
 
-    def _commit(self, staged):
-        """Make the tokens :meth:`_stage` wrote part of the cache."""
+    def commit(self, staged):
+        """Make the tokens :meth:`stage` wrote part of the cache."""
         if staged.start != self._length:
             raise RuntimeError("kv_cache changed between stage and commit: stage again")
         if self._key is None:
@@ -144,6 +145,33 @@ class KVCache:
         self._key, self._value = staged.key_buffer, staged.value_buffer
         self._length = staged.length
 
+    def keep_last(self, n):
+        """Keep only the last ``n`` cached tokens (a sliding window's rolling buffer).
+
+        The dropped tokens' count adds to ``start``, so that positions (RoPE)
+        continue across steps. The kept tokens move to new buffers of the same
+        capacity (one copy, as a shift in place would cost): arrays that an
+        earlier ``key`` or ``value`` returned keep what they showed. A window
+        ``(left, 0)`` decoding token by token holds at most ``left + 1`` keys,
+        in buffers that stop growing.
+        """
+        keep = min(max(int(n), 0), self._length)
+        drop = self._length - keep
+        if drop <= 0:
+            return
+        moved = []
+        for buffer in (self._key, self._value):
+            fresh = np.empty_like(buffer)  # (..., K, capacity, D)
+            fresh[..., :keep, :] = buffer[..., drop:self._length, :]
+            moved.append(fresh)
+        self._key, self._value = moved
+        self._length = keep
+        self.start += drop
+
+    @property
+    def nbytes(self):
+        """Bytes held by the key and value buffers (their capacity, not their length)."""
+        return 0 if self._key is None else self._key.nbytes + self._value.nbytes
 
 _Staged = namedtuple("_Staged", "layer key_buffer value_buffer start length keys values")
 
@@ -211,7 +239,7 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     dispatch = dispatch._replace(reason="kv_cache decoding step; " + dispatch.reason)
     # NOTE: staged, not appended: the core below may still refuse the step
     # (keys overflowed to inf), which must leave the cache as it was
-    staged = kv_cache._stage(layer, k, v)
+    staged = kv_cache.stage(layer, k, v)
     keys, values = staged.keys, staged.values  # (..., K, S, D) each
     if one_head:  # SelfAttention's shapes have no head axis
         q, keys, values = q[..., 0, :, :], keys[..., 0, :, :], values[..., 0, :, :]
@@ -221,7 +249,7 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     # the scores may overflow (the layer's bound covers the new tokens only).
     heads, cache = core.attention_forward(q, keys, values, mask, "bottom_right",
                                           enable_gqa=K != H)  # -> (..., H, T, D)
-    kv_cache._commit(staged)  # every check passed
+    kv_cache.commit(staged)  # every check passed
     weights = None
     if need_weights:
         weights = fast.attention_weights(cache) if dispatch.path == "fast" else cache.weights

@@ -93,14 +93,20 @@ def test_a_refused_forward_leaves_the_previous_cache_whole(path, name):
     _assert_same_grads(_grads(layer), want_grads)
 
 
+@pytest.mark.parametrize("variants", [
+    {},  # plain attention: qkvnp.kv_cache.cached_forward
+    {"rope": True, "window": (3, 0)},  # the variants' decoding step, a rolling buffer
+    {"window": (3, 0), "softcap": 30.0},  # the same, without RoPE's own input check
+], ids=["plain", "rope-window", "window-softcap"])
 @pytest.mark.parametrize("layer_kind", ["MultiHeadAttention", "SelfAttention"])
 @pytest.mark.parametrize("path", PATHS)
-def test_a_refused_decoding_step_leaves_the_kv_cache_as_it_was(path, layer_kind):
+def test_a_refused_decoding_step_leaves_the_kv_cache_as_it_was(path, layer_kind, variants):
     """A step whose keys overflow to inf, or holding NaN, is refused, and the cache keeps its
     length, keys and values; the next valid step gives the output of one
     causal forward over the whole sequence (oracle: that forward)."""
-    layer = (qkvnp.MultiHeadAttention(8, 2, rng=0, impl=path) if layer_kind == "MultiHeadAttention"
-             else qkvnp.SelfAttention(8, 8, rng=0, impl=path))
+    layer = (qkvnp.MultiHeadAttention(8, 2, rng=0, impl=path, **variants)
+             if layer_kind == "MultiHeadAttention"
+             else qkvnp.SelfAttention(8, 8, rng=0, impl=path, **variants))
     x = np.random.default_rng(1).normal(size=(1, 5, 8))
     cache = qkvnp.KVCache()
     layer.forward(x[:, :3], kv_cache=cache)
@@ -117,7 +123,8 @@ def test_a_refused_decoding_step_leaves_the_kv_cache_as_it_was(path, layer_kind)
         np.testing.assert_array_equal(cache.key, key)
         np.testing.assert_array_equal(cache.value, value)
     steps = [layer.forward(x[:, t:t + 1], kv_cache=cache) for t in (3, 4)]
-    assert len(cache) == 5
+    # a window (left, 0) keeps the last `left` keys between steps
+    assert len(cache) == (5 if "window" not in variants else variants["window"][0])
     whole = layer.forward(x, is_causal=True)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole[:, 3:], rtol=1e-12,
                                atol=1e-12)

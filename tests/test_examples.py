@@ -38,6 +38,14 @@ EXPECTED = {
                                 r"complex_step: smallest worst-case relative error \d\.\de-1[2-6]"],
     "plot_load_torch_weights.py": [r"^\[\[0\.319 +0\.4858\]"],
     "plot_tied_vs_separate_qk.py": [r"separate: held-out accuracy", r"tied_qk: held-out accuracy"],
+    # the script asserts that every diagonal of the bias is -slope * offset
+    "plot_alibi_bias.py": [r"slopes: 0\.5 0\.25 0\.125 0\.0625 0\.03125",
+                           r"head 0, query 5, keys 0\.\.5: \[-2\.5, -2\.0, -1\.5, -1\.0, -0\.5, 0\.0\]"],
+    "plot_rope_relative_positions.py": [r"over \d+ positions at offset 3: \d\.\d+e-1[4-7] \(round-off\)",
+                                        r"rope_backward\(rope_forward\(x\)\) == x"],
+    "plot_sliding_window_decoder.py": [r"cache bytes after 10, 100, 1000, 2000 steps: (\d+) \1 \1 \1\n",
+                                       r"token by token vs full forward: \d\.\d+e-1[4-7]\n",
+                                       r"chunks of 37: largest difference \d\.\d+e-1[4-7]\n"],
 }
 
 

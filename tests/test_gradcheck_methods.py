@@ -115,7 +115,7 @@ def test_nearest_forms_are_small_integers_their_roots_and_reciprocals():
 
 def test_diagnosis_codes_are_the_documented_set():
     assert set(DIAGNOSES) == {"nonfinite", "noise", "zero", "sign", "ratio", "transposed", "zero_slices",
-                              "softmax_axis", "ones_dout", "unknown"}
+                              "softmax_axis", "ones_dout", "rotation", "unknown"}
 
 
 def zero_sum_noise(shape):
@@ -131,6 +131,7 @@ def zero_sum_noise(shape):
     (lambda n: np.where(np.arange(4)[:, None] == 2, 0.0, n), "zero_slices"),
     (lambda n: n + 1.0, "softmax_axis"),  # n's rows sum to 0, a's do not
     (lambda n: np.full_like(n, np.nan), "nonfinite"),
+    (lambda n: n[..., ::-1], "rotation"),  # a permutation within rows keeps each row's length
     (lambda n: n + zero_sum_noise(n.shape), "unknown"),  # keeps the invariance: no pattern
     (lambda n: n + 1e-7 * zero_sum_noise(n.shape), "noise"),  # within 10 rtol normwise
 ])
@@ -163,6 +164,7 @@ def test_the_gallery_has_the_issues_cases():
         "softmax over the wrong axis", "softmax without the row-sum term",
         "mask polarity flipped in the backward", "broadcast bias gradient not summed",
         "dK transposed", "sign flip in the value gradient", "right only for dout = ones",
+        "RoPE backward by +theta", "sink missing from the row sum",
     ]
     assert all(case.diagnosis in DIAGNOSES for case in CASES)
 

@@ -65,6 +65,9 @@ DIAGNOSES = {
     "zero_slices": "zero rows/columns in the analytic gradient where the numeric one is not zero",
     "softmax_axis": "error confined to a softmax axis: wrong reduction axis or missing row-sum",
     "ones_dout": "matches only for an all-ones dout: the backward ignores dout's values",
+    "rotation": ("the analytic gradient has the numeric one's length along the last axis, not "
+                 "its direction: a rotation by the wrong angle (+theta for -theta) or a "
+                 "permutation within rows"),
     "unknown": "no known pattern",
 }
 
@@ -203,4 +206,6 @@ def diagnose(analytic, numeric, rtol, mode="elementwise", noise=0.0):
         return "softmax_axis", (f"error confined to softmax axis {lost[0] - n.ndim}: the numeric "
                                 "gradient sums to zero along it (a softmax ignores a shift), the "
                                 "analytic one does not: wrong reduction axis or missing row-sum")
+    if _close(np.linalg.norm(a, axis=-1), np.linalg.norm(n, axis=-1), fit):
+        return "rotation", DIAGNOSES["rotation"]
     return "unknown", DIAGNOSES["unknown"]

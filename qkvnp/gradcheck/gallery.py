@@ -19,10 +19,11 @@ from collections import namedtuple
 import numpy as np
 
 from .. import functional as F
+from .. import variants
 from .checker import check_op
 
-__all__ = ["Case", "CASES", "HeadsAttentionCache", "heads_attention_forward", "run_case",
-           "run_gallery"]
+__all__ = ["Case", "CASES", "HeadsAttentionCache", "heads_attention_forward",
+           "sinks_attention_forward", "run_case", "run_gallery"]
 
 Case = namedtuple("Case", "name bug forward broken correct inputs forward_kwargs row diagnosis")
 Case.__doc__ = """One broken backward.
@@ -104,6 +105,50 @@ def _bias_averaged(dout, cache):
     return dx, dW, db / math.prod(dout.shape[:-1])
 
 
+def _rope_plus_theta(dout, cache):
+    """RoPE's backward rotating by +theta, as the forward, instead of by -theta."""
+    cos, sin, layout, _ = cache
+    half = dout.shape[-1] // 2
+    if layout == "half":  # NOTE: the bug: R(theta) dout where R(theta)^T dout is due
+        d1, d2 = dout[..., :half], dout[..., half:]
+        return np.concatenate((d1 * cos - d2 * sin, d2 * cos + d1 * sin), axis=-1)
+    raise ValueError("the gallery's case uses layout='half'")
+
+
+def sinks_attention_forward(query, key, value, sinks):
+    """Attention with one sink logit per batch entry (gpt-oss's sinks)."""
+    return F.attention_forward(query, key, value, sinks=sinks)
+
+
+sinks_attention_forward.supports_complex_step = True
+
+
+def _sinks_backward(dout, cache):
+    dquery, dkey, dvalue, _, dsinks = F.attention_backward(dout, cache)
+    return dquery, dkey, dvalue, dsinks
+
+
+def _sink_missing(dout, cache):
+    """The backward rebuilds the weights as exp(s) / sum exp(s): the sink left out of the row sum."""
+    weights = cache.weights
+    total = weights.sum(-1, keepdims=True)  # (B, T, 1), < 1 with a sink
+    # NOTE: the bug: renormalised without e^sink; the sink's share is then 0
+    weights = np.where(total > 0, weights / np.where(total > 0, total, 1), 0)
+    broken = cache._replace(weights=weights, sink_weight=np.zeros_like(cache.sink_weight))
+    dquery, dkey, dvalue, _, dsinks = variants.variant_attention_backward(dout, broken)
+    return dquery, dkey, dvalue, dsinks
+
+
+def _rope_inputs(rng):
+    return {"x": rng.normal(size=(2, 5, 6))}
+
+
+def _sinks_inputs(rng):
+    inputs = _attention_inputs(S=5)(rng)
+    inputs["sinks"] = rng.normal(size=2)
+    return inputs
+
+
 HeadsAttentionCache = namedtuple("HeadsAttentionCache",
                                  "query_split key_split value_split attention_cache merge_cache")
 
@@ -174,6 +219,12 @@ CASES = (
     Case("right only for dout = ones", "dvalue = P^T 1: the upstream gradient's values "
          "ignored", F.attention_forward, _ones_only, F.attention_backward,
          _attention_inputs(), {}, "value", "ones_dout"),
+    Case("RoPE backward by +theta", "dx = R(theta) dout, the forward's rotation, instead of "
+         "R(-theta) dout", F.rope_forward, _rope_plus_theta, F.rope_backward, _rope_inputs,
+         {"positions": np.array([0, 3, 1, 4, 2])}, "x", "rotation"),
+    Case("sink missing from the row sum", "the backward's softmax renormalised without "
+         "e^sink: the sink's share, and so dsinks, is 0", sinks_attention_forward,
+         _sink_missing, _sinks_backward, _sinks_inputs, {}, "sinks", "zero"),
 )
 
 

@@ -44,6 +44,7 @@ from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block
 
 __all__ = [
     "IMPLS",
+    "TILED_VARIANTS",
     "PATH_TOLERANCES",
     "Dispatch",
     "check_impl",
@@ -90,7 +91,7 @@ def _mib(nbytes):
 
 
 def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False,
-                value_bound=0.0):
+                value_bound=0.0, variants=()):
     """The path a forward takes, and why: the only place a path is decided.
 
     Parameters
@@ -115,6 +116,12 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     value_bound : float
         ``max|value|``, when the fused kernels computed it
         (:class:`qkvnp.kernels.mha.ScoresMayOverflow`).
+    variants : tuple of str
+        The attention variants the layer uses (``("rope", "softcap")``,
+        :func:`qkvnp.kernels.variant_layer.active_variants`). The tiled path
+        runs those of :data:`TILED_VARIANTS` (:mod:`qkvnp.kernels.tiled_variants`),
+        the reference path all of them, the fast path none: a request a path
+        cannot serve falls back to the reference, the variants named in the reason.
 
     Returns
     -------
@@ -145,6 +152,9 @@ def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, 
     'tiled cannot return the attention weights (it never builds them): fell back to the fast core'
     """
     impl = check_impl(impl)
+    if variants:
+        return _choose_variants(impl, tuple(variants), groups, T, S, np.dtype(dtype),
+                                bool(need_weights), max(score_bound, value_bound))
     if impl != "reference" and scores_may_overflow(score_bound, dtype):
         return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
                                            f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
@@ -192,9 +202,40 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
                                   f"weights of {_mib(dense_bytes)} within dense_weights_budget")
 
 
+#: The layer variants the tiled path runs itself (:mod:`qkvnp.kernels.tiled_variants`).
+TILED_VARIANTS = ("rope", "position_bias='alibi'", "sinks", "softcap", "window")
+
+
+def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bound):
+    """:func:`choose_path` for a layer with variants: tiled where it runs them all, else reference."""
+    names = ", ".join(variants)
+    if impl == "reference":
+        return Dispatch(impl, "reference", "impl='reference' requested")
+    missing = [name for name in variants if name not in TILED_VARIANTS]
+    if missing or need_weights or scores_may_overflow(score_bound, dtype):
+        why = (f"{', '.join(missing)} run on the reference path only" if missing else
+               "weights requested, which the tiled path never builds" if need_weights else
+               f"scores may reach {score_bound:.3g}: only the reference path clips them exactly")
+        return Dispatch(impl, "reference", f"{names}: {why}; impl={impl!r} fell back to the "
+                                           "reference path")
+    if impl == "fast":
+        return Dispatch(impl, "reference", f"{names}: the fast path has none of them; "
+                                           "impl='fast' fell back to the reference path")
+    if impl == "tiled":
+        return Dispatch(impl, "tiled", f"impl='tiled' requested; {names} on the tiled path")
+    sizes = get_block_sizes()
+    dense_bytes = groups * T * S * dtype.itemsize
+    if "window" in variants or S >= sizes["tiled_min_length"] or \
+            dense_bytes > sizes["dense_weights_budget"]:
+        return Dispatch(impl, "tiled", f"auto: {names} on the tiled path (it skips the blocks "
+                                       "outside a window; no (T, S) weights)")
+    return Dispatch(impl, "reference", f"auto: {names} with {S} keys < tiled_min_length "
+                                       f"{sizes['tiled_min_length']}: the reference path")
+
+
 def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
                   need_weights=False, out_proj=True, originals=(), *,
-                  dropout_p=0.0, rng=None, dropout_mask=None):
+                  dropout_p=0.0, rng=None, dropout_mask=None, variants=None):
     """Run an attention layer's forward on the path :func:`choose_path` picks.
 
     Parameters
@@ -225,6 +266,9 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     dropout_p, rng, dropout_mask
         Dropout on the attention weights (``qkvnp/dropout.py``); every path
         has it, and the same ``rng`` state draws the same mask on each.
+    variants : qkvnp.kernels.variant_layer.VariantOptions, optional
+        The layer's attention variants (RoPE, position bias, sinks,
+        soft-cap, window); they run on :mod:`qkvnp.kernels.variant_layer`.
 
     Returns
     -------
@@ -246,6 +290,21 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     groups = math.prod(inputs[0].shape[:-2]) * (num_heads if out_proj else 1)
     path_args = (impl, groups, T, S, params["W_query"].dtype, need_weights)
     causal = check_is_causal(is_causal) is not False
+    if variants is not None:
+        from . import variant_layer
+
+        names = variant_layer.active_variants(variants)
+        if names:
+            dispatch = choose_path(*path_args, is_causal=causal, variants=names)
+            # NOTE: BLAS on one thread, as the fused paths: OpenBLAS's threads
+            # made the (8, 128, 256, 8) float32 layer with rope=True 10x slower
+            # on a loaded 2-core host (1244 against 83 ms fwd+bwd)
+            with single_threaded_blas():
+                out, weights, cache = variant_layer.forward(
+                    params, inputs, kind, num_heads, mask, is_causal, variants,
+                    need_weights=need_weights, dropout_p=dropout_p, rng=rng,
+                    dropout_mask=dropout_mask, path=dispatch.path, out_proj=out_proj)
+            return out, weights, cache, dispatch
     dispatch = choose_path(*path_args, is_causal=causal)
     mha, reference = _layer_kernels()
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
@@ -300,5 +359,10 @@ def layer_backward(dout, cache):
     mha, reference = _layer_kernels()
     if isinstance(cache, reference.ReferenceLayerCache):
         return reference.backward(dout, cache)
+    from . import variant_layer  # imported with the first variant layer's forward
+
+    if isinstance(cache, variant_layer.VariantLayerCache):
+        with single_threaded_blas():
+            return variant_layer.backward(dout, cache)
     with single_threaded_blas():
         return mha.backward(dout, cache)

@@ -26,6 +26,7 @@ class _AttentionLayer(Layer):
     supports_complex_step = True  # on the reference path (qkvnp.gradcheck, method="complex_step")
     dropout = 0.0
     dropout_rng = None
+    variants = None  # qkvnp.kernels.variant_layer.VariantOptions of a layer built with variants
 
     def _init_dropout(self, dropout, rng):
         """``dropout`` checked, and the layer's own Generator, spawned from ``rng``.
@@ -37,14 +38,36 @@ class _AttentionLayer(Layer):
         self.dropout = check_dropout_p(dropout, "dropout")
         self.dropout_rng = spawn_generator(rng)
 
+    def _init_variants(self, num_heads, head_dim, **options):
+        """The variant options checked (:func:`qkvnp.kernels.variant_layer.check_options`) and
+        their parameters: ``rel_bias`` ``(num_buckets, H)`` and ``sinks`` ``(H,)``, zeros (no
+        draw from ``rng``: the weights of a seed do not depend on the options)."""
+        from ..kernels.variant_layer import check_options
+
+        self.variants = check_options(num_heads, head_dim, **options)
+        if self.variants is not None and self.variants.position_bias == "relative":
+            self.params["rel_bias"] = np.zeros((self.variants.num_buckets, num_heads), self.dtype)
+        if self.variants is not None and self.variants.sinks:
+            self.params["sinks"] = np.zeros(num_heads, dtype=self.dtype)
+
+    def _variant_repr_items(self):
+        """The variant options that are on, for ``repr``."""
+        if self.variants is None:
+            return []
+        off = {"rope": False, "rope_base": 10000.0, "rope_layout": "half", "position_bias": None,
+               "num_buckets": 32, "max_distance": 128, "sinks": False, "softcap": None,
+               "window": None}
+        return [(name, value) for name, value in self.variants._asdict().items()
+                if value != off[name]]
+
     def generators(self):
         """``{"dropout_rng": the Generator that draws the dropout masks}``."""
         return {"dropout_rng": self.dropout_rng}
 
     def _repr_items(self):
-        """``dropout`` only when not 0."""
+        """``dropout`` only when not 0; the variant options that are on."""
         return [(name, value) for name, value in super()._repr_items()
-                if name != "dropout" or value]
+                if name != "dropout" or value] + self._variant_repr_items()
 
     def _dropout_args(self, dropout_mask, rng):
         """The dropout arguments of one forward: a given mask always, a drawn one in training."""
@@ -70,7 +93,7 @@ class _AttentionLayer(Layer):
         out, weights, cache, dispatch = kernels.layer_forward(
             self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
             need_weights=need_weights, out_proj=out_proj, originals=originals,
-            **(dropout or {}))
+            variants=self.variants, **(dropout or {}))
         self._cache, state.dispatch = cache, dispatch
         return out, weights
 
@@ -93,8 +116,14 @@ class _AttentionLayer(Layer):
                              "dropout_mask cannot be given with kv_cache")
         check_is_causal(is_causal)
         query = self._check_tokens(query)
-        out, weights, dispatch = cached_forward(self, query, kv_cache, attn_mask,
-                                                key_padding_mask, return_weights)
+        if self.variants is not None:
+            from ..variant_decoding import decode
+
+            out, weights, dispatch = decode(self, query, kv_cache, attn_mask, key_padding_mask,
+                                            return_weights)
+        else:
+            out, weights, dispatch = cached_forward(self, query, kv_cache, attn_mask,
+                                                    key_padding_mask, return_weights)
         state = self._thread
         state.cache = state.used_cache = None  # nothing for a backward: inference only
         state.decoded, state.dispatch = True, dispatch
@@ -147,6 +176,9 @@ class SelfAttention(_AttentionLayer):
         mode, in ``[0, 1)`` (the book's and PyTorch's ``dropout``). The masks
         come from the layer's own ``dropout_rng``, spawned from ``rng`` after
         the weights are drawn (the weights do not depend on ``dropout``).
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window
+        Keyword-only: the attention variants, as :class:`MultiHeadAttention`'s
+        with one head (``rel_bias`` ``(num_buckets, 1)``, ``sinks`` ``(1,)``).
 
     Attributes
     ----------
@@ -183,7 +215,9 @@ class SelfAttention(_AttentionLayer):
     """
 
     def __init__(self, d_in, d_out, qkv_bias=False, *, rng=None, dtype=np.float64, impl="auto",
-                 dropout=0.0):
+                 dropout=0.0, rope=False, rope_base=10000.0, rope_layout="half",
+                 position_bias=None, num_buckets=32, max_distance=128, sinks=False, softcap=None,
+                 window=None):
         self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
@@ -198,6 +232,10 @@ class SelfAttention(_AttentionLayer):
             for name in ("b_query", "b_key", "b_value"):
                 self.params[name] = np.zeros(self.d_out, dtype=self.dtype)
         self.qkv_bias = bool(qkv_bias)
+        self._init_variants(1, self.d_out, rope=rope, rope_base=rope_base,
+                            rope_layout=rope_layout, position_bias=position_bias,
+                            num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
+                            softcap=softcap, window=window)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
@@ -329,6 +367,28 @@ class MultiHeadAttention(_AttentionLayer):
         (``K = 1``: multi-query). Keys and values are projected to ``K`` heads
         of ``D`` features, query head ``h`` using key/value head
         ``h // (H / K)`` (PyTorch's ``enable_gqa`` order), on every path.
+    rope, rope_base, rope_layout : keyword-only
+        ``rope=True`` rotates each head's queries and keys after the
+        projections (:func:`qkvnp.functional.rope_forward`, base
+        ``rope_base``, pairs by ``rope_layout``), query ``i`` at position
+        ``i`` (``i + S - T`` bottom-right), key ``j`` at ``j``. With a
+        ``KVCache``, keys are cached rotated and positions continue.
+    position_bias : {None, "alibi", "relative"}, keyword-only
+        ``"alibi"``: ALiBi's fixed bias :func:`qkvnp.positions.alibi_bias`;
+        ``"relative"``: T5's learned ``rel_bias`` ``(num_buckets, H)``
+        (zeros), looked up by :func:`qkvnp.positions.relative_position_bucket`
+        (``num_buckets``, ``max_distance`` keyword-only; bidirectional unless
+        the forward is causal).
+    sinks : bool, keyword-only
+        A learned logit per head in each softmax's denominator: parameter
+        ``sinks`` ``(H,)``, zeros.
+    softcap : float, optional, keyword-only
+        Scores become ``softcap * tanh(scores / softcap)``.
+    window : (left, right), optional, keyword-only
+        Sliding window (:func:`qkvnp.functional.attention_forward`); a
+        ``KVCache`` then keeps only the last ``left`` keys between steps.
+    The variants run on the reference path (``last_dispatch`` says so);
+    derivations in ``docs/derivations_variants.md``.
 
     Attributes
     ----------
@@ -381,7 +441,9 @@ class MultiHeadAttention(_AttentionLayer):
 
     def __init__(self, embed_dim, num_heads, *, bias=True, kdim=None, vdim=None, rng=None,
                  dtype=np.float64, impl="auto", qdim=None, out_dim=None, qkv_bias=None,
-                 out_bias=None, dropout=0.0, num_kv_heads=None):
+                 out_bias=None, dropout=0.0, num_kv_heads=None, rope=False, rope_base=10000.0,
+                 rope_layout="half", position_bias=None, num_buckets=32, max_distance=128,
+                 sinks=False, softcap=None, window=None):
         self.impl = kernels.check_impl(impl)
         bias = check_bool(bias, "bias")
         qkv_bias = check_bool(qkv_bias, "qkv_bias", allow_none=True)
@@ -419,6 +481,10 @@ class MultiHeadAttention(_AttentionLayer):
                 self.params[name] = np.zeros(E if name == "b_query" else E_kv, dtype=self.dtype)
         if self.out_bias:
             self.params["b_out"] = np.zeros(self.out_dim, dtype=self.dtype)
+        self._init_variants(self.num_heads, self.head_dim, rope=rope, rope_base=rope_base,
+                            rope_layout=rope_layout, position_bias=position_bias,
+                            num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
+                            softcap=softcap, window=window)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()

@@ -1,0 +1,504 @@
+"""The attention of today's models: rotary positions, score biases, soft-caps, sinks, windows.
+
+Shape key: ``...`` any leading (batch, head) dims, H heads, T query length,
+S key length, D head dim (of queries and keys), Dv head dim of values.
+
+The reference ops of the variants, written as the math reads; the
+derivation of every backward is in ``docs/derivations_variants.md``.
+
+- :func:`rope_forward` / :func:`rope_backward`: rotary position embedding
+  (RoFormer, Llama). The backward rotates by the opposite angle.
+- :func:`variant_attention_forward` / :func:`variant_attention_backward`:
+  scaled dot-product attention with a learnable additive ``score_bias``,
+  Gemma 2's ``softcap``, gpt-oss's ``sinks`` and a sliding ``window``.
+  :func:`qkvnp.functional.attention_forward` calls it when one of those is
+  given, so users call that one.
+
+The order of the score pipeline (every path follows it)::
+
+    s = scale * q k^T                    (..., T, S)
+    s = s + score_bias                   learnable, gets dscore_bias
+    s = softcap * tanh(s / softcap)      bounded in (-softcap, softcap)
+    s = s + float mask; -inf where a bool mask, is_causal or the window forbids
+    P_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))
+
+Every op is analytic in its float inputs (``tanh``, ``exp``, products), so the
+gradient checker's complex step runs through it.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
+                      check_scale, is_real_number, owned)
+from .dropout import dense_keep, keep_scale, prepare_dropout
+from .gqa import GroupedCache, split_groups, split_head_axis
+from .masks import causal_offset, check_is_causal, prepare_mask
+
+__all__ = ["RopeCache", "VariantCache", "VariantGroupedCache", "ROPE_LAYOUTS", "rope_angles",
+           "rope_forward", "rope_backward", "check_window", "check_softcap", "window_keep",
+           "has_variants", "variant_attention_forward", "variant_attention_backward"]
+
+#: How :func:`rope_forward` pairs the entries of a head it rotates together.
+ROPE_LAYOUTS = ("half", "interleaved")
+
+RopeCache = namedtuple("RopeCache", "cos sin layout x_shape")
+RopeCache.__doc__ = """What :func:`rope_backward` reads.
+
+cos, sin : ndarray, shape (..., T, D/2), of the angles ``position * base**(-2i/D)``.
+layout : "half" or "interleaved".
+x_shape : shape of the forward's ``x`` (the gradient is summed to it).
+"""
+
+VariantCache = namedtuple(
+    "VariantCache",
+    "query key value weights scale dropout_mask dropout_p score_bias_shape capped softcap "
+    "sinks_shape sink_weight")
+VariantCache.__doc__ = """What :func:`variant_attention_backward` reads.
+
+query, key, value, weights, scale, dropout_mask, dropout_p : as
+    :class:`qkvnp.functional.AttentionCache` (weights before dropout).
+score_bias_shape : shape of ``score_bias``, or None without one.
+capped : ndarray ``tanh(s / softcap)``, shape (..., T, S), or None without a soft-cap.
+softcap : float or None.
+sinks_shape : shape of ``sinks``, or None without sinks.
+sink_weight : ndarray, shape (..., T, 1), the sink's share
+    ``exp(sink) / (exp(sink) + sum_k exp(s_k))``, or None without sinks.
+"""
+
+
+class VariantGroupedCache(GroupedCache):
+    """A :class:`qkvnp.gqa.GroupedCache` whose ``shapes`` also hold ``score_bias``'s and ``sinks``'."""
+
+    __slots__ = ()
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def rope_angles(positions, D, base=10000.0):
+    """``cos`` and ``sin`` of RoPE's angles ``positions * base**(-2i/D)``, shape (..., T, D/2).
+
+    >>> cos, sin = rope_angles(np.arange(2), 4)
+    >>> np.round(sin, 3).tolist()
+    [[0.0, 0.0], [0.841, 0.01]]
+    """
+    inverse_frequency = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)  # (D/2,)
+    angles = np.asarray(positions, dtype=np.float64)[..., None] * inverse_frequency  # (..., T) -> (..., T, D/2)
+    return np.cos(angles), np.sin(angles)
+
+
+def _check_positions(positions, T):
+    """``positions`` as integers broadcastable to ``(..., T)``, default ``arange(T)``."""
+    if positions is None:
+        return np.arange(T)
+    positions = np.asarray(positions)
+    if positions.dtype.kind not in "iu":
+        raise TypeError(f"positions must hold integers, got dtype {positions.dtype}")
+    if positions.ndim == 0 or positions.shape[-1] not in (1, T):
+        raise ValueError(f"positions must have shape (T,) = ({T},) or broadcast to (..., {T}), "
+                         f"got shape {positions.shape}")
+    return positions
+
+
+def _rotate(x, cos, sin, layout):
+    """The pairs ``(x1, x2)`` of ``layout`` rotated: ``(x1 cos - x2 sin, x2 cos + x1 sin)``."""
+    D = x.shape[-1]
+    if layout == "half":
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]  # (..., T, D) -> 2 x (..., T, D/2)
+        return np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)  # -> (..., T, D)
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (..., T, D) -> 2 x (..., T, D/2)
+    pairs = np.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)  # (..., T, D/2, 2)
+    return pairs.reshape(pairs.shape[:-2] + (D,))  # (..., T, D/2, 2) -> (..., T, D)
+
+
+def rope_forward(x, positions=None, *, base=10000.0, layout="half"):
+    """Rotary position embedding: rotate each pair of entries of ``x`` by its position's angle.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., T, D)
+        Queries or keys of each head; D even.
+    positions : ndarray of int, shape (T,) or broadcastable to (..., T), optional
+        The position of each row; default ``arange(T)``.
+    base : float, keyword-only
+        Pair ``i`` turns by ``position * base**(-2i/D)`` (Llama: 10000;
+        Llama 3: 500000).
+    layout : {"half", "interleaved"}, keyword-only
+        ``"half"`` pairs entry ``i`` with ``i + D/2`` (Hugging Face's
+        ``rotate_half``, the book's Llama chapter); ``"interleaved"`` pairs
+        ``2i`` with ``2i + 1`` (RoFormer, Meta's original Llama).
+
+    Returns
+    -------
+    out : ndarray, shape broadcast of (..., T, D) with positions' leading dims
+    cache : RopeCache
+
+    Raises
+    ------
+    ValueError
+        If D is odd, ``positions`` has the wrong length, ``base`` is not
+        positive, or ``layout`` is unknown.
+    TypeError
+        If ``x`` is not real or ``positions`` does not hold integers.
+
+    Notes
+    -----
+    For each pair :math:`(x_1, x_2)` and angle :math:`\\theta = m\\,b^{-2i/D}`
+    at position :math:`m`, :math:`y = R(\\theta) x`:
+
+    .. math:: y_1 = x_1\\cos\\theta - x_2\\sin\\theta, \\quad
+              y_2 = x_2\\cos\\theta + x_1\\sin\\theta
+
+    :math:`R` is orthogonal, so the backward is
+    :math:`\\bar x = R(\\theta)^T \\bar y = R(-\\theta)\\,\\bar y`. Since
+    :math:`R(\\theta_m)^T R(\\theta_n) = R(\\theta_n - \\theta_m)`, the score
+    :math:`q_m \\cdot k_n` after rotation depends only on :math:`n - m`.
+
+    Examples
+    --------
+    >>> out, cache = rope_forward(np.array([[1.0, 0.0]]), np.array([3]), layout="interleaved")
+    >>> np.allclose(out, [[np.cos(3), np.sin(3)]])
+    True
+    """
+    x = as_float_array(x, "x")
+    if x.ndim < 2 or x.shape[-1] % 2:
+        raise ValueError(f"x must have shape (..., T, D) with D even, got shape {x.shape}")
+    if not isinstance(layout, str) or layout not in ROPE_LAYOUTS:
+        raise ValueError(f"layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
+    if not is_real_number(base) or not base > 0 or not np.isfinite(base):
+        raise ValueError(f"base must be a positive finite number, got {base!r}")
+    positions = _check_positions(positions, x.shape[-2])
+    cos, sin = rope_angles(positions, x.shape[-1], float(base))  # (..., T, D/2) each
+    real = x.real.dtype if x.dtype.kind == "c" else x.dtype
+    cos, sin = cos.astype(real), sin.astype(real)
+    return _rotate(x, cos, sin, layout), RopeCache(cos, sin, layout, x.shape)
+
+
+def rope_backward(dout, cache):
+    """Backward of :func:`rope_forward`: rotate ``dout`` by the opposite angle.
+
+    Parameters
+    ----------
+    dout : ndarray, shape of the forward output
+    cache : RopeCache
+
+    Returns
+    -------
+    dx : ndarray, shape of the forward's ``x``
+    """
+    cos, sin, layout, x_shape = cache
+    shape = broadcast_shapes(x_shape, cos.shape[:-1] + (x_shape[-1],))
+    dout = as_upstream_grad(dout, "dout", shape, cos.dtype)
+    dx = _rotate(dout, cos, -sin, layout)  # R(theta)^T = R(-theta)
+    return _sum_to_shape(dx, x_shape)
+
+
+def _sum_to_shape(grad, shape):
+    """Sum ``grad`` over the axes broadcasting added or stretched (as functional.sum_to_shape)."""
+    extra = grad.ndim - len(shape)
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    if stretched:
+        grad = grad.sum(axis=stretched, keepdims=True)
+    return grad
+
+
+# ---------------------------------------------------------------- options
+
+
+def check_softcap(softcap):
+    """``softcap`` as None or a positive finite Python float; else raise."""
+    if softcap is None:
+        return None
+    if not is_real_number(softcap):
+        raise TypeError(f"softcap must be None or a positive number, got {type(softcap).__name__}")
+    if not (softcap > 0 and np.isfinite(softcap)):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+    return float(softcap)
+
+
+def check_window(window, is_causal=False):
+    """``window`` as None or ``(left, right)`` of non-negative ints or None; else raise.
+
+    With ``is_causal`` set, ``right`` must be None or 0 (the causal mask
+    already bounds it): ``(W - 1, 0)`` is Mistral's window ``W``.
+
+    >>> check_window((3, None)), check_window((3, 0), is_causal=True)
+    ((3, None), (3, 0))
+    """
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints >= 0 or None, "
+                        f"got {window!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is not None:
+            if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+                raise TypeError(f"window's {name} side must be an int >= 0 or None, got "
+                                f"{side!r} ({type(side).__name__})")
+            if side < 0:
+                raise ValueError(f"window's {name} side must be >= 0 or None, got {side}")
+            side = int(side)
+        sides.append(side)
+    if check_is_causal(is_causal) is not False and sides[1] not in (None, 0):
+        raise ValueError(f"window=({sides[0]}, {sides[1]}) with is_causal={is_causal!r}: a causal "
+                         "mask sees no key to the right, so right must be 0 or None "
+                         "(Mistral's window W is (W - 1, 0))")
+    return tuple(sides)
+
+
+def window_keep(T, S, window, is_causal=False):
+    """Boolean ``(T, S)``: True where query ``i`` may attend key ``j`` under ``window``.
+
+    ``i - left <= j <= i + right`` with ``i`` shifted by ``S - T`` in the
+    bottom-right alignment (``is_causal="bottom_right"``), as the causal mask.
+
+    >>> window_keep(3, 3, (1, 0)).astype(int)
+    array([[1, 0, 0],
+           [1, 1, 0],
+           [0, 1, 1]])
+    """
+    left, right = check_window(window, is_causal)
+    offset = causal_offset(is_causal, T, S) or 0
+    distance = np.arange(S)[None, :] - (np.arange(T)[:, None] + offset)  # j - i, (T, S)
+    keep = np.ones((T, S), dtype=bool)
+    if left is not None:
+        keep &= distance >= -left
+    if right is not None:
+        keep &= distance <= right
+    return keep
+
+
+def has_variants(score_bias=None, softcap=None, sinks=None, window=None):
+    """True when one of the variant options is given."""
+    return not (score_bias is None and softcap is None and sinks is None and window is None)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _sink_softmax(scores, sinks):
+    """Softmax over the last axis with an extra logit ``sinks`` (..., 1) in each denominator.
+
+    Returns the weights and the sink's share (None without sinks). A row whose
+    scores are all ``-inf`` gets zero weights (and, with a sink, share 1).
+    """
+    row_max = np.max(scores.real, axis=-1, keepdims=True)  # (..., T, 1); the real part: complex step
+    if sinks is not None:
+        row_max = np.maximum(row_max, np.broadcast_to(sinks.real, row_max.shape))
+    dead = row_max == -np.inf  # fully masked, no sink: defined as zeros
+    row_max = np.where(dead, 0, row_max)
+    exps = np.exp(scores - row_max)  # exp(-inf) = 0 where masked
+    total = np.sum(exps, axis=-1, keepdims=True)  # (..., T, 1)
+    sink_exp = None
+    if sinks is not None:
+        sink_exp = np.exp(sinks - row_max)
+        total = total + sink_exp
+    total = np.where(dead, 1, total)
+    weights = exps / total
+    return weights, None if sink_exp is None else sink_exp / total
+
+
+def variant_attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
+                              score_bias=None, softcap=None, sinks=None, window=None,
+                              dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False,
+                              check=True):
+    """:func:`qkvnp.functional.attention_forward` with the variants (see its Parameters).
+
+    Parameters
+    ----------
+    score_bias : ndarray, broadcastable to (..., T, S), optional
+        Added to the scaled scores; gets a gradient (a float ``attn_mask``
+        does not).
+    softcap : float, optional
+        Scores become ``softcap * tanh(scores / softcap)`` after the score
+        bias, before any mask.
+    sinks : ndarray, shape (H,) or broadcastable to the leading dims (..., ), optional
+        One extra logit per head in each row's softmax denominator.
+    window : (left, right), optional
+        Query ``i`` may attend key ``j`` iff ``i - left <= j <= i + right``
+        (in ``is_causal``'s alignment); None on a side: unbounded.
+
+    Returns
+    -------
+    out : ndarray, shape (..., T, Dv)
+    cache : VariantCache (or VariantGroupedCache with grouped-query attention)
+
+    Notes
+    -----
+    With :math:`c` the scale, :math:`B` the score bias, :math:`\\kappa` the
+    soft-cap, :math:`M` the masks and :math:`\\sigma` the sink:
+
+    .. math:: A = c\\,QK^T + B, \\quad U = \\tanh(A/\\kappa), \\quad S = \\kappa U + M,
+    .. math:: P_{ij} = e^{S_{ij}} / (e^{\\sigma} + \\textstyle\\sum_k e^{S_{ik}}), \\quad O = PV
+
+    Backward, with :math:`\\pi_i = 1 - \\sum_j P_{ij}` the sink's share:
+
+    .. math:: \\bar S = P \\odot (\\bar P - \\mathrm{rowsum}(P \\odot \\bar P)), \\quad
+              \\bar\\sigma = -\\textstyle\\sum_i \\pi_i\\, \\mathrm{rowsum}(P \\odot \\bar P)_i,
+    .. math:: \\bar A = \\bar S \\odot (1 - U^2), \\quad \\bar B = \\bar A, \\quad
+              \\bar Q = c\\,\\bar A K, \\quad \\bar K = c\\,\\bar A^T Q
+
+    each summed to its input's shape (``docs/derivations_variants.md``).
+    """
+    softcap = check_softcap(softcap)
+    window = check_window(window, is_causal)
+    grouped = split_groups(query, key, value, attn_mask, enable_gqa)
+    if grouped is not None:
+        return _grouped_forward(grouped, is_causal, scale, score_bias, softcap, sinks, window,
+                                dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask,
+                                check=check)
+    originals = (query, key, value) if check else ()
+    if check:
+        query, key, value, lead = check_attention_inputs(query, key, value)
+    else:
+        lead = broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    scale = check_scale(scale, query.shape[-1])
+    T, S = query.shape[-2], key.shape[-2]
+    scores_shape = lead + (T, S)
+    score_bias = _check_broadcast(score_bias, "score_bias", scores_shape, query.dtype, "(..., T, S)")
+    sinks_column = None
+    if sinks is not None:
+        sinks = as_float_array(sinks, "sinks", query.dtype)
+        sinks_column = _check_broadcast(sinks[..., None, None], "sinks", lead + (T, 1),
+                                        query.dtype, "(H,) or broadcastable to the leading dims",
+                                        shown=sinks.shape)
+    bias, keep = prepare_mask(attn_mask, is_causal, scores_shape, query.dtype)
+    if window is not None:
+        band = window_keep(T, S, window, is_causal)
+        keep = band if keep is None else keep & band
+    dropout = prepare_dropout(dropout_p, rng, dropout_mask, scores_shape)
+
+    scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (..., T, D) @ (..., D, S) -> (..., T, S)
+    if scores.dtype.kind == "f" and not np.isfinite(scores).all():
+        big = np.finfo(scores.dtype).max  # as the reference: overflowed scores clipped
+        scores = np.nan_to_num(scores, nan=0.0, posinf=big, neginf=-big)
+    if score_bias is not None:
+        scores = scores + score_bias
+    capped = None
+    if softcap is not None:
+        capped = np.tanh(scores / softcap)  # (..., T, S), in (-1, 1)
+        scores = softcap * capped
+    if bias is not None:
+        scores = scores + bias
+    if keep is not None:
+        scores = np.where(keep, scores, -np.inf)
+    weights, sink_weight = _sink_softmax(scores, sinks_column)  # (..., T, S), (..., T, 1)
+    drop_keep = None if dropout is None else dense_keep(dropout)  # (..., T, S) bool or None
+    if drop_keep is not None:
+        (drop_keep,) = owned((drop_keep,), (dropout_mask,))
+    cache = VariantCache(query, key, value, weights, scale, drop_keep,
+                         0.0 if dropout is None else dropout.p,
+                         None if score_bias is None else np.shape(score_bias),
+                         capped, softcap, None if sinks is None else sinks.shape, sink_weight)
+    out = _dropped(cache) @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
+    query, key, value = owned((query, key, value), originals)  # the cache owns what backward reads
+    return out, cache._replace(query=query, key=key, value=value)
+
+
+def _check_broadcast(array, name, shape, dtype, expected, shown=None):
+    """``array`` as a float array of ``dtype`` broadcastable to ``shape``; None stays None."""
+    if array is None:
+        return None
+    array = as_float_array(array, name, dtype)
+    try:
+        ok = np.broadcast_shapes(array.shape, shape) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, broadcasting to {tuple(shape)}, got shape "
+                         f"{array.shape if shown is None else shown}")
+    return array
+
+
+def _dropped(cache):
+    """The weights after dropout ``P * Z / (1 - p)`` (the weights themselves without dropout)."""
+    if cache.dropout_mask is None:
+        return cache.weights
+    kept = cache.weights * cache.dropout_mask
+    kept *= keep_scale(cache.dropout_p, kept.real.dtype)
+    return kept
+
+
+def _grouped_forward(grouped, is_causal, scale, score_bias, softcap, sinks, window, **options):
+    """Grouped-query attention: the head axis of score_bias, sinks and dropout_mask split as the query's."""
+    H, (K, G) = grouped.num_heads, grouped.query.shape[-4:-2]
+    bias_shape = sinks_shape = None
+    if score_bias is not None:
+        score_bias = np.asarray(score_bias)
+        bias_shape = score_bias.shape
+        if score_bias.ndim >= 3 and score_bias.shape[-3] not in (1, H):
+            raise ValueError(f"score_bias must broadcast to the scores' shape (..., {H}, T, S) "
+                             f"(query heads), got shape {score_bias.shape}")
+        score_bias = split_head_axis(score_bias, H, K, G)
+    if sinks is not None:
+        sinks = np.asarray(sinks)
+        sinks_shape = sinks.shape
+        if sinks.ndim >= 1 and sinks.shape[-1] not in (1, H):
+            raise ValueError(f"sinks must have shape ({H},) (one per query head) or broadcast to "
+                             f"it, got shape {sinks.shape}")
+        if sinks.ndim >= 1 and sinks.shape[-1] == H:
+            sinks = sinks.reshape(sinks.shape[:-1] + (K, G))  # (..., H) -> (..., K, G)
+    drop = options.get("dropout_mask")
+    if drop is not None and np.ndim(drop) >= 3:
+        options["dropout_mask"] = split_head_axis(np.asarray(drop), H, K, G)
+    out, inner = variant_attention_forward(grouped.query, grouped.key, grouped.value,
+                                           grouped.attn_mask, is_causal, scale,
+                                           score_bias=score_bias, softcap=softcap, sinks=sinks,
+                                           window=window, **options)
+    out_shape = out.shape[:-4] + (H,) + out.shape[-2:]
+    shapes = grouped.shapes + (bias_shape, sinks_shape)
+    return (out.reshape(out_shape),  # (..., K, G, T, Dv) -> (..., H, T, Dv)
+            VariantGroupedCache(inner, shapes, out_shape, out.shape, out.dtype))
+
+
+def variant_attention_backward(dout, cache, check=True):
+    """Backward of :func:`variant_attention_forward`.
+
+    Returns
+    -------
+    dquery, dkey, dvalue : ndarray, shapes of the forward's inputs
+    dscore_bias : ndarray, shape of ``score_bias``, or None without one
+    dsinks : ndarray, shape of ``sinks``, or None without sinks
+    """
+    if isinstance(cache, VariantGroupedCache):
+        if check:
+            dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.dtype)
+        grads = variant_attention_backward(dout.reshape(cache.grouped_out_shape), cache.inner,
+                                           check=False)
+        # (..., K, G, T, D) -> (..., H, T, D); (..., K, 1, S, D) -> (..., K, S, D); (K, G) -> (H,)
+        return tuple(None if g is None else g.reshape(shape)
+                     for g, shape in zip(grads, cache.shapes))
+    query, key, value, weights, scale = cache[:5]
+    lead = broadcast_shapes(weights.shape[:-2], value.shape[:-2])
+    if check:
+        dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
+                                weights.dtype)
+    kept = _dropped(cache)  # P~, (..., T, S)
+    dvalue = np.swapaxes(kept, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+    dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    if cache.dropout_mask is not None:
+        dweights = dweights * cache.dropout_mask * keep_scale(cache.dropout_p, weights.real.dtype)
+    row_dot = np.sum(weights * dweights, axis=-1, keepdims=True)  # (..., T, 1)
+    dscores = weights * (dweights - row_dot)  # (..., T, S); 0 where masked (P = 0)
+    dsinks = None
+    if cache.sinks_shape is not None:  # d/dsink of P_j is -P_j * sink_weight
+        dsink_rows = -cache.sink_weight * row_dot  # (..., T, 1)
+        column = _sum_to_shape(dsink_rows, cache.sinks_shape + (1, 1))  # (..., 1, 1)
+        dsinks = column.reshape(cache.sinks_shape)  # (..., 1, 1) -> sinks' shape
+    if cache.capped is not None:
+        dscores = dscores * (1 - cache.capped * cache.capped)  # d tanh = 1 - tanh^2
+    dscore_bias = None
+    if cache.score_bias_shape is not None:
+        dscore_bias = _sum_to_shape(dscores, cache.score_bias_shape)
+    dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
+    dkey = (np.swapaxes(dscores, -1, -2) @ query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
+    return (_sum_to_shape(dquery, query.shape), _sum_to_shape(dkey, key.shape),
+            _sum_to_shape(dvalue, value.shape), dscore_bias, dsinks)
+
+
+for _forward in (rope_forward, variant_attention_forward):  # see qkvnp._checks.complex_step_mode
+    _forward.supports_complex_step = True
