@@ -369,7 +369,7 @@ def _causal_arrays(T, S, offset, dtype):
 
 def _make_causal_arrays(T, S, offset, dtype):
     allowed = _allowed(T, S, offset)
-    mask = np.where(allowed, 0, -np.inf).astype(dtype)
+    mask = np.where(allowed, dtype.type(0), dtype.type(-np.inf))  # in dtype: one pass
     factors = allowed.astype(dtype)
     for a in (mask, factors):
         a.flags.writeable = False
