@@ -225,10 +225,10 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     # every check that can refuse the call runs before the cache grows
     if one_head:
         mask = attn_mask  # broadcastable to (..., T, S), as in SelfAttention.forward
-        prepare_mask(mask, "bottom_right", batch + (T, S), layer.dtype)
+        prepare_mask(mask, False, batch + (T, S), layer.dtype)  # checked; causal: by the core
     else:
         mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
-        prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
+        prepare_mask(mask, False, batch + (H, T, S), layer.dtype)
     q = _project_heads(x, params, "query", H)  # (..., T, E) -> (..., H, T, D)
     k = _project_heads(x, params, "key", K)  # (..., T, E) -> (..., K, T, D)
     v = _project_heads(x, params, "value", K)  # (..., T, E) -> (..., K, T, D)

@@ -11,19 +11,32 @@ One rule for float masks, on every path: a float mask is used in the compute
 dtype; a finite value that the cast would overflow (``-1e39`` for float32
 scores) is refused with a ``ValueError`` naming the mask, never silently
 turned into ``-inf``. A 0-d mask (or a Python bool) applies to every score.
+
+The dense causal masks that the dense paths ask for on every call are kept
+between calls, up to :data:`CAUSAL_CACHE_BYTES` in all: larger ones are
+made per call and freed with it. The tiled path never makes one: it tests
+whole blocks against the diagonal (:func:`causal_offset`).
 """
-import functools
+import os
+import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
 __all__ = ["causal_mask", "causal_offset", "check_is_causal", "prepare_mask", "float_mask",
            "fold_key_padding_mask", "additive_mask", "is_causal_additive", "causal_factors",
-           "causal_mask_offset", "CAUSAL_ALIGNMENTS"]
+           "causal_mask_offset", "CAUSAL_ALIGNMENTS", "CAUSAL_CACHE_BYTES"]
 
 #: What ``is_causal`` may be: no causal mask, top-left aligned (PyTorch's SDPA
 #: ``is_causal=True``) or bottom-right aligned (PyTorch's ``causal_lower_right``).
 CAUSAL_ALIGNMENTS = (False, True, "bottom_right")
+
+#: Bytes of dense causal masks (boolean, additive and 0 / 1 factors) kept
+#: between calls, all shapes and dtypes together, least recently used dropped
+#: first. A mask larger than this is made anew on each call. 8 MiB holds a
+#: float64 (512, 512) layer's three arrays, or a float32 (724, 724) one's.
+CAUSAL_CACHE_BYTES = 8 << 20
 
 
 def check_is_causal(is_causal):
@@ -67,7 +80,8 @@ def causal_mask(T, S, bottom_right=False):
     (PyTorch's ``causal_lower_right``): query ``i`` attends keys
     ``0..i + S - T``, and with ``T > S`` the first ``T - S`` queries attend to
     nothing (fully masked rows: output 0).
-    The array is read-only and shared: the same ``(T, S)`` returns the same
+    The array is read-only, and shared while it fits in
+    :data:`CAUSAL_CACHE_BYTES`: the same ``(T, S)`` then returns the same
     array (a training loop asks for it on every step).
 
     >>> causal_mask(3, 3).astype(int)
@@ -81,11 +95,63 @@ def causal_mask(T, S, bottom_right=False):
     return _causal_mask(T, S, S - T if bottom_right else 0)
 
 
-@functools.lru_cache(maxsize=16)
+class _Shared:
+    """Read-only arrays by key, at most ``budget`` bytes of them, least recently used
+    dropped first; a value larger than the budget is returned and not kept."""
+
+    def __init__(self, budget):
+        self.budget = budget
+        self.values = OrderedDict()  # key -> (value, nbytes)
+        self.nbytes = 0
+        self.lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):  # a lock held by another thread at a fork
+            os.register_at_fork(after_in_child=self._fresh_lock)
+
+    def _fresh_lock(self):
+        self.lock = threading.Lock()
+
+    def get(self, key, make):
+        with self.lock:
+            hit = self.values.get(key)
+            if hit is not None:
+                self.values.move_to_end(key)
+                return hit[0]
+        value = make()  # outside the lock: others may read meanwhile
+        nbytes = sum(a.nbytes for a in (value if isinstance(value, tuple) else (value,)))
+        if nbytes <= self.budget:
+            with self.lock:
+                if key not in self.values:
+                    self.values[key] = (value, nbytes)
+                    self.nbytes += nbytes
+                while self.nbytes > self.budget:
+                    _, (_, dropped) = self.values.popitem(last=False)
+                    self.nbytes -= dropped
+        return value
+
+
+_SHARED = _Shared(CAUSAL_CACHE_BYTES)
+# Every causal mask made here, by id, for as long as it lives (kept or not):
+# additive_mask recognises one by identity without a (T, S) comparison.
+_CAUSAL_KEEPS = weakref.WeakValueDictionary()
+_KEEP_OFFSETS = {}  # and the offset of its diagonal, until the mask dies
+
+
 def _causal_mask(T, S, offset):
-    """The read-only ``(T, S)`` mask ``j <= i + offset``, one shared array per shape."""
-    mask = np.tril(np.ones((T, S), dtype=bool), k=offset)
+    """The read-only ``(T, S)`` mask ``j <= i + offset``, shared while it fits the budget."""
+    return _SHARED.get(("keep", T, S, offset), lambda: _make_causal_mask(T, S, offset))
+
+
+def _allowed(T, S, offset):
+    """A fresh boolean ``(T, S)`` array, True where ``j <= i + offset``."""
+    return np.arange(S)[None, :] <= np.arange(T)[:, None] + offset  # (1, S), (T, 1) -> (T, S)
+
+
+def _make_causal_mask(T, S, offset):
+    mask = _allowed(T, S, offset)
     mask.flags.writeable = False
+    _CAUSAL_KEEPS[id(mask)] = mask
+    _KEEP_OFFSETS[id(mask)] = offset
+    weakref.finalize(mask, _KEEP_OFFSETS.pop, id(mask), None)
     return mask
 
 
@@ -282,43 +348,48 @@ def _unfold_batch_heads(attn_mask, batch, num_heads, T, S):
 def additive_mask(bias, keep, dtype):
     """One additive mask: ``bias`` where allowed, ``-inf`` where ``keep`` forbids.
 
-    The shared causal masks of :func:`causal_mask` (either alignment) give
-    shared read-only 0 / ``-inf`` arrays, which :func:`is_causal_additive` recognises.
+    The causal masks of :func:`causal_mask` (either alignment) give read-only
+    0 / ``-inf`` arrays, shared as those are, which :func:`is_causal_additive`
+    recognises.
     """
     if keep is None:
         return bias
-    if bias is None and keep.ndim == 2 and not keep.flags.writeable:  # maybe a shared causal mask
-        for bottom_right in (False, True):
-            if keep is causal_mask(*keep.shape, bottom_right=bottom_right):
-                return _causal_additive(*keep.shape, bottom_right, np.dtype(dtype))
+    if bias is None and _CAUSAL_KEEPS.get(id(keep)) is keep:  # a causal mask of this module
+        T, S = keep.shape
+        return _causal_arrays(T, S, _KEEP_OFFSETS[id(keep)], np.dtype(dtype))[0]
     return np.where(keep, 0 if bias is None else bias, -np.inf).astype(dtype, copy=False)
 
 
-def _causal_additive(T, S, bottom_right, dtype):
-    """The causal mask as 0 / -inf in ``dtype``, read-only and shared (see causal_mask)."""
-    return _causal_arrays(T, S, bottom_right, dtype)[0]
+def _causal_arrays(T, S, offset, dtype):
+    """The causal mask in ``dtype`` as 0 / -inf and as its 0 / 1 factors, read-only,
+    shared while they fit the budget."""
+    return _SHARED.get(("arrays", T, S, offset, dtype),
+                       lambda: _make_causal_arrays(T, S, offset, dtype))
 
 
-@functools.lru_cache(maxsize=16)
-def _causal_arrays(T, S, bottom_right, dtype):
-    """The shared causal mask in ``dtype`` as 0 / -inf and as its 0 / 1 factors, read-only."""
-    allowed = causal_mask(T, S, bottom_right=bottom_right)
-    mask = np.where(allowed, 0, -np.inf).astype(dtype)
+def _make_causal_arrays(T, S, offset, dtype):
+    allowed = _allowed(T, S, offset)
+    mask = np.where(allowed, dtype.type(0), dtype.type(-np.inf))  # in dtype: one pass
     factors = allowed.astype(dtype)
     for a in (mask, factors):
         a.flags.writeable = False
     _CAUSAL_ADDITIVES[id(mask)] = mask
-    _CAUSAL_FACTORS[id(mask)] = factors
-    _CAUSAL_OFFSETS[id(mask)] = S - T if bottom_right else 0
-    weakref.finalize(mask, _CAUSAL_OFFSETS.pop, id(mask), None)
+    _CAUSAL_FACTORS[id(mask)] = factors  # alive as long as the mask
+    _CAUSAL_OFFSETS[id(mask)] = offset
+    weakref.finalize(mask, _forget_additive, id(mask))
     return mask, factors
 
 
+def _forget_additive(key):
+    _CAUSAL_FACTORS.pop(key, None)
+    _CAUSAL_OFFSETS.pop(key, None)
+
+
 # The arrays :func:`_causal_arrays` made, by the additive mask's id, for as
-# long as they live (the cache above holds both).
+# long as that mask lives.
 _CAUSAL_ADDITIVES = weakref.WeakValueDictionary()
-_CAUSAL_FACTORS = weakref.WeakValueDictionary()
-_CAUSAL_OFFSETS = {}  # and the offset of its diagonal (causal_offset), until the mask dies
+_CAUSAL_FACTORS = {}
+_CAUSAL_OFFSETS = {}  # and the offset of its diagonal (causal_offset)
 
 
 def is_causal_additive(mask, dtype):

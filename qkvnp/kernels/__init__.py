@@ -38,9 +38,9 @@ import numpy as np
 
 from .._checks import owned, scores_may_overflow
 from ..masks import check_is_causal
-from ._runtime import (BLOCK_SIZE_DEFAULTS, blas_threads, block_sizes, get_block_sizes,
-                       get_num_threads, num_threads, release_buffers, set_block_sizes,
-                       set_num_threads, single_threaded_blas)
+from ._runtime import (BLOCK_SIZE_DEFAULTS, MAX_NUM_THREADS, blas_threads, block_sizes,
+                       get_block_sizes, get_num_threads, num_threads, release_buffers,
+                       set_block_sizes, set_num_threads, single_threaded_blas)
 
 __all__ = [
     "IMPLS",
@@ -53,6 +53,7 @@ __all__ = [
     "layer_backward",
     "set_num_threads",
     "get_num_threads",
+    "MAX_NUM_THREADS",
     "num_threads",
     "set_block_sizes",
     "get_block_sizes",

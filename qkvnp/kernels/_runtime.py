@@ -7,13 +7,10 @@ G one block of them.
 Settings, not globals to patch (the model is ``torch.set_num_threads``):
 
 - :func:`set_num_threads` / :func:`get_num_threads` / :func:`num_threads`
-  (a context manager): the worker threads the fast and tiled kernels split
-  their (batch, head) blocks over. BLAS inside the workers runs on one thread.
-  The calling thread runs one of the shares itself, pinned to one CPU while
-  it does (Linux; its CPU set is given back after).
-  The default is the environment variable ``QKVNP_NUM_THREADS``, read at the
-  first kernel call (not at import), else the CPUs this process may use (at
-  most 8). 1 runs every kernel in the calling thread.
+  (a context manager, thread-local): the worker threads the fast and tiled
+  kernels split their (batch, head) blocks over, at most
+  :data:`MAX_NUM_THREADS` (from :mod:`qkvnp.kernels.workers`, which says
+  how they are set and run). BLAS inside the workers runs on one thread.
 - :func:`set_block_sizes` / :func:`get_block_sizes` / :func:`block_sizes`:
   the sizes that cut the work into blocks and the thresholds of ``impl="auto"``
   (see :data:`BLOCK_SIZE_DEFAULTS` for each one and why it has its value).
@@ -22,7 +19,11 @@ Settings, not globals to patch (the model is ``torch.set_num_threads``):
   (:mod:`qkvnp.kernels.heap`, the ``heap_mmap_threshold`` setting): without
   them the kernels' temporaries were page-faulted anew on every call.
 
-Settings are global to the process, as PyTorch's are. ``import`` of this
+Settings are global to the process, as PyTorch's are (but for
+:func:`num_threads`' thread-local override). They, the worker threads and
+the locks survive ``fork``: the child keeps the settings and starts with
+fresh locks and no workers (``os.register_at_fork``), whatever the parent's
+threads were doing. ``import`` of this
 module costs numpy only: ctypes, the thread pool and the BLAS probe
 (:mod:`qkvnp.kernels.openblas`) are loaded at first use. Measurements behind
 the defaults: ``benchmarks/RESULTS.md``.
@@ -37,9 +38,11 @@ import numpy as np
 from .._checks import check_int
 from .heap import tune_heap
 from .openblas import openblas_info, openblas_thread_functions
-from .workers import crew, in_worker
+from .workers import (MAX_NUM_THREADS, crew, get_num_threads, in_worker, num_threads,
+                      process_num_threads, set_num_threads)
 
 __all__ = [
+    "MAX_NUM_THREADS",
     "set_num_threads",
     "get_num_threads",
     "num_threads",
@@ -59,8 +62,6 @@ __all__ = [
     "run",
     "matmul",
 ]
-
-ENV_NUM_THREADS = "QKVNP_NUM_THREADS"
 
 #: Default of every block-size setting (bytes, rows or positions).
 BLOCK_SIZE_DEFAULTS = {
@@ -145,93 +146,7 @@ _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "ca
             "dense_weights_budget": 0, "heap_mmap_threshold": 0}
 
 _SIZES = dict(BLOCK_SIZE_DEFAULTS)
-_NUM_THREADS = None  # None until set or first read (then from the environment)
 _SETTINGS_LOCK = threading.Lock()
-
-
-def _available_cpus():
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _default_num_threads():
-    text = os.environ.get(ENV_NUM_THREADS, "").strip()
-    if not text:
-        return max(1, min(_available_cpus(), 8))
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"environment variable {ENV_NUM_THREADS} must be a positive integer, got {text!r}"
-        )
-    return value
-
-
-def get_num_threads():
-    """The number of worker threads the kernels use (see :func:`set_num_threads`).
-
-    >>> get_num_threads() >= 1
-    True
-    """
-    global _NUM_THREADS
-    if _NUM_THREADS is None:
-        with _SETTINGS_LOCK:
-            if _NUM_THREADS is None:
-                _NUM_THREADS = _default_num_threads()
-    return _NUM_THREADS
-
-
-def set_num_threads(n):
-    """Set the number of worker threads of the fast and tiled kernels.
-
-    Parameters
-    ----------
-    n : int
-        At least 1; 1 runs every kernel in the calling thread, BLAS at one
-        thread there too. BLAS inside the workers stays at one thread.
-
-    Raises
-    ------
-    TypeError
-        If ``n`` is not an int (bools refused).
-    ValueError
-        If ``n < 1``.
-
-    Examples
-    --------
-    >>> previous = get_num_threads()
-    >>> set_num_threads(1); get_num_threads()
-    1
-    >>> set_num_threads(previous)
-    """
-    global _NUM_THREADS
-    _NUM_THREADS = check_int(n, "n", 1)
-
-
-class num_threads:
-    """Context manager: :func:`set_num_threads` ``(n)`` inside, restored after.
-
-    >>> with num_threads(1):
-    ...     get_num_threads()
-    1
-    """
-
-    def __init__(self, n):
-        self.n = check_int(n, "n", 1)
-        self.previous = None
-
-    def __enter__(self):
-        self.previous = get_num_threads()
-        set_num_threads(self.n)
-        return self
-
-    def __exit__(self, *exc):
-        set_num_threads(self.previous)
-        return False
 
 
 def get_block_sizes():
@@ -376,8 +291,7 @@ def _settle_process():
     an error even for a problem too small to use the workers) and glibc's
     heap thresholds (:mod:`qkvnp.kernels.heap`).
     """
-    if _NUM_THREADS is None:
-        get_num_threads()
+    process_num_threads()
     tune_heap(_SIZES["heap_mmap_threshold"])
 
 
@@ -417,6 +331,26 @@ class blas_threads:
 _SECTION_LOCK = threading.Lock()  # one threaded section at a time (the pool is shared)
 _PIN_LOCK = threading.Lock()
 _PIN = {"depth": 0, "saved": None}  # sections inside single_threaded_blas, BLAS count before them
+
+
+def _reset_after_fork_in_child():
+    """After ``fork``, in the child: fresh locks, no section open, BLAS as before the sections.
+
+    NOTE: only the forking thread lives on in the child. A lock another
+    thread held at the fork (a kernel running in a background thread) would
+    stay held for good, and the child's first threaded kernel would wait on
+    it forever. No kernel forks, so no section of the forking thread is
+    open either: the child restores OpenBLAS's count from before the
+    parent's sections.
+    """
+    global _SECTION_LOCK, _PIN_LOCK, _SETTINGS_LOCK, _SPARE_LOCK
+    _SECTION_LOCK, _PIN_LOCK = threading.Lock(), threading.Lock()
+    _SETTINGS_LOCK, _SPARE_LOCK = threading.Lock(), threading.Lock()
+    if _PIN["depth"]:
+        _PIN["depth"] = 0
+        functions = openblas_thread_functions()
+        if functions and _PIN["saved"] is not None:
+            functions[1](_PIN["saved"])
 
 
 class single_threaded_blas:
@@ -604,3 +538,7 @@ def matmul(a, b, out=None, split="rows", blas_threads=False):
 
     run(task, pieces)
     return out
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_reset_after_fork_in_child)

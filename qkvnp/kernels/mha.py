@@ -307,8 +307,9 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     c = dtype.type(scale)
     has_bias = "b_query" in p
     lead = batch + (H,) if out_proj else batch  # SelfAttention: no head axis
-    # NOTE: every check that can refuse the input runs here, before any work
-    bias, keep = prepare_mask(mask, is_causal, lead + (T, S), dtype)
+    # NOTE: every check that can refuse the input runs here, before any work.
+    # NOTE: the tiled core tests its blocks against the diagonal itself: no (T, S) causal mask
+    bias, keep = prepare_mask(mask, is_causal if path != "tiled" else False, lead + (T, S), dtype)
     # only checked here: a drawn mask is drawn after the score bound below
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=False)
 

@@ -16,6 +16,16 @@ _BLAS = None  # (get, set) ctypes functions, () if not found
 _BLAS_LOCK = threading.Lock()
 
 
+def _fresh_lock_in_child():
+    """After ``fork``, in the child: a lock held by another thread at the fork stays held."""
+    global _BLAS_LOCK
+    _BLAS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def _find_openblas():
     """The OpenBLAS thread-count functions of the library numpy links, or ()."""
     import ctypes

@@ -18,8 +18,8 @@ import numpy as np
 from ..dropout import block_keep, keep_scale
 from ..functional import sum_to_shape
 
-__all__ = ["Problem", "at_least_2d", "live_blocks", "no_overflow", "row_bounds", "forward_rows",
-           "backward_columns"]
+__all__ = ["Problem", "at_least_2d", "live_blocks", "causal_blocks", "no_overflow", "row_bounds",
+           "forward_rows", "backward_columns"]
 
 # Diagonal blocks of a causal mask are reused by their offset i0 - j0; the
 # number of offsets is bounded by (bq + bk) / gcd(bq, bk), so cap the cache.
@@ -44,22 +44,36 @@ def live_blocks(bias, keep, causal, T, S, block_q, block_k):
     """Table of the block pairs that have at least one position not masked.
 
     ``causal`` is None or the causal offset (:func:`qkvnp.masks.causal_offset`:
-    query ``i`` may attend key ``j`` iff ``j <= i + causal``).
+    query ``i`` may attend key ``j`` iff ``j <= i + causal``): a whole-block
+    test (:func:`causal_blocks`), so that no ``(T, S)`` mask is ever made.
     """
-    q_starts = range(0, T, block_q)
-    k_starts = range(0, S, block_k)
-    live = np.ones((len(q_starts), len(k_starts)), dtype=bool)  # (nq, nk)
-    for a, i0 in enumerate(q_starts):
-        i1 = min(i0 + block_q, T)
-        for b, j0 in enumerate(k_starts):
-            j1 = min(j0 + block_k, S)
-            if causal is not None and j0 > i1 - 1 + causal:  # every key is after every query
-                live[a, b] = False
-            elif keep is not None and not _mask_block(keep, i0, i1, j0, j1).any():
-                live[a, b] = False
-            elif bias is not None and np.isneginf(_mask_block(bias, i0, i1, j0, j1)).all():
-                live[a, b] = False
+    q_first = np.arange(0, T, block_q)  # (nq,)
+    k_first = np.arange(0, S, block_k)  # (nk,)
+    live = np.ones((len(q_first), len(k_first)), dtype=bool)  # (nq, nk)
+    if causal is not None:
+        live &= causal_blocks(q_first, np.minimum(q_first + block_q, T), k_first, causal)
+    if keep is None and bias is None:
+        return live
+    for a, b in zip(*np.nonzero(live)):  # the user's mask, on the blocks still live
+        i0, j0 = int(q_first[a]), int(k_first[b])
+        i1, j1 = min(i0 + block_q, T), min(j0 + block_k, S)
+        if keep is not None and not _mask_block(keep, i0, i1, j0, j1).any():
+            live[a, b] = False
+        elif bias is not None and np.isneginf(_mask_block(bias, i0, i1, j0, j1)).all():
+            live[a, b] = False
     return live
+
+
+def causal_blocks(q_first, q_end, k_first, offset):
+    """``(nq, nk)``: True where some query of ``q_first[a]:q_end[a]`` may attend the key
+    ``k_first[b]`` or a later one of its block, under the causal ``offset``.
+
+    The block's first key is its earliest, and its last query sees the most:
+    the pair is live iff ``k_first <= (q_end - 1) + offset``. (A band, each
+    query seeing at most ``left`` keys back, would add ``k_last >= q_first +
+    offset - left``.)
+    """
+    return k_first[None, :] <= (q_end - 1 + offset)[:, None]  # (1, nk), (nq, 1) -> (nq, nk)
 
 
 def no_overflow(query, key, scale):
@@ -103,8 +117,8 @@ def _block_scores(qs_block, k_block, i0, i1, j0, j1, bias, keep, causal, safe, s
         key_ = (i0 + causal - j0, shape)
         above = causal_cache.get(key_)
         if above is None:
-            # key j0 + c is after query i0 + r  <=>  c - r > i0 + causal - j0
-            above = np.subtract.outer(np.arange(shape[0]), np.arange(shape[1])) < j0 - i0 - causal  # (bq, bk)
+            # key j0 + c is after query i0 + r  <=>  c > r + i0 + causal - j0 (no int (bq, bk) temporary)
+            above = np.arange(shape[1])[None, :] > np.arange(shape[0])[:, None] + key_[0]  # (1, bk), (bq, 1) -> (bq, bk)
             if len(causal_cache) < _CAUSAL_CACHE_SIZE:
                 causal_cache[key_] = above
         np.copyto(scores, -np.inf, where=above)

@@ -174,7 +174,7 @@ def _python(code, **env):
 
 
 def test_environment_variable_is_read_at_first_use_not_at_import():
-    code = ("import qkvnp, qkvnp.kernels._runtime as r; print(r._NUM_THREADS); "
+    code = ("import qkvnp, qkvnp.kernels.workers as r; print(r._NUM_THREADS); "
             "print(qkvnp.get_num_threads())")
     result = _python(code, QKVNP_NUM_THREADS="3")
     assert result.returncode == 0, result.stderr
