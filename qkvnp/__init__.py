@@ -10,7 +10,9 @@ from . import functional, interop
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
 from .kv_cache import KVCache
-from .layers import Embedding, Linear, Model, MultiHeadAttention, SelfAttention
+from .gpt import GPTModel
+from .layers import (GELU, Dropout, Embedding, FeedForward, LayerNorm, Linear, Model,
+                     MultiHeadAttention, SelfAttention, Sequential, TransformerBlock)
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,13 @@ __all__ = [
     "Embedding",
     "Model",
     "KVCache",
+    "LayerNorm",
+    "GELU",
+    "Dropout",
+    "Sequential",
+    "FeedForward",
+    "TransformerBlock",
+    "GPTModel",
     "set_num_threads",
     "get_num_threads",
     "num_threads",

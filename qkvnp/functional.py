@@ -35,6 +35,10 @@ from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
 from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split_heads_backward,
                     split_heads_forward)
 from .masks import prepare_mask
+from .transformer_ops import (ActivationDropoutCache, GeluCache, LayerNormCache, ResidualCache,
+                              activation_dropout_backward, activation_dropout_forward,
+                              gelu_backward, gelu_forward, layer_norm_backward,
+                              layer_norm_forward, residual_add_backward, residual_add_forward)
 
 __all__ = [
     "softmax",
@@ -60,6 +64,18 @@ __all__ = [
     "embedding_backward",
     "embedding_backward_factored",
     "EmbeddingCache",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "gelu_forward",
+    "gelu_backward",
+    "activation_dropout_forward",
+    "activation_dropout_backward",
+    "residual_add_forward",
+    "residual_add_backward",
+    "LayerNormCache",
+    "GeluCache",
+    "ActivationDropoutCache",
+    "ResidualCache",
 ]
 
 LinearCache = namedtuple("LinearCache", "x W has_bias")
