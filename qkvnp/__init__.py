@@ -10,6 +10,7 @@ from . import functional, interop
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
 from .kv_cache import KVCache
+from .generation import generate
 from .gpt import GPTModel
 from .layers import (GELU, Dropout, Embedding, FeedForward, LayerNorm, Linear, Model,
                      MultiHeadAttention, SelfAttention, Sequential, TransformerBlock)
@@ -34,6 +35,7 @@ __all__ = [
     "FeedForward",
     "TransformerBlock",
     "GPTModel",
+    "generate",
     "set_num_threads",
     "get_num_threads",
     "num_threads",
