@@ -231,3 +231,31 @@ def test_layer_constructors_refuse_bad_arguments():
         qkvnp.LayerNorm(4).forward(np.ones((2, 3)))
     assert repr(qkvnp.LayerNorm(4)) == "LayerNorm(dim=4, eps=1e-05, dtype=float64)"
     assert repr(qkvnp.GELU()) == "GELU(approximate='tanh')"
+
+
+def test_book_layout_names_and_refusals():
+    # oracle: the book's GPTModel.state_dict() keys (ch04 gpt.py), and the transposes of nn.Linear
+    from qkvnp.interop import from_torch, to_torch
+
+    model = tiny_gpt(qkv_bias=True)
+    state = to_torch(model, "book.GPTModel")
+    assert {"tok_emb.weight", "pos_emb.weight", "trf_blocks.1.att.W_query.weight",
+            "trf_blocks.1.att.W_key.bias", "trf_blocks.0.att.out_proj.bias",
+            "trf_blocks.0.ff.layers.0.weight", "trf_blocks.0.ff.layers.2.bias",
+            "trf_blocks.0.norm1.scale", "trf_blocks.1.norm2.shift", "final_norm.shift",
+            "out_head.weight"} <= set(state)
+    assert len(state) == 2 + 2 * (8 + 4 + 4) + 2 + 1
+    np.testing.assert_array_equal(state["out_head.weight"], model.params["out_head.W"].T)
+    np.testing.assert_array_equal(state["trf_blocks.0.ff.layers.0.weight"],
+                                  model.params["trf_blocks.0.ff.layers.0.W"].T)
+    with pytest.raises(ValueError, match="loads a qkvnp.GPTModel, got MultiHeadAttention"):
+        to_torch(model.trf_blocks[0].att, "book.GPTModel")
+    target = tiny_gpt(qkv_bias=True)
+    before = {name: value.copy() for name, value in target.params.items()}
+    broken = {k: v for k, v in state.items() if k != "final_norm.scale"}
+    with pytest.raises(ValueError, match=r"missing \['final_norm.scale'\]"):
+        from_torch(target, broken, "book.GPTModel")
+    with pytest.raises(ValueError, match="biases the layer lacks"):
+        from_torch(tiny_gpt(qkv_bias=False), state, "book.GPTModel")
+    for name, value in target.params.items():  # a refused dict changed nothing
+        np.testing.assert_array_equal(value, before[name])
