@@ -64,7 +64,7 @@ class TextConfig:
     num_layers: int = 2
     dropout: float = 0.0
     batch_size: int = 16
-    steps: int = 1500
+    steps: int = 2500
     lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.1
