@@ -19,7 +19,8 @@ COMMANDS = {
     "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically"),
     "train": ("qkvnp.training.command", "train attention projections by gradient descent"),
     "ablation": ("qkvnp.training.ablation", "why Q, K and V: tied and missing projections on two tasks"),
-    "generate": ("qkvnp.training.text_generate", "continue a prompt with a model of train --task text"),
+    "generate": ("qkvnp.training.text_generate",
+                 "continue a prompt with a model of train --task text"),
 }
 
 # (command, option, value) -> the module that takes that command over (its own options)

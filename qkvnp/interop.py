@@ -306,7 +306,8 @@ def _gpt_to_torch(model):
     for i, block in enumerate(model.trf_blocks):
         state.update(to_torch(block.att, "book.MultiHeadAttention", prefix=f"trf_blocks.{i}.att."))
         for name in ("ff.layers.0", "ff.layers.2"):
-            state[f"trf_blocks.{i}.{name}.weight"] = p[f"trf_blocks.{i}.{name}.W"].T  # (in, out) -> (out, in)
+            weight = p[f"trf_blocks.{i}.{name}.W"].T  # (in, out) -> (out, in)
+            state[f"trf_blocks.{i}.{name}.weight"] = weight
             state[f"trf_blocks.{i}.{name}.bias"] = p[f"trf_blocks.{i}.{name}.b"]
         for name in ("norm1", "norm2"):
             for part in ("scale", "shift"):

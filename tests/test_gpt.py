@@ -259,3 +259,18 @@ def test_book_layout_names_and_refusals():
         from_torch(tiny_gpt(qkv_bias=False), state, "book.GPTModel")
     for name, value in target.params.items():  # a refused dict changed nothing
         np.testing.assert_array_equal(value, before[name])
+
+
+def test_a_block_refuses_a_backward_before_forward_and_after_decode(rng):
+    block = qkvnp.TransformerBlock(8, 2, rng=0)
+    with pytest.raises(RuntimeError, match="before forward"):
+        block.backward(rng.normal(size=(1, 3, 8)))
+    x = rng.normal(size=(1, 3, 8))
+    full = block.forward(x)
+    decoded = block.decode(x, qkvnp.KVCache())  # oracle: the causal forward itself
+    np.testing.assert_allclose(decoded, full, rtol=1e-12, atol=1e-12)
+    before = {name: g.copy() for name, g in block.grads.items()}
+    with pytest.raises(RuntimeError):
+        block.backward(rng.normal(size=(1, 3, 8)))
+    for name, grad in block.grads.items():  # refused before any gradient was added
+        np.testing.assert_array_equal(grad, before[name])

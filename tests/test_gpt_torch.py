@@ -38,7 +38,8 @@ def book_gpt(torch):
         def __init__(self, cfg):
             super().__init__()
             E, n = cfg["emb_dim"], cfg["context_length"]
-            self.num_heads, self.head_dim, self.p = cfg["n_heads"], E // cfg["n_heads"], cfg["drop_rate"]
+            self.num_heads, self.head_dim = cfg["n_heads"], E // cfg["n_heads"]
+            self.p = cfg["drop_rate"]
             self.W_query = nn.Linear(E, E, bias=cfg["qkv_bias"])
             self.W_key = nn.Linear(E, E, bias=cfg["qkv_bias"])
             self.W_value = nn.Linear(E, E, bias=cfg["qkv_bias"])
@@ -47,7 +48,9 @@ def book_gpt(torch):
 
         def forward(self, x, mask=None):
             b, T, E = x.shape
-            split = lambda y: y.view(b, T, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+            def split(y):
+                return y.view(b, T, self.num_heads, self.head_dim).transpose(1, 2)
+
             q, k, v = split(self.W_query(x)), split(self.W_key(x)), split(self.W_value(x))
             scores = q @ k.transpose(2, 3)
             scores = scores.masked_fill(self.mask.bool()[:T, :T], -torch.inf)
@@ -99,7 +102,8 @@ def book_gpt(torch):
             super().__init__()
             self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])
             self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])
-            self.trf_blocks = nn.Sequential(*[TransformerBlock(cfg) for _ in range(cfg["n_layers"])])
+            self.trf_blocks = nn.Sequential(
+                *[TransformerBlock(cfg) for _ in range(cfg["n_layers"])])
             self.final_norm = LayerNorm(cfg["emb_dim"])
             self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)
             self.p = cfg["drop_rate"]

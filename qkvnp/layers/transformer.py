@@ -63,7 +63,8 @@ class LayerNorm(Layer):
             raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
         self.eps = float(eps)
         self.dtype = layer_dtype(dtype)
-        self.params = {"scale": np.ones(self.dim, self.dtype), "shift": np.zeros(self.dim, self.dtype)}
+        self.params = {"scale": np.ones(self.dim, self.dtype),
+                       "shift": np.zeros(self.dim, self.dtype)}
         self._cache = None
         self.zero_grad()
 
@@ -393,23 +394,27 @@ class TransformerBlock(Model):
         h = self.norm1.forward(x)  # (..., T, E)
         h = self.att.forward(h, is_causal=True, dropout_mask=masks.get("att"))  # (..., T, E)
         h = self.drop_shortcut1.forward(h, mask=masks.get("drop_shortcut1"))
-        x, self._residual1 = F.residual_add_forward(x, h)  # (..., T, E)
+        x, residual1 = F.residual_add_forward(x, h)  # (..., T, E)
         h = self.norm2.forward(x)
         h = self.ff.forward(h)  # (..., T, E) -> (..., T, 4E) -> (..., T, E)
         h = self.drop_shortcut2.forward(h, mask=masks.get("drop_shortcut2"))
-        out, self._residual2 = F.residual_add_forward(x, h)
+        out, residual2 = F.residual_add_forward(x, h)
+        self._cache = (residual1, residual2)
         return out
 
     def backward(self, dout, retain_cache=False):
         """Accumulate every sub-layer's gradients; return ``dx`` ``(..., T, E)``."""
-        dx, dh = F.residual_add_backward(dout, self._residual2)
+        residual1, residual2 = self._need_cache()
+        dx, dh = F.residual_add_backward(dout, residual2)
         dh = self.drop_shortcut2.backward(dh, retain_cache)
         dh = self.ff.backward(dh, retain_cache)
         dx = dx + self.norm2.backward(dh, retain_cache)
-        dx, dh = F.residual_add_backward(dx, self._residual1, check=False)
+        dx, dh = F.residual_add_backward(dx, residual1, check=False)
         dh = self.drop_shortcut1.backward(dh, retain_cache)
         dh = self.att.backward(dh, retain_cache)
-        return dx + self.norm1.backward(dh, retain_cache)
+        dx = dx + self.norm1.backward(dh, retain_cache)
+        self._release_cache(retain_cache)
+        return dx
 
     def decode(self, x, kv_cache):
         """One inference step on the new tokens ``x`` ``(..., T, E)`` through ``kv_cache``.
@@ -417,6 +422,7 @@ class TransformerBlock(Model):
         Runs the pure ops on the parameters (no layer cache is touched but
         the attention's, which then refuses a backward) and no dropout.
         """
+        self._cache = self._used_cache = None  # a later backward refuses (nothing kept)
         p1, p2 = self.norm1.params, self.norm2.params
         h = F.layer_norm_forward(x, p1["scale"], p1["shift"], self.norm1.eps)[0]
         x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
@@ -436,5 +442,6 @@ def _check_mask_names(dropout_masks, names):
                         f"{type(dropout_masks).__name__}")
     unknown = sorted(set(dropout_masks) - set(names))
     if unknown:
-        raise ValueError(f"dropout_masks has unknown names {unknown}; expected some of {list(names)}")
+        raise ValueError(f"dropout_masks has unknown names {unknown}; expected some of "
+                         f"{list(names)}")
     return dropout_masks

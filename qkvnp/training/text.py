@@ -308,7 +308,8 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
           f"{config.num_heads} heads, {config.num_layers} layers), "
           f"{model.num_parameters()} parameters, {config.dtype}", file=stream)
     print(f"schedule: AdamW lr {config.lr:g} (warm-up {config.warmup} steps, cosine to "
-          f"{config.lr / 10:g} at step {config.steps}), weight decay {config.weight_decay:g}, batch {config.batch_size}"
+          f"{config.lr / 10:g} at step {config.steps}), weight decay {config.weight_decay:g}, "
+          f"batch {config.batch_size}"
           + (f"; resumed at step {step}" if step else ""), file=stream)
     print(f"bigram baseline (add-one smoothing), held-out loss {baseline:.4f} "
           f"({baseline / _LN2:.3f} bits/byte)", file=stream)
