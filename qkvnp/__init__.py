@@ -10,7 +10,10 @@ from . import functional, interop, positions, variants
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
 from .kv_cache import KVCache
-from .layers import Embedding, Linear, Model, MultiHeadAttention, SelfAttention
+from .generation import generate
+from .gpt import GPTModel
+from .layers import (GELU, Dropout, Embedding, FeedForward, LayerNorm, Linear, Model,
+                     MultiHeadAttention, SelfAttention, Sequential, TransformerBlock)
 
 __version__ = "0.2.0"
 
@@ -27,6 +30,14 @@ __all__ = [
     "Embedding",
     "Model",
     "KVCache",
+    "LayerNorm",
+    "GELU",
+    "Dropout",
+    "Sequential",
+    "FeedForward",
+    "TransformerBlock",
+    "GPTModel",
+    "generate",
     "set_num_threads",
     "get_num_threads",
     "num_threads",

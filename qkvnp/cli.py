@@ -39,7 +39,23 @@ COMMANDS = {
                  "why Q, K and V: tied and missing projections on two tasks",
                  "Why Q, K and V? Train kv-recall and partner with separate, tied and missing "
                  "projections."),
+    "generate": ("qkvnp.training.text_generate",
+                 "continue a prompt with a model of train --task text",
+                 "Continue a prompt with a GPT trained by 'train --task text', read from its "
+                 "checkpoint."),
 }
+
+# (command, option, value) -> the module that takes that command over (its own options)
+TASK_MODULES = {("train", "--task", "text"): "qkvnp.training.text"}
+
+
+def _task_module(command, argv):
+    """The module of :data:`TASK_MODULES` that ``argv`` selects, or None."""
+    for (name, option, value), module in TASK_MODULES.items():
+        if name == command and any(a == f"{option}={value}" or (a == option and b == value)
+                                   for a, b in zip(argv, argv[1:] + [None])):
+            return module
+    return None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -93,7 +109,7 @@ def program_name():
     return "qkvnp" if script in ("qkvnp", "qkvnp-script") else "python -m qkvnp"
 
 
-def build_parser(command=None):
+def build_parser(command=None, module_name_override=None):
     """Return the top-level parser; only ``command``'s module is imported.
 
     Every command gets a sub-parser (so ``--help`` lists them all), but only
@@ -113,7 +129,9 @@ def build_parser(command=None):
         if name != command:
             sub.add_parser(name, help=help_text, add_help=False)
             continue
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(module_name_override or module_name)
+        # a task's module (train --task text) may say what it trains
+        description = getattr(module, "DESCRIPTION", description)
         parser_for_command = sub.add_parser(name, help=help_text, description=description)
         module.add_arguments(parser_for_command)
         parser_for_command.set_defaults(_run=module.run, _parser=parser_for_command)
@@ -124,7 +142,7 @@ def main(argv=None):
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    parser = build_parser(command if command in COMMANDS else None, _task_module(command, argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # under the command's usage, not the top level's
         getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -38,6 +38,10 @@ from .masks import prepare_mask
 from .overflow import product
 from .variants import (VariantCache, VariantGroupedCache, has_variants, rope_backward, rope_forward,
                        variant_attention_backward, variant_attention_forward)
+from .transformer_ops import (ActivationDropoutCache, GeluCache, LayerNormCache, ResidualCache,
+                              activation_dropout_backward, activation_dropout_forward,
+                              gelu_backward, gelu_forward, layer_norm_backward,
+                              layer_norm_forward, residual_add_backward, residual_add_forward)
 
 __all__ = [
     "softmax",
@@ -65,6 +69,18 @@ __all__ = [
     "EmbeddingCache",
     "rope_forward",
     "rope_backward",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "gelu_forward",
+    "gelu_backward",
+    "activation_dropout_forward",
+    "activation_dropout_backward",
+    "residual_add_forward",
+    "residual_add_backward",
+    "LayerNormCache",
+    "GeluCache",
+    "ActivationDropoutCache",
+    "ResidualCache",
 ]
 
 LinearCache = namedtuple("LinearCache", "x W has_bias")

@@ -23,6 +23,14 @@ layout                             qkvnp layer             torch names
 ``"book.CausalAttention"``         SelfAttention           as v2; call with ``is_causal=True``
 ``"book.MultiHeadAttention"``      MultiHeadAttention      as v2, and ``out_proj.weight``,
                                                            ``out_proj.bias``
+``"book.GPTModel"``                GPTModel                ``tok_emb.weight``,
+                                                           ``pos_emb.weight``,
+                                                           ``trf_blocks.N.att.*`` (as
+                                                           above), ``...ff.layers.0.weight``
+                                                           / ``.bias``, ``...ff.layers.2.*``,
+                                                           ``...norm1.scale`` / ``shift``,
+                                                           ``...norm2.*``, ``final_norm.*``,
+                                                           ``out_head.weight``
 =================================  ======================  ===================================
 
 torch's ``nn.Linear`` stores ``weight`` as ``(out_features, in_features)`` and
@@ -53,13 +61,14 @@ True
 import numpy as np
 
 from ._checks import check_state_value
+from .gpt import GPTModel
 from .layers import MultiHeadAttention, SelfAttention
 
 __all__ = ["LAYOUTS", "from_torch", "to_torch"]
 
 #: The layouts :func:`from_torch` and :func:`to_torch` know.
 LAYOUTS = ("torch.nn.MultiheadAttention", "book.SelfAttention_v1", "book.SelfAttention_v2",
-           "book.CausalAttention", "book.MultiHeadAttention")
+           "book.CausalAttention", "book.MultiHeadAttention", "book.GPTModel")
 
 _ROLES = ("query", "key", "value")
 
@@ -68,6 +77,13 @@ def _check_layout(layer, layout):
     """The layer class the layout needs; refuse an unknown layout or another layer class."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "book.GPTModel":
+        if not isinstance(layer, GPTModel):
+            raise ValueError(f"layout {layout!r} loads a qkvnp.GPTModel, got "
+                             f"{type(layer).__name__}")
+        for block in layer.trf_blocks:
+            _check_layout(block.att, "book.MultiHeadAttention")
+        return GPTModel
     needed = MultiHeadAttention if layout.endswith("MultiheadAttention") or \
         layout.endswith("MultiHeadAttention") else SelfAttention
     if not isinstance(layer, needed):
@@ -136,6 +152,8 @@ def to_torch(layer, layout, *, prefix=""):
     """
     _check_layout(layer, layout)
     prefix = _check_prefix(prefix)
+    if layout == "book.GPTModel":
+        return {prefix + name: value for name, value in _gpt_to_torch(layer).items()}
     p = layer.params
     state = {}
     if layout == "book.SelfAttention_v1":
@@ -284,7 +302,7 @@ def from_torch(layer, state_dict, layout, *, prefix=""):
             raise ValueError(f"state_dict has no key under prefix {prefix!r} (keys such as "
                              f"{some}); the prefix is the layer's name in the model")
         state_dict = under
-    given = {name for name in state_dict if not (name == "mask" and layout.startswith("book."))}
+    given = {name for name in state_dict if not _is_book_mask(name, layout)}
     if layout == "torch.nn.MultiheadAttention":
         kv = sorted(given & {"bias_k", "bias_v"})
         if kv:
@@ -309,7 +327,60 @@ def from_torch(layer, state_dict, layout, *, prefix=""):
         values[name] = check_state_value(state_dict[name], f"state_dict[{name!r}]",
                                          target.shape, layer.dtype,
                                          f" for {layer!r} (layout {layout!r})")
-    layer.load_state_dict(_to_qkvnp(layer, layout, values))
+    if layout == "book.GPTModel":
+        layer.load_state_dict(_gpt_to_qkvnp(layer, values))
+    else:
+        layer.load_state_dict(_to_qkvnp(layer, layout, values))
+
+
+def _is_book_mask(name, layout):
+    """The book's causal ``mask`` buffer (a layer's, or each GPT block's attention's)."""
+    if layout == "book.GPTModel":
+        parts = name.split(".")
+        return len(parts) == 4 and parts[0] == "trf_blocks" and parts[2:] == ["att", "mask"]
+    return name == "mask" and layout.startswith("book.")
+
+
+def _gpt_to_torch(model):
+    """A :class:`GPTModel`'s parameters under the book's ``GPTModel.state_dict()`` names."""
+    p = model.params
+    state = {"tok_emb.weight": p["tok_emb.weight"], "pos_emb.weight": p["pos_emb.weight"]}
+    for i, block in enumerate(model.trf_blocks):
+        state.update(to_torch(block.att, "book.MultiHeadAttention", prefix=f"trf_blocks.{i}.att."))
+        for name in ("ff.layers.0", "ff.layers.2"):
+            weight = p[f"trf_blocks.{i}.{name}.W"].T  # (in, out) -> (out, in)
+            state[f"trf_blocks.{i}.{name}.weight"] = weight
+            state[f"trf_blocks.{i}.{name}.bias"] = p[f"trf_blocks.{i}.{name}.b"]
+        for name in ("norm1", "norm2"):
+            for part in ("scale", "shift"):
+                state[f"trf_blocks.{i}.{name}.{part}"] = p[f"trf_blocks.{i}.{name}.{part}"]
+    state["final_norm.scale"] = p["final_norm.scale"]
+    state["final_norm.shift"] = p["final_norm.shift"]
+    state["out_head.weight"] = p["out_head.W"].T  # (E, V) -> (V, E)
+    return {name: np.array(value, order="C") for name, value in state.items()}
+
+
+def _gpt_to_qkvnp(model, values):
+    """The book-named, checked ``values`` under :class:`GPTModel`'s parameter names."""
+    params = {}
+    for name, value in values.items():
+        parts = name.split(".")
+        if parts[0] == "trf_blocks" and parts[2] == "att":
+            continue  # below, by the attention layout
+        if parts[-1] == "weight" and (parts[0] == "out_head" or "layers" in parts):
+            params[".".join(parts[:-1]) + ".W"] = value.T  # (out, in) -> (in, out)
+        elif parts[-1] == "bias":
+            params[".".join(parts[:-1]) + ".b"] = value
+        else:
+            params[name] = value  # embeddings' weight, norms' scale and shift
+    for i, block in enumerate(model.trf_blocks):
+        prefix = f"trf_blocks.{i}.att."
+        att = {name[len(prefix):]: value for name, value in values.items()
+               if name.startswith(prefix)}
+        params.update({prefix + name: value
+                       for name, value in _to_qkvnp(block.att, "book.MultiHeadAttention",
+                                                    att).items()})
+    return params
 
 
 def _to_qkvnp(layer, layout, values):

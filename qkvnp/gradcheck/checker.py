@@ -515,8 +515,11 @@ def _layer_copy(layer, dtype, reference):
         layer.params = {name: p.astype(dtype) for name, p in layer.params.items()}
     if hasattr(layer, "dtype"):
         layer.dtype = dtype
-    if reference and hasattr(layer, "impl"):
-        layer.impl = "reference"  # NOTE: the math, whatever path the original runs
+    if reference:  # NOTE: the math, whatever path the original (or a model's layer) runs
+        named = getattr(layer, "named_layers", None)
+        for sub in [layer] + ([sub for _, sub in named()] if named else []):
+            if hasattr(sub, "impl"):
+                sub.impl = "reference"
     layer.zero_grad()
     return layer
 

@@ -149,6 +149,21 @@ def _sinks_inputs(rng):
     return inputs
 
 
+def _layer_norm_without_mean_term(dout, cache):
+    """LayerNorm's backward with the mean's term ``- mean(g)`` left out (the variance's kept)."""
+    normalized, rstd, scale = cache
+    g = dout * scale  # (..., E)
+    # NOTE: the bug: rstd * (g - mean(g) - x_hat mean(g x_hat)) without its mean(g)
+    dx = rstd * (g - normalized * (g * normalized).mean(axis=-1, keepdims=True))
+    _, dscale, dshift = F.layer_norm_backward(dout, cache)
+    return dx, dscale, dshift
+
+
+def _gelu_without_tanh_derivative(dout, cache):
+    """The tanh GELU's derivative without the ``x * d(tanh)/dx`` half of the product rule."""
+    return dout * 0.5 * (1.0 + cache.inner)  # NOTE: the bug: + 0.5 x (1 - t^2) c (1 + 3 a x^2) lost
+
+
 HeadsAttentionCache = namedtuple("HeadsAttentionCache",
                                  "query_split key_split value_split attention_cache merge_cache")
 
@@ -191,6 +206,15 @@ def _scores_inputs(rng):
     return {"scores": rng.normal(size=(2, 3, 4))}
 
 
+def _layer_norm_inputs(rng):
+    return {"x": rng.normal(size=(2, 3, 5)), "scale": rng.normal(size=5),
+            "shift": rng.normal(size=5)}
+
+
+def _gelu_inputs(rng):
+    return {"x": 2.0 * rng.normal(size=(2, 3, 4))}
+
+
 CASES = (
     Case("softmax over a single score", "the seeds' softmax of one score is constant: "
          "dquery = dkey = 0", F.attention_forward, _single_score, F.attention_backward,
@@ -225,6 +249,15 @@ CASES = (
     Case("sink missing from the row sum", "the backward's softmax renormalised without "
          "e^sink: the sink's share, and so dsinks, is 0", sinks_attention_forward,
          _sink_missing, _sinks_backward, _sinks_inputs, {}, "sinks", "zero"),
+    Case("LayerNorm backward without the mean term", "dx = r (g - x_hat mean(g x_hat)): the "
+         "mean's - mean(g) is lost, so dx no longer sums to 0 over a row (LayerNorm, like a "
+         "softmax, ignores a constant added along it)", F.layer_norm_forward,
+         _layer_norm_without_mean_term, F.layer_norm_backward, _layer_norm_inputs, {}, "x",
+         "softmax_axis"),
+    Case("GELU derivative without the x d(tanh) part", "gelu'(x) = (1 + t) / 2 only: the "
+         "product rule's x (1 - t^2) c (1 + 3a x^2) / 2 is lost (no simpler pattern fits: an "
+         "elementwise factor that varies with x)", F.gelu_forward,
+         _gelu_without_tanh_derivative, F.gelu_backward, _gelu_inputs, {}, "x", "unknown"),
 )
 
 

@@ -17,6 +17,9 @@ The package, module by module:
                and why)
 ``basic``      :class:`Linear` and :class:`Embedding`, which call their op of
                :mod:`qkvnp.functional`
+``transformer`` :class:`LayerNorm`, :class:`GELU`, :class:`Dropout`,
+               :class:`Sequential`, :class:`FeedForward` and the book's
+               :class:`TransformerBlock` (the GPT is :class:`qkvnp.GPTModel`)
 
 The math is elsewhere (:mod:`qkvnp.functional`, :mod:`qkvnp.kernels`).
 
@@ -32,6 +35,8 @@ then calls do not check the intermediate gradients again.
 from .attention import MultiHeadAttention, SelfAttention
 from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
+from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
-           "xavier_uniform"]
+           "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
+           "TransformerBlock"]

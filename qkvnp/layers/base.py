@@ -388,22 +388,79 @@ class Model(Layer):
 
     @property
     def params(self):
-        """Flat dict ``"prefix.name" -> array``, sharing the sub-layers' arrays."""
-        flat = dict(self._own)
-        for prefix, layer in self.__dict__.get("_layers", {}).items():
-            for name, value in layer.params.items():
-                flat[f"{prefix}.{name}"] = value
-        return flat
+        """Flat dict ``"prefix.name" -> array``, sharing the sub-layers' arrays.
+
+        A new dict on each access, whose item assignment writes through:
+        ``model.params["attn.W_query"] = array`` puts ``array`` into
+        ``model.attn.params`` too (the gradient checker's complex step
+        swaps a parameter for a complex copy that way). Assigning the whole
+        dict, ``model.params = {...}``, does the same for each entry.
+        """
+        return _LinkedDict(self, "params", self._flat("params"))
+
+    @params.setter
+    def params(self, arrays):
+        self._assign("params", arrays)
 
     @property
     def grads(self):
-        """Flat dict ``"prefix.name" -> array``: the sub-layers' gradient arrays."""
-        own_grads = self.__dict__.get("_own_grads", {})
-        flat = {name: own_grads[name] for name in self._own}
+        """Flat dict ``"prefix.name" -> array``: the sub-layers' gradient arrays.
+
+        Writes through as :attr:`params` does.
+        """
+        return _LinkedDict(self, "grads", self._flat("grads"))
+
+    @grads.setter
+    def grads(self, arrays):
+        self._assign("grads", arrays)
+
+    def _flat(self, kind):
+        """The model's own arrays of ``kind`` ("params" or "grads"), then its sub-layers'."""
+        own = self._own if kind == "params" else self.__dict__.get("_own_grads", {})
+        flat = {name: own[name] for name in self._own}
         for prefix, layer in self.__dict__.get("_layers", {}).items():
-            for name, value in layer.grads.items():
+            for name, value in getattr(layer, kind).items():
                 flat[f"{prefix}.{name}"] = value
         return flat
+
+    def _assign(self, kind, arrays):
+        """Put each ``name -> array`` of ``arrays`` where ``kind``'s entry of that name lives."""
+        names = set(self._flat(kind))
+        if set(arrays) != names:
+            raise ValueError(f"{type(self).__name__}.{kind} must be assigned every one of its "
+                             f"names {sorted(names)}, got {sorted(arrays)}")
+        for name, value in arrays.items():
+            self._set_entry(kind, name, value)
+
+    def _set_entry(self, kind, name, value):
+        """``kind[name] = value`` in the layer (or the model's own dict) that holds ``name``."""
+        if name in self._own:
+            if kind == "params":
+                self._own[name] = value
+            else:
+                self.__dict__.setdefault("_own_grads", {})[name] = value
+            return
+        for prefix, layer in self.__dict__.get("_layers", {}).items():
+            if name.startswith(prefix + "."):
+                rest = name[len(prefix) + 1:]
+                target = getattr(layer, kind)
+                if rest in target:
+                    target[rest] = value  # a sub-model's dict writes through in turn
+                    return
+        raise KeyError(f"{type(self).__name__} has no {kind} entry {name!r}")
+
+    def named_layers(self):
+        """Every sub-layer, nested ones included, as ``(dotted name, layer)`` pairs.
+
+        Depth first, in registration order (PyTorch's ``named_modules``
+        without the model itself).
+        """
+        found = []
+        for prefix, layer in self.__dict__.get("_layers", {}).items():
+            found.append((prefix, layer))
+            if isinstance(layer, Model):
+                found.extend((f"{prefix}.{name}", sub) for name, sub in layer.named_layers())
+        return found
 
     def train(self, mode=True):
         """Set the mode of the model and of every sub-layer; return the model."""
@@ -444,3 +501,18 @@ class Model(Layer):
         lines = [f"  ({name}): " + repr(layer).replace("\n", "\n  ")
                  for name, layer in self.__dict__.get("_layers", {}).items()]
         return f"{type(self).__name__}(" + ("\n" + "\n".join(lines) + "\n" if lines else "") + ")"
+
+
+class _LinkedDict(dict):
+    """A snapshot dict of a :class:`Model`'s arrays whose item assignment writes through."""
+
+    def __init__(self, model, kind, items):
+        super().__init__(items)
+        self._model, self._kind = model, kind
+
+    def __setitem__(self, name, value):
+        self._model._set_entry(self._kind, name, value)  # refuses an unknown name
+        super().__setitem__(name, value)
+
+    def __reduce__(self):
+        return dict, (dict(self),)  # a copy (deepcopy, pickle) is a plain dict of the arrays

@@ -1,0 +1,347 @@
+"""The book's GPT (chapter 4) without autograd: :class:`GPTModel`.
+
+Shape key: B batch (any leading dims), T tokens (at most ``context_length``),
+E embedding (``emb_dim``), V vocabulary (``vocab_size``), H heads, L layers.
+
+Every backward is hand-derived (the blocks' in
+:mod:`qkvnp.layers.transformer`, the ops' in :mod:`qkvnp.transformer_ops`);
+the derivations are in ``docs/derivations_gpt.md``.
+"""
+import numpy as np
+
+from ._checks import as_upstream_grad, check_int, check_indices, layer_dtype, make_rng
+from .dropout import check_dropout_p
+from .layers.base import Model
+from .layers.basic import Embedding, Linear
+from .layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
+
+__all__ = ["GPTModel", "BOOK_CONFIG_KEYS"]
+
+#: The keys of the book's ``GPT_CONFIG_124M`` that :meth:`GPTModel.from_config` reads.
+BOOK_CONFIG_KEYS = ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers",
+                    "drop_rate", "qkv_bias")
+
+
+class GPTModel(Model):
+    """The book's ``GPTModel``: embeddings, pre-LayerNorm blocks, final norm, output head.
+
+    Parameters
+    ----------
+    vocab_size : int
+        ``V``.
+    context_length : int
+        The number of positions (the position table's rows); longer inputs
+        are refused.
+    emb_dim : int
+        ``E``.
+    num_heads : int
+        ``H``, a divisor of ``E`` (the book's ``n_heads``).
+    num_layers : int
+        ``L``, the number of blocks (the book's ``n_layers``).
+    dropout : float
+        The book's ``drop_rate``: after the embeddings, on the attention
+        weights, and on each block branch, in training mode.
+    qkv_bias : bool
+        Biases of the query, key and value projections.
+    rng : numpy.random.Generator or int, keyword-only, optional
+    dtype : float dtype, keyword-only
+    impl : {"auto", "reference", "fast", "tiled"}, keyword-only
+        The attention path of every block (:mod:`qkvnp.kernels`); assignable.
+
+    Attributes
+    ----------
+    tok_emb, pos_emb : Embedding
+    drop_emb : Dropout
+    trf_blocks : Sequential of TransformerBlock
+        Registered as ``trf_blocks.0``, ``trf_blocks.1``, ...
+    final_norm : LayerNorm
+    out_head : Linear
+        ``(E, V)``, no bias.
+    params : dict
+        The book's names with qkvnp's sub-layer keys, e.g.
+        ``"trf_blocks.0.att.W_query"``; :mod:`qkvnp.interop`'s layout
+        ``"book.GPTModel"`` maps them to the book's state dict.
+
+    Notes
+    -----
+    Forward, for ids :math:`i_{b,t}`:
+
+    .. math:: x_0 = \\mathrm{drop}(W_{tok}[i] + W_{pos}[0..T-1]), \\quad
+              x_l = \\mathrm{block}_l(x_{l-1}), \\quad
+              z = \\mathrm{norm}(x_L)\\, W_{head}
+
+    Backward in reverse. The position table is used once per sequence of
+    the batch, so its gradient is the batch sum of the embedding
+    gradient, :math:`\\bar W_{pos}[t] = \\sum_b \\bar x_0[b, t]`; the token
+    table gets :math:`\\bar x_0[b, t]` added into row :math:`i_{b,t}`.
+
+    Examples
+    --------
+    >>> model = GPTModel(vocab_size=11, context_length=8, emb_dim=8, num_heads=2,
+    ...                  num_layers=2, rng=0)
+    >>> idx = np.array([[1, 2, 3], [4, 5, 6]])
+    >>> logits = model.forward(idx)
+    >>> logits.shape
+    (2, 3, 11)
+    >>> dlogits = np.random.default_rng(0).normal(size=logits.shape)
+    >>> model.backward(dlogits) is None
+    True
+    >>> model.grads["tok_emb.weight"].shape
+    (11, 8)
+    """
+
+    supports_complex_step = True  # on the reference path (qkvnp.gradcheck)
+
+    def __init__(self, vocab_size, context_length, emb_dim, num_heads, num_layers, dropout=0.0,
+                 qkv_bias=False, *, rng=None, dtype=np.float64, impl="auto"):
+        self.vocab_size = check_int(vocab_size, "vocab_size", 1)
+        self.context_length = check_int(context_length, "context_length", 1)
+        self.emb_dim = check_int(emb_dim, "emb_dim", 1)
+        self.num_heads = check_int(num_heads, "num_heads", 1)
+        self.num_layers = check_int(num_layers, "num_layers", 1)
+        self.dropout = check_dropout_p(dropout, "dropout")
+        self.qkv_bias = bool(qkv_bias)
+        self.dtype = layer_dtype(dtype)
+        rng = make_rng(rng)
+        self.tok_emb = Embedding(self.vocab_size, self.emb_dim, rng=rng, dtype=dtype)
+        self.pos_emb = Embedding(self.context_length, self.emb_dim, rng=rng, dtype=dtype)
+        self.drop_emb = Dropout(self.dropout, rng=rng)
+        self.trf_blocks = Sequential([
+            TransformerBlock(self.emb_dim, self.num_heads, self.dropout, self.qkv_bias, rng=rng,
+                             dtype=dtype, impl=impl)
+            for _ in range(self.num_layers)])
+        self.final_norm = LayerNorm(self.emb_dim, dtype=dtype)
+        self.out_head = Linear(self.emb_dim, self.vocab_size, bias=False, rng=rng, dtype=dtype)
+        self._cache = None
+        self.zero_grad()
+
+    @classmethod
+    def from_config(cls, cfg, *, rng=None, dtype=np.float64, impl="auto"):
+        """Build from the book's config dict (``GPT_CONFIG_124M``'s keys).
+
+        Parameters
+        ----------
+        cfg : mapping
+            ``vocab_size``, ``context_length``, ``emb_dim``, ``n_heads``,
+            ``n_layers``, ``drop_rate``, ``qkv_bias`` (:data:`BOOK_CONFIG_KEYS`);
+            other keys are refused, so that a typo does not pass silently.
+        rng, dtype, impl : keyword-only
+            As the constructor's.
+
+        Raises
+        ------
+        ValueError
+            If a key is missing or unknown.
+
+        Examples
+        --------
+        >>> cfg = {"vocab_size": 50, "context_length": 8, "emb_dim": 8, "n_heads": 2,
+        ...        "n_layers": 1, "drop_rate": 0.1, "qkv_bias": False}
+        >>> GPTModel.from_config(cfg, rng=0).num_parameters()
+        1728
+        """
+        keys = set(getattr(cfg, "keys", lambda: ())())
+        if not hasattr(cfg, "keys"):
+            raise TypeError(f"cfg must be a mapping with keys {list(BOOK_CONFIG_KEYS)}, got "
+                            f"{type(cfg).__name__}")
+        missing = [k for k in BOOK_CONFIG_KEYS if k not in keys]
+        unknown = sorted(keys - set(BOOK_CONFIG_KEYS))
+        if missing or unknown:
+            raise ValueError(f"cfg must have the keys {list(BOOK_CONFIG_KEYS)}; missing "
+                             f"{missing}, unknown {unknown}")
+        return cls(cfg["vocab_size"], cfg["context_length"], cfg["emb_dim"], cfg["n_heads"],
+                   cfg["n_layers"], cfg["drop_rate"], cfg["qkv_bias"], rng=rng, dtype=dtype,
+                   impl=impl)
+
+    @property
+    def impl(self):
+        """The attention path of the blocks; assigning it sets every block's."""
+        return self.trf_blocks[0].impl
+
+    @impl.setter
+    def impl(self, value):
+        for block in self.trf_blocks:
+            block.impl = value
+
+    def dropout_mask_shapes(self, batch_shape, num_tokens):
+        """The shape of every dropout site, by the name :meth:`forward`'s ``dropout_masks`` takes.
+
+        Parameters
+        ----------
+        batch_shape : tuple of int
+            ``(B,)`` for ids of shape ``(B, T)``.
+        num_tokens : int
+            ``T``.
+
+        Returns
+        -------
+        dict
+            ``"drop_emb"`` ``(*batch, T, E)``, and for each block ``l``
+            ``"trf_blocks.l.att"`` ``(*batch, H, T, T)``,
+            ``"trf_blocks.l.drop_shortcut1"`` and ``...drop_shortcut2``
+            ``(*batch, T, E)``.
+        """
+        batch, T, E = tuple(batch_shape), int(num_tokens), self.emb_dim
+        shapes = {"drop_emb": batch + (T, E)}
+        for i in range(self.num_layers):
+            shapes[f"trf_blocks.{i}.att"] = batch + (self.num_heads, T, T)
+            shapes[f"trf_blocks.{i}.drop_shortcut1"] = batch + (T, E)
+            shapes[f"trf_blocks.{i}.drop_shortcut2"] = batch + (T, E)
+        return shapes
+
+    def _check_ids(self, idx, offset=0):
+        """``idx`` as checked integer ids ``(..., T)`` with ``offset + T <= context_length``."""
+        idx = check_indices(idx, self.vocab_size, "idx")
+        if idx.ndim < 1:
+            raise ValueError(f"idx must have shape (..., T), got shape {idx.shape}")
+        T = idx.shape[-1]
+        if T < 1 or offset + T > self.context_length:
+            raise ValueError(f"idx must hold 1 to context_length={self.context_length} tokens "
+                             f"(positions {offset}..{offset + T - 1}), got T={T}; crop the "
+                             f"context to its last {self.context_length} tokens")
+        return idx
+
+    def forward(self, idx, *, dropout_masks=None):
+        """Logits of the next token at every position.
+
+        Parameters
+        ----------
+        idx : ndarray of int, shape (..., T)
+            Token ids in ``[0, vocab_size)``, ``1 <= T <= context_length``.
+        dropout_masks : dict, keyword-only, optional
+            Bool masks (True = keep) to replay, by the names of
+            :meth:`dropout_mask_shapes`; applied in either mode, as a
+            layer's ``dropout_mask``. Missing sites are drawn (training,
+            ``dropout > 0``) or not applied.
+
+        Returns
+        -------
+        logits : ndarray, shape (..., T, vocab_size)
+
+        Raises
+        ------
+        TypeError
+            If ``idx`` is not an integer array.
+        ValueError
+            If an id is out of range, ``T > context_length``, or a mask name
+            is unknown.
+        """
+        idx = self._check_ids(idx)
+        masks = _block_masks(dropout_masks, self.num_layers)
+        positions = np.arange(idx.shape[-1])
+        x = self.tok_emb.forward(idx) + self.pos_emb.forward(positions)  # (..., T, E) + (T, E)
+        x = self.drop_emb.forward(x, mask=masks["drop_emb"])
+        for i, block in enumerate(self.trf_blocks):
+            x = block.forward(x, dropout_masks=masks[i])  # (..., T, E)
+        x = self.final_norm.forward(x)
+        logits = self.out_head.forward(x)  # (..., T, E) -> (..., T, V)
+        self._cache = logits.shape
+        return logits
+
+    def backward(self, dlogits, retain_cache=False):
+        """Accumulate every parameter's gradient; return None (ids are not differentiable).
+
+        Parameters
+        ----------
+        dlogits : ndarray, shape (..., T, vocab_size)
+        retain_cache : bool
+            Keep every cache for one more backward.
+
+        Raises
+        ------
+        ValueError, TypeError
+            If ``dlogits`` is not of the logits' shape, not real, or not finite.
+        RuntimeError
+            Without a forward to use, or after :meth:`decode`.
+        """
+        shape = self._need_cache()
+        dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
+        dx = self.out_head.backward(dlogits, retain_cache)  # (..., T, V) -> (..., T, E)
+        dx = self.final_norm.backward(dx, retain_cache)
+        for block in reversed(list(self.trf_blocks)):
+            dx = block.backward(dx, retain_cache)
+        dx = self.drop_emb.backward(dx, retain_cache)
+        self.tok_emb.backward(dx, retain_cache)
+        # NOTE: every sequence reads the same position rows: their gradient is the batch sum
+        dpos = dx.reshape((-1,) + dx.shape[-2:]).sum(axis=0)  # (..., T, E) -> (T, E)
+        self.pos_emb.backward(dpos, retain_cache)
+        self._release_cache(retain_cache)
+        return None
+
+    def decode(self, idx, kv_caches):
+        """Logits of the new tokens ``idx``, attending to ``kv_caches``' past (inference only).
+
+        Parameters
+        ----------
+        idx : ndarray of int, shape (..., T)
+            The new tokens; their positions follow the cached ones.
+        kv_caches : sequence of qkvnp.KVCache
+            One per block, all holding the same past (empty at the start).
+
+        Returns
+        -------
+        logits : ndarray, shape (..., T, vocab_size)
+
+        Raises
+        ------
+        ValueError
+            If the past plus the new tokens exceed ``context_length``, or the
+            caches are not one per block.
+
+        Notes
+        -----
+        No dropout (evaluation semantics) and nothing kept for a backward:
+        a later :meth:`backward` raises ``RuntimeError``.
+        """
+        kv_caches = list(kv_caches)
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"kv_caches must hold one KVCache per block ({self.num_layers}), "
+                             f"got {len(kv_caches)}")
+        past = len(kv_caches[0])
+        if any(len(cache) != past for cache in kv_caches):
+            raise ValueError("kv_caches must all hold the same number of tokens; reset them")
+        idx = self._check_ids(idx, offset=past)
+        tok, pos = self.tok_emb.params["weight"], self.pos_emb.params["weight"]
+        x = tok[idx] + pos[past:past + idx.shape[-1]]  # (..., T, E)
+        for block, cache in zip(self.trf_blocks, kv_caches):
+            x = block.decode(x, cache)
+        from .transformer_ops import layer_norm_forward
+
+        norm = self.final_norm
+        x = layer_norm_forward(x, norm.params["scale"], norm.params["shift"], norm.eps)[0]
+        state = self._thread  # the calling thread's: nothing kept for a backward
+        state.cache = state.used_cache = None
+        state.decoded = True
+        return x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)
+
+    def _need_cache(self):
+        """The forward's logits shape, or a ``RuntimeError`` saying what to call."""
+        state = self._thread
+        if state.cache is None and state.decoded:
+            raise RuntimeError("GPTModel.backward after decode: decoding is inference only "
+                               "and keeps nothing for a backward; call forward(idx) first")
+        return super()._need_cache()
+
+
+def _block_masks(dropout_masks, num_layers):
+    """``{"drop_emb": mask or None, 0: {...}, 1: {...}}`` from the flat dotted names."""
+    masks = {"drop_emb": None}
+    masks.update({i: {} for i in range(num_layers)})
+    if dropout_masks is None:
+        return masks
+    if not isinstance(dropout_masks, dict):
+        raise TypeError(f"dropout_masks must be a dict of name -> bool mask, got "
+                        f"{type(dropout_masks).__name__}")
+    for name, mask in dropout_masks.items():
+        parts = str(name).split(".")
+        if name == "drop_emb":
+            masks["drop_emb"] = mask
+        elif (len(parts) == 3 and parts[0] == "trf_blocks" and parts[1].isdigit()
+              and int(parts[1]) < num_layers
+              and parts[2] in ("att", "drop_shortcut1", "drop_shortcut2")):
+            masks[int(parts[1])][parts[2]] = mask
+        else:
+            raise ValueError(f"dropout_masks has an unknown name {name!r}; the names are those "
+                             "of GPTModel.dropout_mask_shapes (e.g. 'drop_emb', "
+                             "'trf_blocks.0.att')")
+    return masks

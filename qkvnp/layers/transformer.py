@@ -1,0 +1,449 @@
+"""The layers of the book's transformer block: LayerNorm, GELU, Dropout, FeedForward, the block.
+
+Shape key: B batch (any leading dims), T tokens, E embedding (the book's
+``emb_dim``), F the feed-forward's hidden width (``4 E`` by default), H heads.
+
+Each layer calls its ops of :mod:`qkvnp.functional` (the math is in
+:mod:`qkvnp.transformer_ops`); the composites (:class:`FeedForward`,
+:class:`TransformerBlock`, :class:`Sequential`) are :class:`Model` s whose
+``backward`` calls their sub-layers' backwards in the reverse order of the
+forward, line for line.
+"""
+import numpy as np
+
+from .. import functional as F
+from .._checks import as_float_array, check_int, is_real_number, layer_dtype, make_rng
+from ..dropout import check_dropout_p, spawn_generator
+from ..transformer_ops import GELU_APPROXIMATIONS
+from .attention import MultiHeadAttention
+from .base import Layer, Model
+from .basic import Linear
+
+__all__ = ["LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward", "TransformerBlock"]
+
+
+class LayerNorm(Layer):
+    """Layer normalisation over the last axis, with the book's ``scale`` and ``shift``.
+
+    Parameters
+    ----------
+    dim : int
+        ``E``, the size of the normalised last axis (the book's ``emb_dim``).
+    eps : float
+        Added to the biased variance (``1e-5``, the book's and PyTorch's).
+    dtype : float dtype, keyword-only
+
+    Attributes
+    ----------
+    params : dict
+        ``scale (E,)`` (ones) and ``shift (E,)`` (zeros): PyTorch's
+        ``nn.LayerNorm`` calls them ``weight`` and ``bias``.
+    grads : dict
+
+    Notes
+    -----
+    See :func:`qkvnp.functional.layer_norm_forward` for the forward and the
+    derived backward.
+
+    Examples
+    --------
+    >>> norm = LayerNorm(4)
+    >>> out = norm.forward(np.arange(8.0).reshape(2, 4))
+    >>> np.round(out.mean(axis=-1), 12), out.shape
+    (array([0., 0.]), (2, 4))
+    >>> norm.backward(np.ones((2, 4))).shape
+    (2, 4)
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, dim, eps=1e-5, *, dtype=np.float64):
+        self.dim = check_int(dim, "dim", 1)
+        if not is_real_number(eps) or not 0.0 < float(eps) < np.inf:
+            raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
+        self.eps = float(eps)
+        self.dtype = layer_dtype(dtype)
+        self.params = {"scale": np.ones(self.dim, self.dtype),
+                       "shift": np.zeros(self.dim, self.dtype)}
+        self._cache = None
+        self.zero_grad()
+
+    _repr_fields = ("dim", "eps", "dtype")
+
+    def forward(self, x):
+        """Normalise each row of ``x`` ``(..., E)``; return ``(..., E)``."""
+        x = as_float_array(x, "x", self.dtype)
+        if x.ndim < 1 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (..., {self.dim}), got shape {x.shape}")
+        out, self._cache = F.layer_norm_forward(x, self.params["scale"], self.params["shift"],
+                                                self.eps)
+        return out
+
+    def backward(self, dout, retain_cache=False):
+        """Accumulate ``dscale`` and ``dshift``; return ``dx`` ``(..., E)``."""
+        cache = self._need_cache()
+        dx, dscale, dshift = F.layer_norm_backward(dout, cache)
+        self._accumulate("scale", dscale)
+        self._accumulate("shift", dshift)
+        self._release_cache(retain_cache)
+        return dx
+
+
+class GELU(Layer):
+    """The GELU activation (no parameters).
+
+    Parameters
+    ----------
+    approximate : {"tanh", "none"}
+        ``"tanh"``, the default here, is the book's ``GELU`` and GPT-2's;
+        ``"none"`` is the exact erf form. NOTE: PyTorch's ``nn.GELU()``
+        defaults to ``"none"``; the book's own class is the tanh one.
+
+    Examples
+    --------
+    >>> gelu = GELU()
+    >>> np.round(gelu.forward(np.array([-1.0, 0.0, 1.0])), 4)
+    array([-0.1588,  0.    ,  0.8412])
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, approximate="tanh"):
+        if approximate not in GELU_APPROXIMATIONS:
+            raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got "
+                             f"{approximate!r}")
+        self.approximate = approximate
+        self.params = {}
+        self._cache = None
+        self.zero_grad()
+
+    _repr_fields = ("approximate",)
+
+    def forward(self, x):
+        """GELU of every entry of ``x``."""
+        out, self._cache = F.gelu_forward(x, self.approximate)
+        return out
+
+    def backward(self, dout, retain_cache=False):
+        """Return ``dx = dout * gelu'(x)``."""
+        cache = self._need_cache()
+        dx = F.gelu_backward(dout, cache)
+        self._release_cache(retain_cache)
+        return dx
+
+
+class Dropout(Layer):
+    """Dropout on activations (``nn.Dropout``): drawn in training mode, replayable always.
+
+    Parameters
+    ----------
+    p : float
+        Drop probability in ``[0, 1)``; kept entries are scaled by ``1/(1-p)``.
+    rng : numpy.random.Generator or int, keyword-only, optional
+        The layer's own ``dropout_rng`` is spawned from it (not drawn from).
+
+    Notes
+    -----
+    ``forward(x, mask=m)`` applies the given bool mask (True = keep) in
+    either mode, so that a run with dropout can be replayed against another
+    library's; without a mask, training mode draws ``rng.random(x.shape) >= p``
+    and evaluation mode is the identity.
+
+    Examples
+    --------
+    >>> drop = Dropout(0.5, rng=0)
+    >>> drop.forward(np.ones(4), mask=np.array([True, False, True, True]))
+    array([2., 0., 2., 2.])
+    >>> drop.eval().forward(np.ones(2))
+    array([1., 1.])
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, p=0.5, *, rng=None):
+        self.p = check_dropout_p(p, "p")
+        self.dropout_rng = spawn_generator(make_rng(rng))
+        self.params = {}
+        self._cache = None
+        self.zero_grad()
+
+    _repr_fields = ("p",)
+
+    def generators(self):
+        """``{"dropout_rng": the Generator that draws the masks}``."""
+        return {"dropout_rng": self.dropout_rng}
+
+    def forward(self, x, *, mask=None, rng=None):
+        """Drop entries of ``x`` (a given ``mask``, or one drawn in training mode)."""
+        if mask is None and (not self.training or self.p == 0.0):
+            out, self._cache = F.activation_dropout_forward(x, 0.0)
+            return out
+        if mask is not None and self.p == 0.0:
+            raise ValueError("mask needs a Dropout built with 0 < p < 1, this one has p=0.0")
+        out, self._cache = F.activation_dropout_forward(
+            x, self.p, rng=self.dropout_rng if rng is None else rng, mask=mask)
+        return out
+
+    def backward(self, dout, retain_cache=False):
+        """Return ``dout`` masked and scaled as the forward was."""
+        cache = self._need_cache()
+        dx = F.activation_dropout_backward(dout, cache)
+        self._release_cache(retain_cache)
+        return dx
+
+
+class Sequential(Model):
+    """Layers applied in order, registered as ``"0"``, ``"1"``, ... (``nn.Sequential``).
+
+    Parameters
+    ----------
+    layers : sequence of Layer
+
+    Examples
+    --------
+    >>> seq = Sequential([Linear(3, 4, rng=0), GELU(), Linear(4, 2, rng=1)])
+    >>> list(seq.params)
+    ['0.W', '0.b', '2.W', '2.b']
+    >>> seq.forward(np.ones((5, 3))).shape
+    (5, 2)
+    >>> seq.backward(np.ones((5, 2))).shape
+    (5, 3)
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, layers):
+        layers = list(layers)
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"layers[{i}] must be a qkvnp Layer, got {type(layer).__name__}")
+            setattr(self, str(i), layer)
+        self._count = len(layers)
+        self.zero_grad()
+
+    def __len__(self):
+        return self._count
+
+    def __getitem__(self, index):
+        return getattr(self, str(range(self._count)[index]))
+
+    def __iter__(self):
+        return (self[i] for i in range(self._count))
+
+    def forward(self, x):
+        """Each layer's forward, in order."""
+        for layer in self:
+            x = layer.forward(x)
+        return x
+
+    def backward(self, dout, retain_cache=False):
+        """Each layer's backward, in reverse order."""
+        for layer in reversed(list(self)):
+            dout = layer.backward(dout, retain_cache)
+        return dout
+
+
+class FeedForward(Model):
+    """The book's feed-forward: ``Linear(E, F) -> GELU -> Linear(F, E)``.
+
+    Parameters
+    ----------
+    emb_dim : int
+        ``E``.
+    hidden_dim : int, optional
+        ``F``; default ``4 * emb_dim`` (the book's).
+    rng : numpy.random.Generator or int, keyword-only, optional
+    dtype : float dtype, keyword-only
+    approximate : {"tanh", "none"}, keyword-only
+        The GELU's (see :class:`GELU`).
+
+    Attributes
+    ----------
+    params : dict
+        ``layers.0.W (E, F)``, ``layers.0.b (F,)``, ``layers.2.W (F, E)``,
+        ``layers.2.b (E,)``: the book's ``ff.layers.0`` / ``ff.layers.2``
+        (torch stores ``weight = W.T``).
+
+    Examples
+    --------
+    >>> ff = FeedForward(4, rng=0)
+    >>> ff.forward(np.ones((2, 3, 4))).shape
+    (2, 3, 4)
+    >>> ff.params["layers.0.W"].shape
+    (4, 16)
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, emb_dim, hidden_dim=None, *, rng=None, dtype=np.float64,
+                 approximate="tanh"):
+        self.emb_dim = check_int(emb_dim, "emb_dim", 1)
+        self.hidden_dim = 4 * self.emb_dim if hidden_dim is None else check_int(hidden_dim,
+                                                                                "hidden_dim", 1)
+        rng = make_rng(rng)
+        self.layers = Sequential([
+            Linear(self.emb_dim, self.hidden_dim, rng=rng, dtype=dtype),
+            GELU(approximate),
+            Linear(self.hidden_dim, self.emb_dim, rng=rng, dtype=dtype),
+        ])
+        self.zero_grad()
+
+    def forward(self, x):
+        """``(..., E) -> (..., E)``."""
+        return self.layers.forward(x)  # (..., E) -> (..., F) -> (..., E)
+
+    def backward(self, dout, retain_cache=False):
+        """Accumulate the linears' gradients; return ``dx`` ``(..., E)``."""
+        return self.layers.backward(dout, retain_cache)
+
+
+class TransformerBlock(Model):
+    """The book's pre-LayerNorm transformer block, with causal multi-head attention.
+
+    Parameters
+    ----------
+    emb_dim : int
+        ``E``.
+    num_heads : int
+        ``H``, a divisor of ``E``.
+    dropout : float
+        The book's ``drop_rate``: on the attention weights and on each
+        branch before its residual add (training mode).
+    qkv_bias : bool
+        Biases of the query, key and value projections (the output
+        projection always has one, as the book's ``out_proj``).
+    hidden_dim : int, keyword-only, optional
+        The feed-forward's width (default ``4 E``).
+    rng, dtype, impl : keyword-only
+        As :class:`~qkvnp.MultiHeadAttention`'s.
+    approximate : {"tanh", "none"}, keyword-only
+        The GELU's.
+    num_kv_heads : int, keyword-only, optional
+        Grouped-query attention (see :class:`~qkvnp.MultiHeadAttention`).
+
+    Attributes
+    ----------
+    att : MultiHeadAttention
+    ff : FeedForward
+    norm1, norm2 : LayerNorm
+    drop_shortcut1, drop_shortcut2 : Dropout
+        The book's one ``drop_shortcut``, used twice, is two layers here
+        (a layer keeps the cache of its last call only).
+
+    Notes
+    -----
+    Forward (the book's ``TransformerBlock``):
+
+    .. math:: h = x + \\mathrm{drop}(\\mathrm{att}(\\mathrm{norm}_1(x))), \\qquad
+              y = h + \\mathrm{drop}(\\mathrm{ff}(\\mathrm{norm}_2(h)))
+
+    Backward: a residual add passes its gradient to both inputs, so
+    :math:`\\bar h = \\bar y + \\mathrm{norm}_2'^T \\mathrm{ff}'^T \\mathrm{drop}'^T \\bar y`
+    and :math:`\\bar x = \\bar h + \\mathrm{norm}_1'^T \\mathrm{att}'^T
+    \\mathrm{drop}'^T \\bar h`.
+
+    Examples
+    --------
+    >>> block = TransformerBlock(8, 2, rng=0)
+    >>> x = np.random.default_rng(0).normal(size=(2, 5, 8))
+    >>> block.forward(x).shape
+    (2, 5, 8)
+    >>> block.backward(np.ones((2, 5, 8))).shape
+    (2, 5, 8)
+    """
+
+    supports_complex_step = True  # on the reference path (qkvnp.gradcheck)
+
+    def __init__(self, emb_dim, num_heads, dropout=0.0, qkv_bias=False, *, hidden_dim=None,
+                 rng=None, dtype=np.float64, impl="auto", approximate="tanh", num_kv_heads=None):
+        rng = make_rng(rng)
+        self.att = MultiHeadAttention(emb_dim, num_heads, rng=rng, dtype=dtype, impl=impl,
+                                      qkv_bias=qkv_bias, out_bias=True, dropout=dropout,
+                                      num_kv_heads=num_kv_heads)
+        self.ff = FeedForward(emb_dim, hidden_dim, rng=rng, dtype=dtype, approximate=approximate)
+        self.norm1 = LayerNorm(emb_dim, dtype=dtype)
+        self.norm2 = LayerNorm(emb_dim, dtype=dtype)
+        self.drop_shortcut1 = Dropout(dropout, rng=rng)
+        self.drop_shortcut2 = Dropout(dropout, rng=rng)
+        self.emb_dim, self.num_heads = self.att.embed_dim, self.att.num_heads
+        self.dropout, self.qkv_bias, self.dtype = self.att.dropout, bool(qkv_bias), self.att.dtype
+        self.zero_grad()
+
+    @property
+    def impl(self):
+        """The attention's path (:mod:`qkvnp.kernels`); assignable."""
+        return self.att.impl
+
+    @impl.setter
+    def impl(self, value):
+        self.att.impl = value
+
+    def forward(self, x, *, dropout_masks=None):
+        """The block on ``x`` ``(..., T, E)``; return ``(..., T, E)``.
+
+        Parameters
+        ----------
+        x : ndarray, shape (..., T, E)
+        dropout_masks : dict, keyword-only, optional
+            Masks to replay (bool, True = keep) by sub-layer name:
+            ``"att"`` ``(..., H, T, T)`` for the attention weights,
+            ``"drop_shortcut1"`` and ``"drop_shortcut2"`` ``(..., T, E)``.
+            Missing names are drawn (training mode) or not applied.
+        """
+        masks = _check_mask_names(dropout_masks, ("att", "drop_shortcut1", "drop_shortcut2"))
+        h = self.norm1.forward(x)  # (..., T, E)
+        h = self.att.forward(h, is_causal=True, dropout_mask=masks.get("att"))  # (..., T, E)
+        h = self.drop_shortcut1.forward(h, mask=masks.get("drop_shortcut1"))
+        x, residual1 = F.residual_add_forward(x, h)  # (..., T, E)
+        h = self.norm2.forward(x)
+        h = self.ff.forward(h)  # (..., T, E) -> (..., T, 4E) -> (..., T, E)
+        h = self.drop_shortcut2.forward(h, mask=masks.get("drop_shortcut2"))
+        out, residual2 = F.residual_add_forward(x, h)
+        self._cache = (residual1, residual2)
+        return out
+
+    def backward(self, dout, retain_cache=False):
+        """Accumulate every sub-layer's gradients; return ``dx`` ``(..., T, E)``."""
+        residual1, residual2 = self._need_cache()
+        dx, dh = F.residual_add_backward(dout, residual2)
+        dh = self.drop_shortcut2.backward(dh, retain_cache)
+        dh = self.ff.backward(dh, retain_cache)
+        dx = dx + self.norm2.backward(dh, retain_cache)
+        dx, dh = F.residual_add_backward(dx, residual1, check=False)
+        dh = self.drop_shortcut1.backward(dh, retain_cache)
+        dh = self.att.backward(dh, retain_cache)
+        dx = dx + self.norm1.backward(dh, retain_cache)
+        self._release_cache(retain_cache)
+        return dx
+
+    def decode(self, x, kv_cache):
+        """One inference step on the new tokens ``x`` ``(..., T, E)`` through ``kv_cache``.
+
+        Runs the pure ops on the parameters (no layer cache is touched but
+        the attention's, which then refuses a backward) and no dropout.
+        """
+        state = self._thread  # the calling thread's: a later backward refuses (nothing kept)
+        state.cache = state.used_cache = None
+        state.decoded = True
+        p1, p2 = self.norm1.params, self.norm2.params
+        h = F.layer_norm_forward(x, p1["scale"], p1["shift"], self.norm1.eps)[0]
+        x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
+        h = F.layer_norm_forward(x, p2["scale"], p2["shift"], self.norm2.eps)[0]
+        first, gelu, second = self.ff.layers
+        h = h @ first.params["W"] + first.params["b"]  # (..., T, E) -> (..., T, F)
+        h = F.gelu_forward(h, gelu.approximate)[0]
+        return x + (h @ second.params["W"] + second.params["b"])  # (..., T, F) -> (..., T, E)
+
+
+def _check_mask_names(dropout_masks, names):
+    """``dropout_masks`` as a dict whose keys are among ``names``."""
+    if dropout_masks is None:
+        return {}
+    if not isinstance(dropout_masks, dict):
+        raise TypeError(f"dropout_masks must be a dict of name -> bool mask, got "
+                        f"{type(dropout_masks).__name__}")
+    unknown = sorted(set(dropout_masks) - set(names))
+    if unknown:
+        raise ValueError(f"dropout_masks has unknown names {unknown}; expected some of "
+                         f"{list(names)}")
+    return dropout_masks

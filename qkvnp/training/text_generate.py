@@ -1,0 +1,48 @@
+"""Continue a prompt with a model of ``train --task text`` (``python -m qkvnp generate``).
+
+Shape key: T prompt tokens (bytes), V = 256.
+
+The checkpoint holds its configuration; the prompt is encoded as UTF-8
+bytes, cropped to the model's context, and continued by :func:`qkvnp.generate`.
+"""
+import argparse
+import sys
+
+import numpy as np
+
+from ..generation import generate
+from .text import load_text_checkpoint
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser):
+    """The options of ``generate``."""
+    parser.add_argument("--resume", metavar="CKPT", required=True,
+                        help="a checkpoint of train --task text")
+    parser.add_argument("--prompt", default="\n", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                        help="how many bytes to write after the prompt (default 200)")
+    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                        help="0 = greedy (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="sample among the K likeliest bytes only (default: all 256)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="the sampling generator's seed (default 0)")
+
+
+def run(args):
+    """Print the prompt's continuation; return the exit code."""
+    try:
+        model, meta, _ = load_text_checkpoint(args.resume)
+        prompt = args.prompt.encode("utf-8")
+        if not prompt:
+            raise ValueError("--prompt must not be empty")
+        idx = np.frombuffer(prompt, dtype=np.uint8).astype(np.int64)[None, -model.context_length:]
+        out = generate(model.eval(), idx, args.max_new_tokens, temperature=args.temperature,
+                       top_k=args.top_k, rng=args.seed)
+    except (ValueError, OSError) as exc:
+        raise argparse.ArgumentError(None, str(exc)) from None
+    text = bytes(out[0, idx.shape[1]:].astype(np.uint8).tolist()).decode("utf-8", "replace")
+    sys.stdout.write(args.prompt + text + "\n")
+    return 0
