@@ -4,6 +4,8 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument, what was
 expected and what was received, so that a user never meets an ``IndexError``
 from deep inside a matmul or a silent broadcast.
 """
+from __future__ import annotations
+
 import contextlib
 import math
 import threading
@@ -326,7 +328,7 @@ def check_int(value, name, minimum=None, maximum=None, expected=None):
     return int(value)
 
 
-def make_rng(rng):
+def make_rng(rng: np.random.Generator | int | None) -> np.random.Generator:
     """Return a ``numpy.random.Generator`` from a Generator, an int seed or None."""
     if rng is None:
         return np.random.default_rng()

@@ -189,7 +189,7 @@ def _heads_backward(dout, cache, embed_scale=False):
             F.split_heads_backward(dv, cache.value_split))
 
 
-heads_attention_forward.supports_complex_step = True
+heads_attention_forward.supports_complex_step = True  # type: ignore[attr-defined]
 
 
 def _heads_inputs(rng):
