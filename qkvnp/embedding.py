@@ -12,7 +12,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_float_array, as_upstream_grad, check_indices, owned
+from ._checks import as_float_array, as_upstream_grad, check_indices, declare_complex_step, owned
 from ._typing import FloatArray, IntArray
 
 __all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factored",
@@ -77,7 +77,7 @@ def embedding_forward(indices: IntArray, weight: FloatArray) -> tuple[FloatArray
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 
 
-embedding_forward.supports_complex_step = True  # type: ignore[attr-defined]  # see qkvnp._checks.complex_step_mode
+declare_complex_step(embedding_forward)  # see qkvnp._checks.complex_step_mode
 
 
 def embedding_backward(dout: FloatArray, cache: EmbeddingCache, check: bool = True) -> FloatArray:

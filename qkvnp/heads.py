@@ -13,7 +13,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_upstream_grad, check_int, check_ndim, compute_dtype
+from ._checks import as_upstream_grad, check_int, check_ndim, compute_dtype, declare_complex_step
 from ._typing import FloatArray
 
 __all__ = ["split_heads_forward", "split_heads_backward", "merge_heads_forward",
@@ -160,5 +160,4 @@ def _merge_heads_backward(dout, cache):
     return split_heads_forward(dout, cache.num_heads)[0]
 
 
-for _forward in (split_heads_forward, merge_heads_forward):  # see qkvnp._checks.complex_step_mode
-    _forward.supports_complex_step = True  # type: ignore[union-attr]
+declare_complex_step(split_heads_forward, merge_heads_forward)  # see qkvnp._checks.complex_step_mode

@@ -12,7 +12,7 @@ the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 import numpy as np
@@ -143,8 +143,9 @@ class KVRecallModel(Model):
         self.num_keys, self.num_values, self.dim = num_keys, num_values, dim
         self.readout = Linear(dim, num_values, rng=rng, dtype=self.dtype)
         self._own = {"query_marker": rng.standard_normal(dim).astype(self.dtype)}
-        self.roles = tuple(None if name is None else "attention." + name
-                           for name in VARIANTS[variant])
+        # the query's and the key's matrix, and the value's (None: no value projection)
+        self.roles: tuple[str, str, Optional[str]] = tuple(  # type: ignore[assignment]
+            None if name is None else "attention." + name for name in VARIANTS[variant])
         for name in dict.fromkeys(self.roles):  # each distinct matrix once, in order
             if name is not None:
                 self._own[name] = xavier_uniform(rng, dim, dim, self.dtype)
