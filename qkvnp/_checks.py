@@ -4,6 +4,8 @@ Every check raises ``TypeError`` or ``ValueError`` naming the argument, what was
 expected and what was received, so that a user never meets an ``IndexError``
 from deep inside a matmul or a silent broadcast.
 """
+from __future__ import annotations
+
 import contextlib
 import math
 import threading
@@ -11,6 +13,7 @@ import threading
 import numpy as np
 
 __all__ = [
+    "declare_complex_step",
     "compute_dtype",
     "as_float_array",
     "as_upstream_grad",
@@ -60,6 +63,16 @@ def complex_step_mode():
         yield
     finally:
         _COMPLEX_STEP.on = previous
+
+
+def declare_complex_step(*functions):
+    """Mark ``functions`` as safe under :func:`complex_step_mode`.
+
+    The gradient checker's complex step runs a forward only when it carries
+    ``supports_complex_step = True`` (it must be analytic in its inputs).
+    """
+    for function in functions:
+        function.supports_complex_step = True  # type: ignore[attr-defined]
 
 
 def complex_step_active():
@@ -326,7 +339,7 @@ def check_int(value, name, minimum=None, maximum=None, expected=None):
     return int(value)
 
 
-def make_rng(rng):
+def make_rng(rng: np.random.Generator | int | None) -> np.random.Generator:
     """Return a ``numpy.random.Generator`` from a Generator, an int seed or None."""
     if rng is None:
         return np.random.default_rng()
@@ -647,7 +660,7 @@ def scores_may_overflow(bound, dtype):
     return not bound < limit
 
 
-_SCORE_LIMITS = {}  # dtype -> sqrt(finfo(dtype).max): np.finfo costs more than the test
+_SCORE_LIMITS: dict[np.dtype, float] = {}  # dtype -> sqrt(finfo(dtype).max): np.finfo costs more than the test
 
 
 def check_bool(value, name, allow_none=False):

@@ -5,12 +5,15 @@ Shape key: ``...`` any index dims, ``num`` rows of the table, ``dim`` its width.
 Kept out of :mod:`qkvnp.functional` only for that module's length; import it
 from there (``qkvnp.functional.embedding_forward``).
 """
+from __future__ import annotations
+
 import math
 from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_float_array, as_upstream_grad, check_indices, owned
+from ._checks import as_float_array, as_upstream_grad, check_indices, declare_complex_step, owned
+from ._typing import FloatArray, IntArray
 
 __all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factored",
            "EmbeddingCache"]
@@ -23,7 +26,7 @@ EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
 BINCOUNT_MAX_ENTRIES = 4096
 
 
-def embedding_forward(indices, weight):
+def embedding_forward(indices: IntArray, weight: FloatArray) -> tuple[FloatArray, EmbeddingCache]:
     """Look up rows of ``weight``: ``out[...] = weight[indices[...]]``.
 
     Parameters
@@ -74,10 +77,10 @@ def embedding_forward(indices, weight):
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 
 
-embedding_forward.supports_complex_step = True  # see qkvnp._checks.complex_step_mode
+declare_complex_step(embedding_forward)  # see qkvnp._checks.complex_step_mode
 
 
-def embedding_backward(dout, cache, check=True):
+def embedding_backward(dout: FloatArray, cache: EmbeddingCache, check: bool = True) -> FloatArray:
     """Backward of :func:`embedding_forward`.
 
     Parameters
@@ -128,7 +131,8 @@ def embedding_backward(dout, cache, check=True):
     return dweight.astype(dtype, copy=False)
 
 
-def embedding_backward_factored(left, right, cache):
+def embedding_backward_factored(left: FloatArray, right: FloatArray,
+                                cache: EmbeddingCache) -> FloatArray:
     """Backward of :func:`embedding_forward` for a ``dout`` given as a product it never forms.
 
     Parameters

@@ -22,12 +22,16 @@ the arrays a model computed itself (:class:`qkvnp.training.KVRecallModel`).
 This is the *reference* path: every formula is written line for line, with
 scipy's softmax, so that it reads like the math and serves as the oracle.
 """
+from __future__ import annotations
+
 from collections import namedtuple
+from typing import Any
 
 import numpy as np
 
 from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
-                      check_ndim, check_scale, compute_dtype, owned)
+                      check_ndim, check_scale, compute_dtype, declare_complex_step, owned)
+from ._typing import ArrayLike, BoolArray, FloatArray
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .embedding import (EmbeddingCache, embedding_backward, embedding_backward_factored,
                         embedding_forward)
@@ -36,6 +40,7 @@ from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split
                     split_heads_forward)
 from .masks import prepare_mask
 from .overflow import product
+from .reductions import column_sums, sum_to_shape
 from .variants import (VariantCache, VariantGroupedCache, has_variants, rope_backward, rope_forward,
                        variant_attention_backward, variant_attention_forward)
 from .transformer_ops import (ActivationDropoutCache, GeluCache, LayerNormCache, ResidualCache,
@@ -44,43 +49,21 @@ from .transformer_ops import (ActivationDropoutCache, GeluCache, LayerNormCache,
                               layer_norm_forward, residual_add_backward, residual_add_forward)
 
 __all__ = [
-    "softmax",
-    "linear_forward",
-    "linear_backward",
-    "softmax_forward",
-    "softmax_backward",
-    "attention_forward",
-    "attention_backward",
-    "dropped_weights",
-    "split_heads_forward",
-    "split_heads_backward",
-    "merge_heads_forward",
-    "merge_heads_backward",
+    # this module's ops
+    "softmax", "softmax_forward", "softmax_backward", "SoftmaxCache",
+    "linear_forward", "linear_backward", "LinearCache",
+    "attention_forward", "attention_backward", "AttentionCache", "dropped_weights",
     "scaled_dot_product_attention",
-    "sum_to_shape",
-    "column_sums",
-    "LinearCache",
-    "SoftmaxCache",
-    "AttentionCache",
-    "HeadsCache",
-    "embedding_forward",
-    "embedding_backward",
-    "embedding_backward_factored",
-    "EmbeddingCache",
-    "rope_forward",
-    "rope_backward",
-    "layer_norm_forward",
-    "layer_norm_backward",
-    "gelu_forward",
-    "gelu_backward",
-    "activation_dropout_forward",
-    "activation_dropout_backward",
-    "residual_add_forward",
-    "residual_add_backward",
-    "LayerNormCache",
-    "GeluCache",
-    "ActivationDropoutCache",
-    "ResidualCache",
+    # the ops of the modules kept apart for this one's length, exported here
+    "sum_to_shape", "column_sums",
+    "split_heads_forward", "split_heads_backward", "merge_heads_forward",
+    "merge_heads_backward", "HeadsCache",
+    "embedding_forward", "embedding_backward", "embedding_backward_factored", "EmbeddingCache",
+    "rope_forward", "rope_backward",
+    "layer_norm_forward", "layer_norm_backward", "LayerNormCache",
+    "gelu_forward", "gelu_backward", "GeluCache",
+    "activation_dropout_forward", "activation_dropout_backward", "ActivationDropoutCache",
+    "residual_add_forward", "residual_add_backward", "ResidualCache",
 ]
 
 LinearCache = namedtuple("LinearCache", "x W has_bias")
@@ -89,41 +72,11 @@ AttentionCache = namedtuple("AttentionCache", "query key value weights scale dro
                             defaults=(None, 0.0))
 
 
-def sum_to_shape(grad, shape):
-    """Sum ``grad`` over the axes that broadcasting added or stretched.
-
-    The adjoint of broadcasting ``x`` of ``shape`` up to ``grad.shape``.
-
-    >>> sum_to_shape(np.ones((2, 3, 4)), (3, 1)).ravel().tolist()
-    [8.0, 8.0, 8.0]
-    """
-    shape = tuple(shape)
-    extra = grad.ndim - len(shape)
-    if extra:
-        grad = grad.sum(axis=tuple(range(extra)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    if stretched:
-        grad = grad.sum(axis=stretched, keepdims=True)
-    return grad
-
-
-def column_sums(rows):
-    """``rows.sum(axis=0)`` of a 2-D array, as the product ``ones @ rows``.
-
-    A bias gradient: BLAS's matrix-vector product measured 3-8x faster than
-    numpy's reduction down the rows ((512, 16) float32: 1.4 against 11.5 us;
-    (4096, 768) float64: 0.34 against 1.1 ms), and closer in float32.
-
-    >>> column_sums(np.arange(6.0).reshape(3, 2))
-    array([6., 9.])
-    """
-    return np.ones(rows.shape[0], rows.dtype) @ rows  # (rows,) @ (rows, M) -> (M,)
-
-
 # ---------------------------------------------------------------- linear
 
 
-def linear_forward(x, W, b=None, *, check=True):
+def linear_forward(x: FloatArray, W: FloatArray, b: FloatArray | None = None, *,
+                   check: bool = True) -> tuple[FloatArray, LinearCache]:
     """Affine map ``out = x @ W + b`` over the last axis of ``x``.
 
     Parameters
@@ -199,7 +152,8 @@ def _linear_inputs(x, W, b):
     return x, W, b
 
 
-def linear_backward(dout, cache, check=True):
+def linear_backward(dout: FloatArray, cache: LinearCache,
+                    check: bool = True) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Backward of :func:`linear_forward`.
 
     Parameters
@@ -245,7 +199,7 @@ def _linear_backward(dout, cache):
 # ---------------------------------------------------------------- softmax
 
 
-def softmax(x, axis=-1):
+def softmax(x: ArrayLike, axis: int = -1) -> FloatArray:
     """``scipy.special.softmax``, except that an all ``-inf`` row gives zeros.
 
     Parameters
@@ -297,7 +251,7 @@ def softmax(x, axis=-1):
     return weights.astype(x.dtype, copy=False)
 
 
-def softmax_forward(scores, axis=-1):
+def softmax_forward(scores: FloatArray, axis: int = -1) -> tuple[FloatArray, SoftmaxCache]:
     """Softmax along ``axis``, with the cache its backward needs.
 
     Parameters
@@ -332,7 +286,7 @@ def softmax_forward(scores, axis=-1):
     return weights, SoftmaxCache(weights, axis)
 
 
-def softmax_backward(dweights, cache, check=True):
+def softmax_backward(dweights: FloatArray, cache: SoftmaxCache, check: bool = True) -> FloatArray:
     """Backward of :func:`softmax_forward`: ``P * (dP - sum(P * dP, axis))``.
 
     Parameters
@@ -370,9 +324,13 @@ def _softmax_backward(dweights, cache):
 # ---------------------------------------------------------------- attention
 
 
-def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, check=True,
-                      score_bias=None, softcap=None, sinks=None, window=None):
+def attention_forward(query: FloatArray, key: FloatArray, value: FloatArray,
+                      attn_mask: BoolArray | FloatArray | None = None,
+                      is_causal: bool | str = False, scale: float | None = None, *,
+                      dropout_p: float = 0.0, rng: np.random.Generator | int | None = None,
+                      dropout_mask: BoolArray | None = None, enable_gqa: bool = False,
+                      check: bool = True, score_bias: Any = None, softcap: Any = None,
+                      sinks: Any = None, window: Any = None) -> tuple[FloatArray, Any]:
     """Scaled dot-product attention ``dropout(softmax(q k^T * scale + mask)) v``.
 
     Parameters
@@ -513,7 +471,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     return out, cache._replace(query=query, key=key, value=value)
 
 
-def dropped_weights(cache):
+def dropped_weights(cache: Any) -> FloatArray:
     """The weights after dropout, ``P * Z / (1 - p)``, of an :class:`AttentionCache` (a new array).
 
     >>> _, cache = attention_forward(np.zeros((1, 2)), np.zeros((2, 2)), np.ones((2, 1)),
@@ -529,7 +487,8 @@ def dropped_weights(cache):
     return kept
 
 
-def attention_backward(dout, cache, check=True, *, key_is_value=False):
+def attention_backward(dout: FloatArray, cache: Any, check: bool = True, *,
+                       key_is_value: bool | str = False) -> tuple[Any, ...]:
     """Backward of :func:`attention_forward`.
 
     Parameters
@@ -677,11 +636,14 @@ def _product(a, b, factor=1.0):
     return out
 
 
-def scaled_dot_product_attention(
-    query, key, value, attn_mask=None, is_causal=False, scale=None, return_weights=False, *,
-    dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, score_bias=None, softcap=None,
-    sinks=None, window=None
-):
+def scaled_dot_product_attention(query: FloatArray, key: FloatArray, value: FloatArray,
+                                 attn_mask: BoolArray | FloatArray | None = None,
+                                 is_causal: bool | str = False, scale: float | None = None,
+                                 return_weights: bool = False, *, dropout_p: float = 0.0,
+                                 rng: np.random.Generator | int | None = None,
+                                 dropout_mask: BoolArray | None = None, enable_gqa: bool = False,
+                                 score_bias: Any = None, softcap: Any = None, sinks: Any = None,
+                                 window: Any = None) -> FloatArray | tuple[FloatArray, FloatArray]:
     """Scaled dot-product attention, the forward alone.
 
     Same arguments as :func:`~qkvnp.functional.attention_forward` (and as PyTorch's
@@ -714,5 +676,4 @@ def scaled_dot_product_attention(
     return out, (cache.weights if cache.dropout_mask is None else dropped_weights(cache))
 
 
-for _forward in (linear_forward, softmax_forward, attention_forward):  # see qkvnp._checks.complex_step_mode
-    _forward.supports_complex_step = True
+declare_complex_step(linear_forward, softmax_forward, attention_forward)  # see qkvnp._checks.complex_step_mode

@@ -7,9 +7,15 @@ fed once, then each new token alone, attending to the cached keys and
 values. The tokens are those of recomputing the whole (cropped) context at
 every step, as the book's loop does.
 """
+from __future__ import annotations
+
+from typing import Any
+
+
 import numpy as np
 
 from ._checks import check_int, is_real_number, make_rng
+from ._typing import FloatArray, IntArray
 from .kv_cache import KVCache
 
 __all__ = ["generate"]
@@ -53,8 +59,11 @@ def _next_tokens(logits, temperature, top_k, rng):
     return np.minimum((cdf <= u * cdf[:, -1:]).sum(axis=-1), probs.shape[-1] - 1)
 
 
-def generate(model, idx, max_new_tokens, *, context_size=None, temperature=0.0, top_k=None,
-             rng=None, eos_id=None, use_cache=True, return_logits=False):
+def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: int | None = None,
+             temperature: float = 0.0, top_k: int | None = None,
+             rng: np.random.Generator | int | None = None, eos_id: int | None = None,
+             use_cache: bool = True,
+             return_logits: bool = False) -> IntArray | tuple[IntArray, FloatArray]:
     """Extend ``idx`` by up to ``max_new_tokens`` tokens (the book's ``generate``).
 
     Parameters

@@ -7,9 +7,15 @@ Every backward is hand-derived (the blocks' in
 :mod:`qkvnp.layers.transformer`, the ops' in :mod:`qkvnp.transformer_ops`);
 the derivations are in ``docs/derivations_gpt.md``.
 """
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
 import numpy as np
 
 from ._checks import as_upstream_grad, check_int, check_indices, layer_dtype, make_rng
+from ._typing import DTypeLike, FloatArray, IntArray
 from .dropout import check_dropout_p
 from .layers.base import Model
 from .layers.basic import Embedding, Linear
@@ -92,8 +98,10 @@ class GPTModel(Model):
 
     supports_complex_step = True  # on the reference path (qkvnp.gradcheck)
 
-    def __init__(self, vocab_size, context_length, emb_dim, num_heads, num_layers, dropout=0.0,
-                 qkv_bias=False, *, rng=None, dtype=np.float64, impl="auto"):
+    def __init__(self, vocab_size: int, context_length: int, emb_dim: int, num_heads: int,
+                 num_layers: int, dropout: float = 0.0, qkv_bias: bool = False, *,
+                 rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64,
+                 impl: str = "auto") -> None:
         self.vocab_size = check_int(vocab_size, "vocab_size", 1)
         self.context_length = check_int(context_length, "context_length", 1)
         self.emb_dim = check_int(emb_dim, "emb_dim", 1)
@@ -116,7 +124,8 @@ class GPTModel(Model):
         self.zero_grad()
 
     @classmethod
-    def from_config(cls, cfg, *, rng=None, dtype=np.float64, impl="auto"):
+    def from_config(cls, cfg: Mapping[str, Any], *, rng: np.random.Generator | int | None = None,
+                    dtype: DTypeLike = np.float64, impl: str = "auto") -> Any:
         """Build from the book's config dict (``GPT_CONFIG_124M``'s keys).
 
         Parameters
@@ -154,16 +163,16 @@ class GPTModel(Model):
                    impl=impl)
 
     @property
-    def impl(self):
+    def impl(self) -> Any:
         """The attention path of the blocks; assigning it sets every block's."""
         return self.trf_blocks[0].impl
 
     @impl.setter
-    def impl(self, value):
+    def impl(self, value: Any) -> None:
         for block in self.trf_blocks:
             block.impl = value
 
-    def dropout_mask_shapes(self, batch_shape, num_tokens):
+    def dropout_mask_shapes(self, batch_shape: tuple[int, ...], num_tokens: int) -> dict[str, Any]:
         """The shape of every dropout site, by the name :meth:`forward`'s ``dropout_masks`` takes.
 
         Parameters
@@ -201,7 +210,7 @@ class GPTModel(Model):
                              f"context to its last {self.context_length} tokens")
         return idx
 
-    def forward(self, idx, *, dropout_masks=None):
+    def forward(self, idx: IntArray, *, dropout_masks: dict[str, Any] | None = None) -> FloatArray:
         """Logits of the next token at every position.
 
         Parameters
@@ -238,7 +247,7 @@ class GPTModel(Model):
         self._cache = logits.shape
         return logits
 
-    def backward(self, dlogits, retain_cache=False):
+    def backward(self, dlogits: FloatArray, retain_cache: bool = False) -> Any:
         """Accumulate every parameter's gradient; return None (ids are not differentiable).
 
         Parameters
@@ -268,7 +277,7 @@ class GPTModel(Model):
         self._release_cache(retain_cache)
         return None
 
-    def decode(self, idx, kv_caches):
+    def decode(self, idx: IntArray, kv_caches: Any) -> FloatArray:
         """Logits of the new tokens ``idx``, attending to ``kv_caches``' past (inference only).
 
         Parameters

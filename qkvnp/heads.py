@@ -7,11 +7,14 @@ Both ops are reshapes and axis swaps: each one's backward is the other's
 forward. Kept out of :mod:`qkvnp.functional` only for that module's length;
 import them from there (``qkvnp.functional.split_heads_forward``).
 """
+from __future__ import annotations
+
 from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_upstream_grad, check_int, check_ndim, compute_dtype
+from ._checks import as_upstream_grad, check_int, check_ndim, compute_dtype, declare_complex_step
+from ._typing import FloatArray
 
 __all__ = ["split_heads_forward", "split_heads_backward", "merge_heads_forward",
            "merge_heads_backward", "HeadsCache"]
@@ -19,7 +22,7 @@ __all__ = ["split_heads_forward", "split_heads_backward", "merge_heads_forward",
 HeadsCache = namedtuple("HeadsCache", "num_heads out_shape dtype")
 
 
-def split_heads_forward(x, num_heads):
+def split_heads_forward(x: FloatArray, num_heads: int) -> tuple[FloatArray, HeadsCache]:
     """Split the last axis into heads: ``(..., T, H*D) -> (..., H, T, D)``.
 
     Head ``h`` gets the contiguous columns ``h*D:(h+1)*D`` (as PyTorch and BERT).
@@ -67,7 +70,7 @@ def _heads_grad_dtype(x):
     return x.dtype if x.dtype.kind == "f" else compute_dtype(x.dtype, names=("x",))
 
 
-def split_heads_backward(dout, cache, check=True):
+def split_heads_backward(dout: FloatArray, cache: HeadsCache, check: bool = True) -> FloatArray:
     """Backward of :func:`split_heads_forward`: merge the heads of ``dout``.
 
     Parameters
@@ -100,7 +103,7 @@ def _split_heads_backward(dout, cache):
     return merge_heads_forward(dout)[0]
 
 
-def merge_heads_forward(x):
+def merge_heads_forward(x: FloatArray) -> tuple[FloatArray, HeadsCache]:
     """Merge heads: ``(..., H, T, D) -> (..., T, H*D)``, inverse of the split.
 
     Returns
@@ -124,7 +127,7 @@ def merge_heads_forward(x):
     return out, HeadsCache(H, out.shape, grad_dtype)
 
 
-def merge_heads_backward(dout, cache, check=True):
+def merge_heads_backward(dout: FloatArray, cache: HeadsCache, check: bool = True) -> FloatArray:
     """Backward of :func:`merge_heads_forward`: split ``dout`` into heads.
 
     Parameters
@@ -157,5 +160,4 @@ def _merge_heads_backward(dout, cache):
     return split_heads_forward(dout, cache.num_heads)[0]
 
 
-for _forward in (split_heads_forward, merge_heads_forward):  # see qkvnp._checks.complex_step_mode
-    _forward.supports_complex_step = True
+declare_complex_step(split_heads_forward, merge_heads_forward)  # see qkvnp._checks.complex_step_mode

@@ -58,6 +58,11 @@ Examples
 >>> bool(np.array_equal(copy.params["W_query"], layer.params["W_query"]))
 True
 """
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
 import numpy as np
 
 from ._checks import check_state_value
@@ -124,7 +129,7 @@ def _packed(layer):
     return layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim
 
 
-def to_torch(layer, layout, *, prefix=""):
+def to_torch(layer: Any, layout: str, *, prefix: str = "") -> dict[str, Any]:
     """The layer's parameters under ``layout``'s torch names, as numpy arrays.
 
     Parameters
@@ -242,7 +247,8 @@ def _missing_message(layout, layer, missing, unexpected):
             f"unexpected {sorted(unexpected)}" + "".join(f"; {hint}" for hint in hints))
 
 
-def from_torch(layer, state_dict, layout, *, prefix=""):
+def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
+               prefix: str = "") -> None:
     """Load a PyTorch ``state_dict`` of ``layout`` into ``layer``, in place.
 
     Parameters

@@ -11,13 +11,17 @@ the outputs of one causal forward over the whole sequence. It is inference
 only: the layer keeps no cache for a backward (which then raises
 ``RuntimeError``), as PyTorch's ``torch.no_grad()`` decoding loops.
 """
+from __future__ import annotations
+
 import weakref
 from collections import namedtuple
+from typing import Any
 
 import numpy as np
 
 from . import functional as F
 from . import kernels
+from ._typing import FloatArray
 from .masks import fold_key_padding_mask, prepare_mask
 
 __all__ = ["KVCache", "cached_forward"]
@@ -52,13 +56,15 @@ class KVCache:
     (3, True)
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         """Forget every cached token and the layer it was bound to."""
-        self._layer = None  # weakref.ref to the layer, once bound
-        self._key = self._value = None  # (..., K, capacity, D) buffers
+        self._layer: weakref.ref[Any] | None = None  # to the layer, once bound
+        # (..., K, capacity, D) buffers; None exactly while _layer is None
+        self._key: Any = None
+        self._value: Any = None
         self._length = 0
         self.start = 0  # tokens dropped from the front (keep_last): the position of key 0
 
@@ -67,11 +73,11 @@ class KVCache:
         return self._length
 
     @property
-    def key(self):
+    def key(self) -> FloatArray | None:
         return None if self._key is None else self._key[..., :self._length, :]
 
     @property
-    def value(self):
+    def value(self) -> FloatArray | None:
         return None if self._value is None else self._value[..., :self._length, :]
 
     def __repr__(self):
@@ -80,7 +86,7 @@ class KVCache:
         shape = self._key.shape[:-2] + (self._length, self._key.shape[-1])
         return f"KVCache(length={self._length}, key shape={shape}, dtype={self._key.dtype.name})"
 
-    def check(self, layer, key):
+    def check(self, layer: Any, key: FloatArray) -> None:
         """Raise ``ValueError`` unless ``key`` ``(..., K, T, D)`` of ``layer`` fits this cache."""
         if self._layer is None:
             return
@@ -100,13 +106,14 @@ class KVCache:
                 "kv_cache.reset() to start a new sequence"
             )
 
-    def append(self, layer, key, value):
+    def append(self, layer: Any, key: FloatArray,
+               value: FloatArray) -> tuple[FloatArray, FloatArray]:
         """Append the ``T`` new keys and values ``(..., K, T, D)``; return all ``S`` of each."""
         staged = self.stage(layer, key, value)
         self.commit(staged)
-        return self.key, self.value
+        return staged.keys, staged.values  # the cache's key and value, now
 
-    def stage(self, layer, key, value):
+    def stage(self, layer: Any, key: Any, value: Any) -> Any:
         """The ``S`` keys and values with the ``T`` new ones, **without appending them**.
 
         They are written where no one reads: past the cached tokens of the
@@ -136,7 +143,7 @@ class KVCache:
         return _Staged(layer, key_buffer, value_buffer, self._length, length,
                        key_buffer[..., :length, :], value_buffer[..., :length, :])
 
-    def commit(self, staged):
+    def commit(self, staged: Any) -> None:
         """Make the tokens :meth:`stage` wrote part of the cache."""
         if staged.start != self._length:
             raise RuntimeError("kv_cache changed between stage and commit: stage again")
@@ -145,7 +152,7 @@ class KVCache:
         self._key, self._value = staged.key_buffer, staged.value_buffer
         self._length = staged.length
 
-    def keep_last(self, n):
+    def keep_last(self, n: Any) -> None:
         """Keep only the last ``n`` cached tokens (a sliding window's rolling buffer).
 
         The dropped tokens' count adds to ``start``, so that positions (RoPE)
@@ -169,7 +176,7 @@ class KVCache:
         self.start += drop
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> Any:
         """Bytes held by the key and value buffers (their capacity, not their length)."""
         return 0 if self._key is None else self._key.nbytes + self._value.nbytes
 

@@ -8,11 +8,14 @@ Each loss ``name`` has ``name_forward(inputs) -> (loss, cache)``, where
 upstream value ``dloss * loss`` with respect to the prediction. Targets are
 constants: they get no gradient.
 """
+from __future__ import annotations
+
 from collections import namedtuple
 
 import numpy as np
 
 from ._checks import as_float_array, as_upstream_grad, check_ndim
+from ._typing import BoolArray, FloatArray, IntArray
 
 __all__ = [
     "mse_forward",
@@ -41,7 +44,7 @@ def _check_dloss(dloss, dtype):
 # ---------------------------------------------------------------- mse
 
 
-def mse_forward(pred, target):
+def mse_forward(pred: FloatArray, target: FloatArray) -> tuple[FloatArray, MSECache]:
     """Mean squared error over all entries, ``mean((pred - target)**2)``.
 
     Parameters
@@ -94,7 +97,7 @@ def mse_forward(pred, target):
     return np.asarray(loss, dtype=dtype), MSECache(diff)
 
 
-def mse_backward(dloss, cache):
+def mse_backward(dloss: float | FloatArray, cache: MSECache) -> FloatArray:
     """Backward of :func:`mse_forward`.
 
     Parameters
@@ -176,7 +179,8 @@ def _check_classification(logits, targets, ignore_index, mask):
     return logits, targets, counted
 
 
-def cross_entropy_forward(logits, targets, ignore_index=None, mask=None):
+def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: int | None = None,
+                          mask: BoolArray | None = None) -> tuple[FloatArray, CrossEntropyCache]:
     """Softmax cross-entropy from logits, averaged over the counted positions.
 
     Parameters
@@ -258,7 +262,7 @@ def cross_entropy_forward(logits, targets, ignore_index=None, mask=None):
     )
 
 
-def cross_entropy_backward(dloss, cache):
+def cross_entropy_backward(dloss: float | FloatArray, cache: CrossEntropyCache) -> FloatArray:
     """Backward of :func:`cross_entropy_forward`.
 
     Parameters
@@ -292,7 +296,8 @@ def cross_entropy_backward(dloss, cache):
     return dlogits
 
 
-def accuracy(logits, targets, ignore_index=None, mask=None):
+def accuracy(logits: FloatArray, targets: IntArray, ignore_index: int | None = None,
+             mask: BoolArray | None = None) -> float:
     """Fraction of counted positions whose largest logit is the target class.
 
     Parameters

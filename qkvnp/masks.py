@@ -132,8 +132,8 @@ class _Shared:
 _SHARED = _Shared(CAUSAL_CACHE_BYTES)
 # Every causal mask made here, by id, for as long as it lives (kept or not):
 # additive_mask recognises one by identity without a (T, S) comparison.
-_CAUSAL_KEEPS = weakref.WeakValueDictionary()
-_KEEP_OFFSETS = {}  # and the offset of its diagonal, until the mask dies
+_CAUSAL_KEEPS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+_KEEP_OFFSETS: dict[int, int] = {}  # and the offset of its diagonal, until the mask dies
 
 
 def _causal_mask(T, S, offset):
@@ -387,9 +387,9 @@ def _forget_additive(key):
 
 # The arrays :func:`_causal_arrays` made, by the additive mask's id, for as
 # long as that mask lives.
-_CAUSAL_ADDITIVES = weakref.WeakValueDictionary()
-_CAUSAL_FACTORS = {}
-_CAUSAL_OFFSETS = {}  # and the offset of its diagonal (causal_offset)
+_CAUSAL_ADDITIVES: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+_CAUSAL_FACTORS: dict[int, np.ndarray] = {}
+_CAUSAL_OFFSETS: dict[int, int] = {}  # and the offset of its diagonal (causal_offset)
 
 
 def is_causal_additive(mask, dtype):

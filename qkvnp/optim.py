@@ -13,11 +13,16 @@ ready for ``np.savez`` and ``np.load(..., allow_pickle=False)``.
 Hyperparameters (``lr``, ``betas``, ...) are configuration, not state: they
 are not in the state dict, and the caller restores them.
 """
+from __future__ import annotations
+
 import math
 import numbers
 from collections import namedtuple
+from typing import Mapping
 
 import numpy as np
+
+from ._typing import Array, ArrayLike, FloatArray
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
@@ -80,9 +85,9 @@ class Optimizer:
     ``_update(name, param, grad)``.
     """
 
-    _buffers = ()
+    _buffers: tuple[str, ...] = ()
 
-    def __init__(self, params, lr):
+    def __init__(self, params: dict[str, FloatArray], lr: float) -> None:
         if not isinstance(params, dict):
             raise TypeError(
                 f"params must be a dict of name -> ndarray (e.g. layer.params), got {type(params).__name__}"
@@ -110,12 +115,12 @@ class Optimizer:
         }
 
     @property
-    def lr(self):
+    def lr(self) -> float:
         """Learning rate (a float > 0); assignable between steps."""
         return self._lr
 
     @lr.setter
-    def lr(self, value):
+    def lr(self, value: float) -> None:
         self._lr = _positive(value, "lr")
 
     def _check_params(self):
@@ -156,7 +161,7 @@ class Optimizer:
             checked[name] = grad.astype(param.dtype, copy=False)
         return checked
 
-    def step(self, grads):
+    def step(self, grads: Mapping[str, FloatArray]) -> None:
         """Update every parameter in place from its gradient.
 
         Parameters
@@ -183,7 +188,7 @@ class Optimizer:
 
     # -- state ---------------------------------------------------------------
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Array]:
         """Return a flat copy of the state, ready for ``np.savez``.
 
         Returns
@@ -192,11 +197,11 @@ class Optimizer:
             ``"step"``: 0-d int64; ``"<buffer>/<param name>"``: a copy of each
             buffer (e.g. ``"exp_avg/W_query"``).
         """
-        state = {"step": np.array(self.step_count, dtype=np.int64)}
+        state: dict[str, Array] = {"step": np.array(self.step_count, dtype=np.int64)}
         state.update({key: value.copy() for key, value in self.state.items()})
         return state
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Mapping[str, ArrayLike]) -> None:
         """Restore a state from :meth:`state_dict` (e.g. read back with ``np.load``).
 
         Parameters
@@ -295,7 +300,9 @@ class SGD(Optimizer):
     array([0., 3.])
     """
 
-    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False):
+    def __init__(self, params: dict[str, FloatArray], lr: float, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False) -> None:
         self.momentum = _at_least(momentum, "momentum", 0.0)
         self.dampening = _at_least(dampening, "dampening", 0.0)
         self.weight_decay = _at_least(weight_decay, "weight_decay", 0.0)
@@ -370,7 +377,9 @@ class Adam(Optimizer):
     _buffers = ("exp_avg", "exp_avg_sq")
     _decoupled = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(self, params: dict[str, FloatArray], lr: float = 0.001,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float | None = 1e-08,
+                 weight_decay: float = 0.0) -> None:
         try:
             beta1, beta2 = betas
         except (TypeError, ValueError):
@@ -419,13 +428,13 @@ class Adam(Optimizer):
             self._groups.append(_FlatGroup(names, flats["exp_avg"], flats["exp_avg_sq"], grad,
                                            views(grad), update, views(update)))
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Mapping[str, ArrayLike]) -> None:
         super().load_state_dict(state)
         self._flatten()
 
     load_state_dict.__doc__ = Optimizer.load_state_dict.__doc__
 
-    def step(self, grads):
+    def step(self, grads: Mapping[str, FloatArray]) -> None:
         self._check_params()
         grads = self._check_grads(grads)
         if any(self.state[key] is not view for key, view in self._views.items()):
@@ -509,5 +518,7 @@ class AdamW(Adam):
 
     _decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    def __init__(self, params: dict[str, FloatArray], lr: float = 0.001,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float | None = 1e-08,
+                 weight_decay: float = 0.01) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -8,16 +8,20 @@ query ``i``, added to the scores as ``score_bias`` of
 ``i`` stands at position ``i + S - T`` (the bottom-right alignment of
 decoding with a KV cache, ``is_causal="bottom_right"``).
 """
+from __future__ import annotations
+
 import math
+from typing import Any
 
 import numpy as np
 
 from ._checks import check_int
+from ._typing import ArrayLike, FloatArray, IntArray
 
 __all__ = ["alibi_slopes", "alibi_bias", "relative_position_bucket", "relative_positions"]
 
 
-def alibi_slopes(num_heads):
+def alibi_slopes(num_heads: int) -> FloatArray:
     """ALiBi's head slopes: the geometric sequence of Press et al. (2022).
 
     For ``n`` a power of two, head ``h`` (from 1) has slope ``2**(-8h/n)``.
@@ -52,7 +56,7 @@ def alibi_slopes(num_heads):
     return np.array(power_of_two(m) + power_of_two(2 * m)[0::2][:num_heads - m])
 
 
-def relative_positions(T, S, offset=0):
+def relative_positions(T: Any, S: Any, offset: int = 0) -> Any:
     """``j - (i + offset)`` for query ``i`` and key ``j``, an int ``(T, S)`` array.
 
     >>> relative_positions(2, 3).tolist()
@@ -63,7 +67,7 @@ def relative_positions(T, S, offset=0):
     return np.arange(S)[None, :] - (np.arange(T)[:, None] + int(offset))  # (T, S)
 
 
-def alibi_bias(T, S, slopes, offset=0):
+def alibi_bias(T: int, S: int, slopes: ArrayLike, offset: int = 0) -> FloatArray:
     """ALiBi's bias ``-slope_h * |i + offset - j|``, shape (H, T, S).
 
     Parameters
@@ -93,8 +97,8 @@ def alibi_bias(T, S, slopes, offset=0):
     return slopes[:, None, None] * -distance  # (H,) -> (H, T, S); 0, not -0, on the diagonal
 
 
-def relative_position_bucket(T, S, num_buckets=32, max_distance=128, bidirectional=True, *,
-                             offset=0):
+def relative_position_bucket(T: int, S: int, num_buckets: int = 32, max_distance: int = 128,
+                             bidirectional: bool = True, *, offset: int = 0) -> IntArray:
     """T5's bucket of each relative position ``j - i``: an int ``(T, S)`` array in ``[0, num_buckets)``.
 
     Parameters

@@ -9,12 +9,16 @@ cache)`` and ``name_backward(dout, cache) -> gradients``. Every forward is
 analytic (no ``abs``, no ``maximum``): the gradient checker's complex step
 runs it on complex arrays. The derivations are in ``docs/derivations_gpt.md``.
 """
+from __future__ import annotations
+
 import math
 from collections import namedtuple
+from typing import Any
 
 import numpy as np
 
-from ._checks import as_float_array, as_upstream_grad, compute_dtype, is_real_number, make_rng
+from ._checks import (as_float_array, as_upstream_grad, compute_dtype, declare_complex_step, is_real_number, make_rng)
+from ._typing import BoolArray, FloatArray
 from .dropout import check_dropout_p
 
 __all__ = [
@@ -52,7 +56,8 @@ def _check_eps(eps):
     return float(eps)
 
 
-def layer_norm_forward(x, scale, shift, eps=1e-5):
+def layer_norm_forward(x: FloatArray, scale: FloatArray, shift: FloatArray,
+                       eps: float | None = 1e-05) -> tuple[FloatArray, LayerNormCache]:
     """Layer normalisation over the last axis (the book's ``LayerNorm``).
 
     Parameters
@@ -132,7 +137,8 @@ def layer_norm_forward(x, scale, shift, eps=1e-5):
     return out, LayerNormCache(normalized, rstd, scale.copy())
 
 
-def layer_norm_backward(dout, cache, check=True):
+def layer_norm_backward(dout: FloatArray, cache: LayerNormCache,
+                        check: bool = True) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Backward of :func:`layer_norm_forward`.
 
     Parameters
@@ -176,7 +182,7 @@ def _check_approximate(approximate):
     return approximate
 
 
-def gelu_forward(x, approximate="tanh"):
+def gelu_forward(x: FloatArray, approximate: str = "tanh") -> tuple[FloatArray, GeluCache]:
     """The GELU activation, tanh-approximated (the book's, GPT-2's) or exact (erf).
 
     Parameters
@@ -234,7 +240,7 @@ def gelu_forward(x, approximate="tanh"):
     return out, GeluCache(x.copy(), inner, approximate)
 
 
-def gelu_backward(dout, cache, check=True):
+def gelu_backward(dout: FloatArray, cache: GeluCache, check: bool = True) -> FloatArray:
     """Backward of :func:`gelu_forward`.
 
     Parameters
@@ -266,7 +272,9 @@ def gelu_backward(dout, cache, check=True):
     return dout * local
 
 
-def activation_dropout_forward(x, p, *, rng=None, mask=None):
+def activation_dropout_forward(x: FloatArray, p: float, *,
+                               rng: np.random.Generator | int | None = None,
+                               mask: BoolArray | None = None) -> tuple[FloatArray, ActivationDropoutCache]:
     """Dropout on activations (``nn.Dropout``): zero entries, scale the rest by ``1/(1-p)``.
 
     Parameters
@@ -329,7 +337,8 @@ def activation_dropout_forward(x, p, *, rng=None, mask=None):
     return out, ActivationDropoutCache(mask, scale, x.shape, x.dtype)
 
 
-def activation_dropout_backward(dout, cache, check=True):
+def activation_dropout_backward(dout: FloatArray, cache: ActivationDropoutCache,
+                                check: bool = True) -> FloatArray:
     """Backward of :func:`activation_dropout_forward`: ``dout * mask / (1 - p)``.
 
     Parameters
@@ -354,7 +363,7 @@ def activation_dropout_backward(dout, cache, check=True):
 ResidualCache = namedtuple("ResidualCache", "shape dtype")
 
 
-def residual_add_forward(x, branch):
+def residual_add_forward(x: FloatArray, branch: FloatArray) -> tuple[FloatArray, ResidualCache]:
     """The residual connection ``out = x + branch`` (same shapes, no broadcasting).
 
     Parameters
@@ -390,13 +399,12 @@ def residual_add_forward(x, branch):
     return out, ResidualCache(out.shape, out.dtype)
 
 
-def residual_add_backward(dout, cache, check=True):
+def residual_add_backward(dout: Any, cache: Any, check: bool = True) -> Any:
     """Backward of :func:`residual_add_forward`: ``(dout, dout)``."""
     if check:
         dout = as_upstream_grad(dout, "dout", cache.shape, cache.dtype)
     return dout, dout
 
 
-for _forward in (layer_norm_forward, gelu_forward, activation_dropout_forward,
-                 residual_add_forward):  # see qkvnp._checks.complex_step_mode
-    _forward.supports_complex_step = True
+declare_complex_step(layer_norm_forward, gelu_forward, activation_dropout_forward,
+                     residual_add_forward)  # see qkvnp._checks.complex_step_mode

@@ -25,12 +25,15 @@ The order of the score pipeline (every path follows it)::
 Every op is analytic in its float inputs (``tanh``, ``exp``, products), so the
 gradient checker's complex step runs through it.
 """
+from __future__ import annotations
+
 from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
+from ._checks import (declare_complex_step, as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_scale, is_real_number, owned)
+from ._typing import ArrayLike, FloatArray
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .gqa import GroupedCache, split_groups, split_head_axis
 from .masks import causal_offset, check_is_causal, prepare_mask
@@ -112,7 +115,8 @@ def _rotate(x, cos, sin, layout):
     return pairs.reshape(pairs.shape[:-2] + (D,))  # (..., T, D/2, 2) -> (..., T, D)
 
 
-def rope_forward(x, positions=None, *, base=10000.0, layout="half"):
+def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: float = 10000.0,
+                 layout: str = "half") -> tuple[FloatArray, RopeCache]:
     """Rotary position embedding: rotate each pair of entries of ``x`` by its position's angle.
 
     Parameters
@@ -175,7 +179,7 @@ def rope_forward(x, positions=None, *, base=10000.0, layout="half"):
     return _rotate(x, cos, sin, layout), RopeCache(cos, sin, layout, x.shape)
 
 
-def rope_backward(dout, cache):
+def rope_backward(dout: FloatArray, cache: RopeCache) -> FloatArray:
     """Backward of :func:`rope_forward`: rotate ``dout`` by the opposite angle.
 
     Parameters
@@ -500,5 +504,4 @@ def variant_attention_backward(dout, cache, check=True):
             _sum_to_shape(dvalue, value.shape), dscore_bias, dsinks)
 
 
-for _forward in (rope_forward, variant_attention_forward):  # see qkvnp._checks.complex_step_mode
-    _forward.supports_complex_step = True
+declare_complex_step(rope_forward, variant_attention_forward)  # see qkvnp._checks.complex_step_mode

@@ -39,12 +39,16 @@ instead (:mod:`qkvnp.gradcheck.oracle`).
 
 ``import qkvnp.gradcheck`` imports numpy only.
 """
+from __future__ import annotations
+
 import copy
 from collections import namedtuple
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from .._checks import check_int, is_real_number, make_rng
+from .._typing import DTypeLike
 from .diagnosis import diagnose
 from .oracle import oracle_report
 from .report import TOLERANCES, GradcheckReport, GradcheckRow, Tolerance, relative_error
@@ -314,8 +318,12 @@ def function_problem(fun, inputs, vjp, dtype):
     return Problem(slots, lambda: fun(**work), analytic, None)
 
 
-def check_function(fun, inputs, vjp, *, method="central", mode="elementwise", dtype=np.float64,
-                   eps=None, rtol=None, atol=None, rng=None, num_directions=5):
+def check_function(fun: Callable[..., Any], inputs: dict[str, Any], vjp: Callable[..., Any], *,
+                   method: str = "central", mode: str = "elementwise",
+                   dtype: DTypeLike = np.float64, eps: float | None = None,
+                   rtol: float | None = None, atol: float | None = None,
+                   rng: np.random.Generator | int | None = None,
+                   num_directions: int = 5) -> GradcheckReport:
     """Check a vector-Jacobian product ``vjp`` against numerical derivatives of ``fun``.
 
     Parameters
@@ -423,8 +431,9 @@ def op_pair(forward, backward, names, forward_kwargs, wrt):
     return fun, vjp
 
 
-def check_op(forward, backward, inputs, *, forward_kwargs=None, wrt=None, oracle_dtype=None,
-             **options):
+def check_op(forward: Callable[..., Any], backward: Callable[..., Any], inputs: dict[str, Any], *,
+             forward_kwargs: Mapping[str, Any] | None = None, wrt: Iterable[str] | None = None,
+             oracle_dtype: DTypeLike | None = None, **options: Any) -> GradcheckReport:
     """Check a functional pair ``forward -> (out, cache)``, ``backward(dout, cache)``.
 
     Parameters
@@ -567,9 +576,11 @@ def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=Fa
     return Problem(slots, evaluate, analytic, layer)
 
 
-def check_layer(layer, *inputs, forward_kwargs=None, wrt_inputs=True, method="central",
-                mode="elementwise", dtype=np.float64, eps=None, rtol=None, atol=None, rng=None,
-                num_directions=5, oracle_dtype=None):
+def check_layer(layer: Any, *inputs: Any, forward_kwargs: Mapping[str, Any] | None = None,
+                wrt_inputs: bool = True, method: str = "central", mode: str = "elementwise",
+                dtype: DTypeLike = np.float64, eps: float | None = None, rtol: float | None = None,
+                atol: float | None = None, rng: np.random.Generator | int | None = None,
+                num_directions: int = 5, oracle_dtype: DTypeLike | None = None) -> GradcheckReport:
     """Check every parameter gradient and input gradient of a layer.
 
     Parameters

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import functional as F
 from .. import variants
+from .._checks import declare_complex_step
 from .checker import check_op
 
 __all__ = ["Case", "CASES", "HeadsAttentionCache", "heads_attention_forward",
@@ -120,7 +121,7 @@ def sinks_attention_forward(query, key, value, sinks):
     return F.attention_forward(query, key, value, sinks=sinks)
 
 
-sinks_attention_forward.supports_complex_step = True
+declare_complex_step(sinks_attention_forward)
 
 
 def _sinks_backward(dout, cache):
@@ -189,7 +190,7 @@ def _heads_backward(dout, cache, embed_scale=False):
             F.split_heads_backward(dv, cache.value_split))
 
 
-heads_attention_forward.supports_complex_step = True
+declare_complex_step(heads_attention_forward)
 
 
 def _heads_inputs(rng):

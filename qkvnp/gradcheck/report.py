@@ -9,9 +9,14 @@ prints them as a fixed-width table, with the method, its truncation order
 and, on a failing row, the diagnosis in words
 (:mod:`qkvnp.gradcheck.diagnosis`).
 """
+from __future__ import annotations
+
 from collections import namedtuple
+from typing import Sequence
 
 import numpy as np
+
+from .._typing import DTypeLike
 
 __all__ = [
     "TOLERANCES",
@@ -134,8 +139,9 @@ class GradcheckReport:
     (False, (0,), 'ratio')
     """
 
-    def __init__(self, rows, mode, dtype, eps, rtol, atol, method="central", order="O(h^2)",
-                 floor=0.0):
+    def __init__(self, rows: Sequence[GradcheckRow], mode: str, dtype: DTypeLike, eps: float,
+                 rtol: float, atol: float, method: str = "central", order: str = "O(h^2)",
+                 floor: float = 0.0) -> None:
         self.rows = list(rows)
         self.mode = mode
         self.dtype = np.dtype(dtype)
@@ -146,10 +152,10 @@ class GradcheckReport:
         self.order = order
         self.floor = floor
         self.round_off = 0.0
-        self.error_estimates = {}
+        self.error_estimates: dict[str, float] = {}
         self.ok = bool(self.rows) and all(row.ok for row in self.rows)
 
-    def row(self, name):
+    def row(self, name: str) -> GradcheckRow:
         """Return the row named ``name`` (``KeyError`` listing the names if absent)."""
         for row in self.rows:
             if row.name == name:
@@ -157,7 +163,7 @@ class GradcheckReport:
         raise KeyError(f"no row named {name!r}; rows are {[row.name for row in self.rows]}")
 
     @property
-    def max_rel_err(self):
+    def max_rel_err(self) -> float:
         """Largest relative error over all rows (NaN counts as infinite)."""
         return max((nan_to_inf(row.max_rel_err) for row in self.rows), default=0.0)
 
@@ -172,7 +178,7 @@ class GradcheckReport:
         return (f"gradcheck ({self.method} {self.order}, {self.mode}, {self.dtype}, "
                 f"eps={self.eps:g}, rtol={self.rtol:g}, atol={self.atol:g}{floor}): {verdict}")
 
-    def table(self):
+    def table(self) -> str:
         """Return the report as a readable fixed-width table; failing rows say why."""
         oracle = self.method.startswith("oracle")
         where = "direction" if self.mode == "direction" else "worst index"
@@ -208,7 +214,7 @@ class GradcheckReport:
         return (f"<GradcheckReport ok={self.ok} method={self.method!r} mode={self.mode!r} "
                 f"dtype={self.dtype} rows={len(self.rows)} max_rel_err={self.max_rel_err:.3e}>")
 
-    def raise_if_failed(self):
+    def raise_if_failed(self) -> GradcheckReport:
         """Raise :class:`GradcheckError` (a ``ValueError``) with the table unless ``ok``."""
         if not self.ok:
             raise GradcheckError("gradient check failed\n" + self.table())

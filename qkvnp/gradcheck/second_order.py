@@ -18,11 +18,15 @@ passes. The asymmetry is reported relative to
 op whose Hessian is zero (split and merge heads, a linear map in one
 argument) passes: both products are then round-off.
 """
+from __future__ import annotations
+
 from collections import namedtuple
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .._checks import make_rng
+from .._typing import ArrayLike, DTypeLike, FloatArray
 from .checker import draw_dout, function_problem, layer_problem, op_pair
 
 __all__ = ["SYMMETRY_TOLERANCES", "SymmetryReport", "check_symmetry_function",
@@ -98,8 +102,10 @@ def check_symmetry(problem, dtype, eps=None, rtol=None, rng=None):
                           rtol, eps)
 
 
-def check_symmetry_function(fun, inputs, vjp, *, dtype=np.float64, eps=None, rtol=None,
-                            rng=None):
+def check_symmetry_function(fun: Callable[..., Any], inputs: Mapping[str, ArrayLike],
+                            vjp: Callable[..., Any], *, dtype: DTypeLike = np.float64,
+                            eps: float | None = None, rtol: float | None = None,
+                            rng: np.random.Generator | int | None = None) -> SymmetryReport:
     """Check ``<v, H u> = <u, H v>`` for the gradient ``vjp`` of ``<dout, fun>``.
 
     Parameters
@@ -126,15 +132,21 @@ def check_symmetry_function(fun, inputs, vjp, *, dtype=np.float64, eps=None, rto
     return check_symmetry(function_problem(fun, inputs, vjp, dtype), dtype, eps, rtol, rng)
 
 
-def check_symmetry_op(forward, backward, inputs, *, forward_kwargs=None, **options):
+def check_symmetry_op(forward: Callable[..., Any], backward: Callable[..., Any],
+                      inputs: Mapping[str, ArrayLike], *,
+                      forward_kwargs: Mapping[str, Any] | None = None,
+                      **options: Any) -> SymmetryReport:
     """:func:`check_symmetry_function` of a functional pair, as :func:`~qkvnp.gradcheck.check_op`."""
     forward_kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
     fun, vjp = op_pair(forward, backward, list(inputs), forward_kwargs, None)
     return check_symmetry_function(fun, inputs, vjp, **options)
 
 
-def check_symmetry_layer(layer, *inputs, forward_kwargs=None, dtype=np.float64, eps=None,
-                         rtol=None, rng=None):
+def check_symmetry_layer(layer: Any, *inputs: FloatArray,
+                         forward_kwargs: Mapping[str, Any] | None = None,
+                         dtype: DTypeLike = np.float64, eps: float | None = None,
+                         rtol: float | None = None,
+                         rng: np.random.Generator | int | None = None) -> SymmetryReport:
     """:func:`check_symmetry_function` over every parameter and input of a layer."""
     problem = layer_problem(layer, inputs, forward_kwargs, np.dtype(dtype), True)
     return check_symmetry(problem, dtype, eps, rtol, rng)

@@ -11,8 +11,14 @@ central, 4 for central4), round-off on the left (slope -1: ``eps_mach / h``).
 :func:`fit_branches` fits both slopes; :data:`OPTIMAL_STEPS` gives the
 textbook optimum of each method (``(3 eps)^(1/3)``, ``eps^(1/5)``).
 """
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+
 import numpy as np
 
+from .._typing import DTypeLike, FloatArray
 from .checker import layer_problem
 from .report import TOLERANCES, relative_error
 from .stencils import numeric_elementwise
@@ -87,8 +93,10 @@ def fit_branches(eps_values, errors, saturation=0.5, above=3.0):
             "truncation_slope": slope(larger), "roundoff_slope": slope(smaller)}
 
 
-def sweep_steps(problems, eps_values=SWEEP_EPS, methods=SWEEP_METHODS,
-                dtypes=(np.float64, np.float32), seed=0, progress=None):
+def sweep_steps(problems: Sequence[tuple[Any, ...]], eps_values: Sequence[float] = SWEEP_EPS,
+                methods: Sequence[str] = SWEEP_METHODS,
+                dtypes: Sequence[DTypeLike] = (np.float64, np.float32), seed: int = 0,
+                progress: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Error of every tensor's numerical gradient over the steps, per method and dtype.
 
     Parameters
@@ -142,20 +150,22 @@ def sweep_steps(problems, eps_values=SWEEP_EPS, methods=SWEEP_METHODS,
     summary = []
     for title in dict.fromkeys(c["problem"] for c in curves):
         for method in methods:
-            for dtype in (np.dtype(d).name for d in dtypes):
+            for dtype_name in (np.dtype(d).name for d in dtypes):
                 mine = [c["errors"] for c in curves if c["problem"] == title
-                        and c["method"] == method and c["dtype"] == dtype]
+                        and c["method"] == method and c["dtype"] == dtype_name]
                 if not mine:
                     continue
                 worst = np.max(np.array(mine), axis=0)
-                summary.append({"problem": title, "method": method, "dtype": dtype,
+                summary.append({"problem": title, "method": method, "dtype": dtype_name,
                                 "errors": worst.tolist(),
-                                "optimal_eps": OPTIMAL_STEPS.get((method, dtype)),
+                                "optimal_eps": OPTIMAL_STEPS.get((method, dtype_name)),
                                 **fit_branches(eps_values, worst)})
     return {"eps": eps_values, "curves": curves, "summary": summary}
 
 
-def sweep_eps(problems, eps_values=SWEEP_EPS, dtypes=(np.float64, np.float32), seed=0):
+def sweep_eps(problems: Sequence[tuple[Any, ...]], eps_values: Sequence[float] = SWEEP_EPS,
+              dtypes: Sequence[DTypeLike] = (np.float64, np.float32),
+              seed: int = 0) -> dict[np.dtype, FloatArray]:
     """Max relative error of central differences over ``eps``, per dtype.
 
     The analytic gradients are computed once in float64; the numerical ones
@@ -167,7 +177,7 @@ def sweep_eps(problems, eps_values=SWEEP_EPS, dtypes=(np.float64, np.float32), s
     dict dtype -> ndarray of shape (len(eps_values),)
     """
     result = sweep_steps(problems, eps_values, ("central",), dtypes, seed)
-    errors = {np.dtype(d): np.zeros(len(eps_values)) for d in dtypes}
+    errors: dict[np.dtype, FloatArray] = {np.dtype(d): np.zeros(len(eps_values)) for d in dtypes}
     for entry in result["summary"]:
         errors[np.dtype(entry["dtype"])] = np.maximum(errors[np.dtype(entry["dtype"])],
                                                       entry["errors"])

@@ -30,13 +30,17 @@ The runtime settings (worker threads, block sizes) are
 :mod:`qkvnp.kernels._runtime`; the worker threads themselves (pinned, the
 caller running a share) are :mod:`qkvnp.kernels.workers`.
 """
+from __future__ import annotations
+
 import functools
 import math
 from collections import namedtuple
+from typing import Any, Sequence
 
 import numpy as np
 
 from .._checks import owned, scores_may_overflow
+from .._typing import ArrayLike, BoolArray, DTypeLike, FloatArray
 from ..masks import check_is_causal
 from ._runtime import (BLOCK_SIZE_DEFAULTS, MAX_NUM_THREADS, blas_threads, block_sizes,
                        get_block_sizes, get_num_threads, num_threads, release_buffers,
@@ -80,7 +84,7 @@ reason : one sentence, e.g. ``"auto: 4096 keys >= tiled_min_length 4096"``.
 """
 
 
-def check_impl(impl):
+def check_impl(impl: str) -> str:
     """Return ``impl`` if it is one of :data:`IMPLS`, else raise ``ValueError``."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -91,8 +95,10 @@ def _mib(nbytes):
     return f"{nbytes / (1 << 20):.3g} MiB"
 
 
-def choose_path(impl, groups, T, S, dtype, need_weights=False, score_bound=0.0, is_causal=False,
-                value_bound=0.0, variants=()):
+def choose_path(impl: str, groups: int, T: int, S: int, dtype: DTypeLike,
+                need_weights: bool = False, score_bound: float = 0.0,
+                is_causal: bool | str = False, value_bound: float = 0.0,
+                variants: Any = ()) -> Dispatch:
     """The path a forward takes, and why: the only place a path is decided.
 
     Parameters
@@ -234,9 +240,13 @@ def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bo
                                        f"{sizes['tiled_min_length']}: the reference path")
 
 
-def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
-                  need_weights=False, out_proj=True, originals=(), *,
-                  dropout_p=0.0, rng=None, dropout_mask=None, variants=None):
+def layer_forward(params: dict[str, Any], inputs: Sequence[FloatArray], kind: str, num_heads: int,
+                  mask: FloatArray | None, is_causal: bool | str, impl: str = "auto",
+                  need_weights: bool = False, out_proj: bool = True,
+                  originals: tuple[ArrayLike, ...] = (), *, dropout_p: float = 0.0,
+                  rng: np.random.Generator | int | None = None,
+                  dropout_mask: BoolArray | None = None,
+                  variants: Any = None) -> tuple[FloatArray, FloatArray | None, Any, Dispatch]:
     """Run an attention layer's forward on the path :func:`choose_path` picks.
 
     Parameters
@@ -331,7 +341,7 @@ def layer_forward(params, inputs, kind, num_heads, mask, is_causal, impl="auto",
     return out, weights, cache, dispatch
 
 
-_LAYER_KERNELS = []  # [mha, reference] once imported
+_LAYER_KERNELS: list[Any] = []  # [mha, reference] once imported
 
 
 def _layer_kernels():
@@ -347,7 +357,7 @@ def _layer_kernels():
     return _LAYER_KERNELS
 
 
-def layer_backward(dout, cache):
+def layer_backward(dout: FloatArray, cache: Any) -> tuple[dict[str, Any], Sequence[FloatArray]]:
     """Backward of :func:`layer_forward` on the path its forward ran.
 
     Returns

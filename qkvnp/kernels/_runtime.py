@@ -28,10 +28,13 @@ module costs numpy only: ctypes, the thread pool and the BLAS probe
 (:mod:`qkvnp.kernels.openblas`) are loaded at first use. Measurements behind
 the defaults: ``benchmarks/RESULTS.md``.
 """
+from __future__ import annotations
+
 import math
 import os
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -149,7 +152,7 @@ _SIZES = dict(BLOCK_SIZE_DEFAULTS)
 _SETTINGS_LOCK = threading.Lock()
 
 
-def get_block_sizes():
+def get_block_sizes() -> dict[str, Any]:
     """A copy of the block-size settings, by name (see :data:`BLOCK_SIZE_DEFAULTS`).
 
     >>> get_block_sizes()["tiled_block"]
@@ -186,7 +189,7 @@ def _checked_sizes(sizes):
     return checked
 
 
-def set_block_sizes(**sizes):
+def set_block_sizes(**sizes: Any) -> None:
     """Set block-size settings by name; the others keep their values.
 
     Parameters
@@ -226,7 +229,7 @@ class block_sizes:
     (64, 64)
     """
 
-    def __init__(self, **sizes):
+    def __init__(self, **sizes: Any) -> None:
         self.sizes = _checked_sizes(sizes)
         self.previous = None
 
@@ -242,7 +245,7 @@ class block_sizes:
 
 # ---------------------------------------------------------------- score buffers
 
-_SPARE = []  # base arrays, each free while only this list refers to it
+_SPARE: list[np.ndarray] = []  # base arrays, each free while only this list refers to it
 _SPARE_LOCK = threading.Lock()
 
 
@@ -274,7 +277,7 @@ def recycled_empty(shape, dtype):
         return base.view(dtype).reshape(shape)
 
 
-def release_buffers():
+def release_buffers() -> None:
     """Drop the recycled score buffers that no array uses (setting ``recycle_bytes``)."""
     import sys
 
@@ -307,7 +310,7 @@ class blas_threads:
     ...     _ = np.ones((4, 4)) @ np.ones((4, 4))
     """
 
-    def __init__(self, n):
+    def __init__(self, n: int) -> None:
         self.n = int(n)
         self.previous = None
         self.available = bool(openblas_thread_functions())

@@ -174,7 +174,7 @@ def _shifted_exp(query, key, mask, mask_max, exp_scores, factors=None):
         masked_exp(exp_scores, None, factors, np.exp2)
 
 
-_MOST_SUMS = {}  # dtype -> 2**-24 / finfo(dtype).tiny, the largest unshifted row sum
+_MOST_SUMS: dict[np.dtype, float] = {}  # dtype -> 2**-24 / finfo(dtype).tiny, the largest unshifted row sum
 
 
 def _usable_sums(row_sums, mask, shifted):

@@ -21,6 +21,8 @@ first crew). A crew survives ``fork``: the child starts with none (its
 parent's threads do not exist there) and makes its own at its first
 threaded job.
 """
+from __future__ import annotations
+
 import os
 import threading
 
@@ -92,7 +94,7 @@ def process_num_threads():
     return _NUM_THREADS
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     """The number of worker threads the kernels use in the calling thread.
 
     The innermost :func:`num_threads` block of this thread if any, else the
@@ -107,7 +109,7 @@ def get_num_threads():
     return process_num_threads()
 
 
-def set_num_threads(n):
+def set_num_threads(n: int) -> None:
     """Set the number of worker threads of the fast and tiled kernels, for the process.
 
     Parameters
@@ -165,7 +167,7 @@ class num_threads:
     1
     """
 
-    def __init__(self, n):
+    def __init__(self, n: int) -> None:
         self.n = _check_count(n)
 
     def __enter__(self):
@@ -280,9 +282,9 @@ class Crew:
                 lock.acquire()  # the workers may still write into shared arrays
             if saved is not None:
                 os.sched_setaffinity(0, saved)
-        for error in errors:
-            if error is not None:
-                raise error
+        for failure in errors:
+            if failure is not None:
+                raise failure
 
 
 def _work(jobs, cpu):

@@ -15,6 +15,8 @@ The package, module by module:
                check their inputs and ask :mod:`qkvnp.kernels` to run the path
                of their ``impl`` (``last_dispatch`` then says which path ran
                and why)
+``attention_base`` what the two share: the dispatch, dropout's generator,
+               KV-cache decoding steps, the attention variants' options
 ``basic``      :class:`Linear` and :class:`Embedding`, which call their op of
                :mod:`qkvnp.functional`
 ``transformer`` :class:`LayerNorm`, :class:`GELU`, :class:`Dropout`,

@@ -7,149 +7,24 @@ They hold parameters, gradients and the cache of the last forward; the math
 of every path is in :mod:`qkvnp.kernels`, chosen by
 :func:`qkvnp.kernels.choose_path` (``layer.last_dispatch`` says which ran).
 """
+from __future__ import annotations
+
+
 import numpy as np
 
 from .. import kernels
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng)
-from ..dropout import check_dropout_p, spawn_generator
-from ..kv_cache import KVCache, cached_forward
-from ..masks import check_is_causal, fold_key_padding_mask
-from .base import Layer, xavier_uniform
+from .._typing import BoolArray, DTypeLike, FloatArray
+from ..kv_cache import KVCache
+from ..masks import fold_key_padding_mask
+from .attention_base import AttentionLayer
+from .base import xavier_uniform
 
 __all__ = ["SelfAttention", "MultiHeadAttention"]
 
 
-class _AttentionLayer(Layer):
-    """What both attention layers share: the path, asked of :mod:`qkvnp.kernels`."""
-
-    supports_complex_step = True  # on the reference path (qkvnp.gradcheck, method="complex_step")
-    dropout = 0.0
-    dropout_rng = None
-    variants = None  # qkvnp.kernels.variant_layer.VariantOptions of a layer built with variants
-
-    def _init_dropout(self, dropout, rng):
-        """``dropout`` checked, and the layer's own Generator, spawned from ``rng``.
-
-        Called after the weights are drawn: spawning does not consume ``rng``'s
-        draws, so the weights of this layer and of layers built after it from
-        the same ``rng`` are those of a layer without dropout.
-        """
-        self.dropout = check_dropout_p(dropout, "dropout")
-        self.dropout_rng = spawn_generator(rng)
-
-    def _init_variants(self, num_heads, head_dim, **options):
-        """The variant options checked (:func:`qkvnp.kernels.variant_layer.check_options`) and
-        their parameters: ``rel_bias`` ``(num_buckets, H)`` and ``sinks`` ``(H,)``, zeros (no
-        draw from ``rng``: the weights of a seed do not depend on the options)."""
-        from ..kernels.variant_layer import check_options
-
-        self.variants = check_options(num_heads, head_dim, **options)
-        if self.variants is not None and self.variants.position_bias == "relative":
-            self.params["rel_bias"] = np.zeros((self.variants.num_buckets, num_heads), self.dtype)
-        if self.variants is not None and self.variants.sinks:
-            self.params["sinks"] = np.zeros(num_heads, dtype=self.dtype)
-
-    def _variant_repr_items(self):
-        """The variant options that are on, for ``repr``."""
-        if self.variants is None:
-            return []
-        off = {"rope": False, "rope_base": 10000.0, "rope_layout": "half", "position_bias": None,
-               "num_buckets": 32, "max_distance": 128, "sinks": False, "softcap": None,
-               "window": None}
-        return [(name, value) for name, value in self.variants._asdict().items()
-                if value != off[name]]
-
-    def generators(self):
-        """``{"dropout_rng": the Generator that draws the dropout masks}``."""
-        return {"dropout_rng": self.dropout_rng}
-
-    def _repr_items(self):
-        """``dropout`` only when not 0; the variant options that are on."""
-        return [(name, value) for name, value in super()._repr_items()
-                if name != "dropout" or value] + self._variant_repr_items()
-
-    def _dropout_args(self, dropout_mask, rng):
-        """The dropout arguments of one forward: a given mask always, a drawn one in training."""
-        if dropout_mask is not None:
-            if self.dropout == 0.0:
-                raise ValueError(f"dropout_mask needs a layer built with 0 < dropout < 1, this "
-                                 f"{type(self).__name__} has dropout=0.0")
-            return {"dropout_p": self.dropout, "dropout_mask": dropout_mask}
-        if not self.training or self.dropout == 0.0:
-            return {}
-        return {"dropout_p": self.dropout, "rng": self.dropout_rng if rng is None else rng}
-
-    def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj,
-                        originals, dropout=None):
-        """Run :func:`qkvnp.kernels.layer_forward`, keep its cache and its dispatch.
-
-        NOTE: the kernels write only into fresh memory, so a refused call
-        (``ValueError``, ``TypeError``, however late) leaves the thread's
-        previous cache whole: it is replaced only once the forward succeeded.
-        """
-        state = self._thread
-        state.used_cache = None  # a used-up cache is dead: free it before the new one
-        out, weights, cache, dispatch = kernels.layer_forward(
-            self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
-            need_weights=need_weights, out_proj=out_proj, originals=originals,
-            variants=self.variants, **(dropout or {}))
-        self._cache, state.dispatch = cache, dispatch
-        return out, weights
-
-    @property
-    def last_dispatch(self):
-        """The path the calling thread's last forward ran and why (None before one)."""
-        return self._thread.dispatch
-
-    def _decode(self, query, attn_mask, is_causal, key_padding_mask, return_weights, kv_cache,
-                dropout_mask):
-        """``forward(query, kv_cache=...)``: one inference-only decoding step (no dropout).
-
-        Returns ``(out, weights)``; ``is_causal`` is checked and otherwise
-        ignored (decoding is causal, bottom-right aligned).
-        """
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"kv_cache must be a qkvnp.KVCache, got {type(kv_cache).__name__}")
-        if dropout_mask is not None:
-            raise ValueError("kv_cache decoding is inference only and drops nothing: "
-                             "dropout_mask cannot be given with kv_cache")
-        check_is_causal(is_causal)
-        query = self._check_tokens(query)
-        if self.variants is not None:
-            from ..variant_decoding import decode
-
-            out, weights, dispatch = decode(self, query, kv_cache, attn_mask, key_padding_mask,
-                                            return_weights)
-        else:
-            out, weights, dispatch = cached_forward(self, query, kv_cache, attn_mask,
-                                                    key_padding_mask, return_weights)
-        state = self._thread
-        state.cache = state.used_cache = None  # nothing for a backward: inference only
-        state.decoded, state.dispatch = True, dispatch
-        return out, weights
-
-    def _need_cache(self):
-        """:meth:`Layer._need_cache`, which also refuses a backward after a decoding step."""
-        state = self._thread
-        if state.cache is None and state.decoded:
-            name = type(self).__name__
-            raise RuntimeError(f"{name}.backward after a kv_cache decoding step: "
-                               "forward(x, kv_cache=...) is inference only and keeps nothing "
-                               "for a backward; train with forward(x, is_causal=True)")
-        return super()._need_cache()
-
-    def _kernel_backward(self, dout, retain_cache, cache=None):
-        """Run :func:`qkvnp.kernels.layer_backward` on ``cache`` (default the calling
-        thread's, :meth:`_need_cache`); accumulate; return the input gradients."""
-        cache = self._need_cache() if cache is None else cache
-        grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
-        self._accumulate_all(grads)  # one lock for the 8 additions
-        self._release_cache(retain_cache)
-        return dinputs
-
-
-class SelfAttention(_AttentionLayer):
+class SelfAttention(AttentionLayer):
     """Single-head self-attention with trainable query, key and value projections.
 
     Parameters
@@ -214,10 +89,13 @@ class SelfAttention(_AttentionLayer):
     (6, 3)
     """
 
-    def __init__(self, d_in, d_out, qkv_bias=False, *, rng=None, dtype=np.float64, impl="auto",
-                 dropout=0.0, rope=False, rope_base=10000.0, rope_layout="half",
-                 position_bias=None, num_buckets=32, max_distance=128, sinks=False, softcap=None,
-                 window=None):
+    def __init__(self, d_in: int, d_out: int, qkv_bias: bool = False, *,
+                 rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64,
+                 impl: str = "auto", dropout: float = 0.0, rope: bool = False,
+                 rope_base: float = 10000.0, rope_layout: str = "half",
+                 position_bias: str | None = None, num_buckets: int = 32, max_distance: int = 128,
+                 sinks: bool = False, softcap: float | None = None,
+                 window: tuple[int | None, int | None] | None = None) -> None:
         self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
@@ -242,8 +120,11 @@ class SelfAttention(_AttentionLayer):
 
     _repr_fields = ("d_in", "d_out", "qkv_bias", "dtype", "impl", "dropout")
 
-    def forward(self, x, attn_mask=None, is_causal=False, return_weights=False, *,
-                dropout_mask=None, rng=None, kv_cache=None):
+    def forward(self, x: FloatArray, attn_mask: BoolArray | FloatArray | None = None,
+                is_causal: bool | str = False, return_weights: bool = False, *,
+                dropout_mask: BoolArray | None = None,
+                rng: np.random.Generator | int | None = None,
+                kv_cache: KVCache | None = None) -> FloatArray | tuple[FloatArray, FloatArray]:
         """Attend over the tokens of ``x``.
 
         Parameters
@@ -301,7 +182,7 @@ class SelfAttention(_AttentionLayer):
         check_last_dim(x, "x", self.d_in, f"(..., T, {self.d_in})")
         return x
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> FloatArray:
         """Accumulate parameter gradients into ``grads`` and return ``dx``.
 
         Parameters
@@ -329,7 +210,7 @@ class SelfAttention(_AttentionLayer):
         return dx
 
 
-class MultiHeadAttention(_AttentionLayer):
+class MultiHeadAttention(AttentionLayer):
     """Multi-head attention with output projection (BERT, PyTorch, ``fc_out``).
 
     Parameters
@@ -439,11 +320,16 @@ class MultiHeadAttention(_AttentionLayer):
     (2, 6, 2)
     """
 
-    def __init__(self, embed_dim, num_heads, *, bias=True, kdim=None, vdim=None, rng=None,
-                 dtype=np.float64, impl="auto", qdim=None, out_dim=None, qkv_bias=None,
-                 out_bias=None, dropout=0.0, num_kv_heads=None, rope=False, rope_base=10000.0,
-                 rope_layout="half", position_bias=None, num_buckets=32, max_distance=128,
-                 sinks=False, softcap=None, window=None):
+    def __init__(self, embed_dim: int, num_heads: int, *, bias: bool = True,
+                 kdim: int | None = None, vdim: int | None = None,
+                 rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64,
+                 impl: str = "auto", qdim: int | None = None, out_dim: int | None = None,
+                 qkv_bias: bool | None = None, out_bias: bool | None = None, dropout: float = 0.0,
+                 num_kv_heads: int | None = None, rope: bool = False, rope_base: float = 10000.0,
+                 rope_layout: str = "half", position_bias: str | None = None,
+                 num_buckets: int = 32, max_distance: int = 128, sinks: bool = False,
+                 softcap: float | None = None,
+                 window: tuple[int | None, int | None] | None = None) -> None:
         self.impl = kernels.check_impl(impl)
         bias = check_bool(bias, "bias")
         qkv_bias = check_bool(qkv_bias, "qkv_bias", allow_none=True)
@@ -548,9 +434,12 @@ class MultiHeadAttention(_AttentionLayer):
             )
         return query, key, value, "key_only" if value_omitted else "cross"
 
-    def forward(self, query, key=None, value=None, attn_mask=None, is_causal=False,
-                key_padding_mask=None, return_weights=False, *, dropout_mask=None, rng=None,
-                kv_cache=None, average_weights=False):
+    def forward(self, query: FloatArray, key: FloatArray | None = None,
+                value: FloatArray | None = None, attn_mask: BoolArray | FloatArray | None = None,
+                is_causal: bool | str = False, key_padding_mask: BoolArray | float | None = None,
+                return_weights: bool = False, *, dropout_mask: BoolArray | None = None,
+                rng: np.random.Generator | int | None = None, kv_cache: KVCache | None = None,
+                average_weights: bool = False) -> FloatArray | tuple[FloatArray, FloatArray]:
         """Multi-head attention of ``query`` over ``key``/``value``.
 
         Parameters
@@ -637,7 +526,7 @@ class MultiHeadAttention(_AttentionLayer):
                                     kv_cache, dropout_mask)
         return _returned(out, weights, return_weights, average_weights)
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> FloatArray:
         """Accumulate parameter gradients into ``grads``; return input gradients.
 
         Parameters

@@ -6,15 +6,19 @@ cache of its last call, ``backward`` adding into ``grads``, ``state_dict`` /
 ``load_state_dict`` for saving and loading weights. A :class:`Model` holds
 layers assigned to its attributes, as a PyTorch ``Module`` does.
 """
+from __future__ import annotations
+
 import os
 import threading
 from abc import ABC, abstractmethod
 from collections import namedtuple
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from .._checks import check_state_value
+from .._typing import ArrayLike, FloatArray
 
 __all__ = ["Layer", "Model", "LoadResult", "xavier_uniform"]
 
@@ -110,12 +114,14 @@ class Layer(ABC):
     settings, not the per-thread caches.
     """
 
+    _thread: _ThreadState  # set by __new__: the calling thread's cache and dispatch
+
     params: dict
     grads: dict
     _repr_fields: tuple = ()
     training = True
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> Layer:
         """Set training mode (``mode=True``) or evaluation mode; return the layer.
 
         In training mode a layer with ``dropout > 0`` draws a dropout mask on
@@ -127,11 +133,11 @@ class Layer(ABC):
         self.training = bool(mode)
         return self
 
-    def eval(self):
+    def eval(self) -> Layer:
         """Evaluation mode: ``train(False)``. Returns the layer."""
         return self.train(False)
 
-    def generators(self):
+    def generators(self) -> dict[str, np.random.Generator]:
         """The layer's own random Generators by name (dropout's), for checkpoints.
 
         Their states (``bit_generator.state``) are what a training checkpoint
@@ -140,11 +146,11 @@ class Layer(ABC):
         return {}
 
     @abstractmethod
-    def forward(self, *inputs, **options):
+    def forward(self, *inputs: Any, **options: Any) -> Any:
         """Compute the output and keep what ``backward`` needs."""
 
     @abstractmethod
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> Any:
         """Accumulate into ``grads`` and return the gradient of the inputs.
 
         A backward uses up the cache of its forward (a second one raises
@@ -152,12 +158,12 @@ class Layer(ABC):
         ``retain_graph``.
         """
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         """Reset every gradient to zeros of its parameter's shape and dtype."""
         # NOTE: np.zeros, not zeros_like (a Python function): 0.36 against 1.37 us an array
         self.grads = {name: np.zeros(p.shape, p.dtype) for name, p in self.params.items()}
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, FloatArray]:
         """Copies of the parameters, keyed by their names in ``params``.
 
         Returns
@@ -175,7 +181,8 @@ class Layer(ABC):
         """
         return {name: value.copy() for name, value in self.params.items()}
 
-    def load_state_dict(self, state_dict, strict=True):
+    def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
+                        strict: bool = True) -> LoadResult:
         """Copy ``state_dict``'s values into the parameters, in place.
 
         The arrays of ``params`` are kept (optimizers and models share them)
@@ -236,7 +243,7 @@ class Layer(ABC):
             np.copyto(params[name], value)
         return LoadResult(missing, unexpected)
 
-    def num_parameters(self):
+    def num_parameters(self) -> int:
         """Total number of scalar parameters."""
         return sum(p.size for p in self.params.values())
 
@@ -319,7 +326,7 @@ class Layer(ABC):
             state = self._thread
             state.used_cache, state.cache, state.used = state.cache, None, True
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
 
@@ -359,7 +366,7 @@ class Model(Layer):
     array([0., 0., 0.])
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.zero_grad()
 
     def __setattr__(self, name, value):
@@ -387,7 +394,7 @@ class Model(Layer):
         self.__dict__["_own_params"] = arrays
 
     @property
-    def params(self):
+    def params(self) -> dict[str, FloatArray]:
         """Flat dict ``"prefix.name" -> array``, sharing the sub-layers' arrays.
 
         A new dict on each access, whose item assignment writes through:
@@ -399,11 +406,11 @@ class Model(Layer):
         return _LinkedDict(self, "params", self._flat("params"))
 
     @params.setter
-    def params(self, arrays):
+    def params(self, arrays: Any) -> None:
         self._assign("params", arrays)
 
     @property
-    def grads(self):
+    def grads(self) -> dict[str, FloatArray]:
         """Flat dict ``"prefix.name" -> array``: the sub-layers' gradient arrays.
 
         Writes through as :attr:`params` does.
@@ -411,7 +418,7 @@ class Model(Layer):
         return _LinkedDict(self, "grads", self._flat("grads"))
 
     @grads.setter
-    def grads(self, arrays):
+    def grads(self, arrays: Any) -> None:
         self._assign("grads", arrays)
 
     def _flat(self, kind):
@@ -449,7 +456,7 @@ class Model(Layer):
                     return
         raise KeyError(f"{type(self).__name__} has no {kind} entry {name!r}")
 
-    def named_layers(self):
+    def named_layers(self) -> Any:
         """Every sub-layer, nested ones included, as ``(dotted name, layer)`` pairs.
 
         Depth first, in registration order (PyTorch's ``named_modules``
@@ -462,14 +469,14 @@ class Model(Layer):
                 found.extend((f"{prefix}.{name}", sub) for name, sub in layer.named_layers())
         return found
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> Layer:
         """Set the mode of the model and of every sub-layer; return the model."""
         super().train(mode)
         for layer in self.__dict__.get("_layers", {}).values():
             layer.train(mode)
         return self
 
-    def generators(self):
+    def generators(self) -> dict[str, np.random.Generator]:
         """The model's own Generators and its sub-layers', under dotted names."""
         found = dict(getattr(self, "_own_generators", {}))
         for prefix, layer in self.__dict__.get("_layers", {}).items():
@@ -477,20 +484,20 @@ class Model(Layer):
                 found[f"{prefix}.{name}"] = generator
         return found
 
-    def zero_grad(self):
+    def zero_grad(self) -> None:
         """Reset every gradient (the sub-layers' and the model's own) to zeros."""
         for layer in self.__dict__.get("_layers", {}).values():
             layer.zero_grad()
         self._own_grads = {name: np.zeros(value.shape, value.dtype)
                            for name, value in self._own.items()}
 
-    def forward(self, *inputs, **options):
+    def forward(self, *inputs: Any, **options: Any) -> Any:
         """A plain ``Model`` has no forward: subclass it, or call the sub-layers."""
         raise NotImplementedError(f"{type(self).__name__} defines no forward: subclass "
                                   "qkvnp.Model and define forward/backward, or call its "
                                   "sub-layers yourself")
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> Any:
         """A plain ``Model`` has no backward: subclass it, or call the sub-layers."""
         raise NotImplementedError(f"{type(self).__name__} defines no backward: subclass "
                                   "qkvnp.Model and define forward/backward, or call its "

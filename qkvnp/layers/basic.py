@@ -4,11 +4,14 @@ Shape key: N input features, M output features, V vocabulary, E embedding.
 
 Each calls its forward and backward op of :mod:`qkvnp.functional`.
 """
+from __future__ import annotations
+
 import numpy as np
 
 from .. import functional as F
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype, make_rng,
                        owned)
+from .._typing import DTypeLike, FloatArray, IntArray
 from .base import Layer
 
 __all__ = ["Linear", "Embedding"]
@@ -59,7 +62,9 @@ class Linear(Layer):
     array([20., 20.])
     """
 
-    def __init__(self, in_features, out_features, bias=True, *, rng=None, dtype=np.float64):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 rng: np.random.Generator | int | None = None,
+                 dtype: DTypeLike = np.float64) -> None:
         self.in_features = check_int(in_features, "in_features", 1)
         self.out_features = check_int(out_features, "out_features", 1)
         self.dtype = layer_dtype(dtype)
@@ -77,7 +82,7 @@ class Linear(Layer):
     _repr_fields = ("in_features", "out_features", "bias", "dtype")
     supports_complex_step = True  # its op runs on complex (qkvnp.gradcheck, method="complex_step")
 
-    def forward(self, x, *, check=True):
+    def forward(self, x: FloatArray, *, check: bool = True) -> FloatArray:
         """Apply the affine map to the last axis of ``x``.
 
         Parameters
@@ -122,7 +127,8 @@ class Linear(Layer):
         self._cache = (linear_cache, out.shape)
         return out
 
-    def backward(self, dout, retain_cache=False, *, check=True):
+    def backward(self, dout: FloatArray, retain_cache: bool = False, *,
+                 check: bool = True) -> FloatArray:
         """Accumulate ``dW`` (and ``db``) into ``grads``; return ``dx``.
 
         Parameters
@@ -193,7 +199,9 @@ class Embedding(Layer):
     array([2., 2., 2., 2.])
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, rng=None, dtype=np.float64):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 rng: np.random.Generator | int | None = None,
+                 dtype: DTypeLike = np.float64) -> None:
         self.num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
         self.embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
         self.dtype = layer_dtype(dtype)
@@ -207,7 +215,7 @@ class Embedding(Layer):
     _repr_fields = ("num_embeddings", "embedding_dim", "dtype")
     supports_complex_step = True  # its op runs on complex (qkvnp.gradcheck, method="complex_step")
 
-    def forward(self, indices):
+    def forward(self, indices: IntArray) -> FloatArray:
         """Return the vectors of ``indices``.
 
         Parameters
@@ -222,7 +230,8 @@ class Embedding(Layer):
         out, self._cache = F.embedding_forward(indices, self.params["weight"])  # (...) -> (..., dim)
         return out
 
-    def backward(self, dout, retain_cache=False, *, check=True):
+    def backward(self, dout: FloatArray, retain_cache: bool = False, *,
+                 check: bool = True) -> None:
         """Accumulate the gradient of ``weight`` into ``grads``; return None.
 
         Parameters

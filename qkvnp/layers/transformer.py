@@ -9,10 +9,16 @@ Each layer calls its ops of :mod:`qkvnp.functional` (the math is in
 ``backward`` calls their sub-layers' backwards in the reverse order of the
 forward, line for line.
 """
+from __future__ import annotations
+
+from typing import Any
+
+
 import numpy as np
 
 from .. import functional as F
 from .._checks import as_float_array, check_int, is_real_number, layer_dtype, make_rng
+from .._typing import DTypeLike, FloatArray
 from ..dropout import check_dropout_p, spawn_generator
 from ..transformer_ops import GELU_APPROXIMATIONS
 from .attention import MultiHeadAttention
@@ -57,7 +63,8 @@ class LayerNorm(Layer):
 
     supports_complex_step = True
 
-    def __init__(self, dim, eps=1e-5, *, dtype=np.float64):
+    def __init__(self, dim: int, eps: float = 1e-05, *,
+                 dtype: DTypeLike = np.float64) -> None:
         self.dim = check_int(dim, "dim", 1)
         if not is_real_number(eps) or not 0.0 < float(eps) < np.inf:
             raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
@@ -70,7 +77,7 @@ class LayerNorm(Layer):
 
     _repr_fields = ("dim", "eps", "dtype")
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         """Normalise each row of ``x`` ``(..., E)``; return ``(..., E)``."""
         x = as_float_array(x, "x", self.dtype)
         if x.ndim < 1 or x.shape[-1] != self.dim:
@@ -79,7 +86,7 @@ class LayerNorm(Layer):
                                                 self.eps)
         return out
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
         """Accumulate ``dscale`` and ``dshift``; return ``dx`` ``(..., E)``."""
         cache = self._need_cache()
         dx, dscale, dshift = F.layer_norm_backward(dout, cache)
@@ -108,7 +115,7 @@ class GELU(Layer):
 
     supports_complex_step = True
 
-    def __init__(self, approximate="tanh"):
+    def __init__(self, approximate: str = "tanh") -> None:
         if approximate not in GELU_APPROXIMATIONS:
             raise ValueError(f"approximate must be one of {GELU_APPROXIMATIONS}, got "
                              f"{approximate!r}")
@@ -119,12 +126,12 @@ class GELU(Layer):
 
     _repr_fields = ("approximate",)
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         """GELU of every entry of ``x``."""
         out, self._cache = F.gelu_forward(x, self.approximate)
         return out
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
         """Return ``dx = dout * gelu'(x)``."""
         cache = self._need_cache()
         dx = F.gelu_backward(dout, cache)
@@ -160,7 +167,7 @@ class Dropout(Layer):
 
     supports_complex_step = True
 
-    def __init__(self, p=0.5, *, rng=None):
+    def __init__(self, p: float = 0.5, *, rng: np.random.Generator | int | None = None) -> None:
         self.p = check_dropout_p(p, "p")
         self.dropout_rng = spawn_generator(make_rng(rng))
         self.params = {}
@@ -169,11 +176,12 @@ class Dropout(Layer):
 
     _repr_fields = ("p",)
 
-    def generators(self):
+    def generators(self) -> Any:
         """``{"dropout_rng": the Generator that draws the masks}``."""
         return {"dropout_rng": self.dropout_rng}
 
-    def forward(self, x, *, mask=None, rng=None):
+    def forward(self, x: Any, *, mask: Any = None,
+                rng: np.random.Generator | int | None = None) -> Any:
         """Drop entries of ``x`` (a given ``mask``, or one drawn in training mode)."""
         if mask is None and (not self.training or self.p == 0.0):
             out, self._cache = F.activation_dropout_forward(x, 0.0)
@@ -184,7 +192,7 @@ class Dropout(Layer):
             x, self.p, rng=self.dropout_rng if rng is None else rng, mask=mask)
         return out
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
         """Return ``dout`` masked and scaled as the forward was."""
         cache = self._need_cache()
         dx = F.activation_dropout_backward(dout, cache)
@@ -212,7 +220,7 @@ class Sequential(Model):
 
     supports_complex_step = True
 
-    def __init__(self, layers):
+    def __init__(self, layers: Any) -> None:
         layers = list(layers)
         for i, layer in enumerate(layers):
             if not isinstance(layer, Layer):
@@ -230,13 +238,13 @@ class Sequential(Model):
     def __iter__(self):
         return (self[i] for i in range(self._count))
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         """Each layer's forward, in order."""
         for layer in self:
             x = layer.forward(x)
         return x
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
         """Each layer's backward, in reverse order."""
         for layer in reversed(list(self)):
             dout = layer.backward(dout, retain_cache)
@@ -275,8 +283,9 @@ class FeedForward(Model):
 
     supports_complex_step = True
 
-    def __init__(self, emb_dim, hidden_dim=None, *, rng=None, dtype=np.float64,
-                 approximate="tanh"):
+    def __init__(self, emb_dim: int, hidden_dim: int | None = None, *,
+                 rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64,
+                 approximate: str = "tanh") -> None:
         self.emb_dim = check_int(emb_dim, "emb_dim", 1)
         self.hidden_dim = 4 * self.emb_dim if hidden_dim is None else check_int(hidden_dim,
                                                                                 "hidden_dim", 1)
@@ -288,11 +297,11 @@ class FeedForward(Model):
         ])
         self.zero_grad()
 
-    def forward(self, x):
+    def forward(self, x: Any) -> Any:
         """``(..., E) -> (..., E)``."""
         return self.layers.forward(x)  # (..., E) -> (..., F) -> (..., E)
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
         """Accumulate the linears' gradients; return ``dx`` ``(..., E)``."""
         return self.layers.backward(dout, retain_cache)
 
@@ -354,8 +363,10 @@ class TransformerBlock(Model):
 
     supports_complex_step = True  # on the reference path (qkvnp.gradcheck)
 
-    def __init__(self, emb_dim, num_heads, dropout=0.0, qkv_bias=False, *, hidden_dim=None,
-                 rng=None, dtype=np.float64, impl="auto", approximate="tanh", num_kv_heads=None):
+    def __init__(self, emb_dim: int, num_heads: int, dropout: float = 0.0, qkv_bias: bool = False,
+                 *, hidden_dim: int | None = None, rng: np.random.Generator | int | None = None,
+                 dtype: DTypeLike = np.float64, impl: str = "auto", approximate: str = "tanh",
+                 num_kv_heads: int | None = None) -> None:
         rng = make_rng(rng)
         self.att = MultiHeadAttention(emb_dim, num_heads, rng=rng, dtype=dtype, impl=impl,
                                       qkv_bias=qkv_bias, out_bias=True, dropout=dropout,
@@ -370,15 +381,15 @@ class TransformerBlock(Model):
         self.zero_grad()
 
     @property
-    def impl(self):
+    def impl(self) -> Any:
         """The attention's path (:mod:`qkvnp.kernels`); assignable."""
         return self.att.impl
 
     @impl.setter
-    def impl(self, value):
+    def impl(self, value: Any) -> None:
         self.att.impl = value
 
-    def forward(self, x, *, dropout_masks=None):
+    def forward(self, x: FloatArray, *, dropout_masks: dict[str, Any] | None = None) -> Any:
         """The block on ``x`` ``(..., T, E)``; return ``(..., T, E)``.
 
         Parameters
@@ -402,7 +413,7 @@ class TransformerBlock(Model):
         self._cache = (residual1, residual2)
         return out
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
         """Accumulate every sub-layer's gradients; return ``dx`` ``(..., T, E)``."""
         residual1, residual2 = self._need_cache()
         dx, dh = F.residual_add_backward(dout, residual2)
@@ -416,7 +427,7 @@ class TransformerBlock(Model):
         self._release_cache(retain_cache)
         return dx
 
-    def decode(self, x, kv_cache):
+    def decode(self, x: Any, kv_cache: Any) -> Any:
         """One inference step on the new tokens ``x`` ``(..., T, E)`` through ``kv_cache``.
 
         Runs the pure ops on the parameters (no layer cache is touched but

@@ -44,17 +44,21 @@ Format versions: 1 had no ``history/`` entries; 2 (this one) adds them.
 Version 1 files are refused, with the advice to train again (see
 :func:`load_checkpoint`).
 """
+from __future__ import annotations
+
 import json
 import math
 import os
 import stat
 import zipfile
 from collections import namedtuple
+from typing import Any, Callable
 
 import numpy as np
 
 from .._checks import check_int
 from .._io import atomic_write
+from .._typing import FloatArray
 
 __all__ = [
     "FORMAT_VERSION",
@@ -120,8 +124,10 @@ def write_npz_atomic(path, arrays):
     return path
 
 
-def save_checkpoint(path, params, optimizer_state, step, rng_state, config, history, *,
-                    generator_states=None):
+def save_checkpoint(path: str | str | os.PathLike[str], params: dict[str, FloatArray],
+                    optimizer_state: dict[str, FloatArray], step: int, rng_state: dict[str, Any],
+                    config: dict[str, Any], history: dict[str, Any], *,
+                    generator_states: dict[str, Any] | None = None) -> str:
     """Save a training state to ``path`` atomically.
 
     Parameters
@@ -391,7 +397,8 @@ def _check_meta_headers(headers, path):
                                   f"characters, more than a checkpoint writes (<= {MAX_TEXT:,})")
 
 
-def load_checkpoint(path, layout=None):
+def load_checkpoint(path: str | str | os.PathLike[str],
+                    layout: Callable[..., Any] | None = None) -> Checkpoint:
     """Read and validate a checkpoint written by :func:`save_checkpoint`.
 
     Every entry's name, shape and dtype are checked from the archive's

@@ -10,8 +10,11 @@ sizes it implies (parameters, the largest batch array) against
 :data:`MAXIMA`, so that neither a typo on the command line nor a hostile
 checkpoint can make the app allocate gigabytes before it says no.
 """
+from __future__ import annotations
+
 import dataclasses
 import math
+from typing import Any, Mapping
 
 from .._checks import check_int
 
@@ -107,17 +110,17 @@ class TrainConfig:
     """
 
     task: str = "kv-recall"
-    steps: int = None
-    lr: float = None
+    steps: int = None  # type: ignore[assignment]  # None: resolved() fills the default
+    lr: float = None  # type: ignore[assignment]  # None: resolved() fills the default
     optimizer: str = "adam"
     momentum: float = 0.9
-    weight_decay: float = None
+    weight_decay: float = None  # type: ignore[assignment]  # None: resolved() fills the default
     schedule: str = "cosine"
     warmup: int = 50
     batch_size: int = 64
     seed: int = 0
     dtype: str = "float64"
-    eval_every: int = None
+    eval_every: int = None  # type: ignore[assignment]  # None: resolved() fills the default
     eval_size: int = 2000
     num_keys: int = 64
     num_values: int = 64
@@ -129,7 +132,7 @@ class TrainConfig:
     seq_len: int = 8
     dropout: float = 0.0
 
-    def resolved(self):
+    def resolved(self) -> TrainConfig:
         """A copy with defaults filled in and every field checked.
 
         Raises
@@ -195,12 +198,12 @@ class TrainConfig:
                 raise ValueError(_too_big(config, name, size))
         return config
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data):
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
         """Rebuild from :meth:`to_dict`; unknown keys raise ``ValueError``."""
         if not isinstance(data, dict):
             raise TypeError(f"a configuration must be a dict, got {type(data).__name__}")

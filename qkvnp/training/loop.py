@@ -40,6 +40,8 @@ or 143. A second signal aborts at once without saving.
 
 The command line itself is :mod:`qkvnp.training.command`.
 """
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import errno
@@ -50,6 +52,7 @@ import sys
 import threading
 import time
 from collections import namedtuple
+from typing import Any, Callable
 
 import numpy as np
 
@@ -478,8 +481,10 @@ def _check_finite(model, step, config, loss=0.0):
         )
 
 
-def train(config, *, resume=None, save=None, save_every=None, callback=None,
-          save_on_interrupt=True):
+def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpoint | None = None,
+          save: str | str | os.PathLike[str] | None = None, save_every: int | None = None,
+          callback: Callable[..., Any] | None = None,
+          save_on_interrupt: bool = True) -> TrainResult:
     """Train the model of ``config``; optionally resume from / save to a checkpoint.
 
     Parameters
@@ -561,7 +566,7 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None,
     initial = evaluate(model, task, heldout_batch)
     data_rng = streams.data
     step = 0
-    history = {key: [] for key in HISTORY_FIELDS}
+    history: dict[str, list[float]] = {key: [] for key in HISTORY_FIELDS}
     if resume is not None:
         history = _restore(resume, config, model, optimizer, data_rng)
         step = resume.step

@@ -10,10 +10,16 @@ so an optimizer built on ``model.params`` that updates arrays in place trains
 the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
 ``zero_grad()`` resets it.
 """
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
 import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
+from .._typing import DTypeLike, FloatArray, IntArray
 from ..dropout import check_dropout_p, spawn_generator
 from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
 
@@ -124,8 +130,9 @@ class KVRecallModel(Model):
     True
     """
 
-    def __init__(self, num_keys, num_values, dim, variant="separate", rng=None, dtype=np.float64,
-                 *, dropout=0.0):
+    def __init__(self, num_keys: int, num_values: int, dim: int, variant: str = "separate",
+                 rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64, *,
+                 dropout: float = 0.0) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
         rng = make_rng(rng)
@@ -136,8 +143,9 @@ class KVRecallModel(Model):
         self.num_keys, self.num_values, self.dim = num_keys, num_values, dim
         self.readout = Linear(dim, num_values, rng=rng, dtype=self.dtype)
         self._own = {"query_marker": rng.standard_normal(dim).astype(self.dtype)}
-        self.roles = tuple(None if name is None else "attention." + name
-                           for name in VARIANTS[variant])
+        # the query's and the key's matrix, and the value's (None: no value projection)
+        self.roles: tuple[str, str, Optional[str]] = tuple(  # type: ignore[assignment]
+            None if name is None else "attention." + name for name in VARIANTS[variant])
         for name in dict.fromkeys(self.roles):  # each distinct matrix once, in order
             if name is not None:
                 self._own[name] = xavier_uniform(rng, dim, dim, self.dtype)
@@ -147,7 +155,8 @@ class KVRecallModel(Model):
         self._cache = None  # the sub-layers registered by assignment, in this order
         self.zero_grad()
 
-    def forward(self, keys, values, query, return_weights=False):
+    def forward(self, keys: IntArray, values: IntArray, query: IntArray,
+                return_weights: bool = False) -> FloatArray | tuple[FloatArray, FloatArray]:
         """Logits of the value stored under ``query``.
 
         Parameters
@@ -218,7 +227,7 @@ class KVRecallModel(Model):
             return logits, F.dropped_weights(attention_cache)[:, 0]  # (B, 1, P) -> (B, P)
         return logits
 
-    def backward(self, dlogits, retain_cache=False):
+    def backward(self, dlogits: FloatArray, retain_cache: bool = False) -> None:
         """Accumulate every parameter's gradient into ``grads``.
 
         Parameters
@@ -308,19 +317,21 @@ class AttentionRegressor(Model):
     ['attention.W_key', 'attention.W_out']
     """
 
-    def __init__(self, embed_dim, num_heads, rng=None, dtype=np.float64, *, dropout=0.0):
+    def __init__(self, embed_dim: int, num_heads: int,
+                 rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64, *,
+                 dropout: float = 0.0) -> None:
         self.attention = MultiHeadAttention(embed_dim, num_heads, bias=True, rng=make_rng(rng),
                                             dtype=dtype, dropout=dropout)
         self.dtype = self.attention.dtype
         self._cache = None
         self.zero_grad()
 
-    def forward(self, x, return_weights=False):
+    def forward(self, x: FloatArray, return_weights: bool = False) -> Any:
         """Self-attention of ``x``: ``(B, T, E) -> (B, T, E)`` (and weights ``(B, H, T, T)``)."""
         self._cache = True
         return self.attention.forward(x, return_weights=return_weights)
 
-    def backward(self, dout, retain_cache=False):
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> Any:
         """Accumulate into ``grads``; return ``dx`` ``(B, T, E)``."""
         self._need_cache()
         dx = self.attention.backward(dout, retain_cache)

@@ -27,11 +27,14 @@ weights, the partner pairing). The held-out
 set therefore never shares a draw with the training stream, and a run is a
 pure function of its seed.
 """
+from __future__ import annotations
+
 from collections import namedtuple
 
 import numpy as np
 
 from .._checks import check_int, make_rng
+from .._typing import DTypeLike
 
 __all__ = [
     "Streams",
@@ -52,7 +55,7 @@ PartnerBatch = namedtuple("PartnerBatch", "keys values query target position own
 TeacherBatch = namedtuple("TeacherBatch", "x target")
 
 
-def make_streams(seed):
+def make_streams(seed: int) -> Streams:
     """Four independent generators derived from one integer ``seed``.
 
     Parameters
@@ -104,7 +107,7 @@ class KVRecallTask:
     name = "kv-recall"
     kind = "classification"
 
-    def __init__(self, num_keys=32, num_values=32, num_pairs=8):
+    def __init__(self, num_keys: int = 32, num_values: int = 32, num_pairs: int = 8) -> None:
         self.num_keys = check_int(num_keys, "num_keys", 1)
         self.num_values = check_int(num_values, "num_values", 1)
         self.num_pairs = check_int(num_pairs, "num_pairs", 1)
@@ -114,7 +117,7 @@ class KVRecallTask:
                 f"distinct), got num_pairs={self.num_pairs}"
             )
 
-    def sample(self, rng, batch_size):
+    def sample(self, rng: np.random.Generator | int | None, batch_size: int) -> KVBatch:
         """Draw ``batch_size`` sequences.
 
         Parameters
@@ -142,7 +145,7 @@ class KVRecallTask:
                        keys[rows, position].astype(np.int64),
                        values[rows, position].astype(np.int64), position.astype(np.int64))
 
-    def chance_accuracy(self):
+    def chance_accuracy(self) -> float:
         """Accuracy of guessing: ``1 / num_values``."""
         return 1.0 / self.num_values
 
@@ -233,14 +236,16 @@ class PartnerTask(KVRecallTask):
     name = "partner"
     kind = "classification"
 
-    def __init__(self, num_keys=64, num_values=64, num_pairs=16, rng=None):
+    def __init__(self, num_keys: int = 64, num_values: int = 64, num_pairs: int = 16,
+                 rng: np.random.Generator | int | None = None) -> None:
         super().__init__(num_keys, num_values, num_pairs)
         if self.num_pairs < 2:
             raise ValueError(f"num_pairs must be >= 2 (the query key and its partner are both "
                              f"stored), got num_pairs={self.num_pairs}")
         self.partner = draw_pairing(self.num_keys, rng)
 
-    def sample(self, rng, batch_size):
+    def sample(self, rng: np.random.Generator | int | None,  # type: ignore[override]
+               batch_size: int) -> PartnerBatch:  # KVBatch's fields and ``own``
         """Draw ``batch_size`` sequences.
 
         Parameters
@@ -308,7 +313,9 @@ class TeacherTask:
     name = "teacher"
     kind = "regression"
 
-    def __init__(self, embed_dim=16, num_heads=2, seq_len=8, rng=None, dtype=np.float64):
+    def __init__(self, embed_dim: int = 16, num_heads: int = 2, seq_len: int = 8,
+                 rng: np.random.Generator | int | None = None,
+                 dtype: DTypeLike = np.float64) -> None:
         from ..layers import MultiHeadAttention
 
         rng = make_rng(rng)
@@ -321,7 +328,7 @@ class TeacherTask:
         self.num_heads = self.teacher.num_heads
         self.dtype = self.teacher.dtype
 
-    def sample(self, rng, batch_size):
+    def sample(self, rng: np.random.Generator, batch_size: int) -> TeacherBatch:
         """Draw ``batch_size`` inputs and the teacher's outputs.
 
         Returns

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class TextConfig:
     ``sample_length`` bytes.
     """
 
-    text: str = None
+    text: Optional[str] = None
     corpus_bytes: int = DEFAULT_CORPUS_BYTES
     context: int = 64
     emb_dim: int = 64
