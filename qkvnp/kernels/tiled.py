@@ -313,7 +313,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
                        block_q, block_k, live, dropout, bound)
     # query blocks are independent: threads share them, each writing its own rows
     flops = 2 * math.prod(lead) * T * S * (D + Dv)
-    run(lambda part: forward_rows(problem, part, out, row_maxes, row_sums),
+    run(lambda part: _quiet_blas(forward_rows, problem, part, out, row_maxes, row_sums),
         list(enumerate(range(0, T, block_q))), flops)
     cache = TiledAttentionCache(
         query, key, value, bias, keep, is_causal, scale, out, row_maxes, row_sums,
@@ -321,6 +321,20 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     )
     # the backward reads out: a caller editing the returned array must not change it
     return (out.copy() if returned_out else out), cache
+
+
+def _quiet_blas(blocks, *args):
+    """``blocks(*args)`` with numpy's invalid-value report off, in the thread that runs it.
+
+    NOTE: OpenBLAS's kernels may leave the FE_INVALID flag set on finite
+    operands, which numpy reports as "invalid value encountered in matmul"
+    (seen rarely, float32, in this path's row sums ``scores @ ones``; as in
+    qkvnp.kernels.fast.dense_backward). The inputs are checked finite and
+    the blocks test their sums explicitly (a NaN fails ``>=``): the flag is
+    noise. np.errstate is per thread, so each worker sets it for its share.
+    """
+    with np.errstate(invalid="ignore"):
+        return blocks(*args)
 
 
 def _reference_forward(originals, is_causal, scale, block_size, out, dropout_args):
@@ -471,7 +485,8 @@ def _attention_backward(dout, cache, grads_out=None):
             partials[part[0][0]] = own = np.zeros_like(dq)
         else:
             own = dq
-        backward_columns(problem, part, dout, shift, inv_sum, delta, own, dkey, dvalue)
+        _quiet_blas(backward_columns, problem, part, dout, shift, inv_sum, delta, own, dkey,
+                    dvalue)
 
     run(task, blocks, 4 * math.prod(lead) * T * S * (D + Dv))
     for first in sorted(partials):
