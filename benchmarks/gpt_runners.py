@@ -398,9 +398,13 @@ def serve():
                 runner.repeat(command["method"], command["calls"])
                 reply = {"seconds": time.perf_counter() - start}
             elif op == "products":
+                from qkvnp.kernels import blas_threads
+
+                config = GPTConfig(*spec["config"])
                 with runner.impl.pinned():
-                    reply = {"seconds": time_products(GPTConfig(*spec["config"]),
-                                                      command["repeats"])}
+                    reply = {"seconds": time_products(config, command["repeats"])}
+                with blas_threads(1):
+                    reply["one_thread_seconds"] = time_products(config, command["repeats"])
             elif op == "profile":
                 reply = _profile(runner, command["steps"])
             else:
