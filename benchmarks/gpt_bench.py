@@ -256,10 +256,6 @@ def measure_step_memory(library, config, threads=None, torch_threads=TORCH_THREA
         ``step_mib``, ``peak_mib``, ``tracemalloc_mib``, ``method``; or
         ``error`` (the child's last line), or ``missing`` (no torch).
     """
-    import importlib.util
-
-    if library == "torch" and importlib.util.find_spec("torch") is None:
-        return {"missing": "PyTorch is not installed (pip install 'qkvnp[torch]')"}
     spec = json.dumps({"library": library, "config": list(config), "threads": threads,
                        "torch_threads": torch_threads})
     code = ("import sys; sys.path[:0] = sys.argv[2:]; "
@@ -382,8 +378,9 @@ def format_report(report):
                          f" relative (tolerance {record['check']['tolerance']:g})")
         if record["qkvnp"]:
             lines.append(f"    qkvnp {_cell(record['qkvnp'])} ms ({record['qkvnp']['per_s']:.1f}"
-                         f" steps/s); PyTorch {_cell(record['torch'])} ms"
-                         + (f" ({record['torch']['per_s']:.1f} steps/s)" if record["torch"] else ""))
+                         " steps/s)" + (f"; PyTorch {_cell(record['torch'])} ms "
+                                        f"({record['torch']['per_s']:.1f} steps/s)"
+                                        if record["torch"] else ""))
             lines.append(f"    qkvnp / PyTorch steps per second: {_verdict(record)}")
         products = record.get("products")
         if products:
@@ -428,9 +425,9 @@ def format_report(report):
             lines.append(f"    same tokens in both: {'yes' if record['same_tokens'] else 'NO'}")
         if record["qkvnp"]:
             lines.append(f"    qkvnp {_cell(record['qkvnp'])} ms ({record['qkvnp']['per_s']:.0f}"
-                         f" tokens/s); PyTorch {_cell(record['torch'])} ms"
-                         + (f" ({record['torch']['per_s']:.0f} tokens/s)" if record["torch"]
-                            else ""))
+                         " tokens/s)" + (f"; PyTorch {_cell(record['torch'])} ms "
+                                         f"({record['torch']['per_s']:.0f} tokens/s)"
+                                         if record["torch"] else ""))
             lines.append(f"    qkvnp / PyTorch tokens per second: {_verdict(record)}")
     return "\n".join(lines)
 

@@ -8,7 +8,6 @@ status and JSON report on a tiny configuration (the libraries' losses and
 tokens cross-checked by the command itself); a lower bound in closed form
 for the step's traced memory.
 """
-import importlib.util
 import json
 import os
 import sys
@@ -32,7 +31,14 @@ TINY = GPTConfig(64, 16, 16, 2, 1, 2)
 TINY_ARGS = ["--configs", "64,16,16,2,1,2", "--generate", "64,16,16,2,1,2", "--repeats", "1",
              "--warmup", "0", "--pause", "0", "--round-time", "0.001", "--no-memory",
              "--torch-threads", "1"]  # seconds on a busy machine (2 threads: 25 s)
-HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +155,7 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     assert len(train["qkvnp"]["times_ms"]) == 1 and train["qkvnp"]["per_s"] > 0
     assert train["products"]["flops"] == products_flops(step_products(TINY))
     assert generate["new_tokens"] == TINY.context - make_data(TINY)["prompt"].shape[1]
-    if HAS_TORCH:
+    if _has_torch():
         assert train["check"]["max_rel_err"] <= LOSS_TOLERANCE
         assert generate["same_tokens"] is True
         assert train["ratio"] == pytest.approx(train["qkvnp"]["per_s"] / train["torch"]["per_s"])
@@ -175,3 +181,37 @@ def test_step_memory_of_qkvnp_in_a_fresh_process():
     logits_mib = config.batch * config.context * config.vocab * 4 / 2.0 ** 20
     assert measured["tracemalloc_mib"] >= logits_mib
     assert measured["peak_mib"] >= measured["step_mib"] >= 0
+
+
+def test_profile_of_a_qkvnp_step_gives_shares_of_its_time(tmp_path):
+    # oracle: each function's own time is part of the profiled total, so the
+    # shares lie in [0, 1], come largest first and sum to at most 1
+    worker = gpt_bench.GPTWorker("qkvnp")
+    try:
+        path = str(tmp_path / "data.npz")
+        np.savez(path, **make_data(TINY))
+        worker.request("setup", spec={"library": "qkvnp", "task": "train", "config": list(TINY),
+                                      "data": path, "threads": None})
+        profile = worker.request("profile", steps=2)
+    finally:
+        worker.close()
+    shares = [share for _, share in profile["top"]]
+    assert profile["steps"] == 2 and len(shares) > 0
+    assert all(0 <= share <= 1 for share in shares) and sum(shares) <= 1 + 1e-9
+    assert shares == sorted(shares, reverse=True)
+    assert not any("marshal" in name or "compile" in name for name, _ in profile["top"])
+
+
+def test_doctests_of_the_gpt_benchmark_modules():
+    # benchmarks/ is outside pytest's testpaths: the loss check and the
+    # products' count by hand run here
+    import subprocess
+
+    benchmarks = os.path.dirname(os.path.abspath(gpt_bench.__file__))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "--doctest-modules", os.path.join(benchmarks, "gpt_bench.py"),
+                           os.path.join(benchmarks, "gpt_runners.py"),
+                           os.path.join(benchmarks, "gpt_torch.py")],
+                          cwd=os.path.dirname(benchmarks), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout, done.stdout
