@@ -106,9 +106,11 @@ class _Qkvnp:
         from_torch(self.model, _weights(data), "book.GPTModel")
         self.index = 0
         if task == "train":
+            from qkvnp.losses import cross_entropy_backward, cross_entropy_forward
             from qkvnp.optim import AdamW
 
             self.optimizer = AdamW(self.model.params, lr=LR, weight_decay=WEIGHT_DECAY)
+            self.loss_forward, self.loss_backward = cross_entropy_forward, cross_entropy_backward
         else:
             self.model.eval()
         self.threads = threads
@@ -128,16 +130,14 @@ class _Qkvnp:
 
     def forward_backward(self):
         """One training step on the next batch; returns the loss."""
-        from qkvnp.losses import cross_entropy_backward, cross_entropy_forward
-
         inputs = self.data["inputs"][self.index % BATCHES]
         targets = self.data["targets"][self.index % BATCHES]
         self.index += 1
         model = self.model
         model.zero_grad()
         logits = model.forward(inputs)  # (B, C) -> (B, C, V)
-        loss, cache = cross_entropy_forward(logits, targets)
-        model.backward(cross_entropy_backward(1.0, cache))
+        loss, cache = self.loss_forward(logits, targets)
+        model.backward(self.loss_backward(1.0, cache))
         self.optimizer.step(model.grads)
         return float(loss)
 
