@@ -386,7 +386,7 @@ def format_report(report):
         if products:
             line = (f"    its matrix products ({products['calls']} calls, {products['count']} "
                     f"2-D products, {products['flops'] / 1e9:.3g} GFLOP) on random arrays: "
-                    f"{products['ms']:.3g} ms with numpy's threads, {products['one_thread_ms']:.3g}"
+                    f"{products['ms']:.3g} ms with the step's BLAS threads, {products['one_thread_ms']:.3g}"
                     f" on one; floor {products['floor_ms']:.3g} ms ({products['gflops']:.3g} "
                     f"GFLOP/s), {100 * products['share']:.0f}% of qkvnp's step")
             if "floor_ratio" in products:
@@ -400,6 +400,10 @@ def format_report(report):
                                                      if held else
                                                      "not held by the BLAS: the rest of the "
                                                      "step costs the difference"))
+        if record.get("profile"):
+            lines.append(f"    cProfile of {record['profile']['steps']} qkvnp steps, own time "
+                         "(it includes the `@` products a function issues: cProfile sees no "
+                         "operators):")
         for name, share in (record.get("profile") or {}).get("top", [])[:8]:
             lines.append(f"      {100 * share:5.1f}%  {name}")
     if report["memory"]:
