@@ -50,8 +50,9 @@ if HERE not in sys.path:
 import numpy as np  # noqa: E402
 
 import qkvnp  # noqa: E402
-from gpt_runners import (CHECK_STEPS, CONFIGS, LOSS_TOLERANCE, TORCH_THREADS, GPTConfig,  # noqa: E402
-                         make_data, products_flops, step_products)
+from gpt_runners import (  # noqa: E402
+    CHECK_STEPS, CONFIGS, LOSS_TOLERANCE, TORCH_THREADS, GPTConfig, make_data, products_flops,
+    step_products)
 from qkvnp._io import atomic_write  # noqa: E402  (the package's one atomic write)
 from workers import WorkerError, time_alternating  # noqa: E402
 
@@ -374,7 +375,8 @@ def format_report(report):
         if record["status"] != "ok" or record["reason"]:
             lines.append(f"    {record['reason']}")
         if record["check"]:
-            lines.append(f"    first {CHECK_STEPS} losses agree to {record['check']['max_rel_err']:.2g}"
+            error = record["check"]["max_rel_err"]
+            lines.append(f"    first {CHECK_STEPS} losses agree to {error:.2g}"
                          f" relative (tolerance {record['check']['tolerance']:g})")
         if record["qkvnp"]:
             lines.append(f"    qkvnp {_cell(record['qkvnp'])} ms ({record['qkvnp']['per_s']:.1f}"
@@ -386,9 +388,10 @@ def format_report(report):
         if products:
             line = (f"    its matrix products ({products['calls']} calls, {products['count']} "
                     f"2-D products, {products['flops'] / 1e9:.3g} GFLOP) on random arrays: "
-                    f"{products['ms']:.3g} ms with the step's BLAS threads, {products['one_thread_ms']:.3g}"
-                    f" on one; floor {products['floor_ms']:.3g} ms ({products['gflops']:.3g} "
-                    f"GFLOP/s), {100 * products['share']:.0f}% of qkvnp's step")
+                    f"{products['ms']:.3g} ms with the step's BLAS threads, "
+                    f"{products['one_thread_ms']:.3g} on one; floor {products['floor_ms']:.3g} "
+                    f"ms ({products['gflops']:.3g} GFLOP/s), {100 * products['share']:.0f}% of "
+                    "qkvnp's step")
             if "floor_ratio" in products:
                 line += (f"; qkvnp would be {products['floor_ratio']:.2f}x PyTorch if they "
                          "were all its step cost")

@@ -264,7 +264,7 @@ def make_runner(library, task, config, data, threads=None):
 
 
 def step_products(config):
-    """The matrix products of one training step, as ``(count, m, k, n)``: count products of (m, k) @ (k, n).
+    """The matrix products of one training step: ``(count, m, k, n)``, count (m, k) @ (k, n) each.
 
     Forward, per block: the query, key, value and output projections
     ``(B*C, E) @ (E, E)``, per (batch, head) ``Q K^T`` ``(C, D) @ (D, C)`` and

@@ -1,4 +1,4 @@
-"""The book's GPT (chapter 4) in PyTorch, with a KV cache for decoding: the GPT benchmark's opponent.
+"""The book's GPT (chapter 4) in PyTorch, with a KV cache for decoding: the benchmark's opponent.
 
 Shape key: B batch, T new tokens, S = past + T keys, E embedding, H heads,
 D = E // H head dim, V vocabulary, C context length.

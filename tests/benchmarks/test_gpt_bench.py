@@ -1,4 +1,4 @@
-"""Tests of the GPT benchmark (benchmarks/gpt_bench.py and its modules): fast, no wall-clock assertions.
+"""Tests of the GPT benchmark (benchmarks/gpt_bench.py, its modules): fast, no timing asserted.
 
 Oracles: the FLOPs of a GPT step in closed form; qkvnp's GPTModel (itself
 checked against autograd in tests/test_gpt_torch.py) for the benchmark's
