@@ -1,4 +1,4 @@
-"""Tests of the GPT benchmark (benchmarks/gpt_bench.py, its modules): fast, no timing asserted.
+"""Tests of the GPT benchmark (benchmarks/gpt_compare.py, its modules): fast, no timing asserted.
 
 Oracles: the FLOPs of a GPT step in closed form; qkvnp's GPTModel (itself
 checked against autograd in tests/test_gpt_torch.py) for the benchmark's
@@ -19,7 +19,7 @@ import pytest
 # from the checkout's benchmarks/ as top-level modules, as test_bench.py does.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                 os.pardir, "benchmarks"))
-import gpt_bench  # noqa: E402  (benchmarks/gpt_bench.py)
+import gpt_compare  # noqa: E402  (benchmarks/gpt_compare.py)
 from gpt_runners import (LOSS_TOLERANCE, GPTConfig, book_config, make_data,  # noqa: E402
                          products_flops, step_products)
 from gpt_torch import book_gpt, generate_cached  # noqa: E402
@@ -131,10 +131,10 @@ def test_torch_kv_cache_decoding_equals_recomputing_the_context(torch):
 def test_loss_check_refuses_a_different_trajectory(relative, accepted):
     # oracle: a known perturbation of a known loss sequence
     losses = np.array([5.5, 5.4, 5.3])
-    error, ok = gpt_bench.check_losses(losses * (1 + relative * np.array([0, 1, -1])), losses)
+    error, ok = gpt_compare.check_losses(losses * (1 + relative * np.array([0, 1, -1])), losses)
     assert ok is accepted
     assert error == pytest.approx(relative, rel=1e-6)
-    assert gpt_bench.check_losses([np.nan, 1, 1], losses) == (float("inf"), False)
+    assert gpt_compare.check_losses([np.nan, 1, 1], losses) == (float("inf"), False)
     assert relative < LOSS_TOLERANCE if accepted else relative > LOSS_TOLERANCE
 
 
@@ -143,7 +143,7 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     # generated the same tokens; without torch qkvnp alone is timed), and the
     # JSON report holds what was asked for
     path = tmp_path / "gpt.json"
-    status = gpt_bench.main(TINY_ARGS + ["--json", str(path)])
+    status = gpt_compare.main(TINY_ARGS + ["--json", str(path)])
     out = capsys.readouterr().out
     assert status == 0, out
     with open(path) as stream:
@@ -167,7 +167,7 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
 
 def test_bad_configuration_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
-        gpt_bench.main(["--configs", "64,16,15,2,1,2"])
+        gpt_compare.main(["--configs", "64,16,15,2,1,2"])
     assert "E divisible by H" in capsys.readouterr().err
 
 
@@ -176,7 +176,7 @@ def test_step_memory_of_qkvnp_in_a_fresh_process():
     # the traced peak is at least their size; the peak RSS since before the
     # model was built includes the step's own peak
     config = GPTConfig(256, 16, 16, 2, 1, 4)
-    measured = gpt_bench.measure_step_memory("qkvnp", config)
+    measured = gpt_compare.measure_step_memory("qkvnp", config)
     assert "error" not in measured, measured
     logits_mib = config.batch * config.context * config.vocab * 4 / 2.0 ** 20
     assert measured["tracemalloc_mib"] >= logits_mib
@@ -186,7 +186,7 @@ def test_step_memory_of_qkvnp_in_a_fresh_process():
 def test_profile_of_a_qkvnp_step_gives_shares_of_its_time(tmp_path):
     # oracle: each function's own time is part of the profiled total, so the
     # shares lie in [0, 1], come largest first and sum to at most 1
-    worker = gpt_bench.GPTWorker("qkvnp")
+    worker = gpt_compare.GPTWorker("qkvnp")
     try:
         path = str(tmp_path / "data.npz")
         np.savez(path, **make_data(TINY))
@@ -207,9 +207,9 @@ def test_doctests_of_the_gpt_benchmark_modules():
     # products' count by hand run here
     import subprocess
 
-    benchmarks = os.path.dirname(os.path.abspath(gpt_bench.__file__))
+    benchmarks = os.path.dirname(os.path.abspath(gpt_compare.__file__))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--doctest-modules", os.path.join(benchmarks, "gpt_bench.py"),
+                           "--doctest-modules", os.path.join(benchmarks, "gpt_compare.py"),
                            os.path.join(benchmarks, "gpt_runners.py"),
                            os.path.join(benchmarks, "gpt_torch.py")],
                           cwd=os.path.dirname(benchmarks), capture_output=True, text=True)

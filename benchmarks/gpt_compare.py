@@ -1,4 +1,4 @@
-"""The book's GPT, qkvnp against PyTorch: ``python benchmarks/gpt_bench.py [--json out.json]``.
+"""The book's GPT, qkvnp against PyTorch: ``python benchmarks/gpt_compare.py [--json out.json]``.
 
 Shape key: V vocabulary, C context length, E embedding, H heads, L layers,
 B batch (:class:`gpt_runners.GPTConfig`, written ``(V, C, E, H, L, B)``).
@@ -473,7 +473,7 @@ def _at_least(minimum, kind=int):
 def main(argv=None):
     """The command line; returns the exit status (1 when a check refused a measurement)."""
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/gpt_bench.py", description=__doc__.split("\n\n")[0])
+        prog="python benchmarks/gpt_compare.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", type=_config,
                         default=[("tiny", CONFIGS["tiny"]), ("small", CONFIGS["small"])],
                         metavar="NAME|V,C,E,H,L,B", help="training configurations "
