@@ -173,14 +173,14 @@ def test_bad_configuration_is_refused_by_name(capsys):
 
 def test_step_memory_of_qkvnp_in_a_fresh_process():
     # oracle: the step's logits (B, C, V) float32 are alive at its peak, so
-    # the traced peak is at least their size; the peak RSS since before the
-    # model was built includes the step's own peak
+    # the traced peak is at least their size; the peak RSS during the step is
+    # at least the RSS before it
     config = GPTConfig(256, 16, 16, 2, 1, 4)
     measured = gpt_compare.measure_step_memory("qkvnp", config)
     assert "error" not in measured, measured
     logits_mib = config.batch * config.context * config.vocab * 4 / 2.0 ** 20
-    assert measured["tracemalloc_mib"] >= logits_mib
-    assert measured["peak_mib"] >= measured["step_mib"] >= 0
+    assert measured["tracemalloc_mib"] >= logits_mib, measured
+    assert measured["step_mib"] >= 0, measured
 
 
 def test_profile_of_a_qkvnp_step_gives_shares_of_its_time(tmp_path):
