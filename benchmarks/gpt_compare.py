@@ -20,7 +20,7 @@ over the rounds of the time per call):
   random arrays of the same shapes, timed in qkvnp's worker: their share of
   qkvnp's step, and the speedup qkvnp would have over PyTorch if nothing but
   them cost time. Where that is below a missed target, the BLAS holds the
-  target; a cProfile of qkvnp's step is then added;
+  target. A missed target also gets a cProfile of qkvnp's step;
 - **peak memory of a step**: fresh processes, peak RSS (the method of the
   harness's ``memory.py``; :func:`gpt_runners.memory_child`), target at most
   1.25x PyTorch's;
