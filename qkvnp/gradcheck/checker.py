@@ -348,7 +348,7 @@ def check_function(fun, inputs, vjp, *, method="central", mode="elementwise", dt
         check reproduces.
     num_directions : int
         Directions per tensor in ``"direction"`` mode, at most
-        :data:`MAX_DIRECTIONS` (10,000).
+        ``qkvnp.gradcheck.checker.MAX_DIRECTIONS`` (10,000).
 
     Returns
     -------

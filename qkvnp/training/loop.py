@@ -509,7 +509,7 @@ def train(config, *, resume=None, save=None, save_every=None, callback=None,
         ``qkvnp.training.report.Progress`` is one.
     save_on_interrupt : bool
         Without ``save``, whether an interrupted run writes its checkpoint to
-        :func:`default_checkpoint_path` (default True). The ablation passes
+        ``qkvnp.training.loop.default_checkpoint_path`` (default True). The ablation passes
         False: it stops and keeps none of an interrupted run.
 
     Returns
