@@ -18,7 +18,7 @@ import qkvnp
 from qkvnp.training.text import TextConfig, train_text
 
 config = TextConfig(corpus_bytes=300_000, context=32, emb_dim=48, num_heads=4,
-                    num_layers=2, steps=600, lr=5e-3, eval_every=200,
+                    num_layers=2, steps=600, lr=5e-3, eval_every=100,
                     sample_every=600, sample_length=60)
 log = io.StringIO()
 model, history, _ = train_text(config, stream=log)

@@ -82,7 +82,7 @@ def test_example_runs_and_prints_its_check(name, tmp_path):
         # the run's own report: every evaluation's held-out loss beside the baseline's
         rows = re.findall(r"held-out (\d\.\d+) .* bigram (\d\.\d+)  ratio", result.stdout)
         held = [float(row[0]) for row in rows]
-        assert len(held) == 3 and held[-1] < held[0] and held[-1] < float(rows[-1][1])
+        assert len(held) == 6 and held[-1] < held[0] and held[-1] < float(rows[-1][1])
     if name == "plot_load_torch_weights.py":
         torch_ran = "largest difference from PyTorch" in result.stdout
         assert torch_ran != ("PyTorch is not installed" in result.stdout)
