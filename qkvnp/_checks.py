@@ -417,7 +417,7 @@ def check_scale(scale, head_dim):
             return 1.0
         # NOTE: 1/sqrt(D) with D the *head* dim: it keeps the variance of a score
         # near 1 for unit-variance q, k. Scaling by the embedding size (a bug of
-        # the seeds' tutorial) flattens the softmax as heads are added.
+        # popular attention tutorials) flattens the softmax as heads are added.
         return 1.0 / math.sqrt(head_dim)  # a Python float: np.float64 would upcast float32
     if not is_real_number(scale):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")

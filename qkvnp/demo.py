@@ -71,11 +71,12 @@ __all__ = [
     "walkthrough",
 ]
 
-# ---------------------------------------------------------------- seed data
-# Provenance: the seeds' "self-attention from scratch" walkthrough (the
+# ---------------------------------------------------------------- example data
+# Provenance: the book's "self-attention from scratch" walkthrough (the
 # six-token sentence with hand-picked 3-d embeddings and random 3x2 projection
-# matrices, printed there to 8 digits), copied from issue 2 ("Reproduce the
-# seeds' numbers", case 1), which restates them.
+# matrices, printed there to 8 digits; Sebastian Raschka, Build a Large
+# Language Model (From Scratch), chapter 3), copied from issue 2, case 1,
+# which restates them.
 # Case 3 of the issue (attention without weights) uses the same INPUTS.
 WORDS = ("Your", "journey", "starts", "with", "one", "step")
 INPUTS = np.array(
@@ -98,7 +99,7 @@ W_VALUE = np.array(
     [[0.07563531, 0.19663817], [0.31641197, 0.40174013], [0.1185683, 0.82739538]]
 )
 
-# Provenance: the seeds' plain-numpy attention example (four integer "words"
+# Provenance: a popular tutorial's plain-numpy attention example (four integer "words"
 # and integer weight matrices with entries 0..2, as numpy.random.randint(3,
 # size=(3, 3)) draws them), copied from issue 2, case 2. qkvnp promotes
 # integer input to float64.

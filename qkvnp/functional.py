@@ -83,7 +83,7 @@ def linear_forward(x: FloatArray, W: FloatArray, b: FloatArray | None = None, *,
     ----------
     x : ndarray, shape (..., N)
     W : ndarray, shape (N, M)
-        The seeds' ``x @ W`` convention (PyTorch stores the transpose).
+        The ``x @ W`` convention (PyTorch stores the transpose).
     b : ndarray, shape (M,), optional
     check : bool, keyword-only
         False: the inputs are a composite's own arrays, already checked

@@ -132,7 +132,7 @@ class GPTModel(Model):
         ----------
         cfg : mapping
             ``vocab_size``, ``context_length``, ``emb_dim``, ``n_heads``,
-            ``n_layers``, ``drop_rate``, ``qkv_bias`` (:data:`BOOK_CONFIG_KEYS`);
+            ``n_layers``, ``drop_rate``, ``qkv_bias`` (``qkvnp.gpt.BOOK_CONFIG_KEYS``);
             other keys are refused, so that a typo does not pass silently.
         rng, dtype, impl : keyword-only
             As the constructor's.

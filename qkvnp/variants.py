@@ -59,19 +59,20 @@ VariantCache = namedtuple(
     "sinks_shape sink_weight")
 VariantCache.__doc__ = """What :func:`variant_attention_backward` reads.
 
-query, key, value, weights, scale, dropout_mask, dropout_p : as
-    :class:`qkvnp.functional.AttentionCache` (weights before dropout).
-score_bias_shape : shape of ``score_bias``, or None without one.
-capped : ndarray ``tanh(s / softcap)``, shape (..., T, S), or None without a soft-cap.
-softcap : float or None.
-sinks_shape : shape of ``sinks``, or None without sinks.
-sink_weight : ndarray, shape (..., T, 1), the sink's share
-    ``exp(sink) / (exp(sink) + sum_k exp(s_k))``, or None without sinks.
+- ``query, key, value, weights, scale, dropout_mask, dropout_p``: as
+  :class:`qkvnp.functional.AttentionCache` (weights before dropout).
+- ``score_bias_shape``: the shape of ``score_bias``, or None without one.
+- ``capped``: ndarray ``tanh(s / softcap)``, shape (..., T, S), or None
+  without a soft-cap.
+- ``softcap``: float or None.
+- ``sinks_shape``: the shape of ``sinks``, or None without sinks.
+- ``sink_weight``: ndarray, shape (..., T, 1), the sink's share
+  ``exp(sink) / (exp(sink) + sum_k exp(s_k))``, or None without sinks.
 """
 
 
 class VariantGroupedCache(GroupedCache):
-    """A :class:`qkvnp.gqa.GroupedCache` whose ``shapes`` also hold ``score_bias``'s and ``sinks``'."""
+    """A ``qkvnp.gqa.GroupedCache`` whose ``shapes`` also hold ``score_bias``'s and ``sinks``'."""
 
     __slots__ = ()
 

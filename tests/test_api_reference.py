@@ -20,6 +20,9 @@ API = Path(__file__).resolve().parents[1] / "docs" / "api"
 MODULES = {
     "qkvnp": {"__version__": "a string, stated in the page's introduction"},
     "qkvnp.functional": {},
+    "qkvnp.positions": {},
+    "qkvnp.variants": {},
+    "qkvnp.overflow": {},
     "qkvnp.layers": {},
     "qkvnp.gradcheck": {},
     "qkvnp.interop": {},

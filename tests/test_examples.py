@@ -5,8 +5,8 @@ cached decoding equals one causal forward, a replayed dropout mask gives the
 same output, grouped-query attention equals repeated key/value heads, the
 planted bug fails with the softmax diagnosis and the fixed backward passes,
 the book's printed first context vector, tied Q = K below separate on the
-partner task). The docs build runs the same scripts through sphinx-gallery.
-matplotlib is optional: an example draws its figure (on the Agg backend)
+partner task, the tiny GPT's held-out loss below the bigram baseline's). The
+docs build runs the same scripts through sphinx-gallery. matplotlib is optional: an example draws its figure (on the Agg backend)
 only when matplotlib imports.
 """
 import os
@@ -46,6 +46,12 @@ EXPECTED = {
     "plot_sliding_window_decoder.py": [r"cache bytes after 10, 100, 1000, 2000 steps: (\d+) \1 \1 \1\n",
                                        r"token by token vs full forward: \d\.\d+e-1[4-7]\n",
                                        r"chunks of 37: largest difference \d\.\d+e-1[4-7]\n"],
+    # checked below: the last held-out loss under the bigram baseline's, and under the first
+    "plot_train_tiny_gpt.py": [r"^bigram baseline \(add-one smoothing\), held-out loss \d\.\d+",
+                               r"^step +600 +train \d\.\d+ .* ratio \d\.\d+$",
+                               r"the held-out loss went down: True",
+                               r"the GPT ends below the bigram baseline: True",
+                               r"^def "],
 }
 
 
@@ -72,6 +78,11 @@ def test_example_runs_and_prints_its_check(name, tmp_path):
         accuracy = dict(re.findall(r"(\w+): held-out accuracy ([\d.]+)%", result.stdout))
         # the pair bound: tied Q = K answers about half at best
         assert float(accuracy["tied_qk"]) < 60 < float(accuracy["separate"])
+    if name == "plot_train_tiny_gpt.py":
+        # the run's own report: every evaluation's held-out loss beside the baseline's
+        rows = re.findall(r"held-out (\d\.\d+) .* bigram (\d\.\d+)  ratio", result.stdout)
+        held = [float(row[0]) for row in rows]
+        assert len(held) == 6 and held[-1] < held[0] and held[-1] < float(rows[-1][1])
     if name == "plot_load_torch_weights.py":
         torch_ran = "largest difference from PyTorch" in result.stdout
         assert torch_ran != ("PyTorch is not installed" in result.stdout)

@@ -356,7 +356,7 @@ def check_function(fun: Callable[..., Any], inputs: dict[str, Any], vjp: Callabl
         check reproduces.
     num_directions : int
         Directions per tensor in ``"direction"`` mode, at most
-        :data:`MAX_DIRECTIONS` (10,000).
+        ``qkvnp.gradcheck.checker.MAX_DIRECTIONS`` (10,000).
 
     Returns
     -------

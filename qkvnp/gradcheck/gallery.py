@@ -5,9 +5,10 @@ D = E // H head dim, N input and M output features of a linear map.
 
 Every case keeps the correct forward and plants one bug in the backward
 only: a forward and backward wrong in the same way pass any gradient check.
-The seeds' bugs (a softmax over a single score, a scale by the embedding
-size, a softmax over the wrong axis) are mirrored into the backward; the
-others are the classic slips of hand-written backwards. Each case names the
+Three bugs of popular attention tutorials (a softmax over a single score,
+a scale by the embedding size, a softmax over the wrong axis) are mirrored
+into the backward; the others are the classic slips of hand-written
+backwards. Each case names the
 row that must fail and the diagnosis (:mod:`qkvnp.gradcheck.diagnosis`) it
 must get; :func:`run_gallery` checks the broken and the correct backward
 side by side (``python -m qkvnp gradcheck --gallery``).
@@ -48,7 +49,7 @@ def _attention_inputs(T=3, S=4, D=4, Dv=3):
 
 
 def _single_score(dout, cache):
-    """The seeds' softmax over one score is the constant 1: no gradient reaches q, k."""
+    """A tutorial's softmax over one score is the constant 1: no gradient reaches q, k."""
     dquery, dkey, dvalue = F.attention_backward(dout, cache)
     return np.zeros_like(dquery), np.zeros_like(dkey), dvalue
 
@@ -66,7 +67,7 @@ def _attention_parts(dout, cache, row_sum_axis=-1, weights=None):
 
 
 def _wrong_axis(dout, cache):
-    """The seeds' softmax over the wrong axis, mirrored: the row sum runs over queries."""
+    """A tutorial's softmax over the wrong axis, mirrored: the row sum runs over queries."""
     return _attention_parts(dout, cache, row_sum_axis=-2)
 
 
@@ -217,7 +218,7 @@ def _gelu_inputs(rng):
 
 
 CASES = (
-    Case("softmax over a single score", "the seeds' softmax of one score is constant: "
+    Case("softmax over a single score", "a softmax of one score is constant (a tutorial's bug): "
          "dquery = dkey = 0", F.attention_forward, _single_score, F.attention_backward,
          _attention_inputs(), {}, "query", "zero"),
     Case("scale by the embedding size", "dquery, dkey scaled by 1/sqrt(E) instead of "

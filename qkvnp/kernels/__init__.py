@@ -122,11 +122,11 @@ def choose_path(impl: str, groups: int, T: int, S: int, dtype: DTypeLike,
         above the diagonal.
     value_bound : float
         ``max|value|``, when the fused kernels computed it
-        (:class:`qkvnp.kernels.mha.ScoresMayOverflow`).
+        (``qkvnp.kernels.mha.ScoresMayOverflow``).
     variants : tuple of str
         The attention variants the layer uses (``("rope", "softcap")``,
-        :func:`qkvnp.kernels.variant_layer.active_variants`). The tiled path
-        runs those of :data:`TILED_VARIANTS` (:mod:`qkvnp.kernels.tiled_variants`),
+        ``qkvnp.kernels.variant_layer.active_variants``). The tiled path
+        runs those of :data:`TILED_VARIANTS` (``qkvnp.kernels.tiled_variants``),
         the reference path all of them, the fast path none: a request a path
         cannot serve falls back to the reference, the variants named in the reason.
 
@@ -209,7 +209,7 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
                                   f"weights of {_mib(dense_bytes)} within dense_weights_budget")
 
 
-#: The layer variants the tiled path runs itself (:mod:`qkvnp.kernels.tiled_variants`).
+#: The layer variants the tiled path runs itself (``qkvnp.kernels.tiled_variants``).
 TILED_VARIANTS = ("rope", "position_bias='alibi'", "sinks", "softcap", "window")
 
 

@@ -31,7 +31,7 @@ from 1.06-1.12x PyTorch's time to 0.88-0.89x (medians of three full runs,
 ``benchmarks/RESULTS.md``).
 
 At the other end, a self-attention forward whose every step runs on one
-thread in whole arrays (:func:`qkvnp.kernels.mha_small.applies`: the seeds'
+thread in whole arrays (:func:`qkvnp.kernels.mha_small.applies`: the book's
 and learners' sizes, up to about (8, 16, 32, 4)) is handed to
 :mod:`qkvnp.kernels.mha_small` after the split test: the same math with a
 fifth of this module's bookkeeping (layer fwd+bwd at (1, 6, 3, 1) float64

@@ -8,7 +8,7 @@ and ``backward`` compute (the same fused ``(N, in) @ (in, 3E)`` projection with
 the scale folded into its query part, the same core of
 :mod:`qkvnp.kernels.fast_small`, the same score bound), for the case where
 every step of a self-attention layer runs in the calling thread on whole
-arrays (:func:`applies`): the seeds' (1, 6, 3, 1), (8, 16, 32, 4), the
+arrays (:func:`applies`): the book's (1, 6, 3, 1), tutorials' (8, 16, 32, 4), the
 teacher task's (64, 8, 16, 2). There the general kernel's bookkeeping (a
 loop over the fused projections, head views built one by one, the core's
 own dispatch between whole arrays, blocks and threads, the projections'

@@ -102,7 +102,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     q_heads, q_split = F.split_heads_forward(q, num_heads)  # (..., T, E) -> (..., H, T, D)
     k_heads, k_split = F.split_heads_forward(k, num_kv_heads)  # (..., S, E_kv) -> (..., H_kv, S, D)
     v_heads, v_split = F.split_heads_forward(v, num_kv_heads)  # (..., S, E_kv) -> (..., H_kv, S, D)
-    # NOTE: the scale is 1/sqrt(head_dim). The seeds' tutorial divides by
+    # NOTE: the scale is 1/sqrt(head_dim). Popular attention tutorials divide by
     # sqrt(embed_size), a known bug that over-smooths the softmax.
     heads, attention_cache = F.attention_forward(q_heads, k_heads, v_heads, mask, is_causal,
                                                  enable_gqa=num_kv_heads != num_heads,

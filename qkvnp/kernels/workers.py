@@ -1,12 +1,12 @@
 """The kernels' worker threads: how many, and the crew that runs them.
 
-- :func:`set_num_threads` / :func:`get_num_threads` / :func:`num_threads`
+- :func:`set_num_threads` / :func:`get_num_threads` / :class:`qkvnp.num_threads`
   (re-exported by :mod:`qkvnp.kernels` and :mod:`qkvnp`): the worker threads
   the fast and tiled kernels split their (batch, head) blocks over, from 1
-  to :data:`MAX_NUM_THREADS`. The default is the environment variable
+  to :data:`qkvnp.kernels.MAX_NUM_THREADS`. The default is the environment variable
   ``QKVNP_NUM_THREADS``, read at the first kernel call (not at import), else
   the CPUs this process may use (at most 8). :func:`set_num_threads` sets
-  the count of the process; the :func:`num_threads` context manager
+  the count of the process; the :class:`qkvnp.num_threads` context manager
   overrides it **for the calling thread only**, so that two threads each in
   their own ``with num_threads(...)`` block neither see nor undo the
   other's count.
@@ -34,7 +34,7 @@ __all__ = ["MAX_NUM_THREADS", "ENV_NUM_THREADS", "set_num_threads", "get_num_thr
 
 ENV_NUM_THREADS = "QKVNP_NUM_THREADS"
 
-#: Most worker threads :func:`set_num_threads`, :func:`num_threads` and
+#: Most worker threads :func:`set_num_threads`, :class:`qkvnp.num_threads` and
 #: ``QKVNP_NUM_THREADS`` accept. More never pays (each worker is pinned to a
 #: CPU of the process, and a job has at most one share per block), and far
 #: more fails: 100000 started about 22000 threads before the system refused.
@@ -85,7 +85,7 @@ def _check_count(n):
 
 def process_num_threads():
     """The count of the process (:func:`set_num_threads`, else ``QKVNP_NUM_THREADS``'s,
-    read and checked at the first call), whatever this thread's :func:`num_threads`."""
+    read and checked at the first call), whatever this thread's :class:`qkvnp.num_threads`."""
     global _NUM_THREADS
     if _NUM_THREADS is None:
         with _COUNT_LOCK:
@@ -97,7 +97,7 @@ def process_num_threads():
 def get_num_threads() -> int:
     """The number of worker threads the kernels use in the calling thread.
 
-    The innermost :func:`num_threads` block of this thread if any, else the
+    The innermost :class:`qkvnp.num_threads` block of this thread if any, else the
     count of the process (see :func:`set_num_threads`).
 
     >>> get_num_threads() >= 1
@@ -115,7 +115,7 @@ def set_num_threads(n: int) -> None:
     Parameters
     ----------
     n : int
-        From 1 to :data:`MAX_NUM_THREADS`; 1 runs every kernel in the calling
+        From 1 to :data:`qkvnp.kernels.MAX_NUM_THREADS`; 1 runs every kernel in the calling
         thread, BLAS at one thread there too. BLAS inside the workers stays
         at one thread. The calling thread runs one of the shares itself,
         pinned to one CPU while it does (Linux; its CPU set is given back
@@ -135,7 +135,7 @@ def set_num_threads(n: int) -> None:
     worker, and why), the workers it started exit, and the count goes back
     to the workers already running (1 if none), so that the next call works.
 
-    A thread inside a :func:`num_threads` block keeps that block's count
+    A thread inside a :class:`qkvnp.num_threads` block keeps that block's count
     until the block ends; the other threads, and that one after its blocks,
     use ``n``.
 
@@ -345,7 +345,7 @@ def crew(workers):
     ------
     RuntimeError
         If a worker cannot be started. NOTE: the count that asked for it
-        (this thread's :func:`num_threads` block if any, else the
+        (this thread's :class:`qkvnp.num_threads` block if any, else the
         process's) then goes back to the workers already running, 1 if
         none: else every later call would try, and fail, again.
     """

@@ -58,7 +58,7 @@ class SelfAttention(AttentionLayer):
     Attributes
     ----------
     params : dict
-        ``W_query, W_key, W_value``: ``(d_in, d_out)`` (the seeds' ``x @ W``),
+        ``W_query, W_key, W_value``: ``(d_in, d_out)`` (the ``x @ W`` convention),
         plus ``b_query, b_key, b_value``: ``(d_out,)`` with ``qkv_bias``.
     grads : dict
         Same keys and shapes as ``params``.

@@ -102,7 +102,7 @@ class Layer(ABC):
     they own (nothing is reused from an earlier call), so concurrent
     forwards return exactly what serial calls return. Backwards from several
     threads add into ``grads`` under a lock, as if run one after another
-    (the layers of :mod:`qkvnp.layers`; a :class:`Model` subclass's own
+    (the layers of :mod:`qkvnp.layers`; a :class:`qkvnp.Model` subclass's own
     backward adds as it writes it).
     ``training``, ``params`` and the dropout Generator are shared: change
     them while no other thread runs the layer.

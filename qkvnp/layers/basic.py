@@ -37,7 +37,7 @@ class Linear(Layer):
     Attributes
     ----------
     params : dict
-        ``W (N, M)`` (the seeds' ``x @ W`` convention; PyTorch's
+        ``W (N, M)`` (the ``x @ W`` convention; PyTorch's
         ``nn.Linear.weight`` is ``W.T``) and, with ``bias``, ``b (M,)``.
     grads : dict
         Same keys and shapes as ``params``.

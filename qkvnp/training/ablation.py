@@ -32,10 +32,10 @@ only ``task``, ``variant``, ``dim`` and ``seed`` changed. The command prints
 one table per task (held-out accuracy: mean, spread, min and max over
 seeds), for partner also where the query's attention goes (its own entry or
 its partner's, :func:`partner_attention`), then a takeaway paragraph
-computed from the numbers; ``--json`` and ``--plot`` write them to files. Defaults: 3000
-steps, seeds 0..2, widths 8, 16 (kv-recall) and 8, 16, 32 (partner): 60 runs,
-measured at 257 s and 331 s on 2 cores shared with other jobs; ``--quick``
-(width 16, 2 seeds, 2000 steps) 16 runs, 75 s on the same loaded cores.
+computed from the numbers; ``--json`` and ``--plot`` write them to files.
+Defaults: 3000 steps, seeds 0..2, widths 8, 16 (kv-recall) and 8, 16, 32
+(partner), four variants: 60 runs of :func:`qkvnp.training.loop.train`;
+``--quick`` (width 16, 2 seeds, 2000 steps) 16 runs.
 ``docs/derivations.md`` (section 13) gives the pair argument.
 
 Examples

@@ -514,7 +514,7 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
         ``qkvnp.training.report.Progress`` is one.
     save_on_interrupt : bool
         Without ``save``, whether an interrupted run writes its checkpoint to
-        :func:`default_checkpoint_path` (default True). The ablation passes
+        ``qkvnp.training.loop.default_checkpoint_path`` (default True). The ablation passes
         False: it stops and keeps none of an interrupted run.
 
     Returns

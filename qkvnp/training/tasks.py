@@ -4,7 +4,7 @@ Shape key: B batch, P stored key/value pairs per sequence, T sequence length,
 E embedding.
 
 ``kv-recall``
-    The seeds' database analogy made literal. A sequence stores ``P`` pairs
+    The database analogy of popular attention tutorials made literal. A sequence stores ``P`` pairs
     ``(key, value)`` with distinct keys, then asks for one of the keys; the
     answer is the value stored under it. To answer, attention has to match
     the *query* against the *keys* and return the matching *value*.
