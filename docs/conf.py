@@ -40,6 +40,10 @@ myst_heading_anchors = 3
 templates_path = ["_templates"]
 autosummary_generate = True
 autodoc_default_options = {"members": False}
+# the numpydoc sections give each parameter's type with its shape; the
+# signatures' hints (numpy.typing aliases) would only repeat them, as links
+# that need numpy's inventory, which the build cannot fetch offline
+autodoc_typehints = "none"
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 # NOTE: type lines stay text: they hold shapes, "(B, T, E)", which are no
