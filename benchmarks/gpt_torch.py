@@ -36,8 +36,10 @@ def book_gpt(torch):
 
     Examples
     --------
-    >>> import torch  # doctest: +SKIP
-    >>> GPTModel = book_gpt(torch)  # doctest: +SKIP
+    With PyTorch installed (the harness imports it only where it measures)::
+
+        import torch
+        GPTModel = book_gpt(torch)
     """
     nn = torch.nn
 

@@ -13,7 +13,10 @@ from collections import namedtuple
 import numpy as np
 
 from ._checks import as_float_array, as_upstream_grad, check_indices, declare_complex_step, owned
-from ._typing import FloatArray, IntArray
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from ._typing import FloatArray, IntArray
 
 __all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factored",
            "EmbeddingCache"]

@@ -25,13 +25,11 @@ scipy's softmax, so that it reads like the math and serves as the oracle.
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Any
 
 import numpy as np
 
 from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_ndim, check_scale, compute_dtype, declare_complex_step, owned)
-from ._typing import ArrayLike, BoolArray, FloatArray
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .embedding import (EmbeddingCache, embedding_backward, embedding_backward_factored,
                         embedding_forward)
@@ -47,6 +45,11 @@ from .transformer_ops import (ActivationDropoutCache, GeluCache, LayerNormCache,
                               activation_dropout_backward, activation_dropout_forward,
                               gelu_backward, gelu_forward, layer_norm_backward,
                               layer_norm_forward, residual_add_backward, residual_add_forward)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from ._typing import ArrayLike, BoolArray, FloatArray
 
 __all__ = [
     # this module's ops

@@ -9,14 +9,16 @@ every step, as the book's loop does.
 """
 from __future__ import annotations
 
-from typing import Any
-
 
 import numpy as np
 
 from ._checks import check_int, is_real_number, make_rng
-from ._typing import FloatArray, IntArray
 from .kv_cache import KVCache
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from ._typing import FloatArray, IntArray
 
 __all__ = ["generate"]
 

@@ -9,17 +9,19 @@ the derivations are in ``docs/derivations_gpt.md``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 
 import numpy as np
 
 from ._checks import as_upstream_grad, check_int, check_indices, layer_dtype, make_rng
-from ._typing import DTypeLike, FloatArray, IntArray
 from .dropout import check_dropout_p
 from .layers.base import Model
 from .layers.basic import Embedding, Linear
 from .layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Mapping
+    from ._typing import DTypeLike, FloatArray, IntArray
 
 __all__ = ["GPTModel", "BOOK_CONFIG_KEYS"]
 

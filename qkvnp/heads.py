@@ -14,7 +14,10 @@ from collections import namedtuple
 import numpy as np
 
 from ._checks import as_upstream_grad, check_int, check_ndim, compute_dtype, declare_complex_step
-from ._typing import FloatArray
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from ._typing import FloatArray
 
 __all__ = ["split_heads_forward", "split_heads_backward", "merge_heads_forward",
            "merge_heads_backward", "HeadsCache"]

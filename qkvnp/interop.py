@@ -60,14 +60,16 @@ True
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 
 import numpy as np
 
 from ._checks import check_state_value
 from .gpt import GPTModel
 from .layers import MultiHeadAttention, SelfAttention
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Mapping
 
 __all__ = ["LAYOUTS", "from_torch", "to_torch"]
 

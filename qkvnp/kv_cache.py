@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import weakref
 from collections import namedtuple
-from typing import Any
 
 import numpy as np
 
 from . import functional as F
 from . import kernels
-from ._typing import FloatArray
 from .masks import fold_key_padding_mask, prepare_mask
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from ._typing import FloatArray
 
 __all__ = ["KVCache", "cached_forward"]
 

@@ -15,7 +15,10 @@ from collections import namedtuple
 import numpy as np
 
 from ._checks import as_float_array, as_upstream_grad, check_ndim
-from ._typing import BoolArray, FloatArray, IntArray
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from ._typing import BoolArray, FloatArray, IntArray
 
 __all__ = [
     "mse_forward",

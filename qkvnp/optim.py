@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections import namedtuple
-from typing import Mapping
 
 import numpy as np
 
-from ._typing import Array, ArrayLike, FloatArray
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Mapping
+    from ._typing import Array, ArrayLike, FloatArray
+
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 

@@ -11,12 +11,15 @@ decoding with a KV cache, ``is_causal="bottom_right"``).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from ._checks import check_int
-from ._typing import ArrayLike, FloatArray, IntArray
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from ._typing import ArrayLike, FloatArray, IntArray
 
 __all__ = ["alibi_slopes", "alibi_bias", "relative_position_bucket", "relative_positions"]
 

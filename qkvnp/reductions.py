@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._typing import FloatArray
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from ._typing import FloatArray
+
 
 __all__ = ["sum_to_shape", "column_sums"]
 

@@ -33,10 +33,13 @@ import numpy as np
 
 from ._checks import (declare_complex_step, as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_scale, is_real_number, owned)
-from ._typing import ArrayLike, FloatArray
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .gqa import GroupedCache, split_groups, split_head_axis
 from .masks import causal_offset, check_is_causal, prepare_mask
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from ._typing import ArrayLike, FloatArray
 
 __all__ = ["RopeCache", "VariantCache", "VariantGroupedCache", "ROPE_LAYOUTS", "rope_angles",
            "rope_forward", "rope_backward", "check_window", "check_softcap", "window_keep",

@@ -43,16 +43,19 @@ from __future__ import annotations
 
 import copy
 from collections import namedtuple
-from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
 from .._checks import check_int, is_real_number, make_rng
-from .._typing import DTypeLike
 from .diagnosis import diagnose
 from .oracle import oracle_report
 from .report import TOLERANCES, GradcheckReport, GradcheckRow, Tolerance, relative_error
 from .stencils import METHODS, ORDERS, numeric_directions, numeric_elementwise
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Callable, Iterable, Mapping
+    from .._typing import DTypeLike
 
 __all__ = [
     "MODES",

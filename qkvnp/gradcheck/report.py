@@ -12,11 +12,14 @@ and, on a failing row, the diagnosis in words
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Sequence
 
 import numpy as np
 
-from .._typing import DTypeLike
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Sequence
+    from .._typing import DTypeLike
+
 
 __all__ = [
     "TOLERANCES",

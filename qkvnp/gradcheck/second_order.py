@@ -21,13 +21,16 @@ argument) passes: both products are then round-off.
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .._checks import make_rng
-from .._typing import ArrayLike, DTypeLike, FloatArray
 from .checker import draw_dout, function_problem, layer_problem, op_pair
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Callable, Mapping
+    from .._typing import ArrayLike, DTypeLike, FloatArray
 
 __all__ = ["SYMMETRY_TOLERANCES", "SymmetryReport", "check_symmetry_function",
            "check_symmetry_op", "check_symmetry_layer", "check_symmetry"]

@@ -13,15 +13,17 @@ textbook optimum of each method (``(3 eps)^(1/3)``, ``eps^(1/5)``).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
-
 
 import numpy as np
 
-from .._typing import DTypeLike, FloatArray
 from .checker import layer_problem
 from .report import TOLERANCES, relative_error
 from .stencils import numeric_elementwise
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Callable, Sequence
+    from .._typing import DTypeLike, FloatArray
 
 __all__ = ["SWEEP_EPS", "SWEEP_METHODS", "OPTIMAL_STEPS", "sweep_steps", "sweep_eps",
            "fit_branches"]

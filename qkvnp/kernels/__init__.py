@@ -35,16 +35,19 @@ from __future__ import annotations
 import functools
 import math
 from collections import namedtuple
-from typing import Any, Sequence
 
 import numpy as np
 
 from .._checks import owned, scores_may_overflow
-from .._typing import ArrayLike, BoolArray, DTypeLike, FloatArray
 from ..masks import check_is_causal
 from ._runtime import (BLOCK_SIZE_DEFAULTS, MAX_NUM_THREADS, blas_threads, block_sizes,
                        get_block_sizes, get_num_threads, num_threads, release_buffers,
                        set_block_sizes, set_num_threads, single_threaded_blas)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Sequence
+    from .._typing import ArrayLike, BoolArray, DTypeLike, FloatArray
 
 __all__ = [
     "IMPLS",

@@ -34,7 +34,6 @@ import math
 import os
 import sys
 import threading
-from typing import Any
 
 import numpy as np
 
@@ -43,6 +42,10 @@ from .heap import tune_heap
 from .openblas import openblas_info, openblas_thread_functions
 from .workers import (MAX_NUM_THREADS, crew, get_num_threads, in_worker, num_threads,
                       process_num_threads, set_num_threads)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
 
 __all__ = [
     "MAX_NUM_THREADS",

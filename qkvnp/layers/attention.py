@@ -15,11 +15,14 @@ import numpy as np
 from .. import kernels
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng)
-from .._typing import BoolArray, DTypeLike, FloatArray
 from ..kv_cache import KVCache
 from ..masks import fold_key_padding_mask
 from .attention_base import AttentionLayer
 from .base import xavier_uniform
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from .._typing import BoolArray, DTypeLike, FloatArray
 
 __all__ = ["SelfAttention", "MultiHeadAttention"]
 

@@ -13,12 +13,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections import namedtuple
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from .._checks import check_state_value
-from .._typing import ArrayLike, FloatArray
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from .._typing import ArrayLike, FloatArray
 
 __all__ = ["Layer", "Model", "LoadResult", "xavier_uniform"]
 

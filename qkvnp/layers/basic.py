@@ -11,8 +11,11 @@ import numpy as np
 from .. import functional as F
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype, make_rng,
                        owned)
-from .._typing import DTypeLike, FloatArray, IntArray
 from .base import Layer
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from .._typing import DTypeLike, FloatArray, IntArray
 
 __all__ = ["Linear", "Embedding"]
 

@@ -11,19 +11,21 @@ forward, line for line.
 """
 from __future__ import annotations
 
-from typing import Any
-
 
 import numpy as np
 
 from .. import functional as F
 from .._checks import as_float_array, check_int, is_real_number, layer_dtype, make_rng
-from .._typing import DTypeLike, FloatArray
 from ..dropout import check_dropout_p, spawn_generator
 from ..transformer_ops import GELU_APPROXIMATIONS
 from .attention import MultiHeadAttention
 from .base import Layer, Model
 from .basic import Linear
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from .._typing import DTypeLike, FloatArray
 
 __all__ = ["LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward", "TransformerBlock"]
 

@@ -52,13 +52,16 @@ import os
 import stat
 import zipfile
 from collections import namedtuple
-from typing import Any, Callable
 
 import numpy as np
 
 from .._checks import check_int
 from .._io import atomic_write
-from .._typing import FloatArray
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Callable
+    from .._typing import FloatArray
 
 __all__ = [
     "FORMAT_VERSION",

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
 
 from .._checks import check_int
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Mapping
 
 __all__ = [
     "TrainConfig",

@@ -52,7 +52,6 @@ import sys
 import threading
 import time
 from collections import namedtuple
-from typing import Any, Callable
 
 import numpy as np
 
@@ -61,6 +60,10 @@ from .._io import check_writable
 from .checkpoint import (HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint,
                          save_checkpoint)
 from .config import LOOKUP_TASKS, RESUMABLE_CHANGES, TrainConfig
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Callable
 
 __all__ = [
     "TrainConfig",

@@ -12,16 +12,18 @@ the layers. ``grads`` has the same keys; ``backward`` accumulates into it and
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
 
 import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
-from .._typing import DTypeLike, FloatArray, IntArray
 from ..dropout import check_dropout_p, spawn_generator
 from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Optional
+    from .._typing import DTypeLike, FloatArray, IntArray
 
 __all__ = ["KVRecallModel", "AttentionRegressor", "VARIANTS"]
 

@@ -34,7 +34,10 @@ from collections import namedtuple
 import numpy as np
 
 from .._checks import check_int, make_rng
-from .._typing import DTypeLike
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from .._typing import DTypeLike
 
 __all__ = [
     "Streams",

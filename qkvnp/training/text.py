@@ -15,6 +15,8 @@ Checkpoints are ``.npz`` archives read back without pickle: the parameters
 (``param/<name>``), the AdamW state (``opt/<key>``) and a JSON ``meta``
 entry (the configuration, the step, the Generators' states, the history).
 """
+from __future__ import annotations
+
 import argparse
 import dataclasses
 import json
@@ -23,7 +25,6 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
 
 import numpy as np
 
@@ -32,6 +33,10 @@ from ..gpt import GPTModel
 from ..losses import cross_entropy_backward, cross_entropy_forward
 from ..optim import AdamW
 from .checkpoint import write_npz_atomic
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Optional
 
 __all__ = ["TextConfig", "DEFAULT_CORPUS_BYTES", "default_corpus", "read_text", "split_text",
            "bigram_loss", "train_text", "save_text_checkpoint", "load_text_checkpoint",
