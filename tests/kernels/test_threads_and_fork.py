@@ -4,8 +4,10 @@ Oracles: the documented bound :data:`qkvnp.kernels.MAX_NUM_THREADS` and its
 error messages; a thread start made to fail (``threading.Thread.start``
 patched) and the count read back after; the count each thread reads inside
 its own :func:`qkvnp.num_threads` block; and, for ``fork``, a child process
-that must finish a threaded layer forward and backward within a timeout and
-match the reference path's results computed in the parent.
+that must find every lock of qkvnp's free and OpenBLAS's thread count as it
+was before any kernel pinned it, then finish a threaded layer forward and
+backward within a timeout and match the reference path's results computed in
+the parent.
 """
 import os
 import subprocess
@@ -298,12 +300,16 @@ _FORK_SCRIPT = textwrap.dedent("""
         get_count, set_count = blas
 
         def paused_set(n):
-            pause = set_pause.pop(n, None) if threading.current_thread().name == "paused" else None
+            pause = None  # only a section's own count change (no section open), in that thread
+            if threading.current_thread().name == "paused" and not _runtime._PIN["depth"]:
+                pause = set_pause.pop(n, None)
             if pause and not pause[2]:
-                pause[0].set(); pause[1].wait(TIMEOUT)
+                pause[0].set()
+                pause[1].wait(TIMEOUT)
             set_count(n)
             if pause and pause[2]:
-                pause[0].set(); pause[1].wait(TIMEOUT)
+                pause[0].set()
+                pause[1].wait(TIMEOUT)
 
         openblas._BLAS = (get_count, paused_set)
 
@@ -364,7 +370,9 @@ _FORK_SCRIPT = textwrap.dedent("""
                 loops[mode].start()
         if held is not None:
             held.start()
-            inside.wait()
+            if not inside.wait(TIMEOUT):
+                failures.append(f"trial {trial} ({mode}): the thread never got there")
+                break
         process = context.Process(target=child)
         process.start()
         process.join(TIMEOUT)
