@@ -214,7 +214,8 @@ def test_a_thread_block_is_used_by_that_threads_kernels(process_count):
 # there; the fork must wait for it, which the timer lets happen). The loops
 # are the issue's repro: the child exited 5 (BLAS left at one thread) or hung
 # once in a dozen runs before; the pin loop, a thread doing nothing but enter
-# and leave sections, failed one fork in five.
+# and leave sections, failed one fork in five; the product loop (products on
+# OpenBLAS's own threads) hung the parent's fork or the child within a few.
 _FORK_SCRIPT = textwrap.dedent("""
     import faulthandler, multiprocessing, os, sys, threading, types, warnings
     import numpy as np
@@ -225,7 +226,7 @@ _FORK_SCRIPT = textwrap.dedent("""
     warnings.simplefilter("ignore")  # 3.12+: DeprecationWarning for fork with threads
     TIMEOUT = 20.0
     MODES = ["idle pool"] * 2 + ["held kernel"] * 2 + ["locks held", "pinning BLAS",
-             "unpinning BLAS"] + ["pin loop"] * 4 + ["layer loop"] * 5
+             "unpinning BLAS"] + ["pin loop"] * 4 + ["product loop"] * 3 + ["layer loop"] * 4
     # taken by the fork itself (it waits for the thread that holds them)
     GATES = {"qkvnp.kernels._runtime._PIN_LOCK", "qkvnp.kernels._runtime._BLAS_POOL_LOCK"}
     rng = np.random.default_rng(0)
@@ -313,11 +314,17 @@ _FORK_SCRIPT = textwrap.dedent("""
 
         openblas._BLAS = (get_count, paused_set)
 
-    stop = {"pin loop": threading.Event(), "layer loop": threading.Event()}
+    stop = {name: threading.Event() for name in ("pin loop", "product loop", "layer loop")}
     def pin_loop():
         while not stop["pin loop"].is_set():
             with _runtime.single_threaded_blas():
                 pass
+
+    def product_loop():  # products on OpenBLAS's own threads, as a one-block kernel's
+        a = rng.standard_normal((200, 200))
+        while not stop["product loop"].is_set():
+            with _runtime.single_threaded_blas():
+                _runtime._on_blas_threads(lambda: a @ a, 2)
 
     def layer_loop():  # the issue's repro: a layer's fwd+bwd in a loop, beside the forks
         layer = qkvnp.MultiHeadAttention(64, 4, rng=1, impl="fast")
@@ -346,6 +353,7 @@ _FORK_SCRIPT = textwrap.dedent("""
         layers["fast"].forward(x)  # a kernel section: the pin to 1, then the set back
 
     loops = {"pin loop": threading.Thread(target=pin_loop, daemon=True),
+             "product loop": threading.Thread(target=product_loop, daemon=True),
              "layer loop": threading.Thread(target=layer_loop, daemon=True)}
     context = multiprocessing.get_context("fork")
     failures = []
@@ -399,7 +407,7 @@ _FORK_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_computes_whatever_the_parents_threads_were_doing():
     try:
-        result = _python(_FORK_SCRIPT, timeout=300)
+        result = _python(_FORK_SCRIPT, timeout=120)  # about 10 s when all goes well
     except subprocess.TimeoutExpired:  # a hung child outlived its trial's timeout
         pytest.fail("the fork script did not finish")
     assert result.returncode == 0 and result.stdout.strip() == "ok", \
