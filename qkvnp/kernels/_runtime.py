@@ -22,8 +22,11 @@ Settings, not globals to patch (the model is ``torch.set_num_threads``):
 Settings are global to the process, as PyTorch's are (but for
 :func:`num_threads`' thread-local override). They, the worker threads and
 the locks survive ``fork``: the child keeps the settings and starts with
-fresh locks and no workers (``os.register_at_fork``), whatever the parent's
-threads were doing. ``import`` of this
+fresh locks, no workers and OpenBLAS's thread count from before the kernels
+pinned it (``os.register_at_fork``), whatever the parent's threads were
+doing. A fork waits for the calls into OpenBLAS's thread control that
+other threads' kernels are making (a count change: microseconds; a product
+on OpenBLAS's own threads: until it ends). ``import`` of this
 module costs numpy only: ctypes, the thread pool and the BLAS probe
 (:mod:`qkvnp.kernels.openblas`) are loaded at first use. Measurements behind
 the defaults: ``benchmarks/RESULTS.md``.
@@ -322,21 +325,45 @@ class blas_threads:
         _settle_process()
         if self.available:
             get, set_ = openblas_thread_functions()
-            self.previous = get()
-            set_(self.n)
+            with _PIN_LOCK:  # not during a fork (see _PIN_LOCK)
+                self.previous = get()
+                set_(self.n)
         return self
 
     def __exit__(self, *exc):
         if self.available:
-            openblas_thread_functions()[1](self.previous)
+            with _PIN_LOCK:
+                openblas_thread_functions()[1](self.previous)
         return False
 
 
 # ---------------------------------------------------------------- threads
 
 _SECTION_LOCK = threading.Lock()  # one threaded section at a time (the pool is shared)
+# NOTE: every call of qkvnp's into OpenBLAS's thread control (its count set,
+# and a product on its own threads) runs under _PIN_LOCK or _BLAS_POOL_LOCK, and
+# a fork takes both first (_hold_blas_before_fork). Else a fork could land (1)
+# between a section's count change and the _PIN entry that records it: the
+# child saw depth 0 with BLAS left at one thread; or (2) inside OpenBLAS
+# rebuilding its thread pool, which its own fork handler tears down in the
+# parent at every fork and any later count change or threaded product builds
+# again under its server lock: the child inherited that lock held, and hung
+# at its first BLAS call. The locks cost nothing without a fork (each is
+# taken where a lock or a ctypes call was already made).
 _PIN_LOCK = threading.Lock()
+_BLAS_POOL_LOCK = threading.RLock()  # work on OpenBLAS's threads (_on_blas_threads, may nest)
 _PIN = {"depth": 0, "saved": None}  # sections inside single_threaded_blas, BLAS count before them
+
+
+def _hold_blas_before_fork():
+    """Before ``fork``, in the forking thread: wait for qkvnp's OpenBLAS calls in flight."""
+    _BLAS_POOL_LOCK.acquire()
+    _PIN_LOCK.acquire()
+
+
+def _release_blas_after_fork_in_parent():
+    _PIN_LOCK.release()
+    _BLAS_POOL_LOCK.release()
 
 
 def _reset_after_fork_in_child():
@@ -347,10 +374,11 @@ def _reset_after_fork_in_child():
     stay held for good, and the child's first threaded kernel would wait on
     it forever. No kernel forks, so no section of the forking thread is
     open either: the child restores OpenBLAS's count from before the
-    parent's sections.
+    parent's sections (consistent with ``_PIN``: the fork held ``_PIN_LOCK``).
     """
-    global _SECTION_LOCK, _PIN_LOCK, _SETTINGS_LOCK, _SPARE_LOCK
+    global _SECTION_LOCK, _PIN_LOCK, _BLAS_POOL_LOCK, _SETTINGS_LOCK, _SPARE_LOCK
     _SECTION_LOCK, _PIN_LOCK = threading.Lock(), threading.Lock()
+    _BLAS_POOL_LOCK = threading.RLock()
     _SETTINGS_LOCK, _SPARE_LOCK = threading.Lock(), threading.Lock()
     if _PIN["depth"]:
         _PIN["depth"] = 0
@@ -490,11 +518,14 @@ def _on_blas_threads(call, count):
     """``call()``'s result, called with OpenBLAS at ``count`` threads, back to one
     after, even on error (inside a :class:`single_threaded_blas` section)."""
     set_blas_threads = openblas_thread_functions()[1]
-    set_blas_threads(count)
-    try:
-        return call()
-    finally:
-        set_blas_threads(1)  # back to the section's pin
+    with _BLAS_POOL_LOCK:  # no fork while OpenBLAS's pool is set up or working (see _PIN_LOCK)
+        with _PIN_LOCK:
+            set_blas_threads(count)
+        try:
+            return call()
+        finally:
+            with _PIN_LOCK:
+                set_blas_threads(1)  # back to the section's pin
 
 
 def matmul(a, b, out=None, split="rows", blas_threads=False):
@@ -547,4 +578,6 @@ def matmul(a, b, out=None, split="rows", blas_threads=False):
 
 
 if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_reset_after_fork_in_child)
+    os.register_at_fork(before=_hold_blas_before_fork,
+                        after_in_parent=_release_blas_after_fork_in_parent,
+                        after_in_child=_reset_after_fork_in_child)

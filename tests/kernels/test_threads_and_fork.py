@@ -4,8 +4,10 @@ Oracles: the documented bound :data:`qkvnp.kernels.MAX_NUM_THREADS` and its
 error messages; a thread start made to fail (``threading.Thread.start``
 patched) and the count read back after; the count each thread reads inside
 its own :func:`qkvnp.num_threads` block; and, for ``fork``, a child process
-that must finish a threaded layer forward and backward within a timeout and
-match the reference path's results computed in the parent.
+that must find every lock of qkvnp's free and OpenBLAS's thread count as it
+was before any kernel pinned it, then finish a threaded layer forward and
+backward within a timeout and match the reference path's results computed in
+the parent.
 """
 import os
 import subprocess
@@ -203,15 +205,30 @@ def test_a_thread_block_is_used_by_that_threads_kernels(process_count):
 
 # ---------------------------------------------------------------- fork
 
+# One script, one process: the modes run in turn, each forking children
+# while the parent's threads are in a known state, and each child must finish
+# within TIMEOUT. The deterministic modes stop a thread where a fork used to
+# break the child: holding each lock of qkvnp's (found by scanning its
+# modules, so that a lock added later is covered too), or inside OpenBLAS's
+# count change at a kernel section's entry or exit (a patched setter waits
+# there; the fork must wait for it, which the timer lets happen). The loops
+# are the issue's repro: the child exited 5 (BLAS left at one thread) or hung
+# once in a dozen runs before; the pin loop, a thread doing nothing but enter
+# and leave sections, failed one fork in five; the product loop (products on
+# OpenBLAS's own threads) hung the parent's fork or the child within a few.
 _FORK_SCRIPT = textwrap.dedent("""
-    import multiprocessing, os, sys, threading, warnings
+    import faulthandler, multiprocessing, os, sys, threading, types, warnings
     import numpy as np
     import qkvnp
     from qkvnp import kernels
     from qkvnp.kernels import _runtime, openblas, workers
 
     warnings.simplefilter("ignore")  # 3.12+: DeprecationWarning for fork with threads
-    TRIALS, TIMEOUT = 20, 20.0
+    TIMEOUT = 20.0
+    MODES = ["idle pool"] * 2 + ["held kernel"] * 2 + ["locks held", "pinning BLAS",
+             "unpinning BLAS"] + ["pin loop"] * 4 + ["product loop"] * 3 + ["layer loop"] * 4
+    # taken by the fork itself (it waits for the thread that holds them)
+    GATES = {"qkvnp.kernels._runtime._PIN_LOCK", "qkvnp.kernels._runtime._BLAS_POOL_LOCK"}
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 64, 16))
     dy = rng.standard_normal((2, 64, 16))
@@ -220,17 +237,53 @@ _FORK_SCRIPT = textwrap.dedent("""
 
     def fwd_bwd(layer):
         layer.zero_grad()
-        out = layer.forward(x)
+        out = layer.forward(x, is_causal=True)
         dx = layer.backward(dy)
         return [out, dx] + [layer.grads[name] for name in sorted(layer.grads)]
 
+    def qkvnp_locks():
+        locks = {}  # "module.name" or "module.name.lock" -> how to read it now
+        kind = (type(threading.Lock()), type(threading.RLock()))
+        for module_name, module in list(sys.modules.items()):
+            if module_name.split(".")[0] != "qkvnp":
+                continue
+            for name, value in list(vars(module).items()):
+                if isinstance(value, kind):
+                    locks[f"{module_name}.{name}"] = (module, name, None)
+                elif (not isinstance(value, (type, types.ModuleType))
+                      and isinstance(getattr(value, "lock", None), kind)):
+                    locks[f"{module_name}.{name}.lock"] = (module, name, "lock")
+        return locks
+
+    def current(where):
+        module, name, attribute = where
+        value = getattr(module, name)
+        return getattr(value, attribute) if attribute else value
+
     expected = fwd_bwd(layers["reference"])  # the oracle, computed before any fork
     blas = openblas.openblas_thread_functions()
+    if blas and blas[0]() < 2:
+        blas[1](2)  # so that a count left pinned shows
     blas_count = blas[0]() if blas else None
     qkvnp.set_num_threads(2)
     kernels.set_block_sizes(min_parallel_flops=0, batch_split_flops=0)  # all on the workers
+    for impl in ("fast", "tiled"):
+        fwd_bwd(layers[impl])  # the parent's workers exist and are idle
+    locks = qkvnp_locks()
+    assert {"qkvnp.kernels._runtime._SECTION_LOCK", "qkvnp.layers.base._GRADS_LOCK",
+            "qkvnp.masks._SHARED.lock"} <= set(locks), sorted(locks)
 
     def child():
+        faulthandler.dump_traceback_later(TIMEOUT - 5)  # where it hangs, if it does
+        for name, where in sorted(locks.items()):
+            lock = current(where)
+            if not lock.acquire(blocking=False):
+                sys.stderr.write(f"{name} held in the child\\n")
+                os._exit(6)
+            lock.release()
+        if blas and blas[0]() != blas_count:
+            sys.stderr.write(f"BLAS at {blas[0]()} threads in the child, {blas_count} before\\n")
+            os._exit(5)  # left pinned to one thread
         for impl in ("fast", "tiled"):
             for got, want in zip(fwd_bwd(layers[impl]), expected):
                 if not np.allclose(got, want, rtol=1e-10, atol=1e-10):
@@ -238,18 +291,45 @@ _FORK_SCRIPT = textwrap.dedent("""
         if workers.crew_size() < 2:
             os._exit(4)  # the child's calls did not use its own workers
         if blas and blas[0]() != blas_count:
-            os._exit(5)  # BLAS left pinned to one thread
+            os._exit(5)
         os._exit(0)
 
-    context = multiprocessing.get_context("fork")
-    for impl in ("fast", "tiled"):
-        fwd_bwd(layers[impl])  # the parent's workers exist and are idle
+    # A thread stops inside OpenBLAS's count change (after the set for the pin
+    # to 1, before the set back): set_pause[n] = (inside, release, after).
+    set_pause = {}
+    if blas:
+        get_count, set_count = blas
 
-    stop = threading.Event()
-    def loop():  # the issue's repro: a layer's fwd+bwd in a loop, beside the forks
+        def paused_set(n):
+            pause = None  # only a section's own count change (no section open), in that thread
+            if threading.current_thread().name == "paused" and not _runtime._PIN["depth"]:
+                pause = set_pause.pop(n, None)
+            if pause and not pause[2]:
+                pause[0].set()
+                pause[1].wait(TIMEOUT)
+            set_count(n)
+            if pause and pause[2]:
+                pause[0].set()
+                pause[1].wait(TIMEOUT)
+
+        openblas._BLAS = (get_count, paused_set)
+
+    stop = {name: threading.Event() for name in ("pin loop", "product loop", "layer loop")}
+    def pin_loop():
+        while not stop["pin loop"].is_set():
+            with _runtime.single_threaded_blas():
+                pass
+
+    def product_loop():  # products on OpenBLAS's own threads, as a one-block kernel's
+        a = rng.standard_normal((200, 200))
+        while not stop["product loop"].is_set():
+            with _runtime.single_threaded_blas():
+                _runtime._on_blas_threads(lambda: a @ a, 2)
+
+    def layer_loop():  # the issue's repro: a layer's fwd+bwd in a loop, beside the forks
         layer = qkvnp.MultiHeadAttention(64, 4, rng=1, impl="fast")
         x_big = rng.standard_normal((8, 256, 64)).astype(np.float32)
-        while not stop.is_set():
+        while not stop["layer loop"].is_set():
             layer.forward(x_big)
             layer.backward(x_big[::-1])
 
@@ -259,18 +339,48 @@ _FORK_SCRIPT = textwrap.dedent("""
             release.wait()
         _runtime.run(task, [0, 1], flops=1 << 40)
 
-    looping = threading.Thread(target=loop, daemon=True)
+    def hold_locks(inside, release):
+        held = [current(where) for name, where in sorted(locks.items()) if name not in GATES]
+        for lock in held:
+            lock.acquire()
+        inside.set()
+        release.wait()
+        for lock in held:
+            lock.release()
+
+    def pause_in_set(n, after, inside, release):
+        set_pause[n] = (inside, release, after)
+        layers["fast"].forward(x)  # a kernel section: the pin to 1, then the set back
+
+    loops = {"pin loop": threading.Thread(target=pin_loop, daemon=True),
+             "product loop": threading.Thread(target=product_loop, daemon=True),
+             "layer loop": threading.Thread(target=layer_loop, daemon=True)}
+    context = multiprocessing.get_context("fork")
     failures = []
-    for trial in range(TRIALS):
-        mode = "idle pool" if trial < 7 else "held kernel" if trial < 14 else "layer loop"
+    for trial, mode in enumerate(MODES):
         held = None
+        inside, release = threading.Event(), threading.Event()
         if mode == "held kernel":
-            inside, release = threading.Event(), threading.Event()
             held = threading.Thread(target=hold, args=(inside, release), daemon=True)
+        elif mode == "locks held":
+            held = threading.Thread(target=hold_locks, args=(inside, release), daemon=True)
+        elif mode in ("pinning BLAS", "unpinning BLAS") and blas:
+            pinning = mode == "pinning BLAS"
+            held = threading.Thread(target=pause_in_set, name="paused", daemon=True,
+                                    args=(1 if pinning else blas_count, pinning, inside, release))
+            threading.Timer(0.2, release.set).start()  # the fork waits for it
+        elif mode in loops:
+            for name, thread in loops.items():
+                if name != mode and thread.is_alive():
+                    stop[name].set()
+                    thread.join()
+            if not loops[mode].is_alive():
+                loops[mode].start()
+        if held is not None:
             held.start()
-            inside.wait()
-        elif mode == "layer loop" and not looping.is_alive():
-            looping.start()
+            if not inside.wait(TIMEOUT):
+                failures.append(f"trial {trial} ({mode}): the thread never got there")
+                break
         process = context.Process(target=child)
         process.start()
         process.join(TIMEOUT)
@@ -285,7 +395,10 @@ _FORK_SCRIPT = textwrap.dedent("""
             held.join()
         if failures:
             break
-    stop.set()
+    for name, thread in loops.items():
+        stop[name].set()
+        if thread.is_alive():
+            thread.join()  # not left running into the interpreter's exit
     print("\\n".join(failures) or "ok")
     sys.exit(1 if failures else 0)
 """)
@@ -294,7 +407,7 @@ _FORK_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_computes_whatever_the_parents_threads_were_doing():
     try:
-        result = _python(_FORK_SCRIPT, timeout=300)
+        result = _python(_FORK_SCRIPT, timeout=120)  # about 10 s when all goes well
     except subprocess.TimeoutExpired:  # a hung child outlived its trial's timeout
         pytest.fail("the fork script did not finish")
     assert result.returncode == 0 and result.stdout.strip() == "ok", \
