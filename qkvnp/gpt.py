@@ -319,14 +319,20 @@ class GPTModel(Model):
         x = tok[idx] + pos[past:past + idx.shape[-1]]  # (..., T, E)
         for block, cache in zip(self.trf_blocks, kv_caches):
             x = block.decode(x, cache)
+        from .kernels.pointwise import layer_norm_forward_fused
         from .transformer_ops import layer_norm_forward
 
-        norm = self.final_norm
-        x = layer_norm_forward(x, norm.params["scale"], norm.params["shift"], norm.eps)[0]
+        scale, shift = self.final_norm.params["scale"], self.final_norm.params["shift"]
+        norm = layer_norm_forward_fused if x.dtype.kind == "f" else layer_norm_forward
+        x = norm(x, scale, shift, self.final_norm.eps)[0]  # the blocks' output: checked
         state = self._thread  # the calling thread's: nothing kept for a backward
         state.cache = state.used_cache = None
         state.decoded = True
-        return x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)
+        logits = x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)
+        if not np.isfinite(logits).all():
+            raise ValueError("GPTModel's logits contain NaN or inf: a parameter holds NaN or "
+                             "inf, or the activations overflowed")
+        return logits
 
     def _need_cache(self):
         """The forward's logits shape, or a ``RuntimeError`` saying what to call."""

@@ -107,3 +107,14 @@ def test_a_block_refuses_a_nan_input_naming_it(rng):
         block.forward(x)
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., T, 8\)"):
         block.forward(np.ones((3, 7)))
+
+
+@pytest.mark.parametrize("name", ["trf_blocks.0.norm2.scale", "trf_blocks.1.ff.layers.2.W",
+                                  "final_norm.scale", "out_head.W"])
+def test_kv_cache_decoding_refuses_a_nan_parameter(name):
+    # NOTE: decoding checks each block's input and output and the logits, not between
+    model = qkvnp.GPTModel(11, 8, 8, 2, 2, rng=0).eval()
+    model.params[name][...] = np.nan
+    caches = [qkvnp.KVCache() for _ in range(2)]
+    with np.errstate(all="ignore"), pytest.raises(ValueError, match="NaN or inf"):
+        model.decode(np.array([[1, 2, 3]]), caches)

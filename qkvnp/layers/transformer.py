@@ -524,19 +524,37 @@ class TransformerBlock(Model):
         """One inference step on the new tokens ``x`` ``(..., T, E)`` through ``kv_cache``.
 
         Runs the pure ops on the parameters (no layer cache is touched but
-        the attention's, which then refuses a backward) and no dropout.
+        the attention's, which then refuses a backward) and no dropout: the
+        fused passes of :mod:`qkvnp.kernels.pointwise` for real input, as
+        :meth:`forward`. ``x`` is checked once on the way in, the output on
+        the way out (``ValueError`` if not finite), not what lies between.
         """
+        x = as_float_array(x, "x", self.dtype)
+        check_ndim(x, "x", 2, f"(..., T, {self.emb_dim})")
+        check_last_dim(x, "x", self.emb_dim, f"(..., T, {self.emb_dim})")
         state = self._thread  # the calling thread's: a later backward refuses (nothing kept)
         state.cache = state.used_cache = None
         state.decoded = True
-        p1, p2 = self.norm1.params, self.norm2.params
-        h = F.layer_norm_forward(x, p1["scale"], p1["shift"], self.norm1.eps)[0]
-        x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
-        h = F.layer_norm_forward(x, p2["scale"], p2["shift"], self.norm2.eps)[0]
         first, gelu, second = self.ff.layers
+        fused = x.dtype.kind == "f" and gelu.approximate == "tanh"
+        h = _layer_norm(self.norm1, x, fused)
+        x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
+        h = _layer_norm(self.norm2, x, fused)
         h = h @ first.params["W"] + first.params["b"]  # (..., T, E) -> (..., T, F)
-        h = F.gelu_forward(h, gelu.approximate)[0]
-        return x + (h @ second.params["W"] + second.params["b"])  # (..., T, F) -> (..., T, E)
+        h = gelu_tanh_forward_fused(h)[0] if fused else F.gelu_forward(h, gelu.approximate)[0]
+        out = x + (h @ second.params["W"] + second.params["b"])  # (..., T, F) -> (..., T, E)
+        if not np.isfinite(out).all():
+            raise ValueError("TransformerBlock's output contains NaN or inf: a parameter holds "
+                             "NaN or inf, or the activations overflowed")
+        return out
+
+
+def _layer_norm(norm, x, fused):
+    """``norm``'s output on ``x`` (no cache kept): the fused passes or the reference op."""
+    scale, shift = norm.params["scale"], norm.params["shift"]
+    if fused and x.dtype == scale.dtype == shift.dtype:
+        return layer_norm_forward_fused(x, scale, shift, norm.eps)[0]
+    return F.layer_norm_forward(x, scale, shift, norm.eps)[0]
 
 
 def _check_mask_names(dropout_masks, names):
