@@ -21,6 +21,7 @@ from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, is
                        layer_dtype, make_rng)
 from .._typing import DTypeLike, FloatArray
 from ..dropout import check_dropout_p, spawn_generator
+from ..kernels import num_threads
 from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
                                  layer_norm_backward_fused, layer_norm_forward_fused)
 from ..transformer_ops import GELU_APPROXIMATIONS
@@ -367,6 +368,32 @@ class FeedForward(Model):
         return first.backward(dh, retain_cache, check=False)  # (..., F) -> (..., E)
 
 
+# Forward operations of a block's attention (projections and core) below which
+# it runs in the calling thread, its projections still on OpenBLAS's threads as
+# the feed-forward's. NOTE: the kernels split a lone layer's batch over their
+# worker threads from ``batch_split_flops`` on, which pays for the layer alone;
+# in a block, the threads OpenBLAS spun up for the feed-forward's products are
+# still spinning, and the split lost: the book's GPT at (V, C, E, H, L, B) =
+# (256, 128, 128, 4, 4, 8) float32 (attention 201 MFLOP), 2 cores, an AdamW
+# step 121-135 ms split against 83-87 ms serial (PyTorch: 94-111 ms), tiny
+# (256, 64, 64, 4, 2, 8) unchanged (2026-11-27, load ~2). Above it: not
+# measured in a block; the kernels decide as for a lone layer.
+_SERIAL_ATTENTION_FLOPS = 1 << 29
+
+
+class _NoChange:
+    """A context manager that changes nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CHANGE = _NoChange()
+
+
 class TransformerBlock(Model):
     """The book's pre-LayerNorm transformer block, with causal multi-head attention.
 
@@ -484,7 +511,8 @@ class TransformerBlock(Model):
             check_ndim(x, "x", 2, f"(..., T, {self.emb_dim})")
             check_last_dim(x, "x", self.emb_dim, f"(..., T, {self.emb_dim})")
         h = self.norm1.forward(x, check=False)  # (..., T, E)
-        h = self.att.forward(h, is_causal=True, dropout_mask=masks.get("att"))  # (..., T, E)
+        with self._attention_threads(h):
+            h = self.att.forward(h, is_causal=True, dropout_mask=masks.get("att"))  # (..., T, E)
         h = self.drop_shortcut1.forward(h, mask=masks.get("drop_shortcut1"), check=False)
         x, residual1 = F.residual_add_forward(x, h, check=False)  # (..., T, E)
         h = self.norm2.forward(x, check=False)
@@ -512,13 +540,22 @@ class TransformerBlock(Model):
         dx = dx + self.norm2.backward(dh, retain_cache, check=False)
         dx, dh = F.residual_add_backward(dx, residual1, check=False)
         dh = self.drop_shortcut1.backward(dh, retain_cache, check=False)
-        dh = self.att.backward(dh, retain_cache)
+        with self._attention_threads(dh):
+            dh = self.att.backward(dh, retain_cache)
         dx = dx + self.norm1.backward(dh, retain_cache, check=False)
         if not np.isfinite(dx).all():
             raise ValueError("TransformerBlock's input gradient contains NaN or inf: the "
                              "gradients overflowed")
         self._release_cache(retain_cache)
         return dx
+
+    def _attention_threads(self, x):
+        """The attention's worker threads in this block: :func:`qkvnp.num_threads` (1) for a
+        layer below ``_SERIAL_ATTENTION_FLOPS``, else a no-op (the kernels' own choice)."""
+        rows, E = x.size // x.shape[-1], self.emb_dim
+        T = x.shape[-2]
+        flops = 8 * rows * E * E + 4 * rows * T * E  # projections + core, forward
+        return num_threads(1) if flops < _SERIAL_ATTENTION_FLOPS else _NO_CHANGE
 
     def decode(self, x: Any, kv_cache: Any) -> Any:
         """One inference step on the new tokens ``x`` ``(..., T, E)`` through ``kv_cache``.
