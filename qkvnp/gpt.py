@@ -242,10 +242,15 @@ class GPTModel(Model):
         positions = np.arange(idx.shape[-1])
         x = self.tok_emb.forward(idx) + self.pos_emb.forward(positions)  # (..., T, E) + (T, E)
         x = self.drop_emb.forward(x, mask=masks["drop_emb"])
+        # NOTE: the first block checks its input; each block checks its output,
+        # the next one's input, and the activations inside are not checked again
         for i, block in enumerate(self.trf_blocks):
-            x = block.forward(x, dropout_masks=masks[i])  # (..., T, E)
-        x = self.final_norm.forward(x)
-        logits = self.out_head.forward(x)  # (..., T, E) -> (..., T, V)
+            x = block.forward(x, dropout_masks=masks[i], check=i == 0)  # (..., T, E)
+        x = self.final_norm.forward(x, check=False)
+        logits = self.out_head.forward(x, check=False)  # (..., T, E) -> (..., T, V)
+        if not np.isfinite(logits).all():
+            raise ValueError("GPTModel's logits contain NaN or inf: a parameter holds NaN or "
+                             "inf, or the activations overflowed")
         self._cache = logits.shape
         return logits
 
@@ -267,11 +272,11 @@ class GPTModel(Model):
         """
         shape = self._need_cache()
         dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
-        dx = self.out_head.backward(dlogits, retain_cache)  # (..., T, V) -> (..., T, E)
-        dx = self.final_norm.backward(dx, retain_cache)
+        dx = self.out_head.backward(dlogits, retain_cache, check=False)  # (..., T, V) -> (..., T, E)
+        dx = self.final_norm.backward(dx, retain_cache, check=False)
         for block in reversed(list(self.trf_blocks)):
-            dx = block.backward(dx, retain_cache)
-        dx = self.drop_emb.backward(dx, retain_cache)
+            dx = block.backward(dx, retain_cache, check=False)  # each checks its dx
+        dx = self.drop_emb.backward(dx, retain_cache, check=False)
         self.tok_emb.backward(dx, retain_cache)
         # NOTE: every sequence reads the same position rows: their gradient is the batch sum
         dpos = dx.reshape((-1,) + dx.shape[-2:]).sum(axis=0)  # (..., T, E) -> (T, E)
@@ -316,14 +321,20 @@ class GPTModel(Model):
         x = tok[idx] + pos[past:past + idx.shape[-1]]  # (..., T, E)
         for block, cache in zip(self.trf_blocks, kv_caches):
             x = block.decode(x, cache)
+        from .kernels.pointwise import layer_norm_forward_fused
         from .transformer_ops import layer_norm_forward
 
-        norm = self.final_norm
-        x = layer_norm_forward(x, norm.params["scale"], norm.params["shift"], norm.eps)[0]
+        scale, shift = self.final_norm.params["scale"], self.final_norm.params["shift"]
+        norm = layer_norm_forward_fused if x.dtype.kind == "f" else layer_norm_forward
+        x = norm(x, scale, shift, self.final_norm.eps)[0]  # the blocks' output: checked
         state = self._thread  # the calling thread's: nothing kept for a backward
         state.cache = state.used_cache = None
         state.decoded = True
-        return x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)
+        logits = x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)
+        if not np.isfinite(logits).all():
+            raise ValueError("GPTModel's logits contain NaN or inf: a parameter holds NaN or "
+                             "inf, or the activations overflowed")
+        return logits
 
     def _need_cache(self):
         """The forward's logits shape, or a ``RuntimeError`` saying what to call."""

@@ -257,8 +257,9 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     # NOTE: the new tokens are the last T of the S keys: bottom-right alignment.
     # The cores fall back to the reference's exact clipping themselves when
     # the scores may overflow (the layer's bound covers the new tokens only).
+    inference = {"inference": True} if dispatch.path == "fast" else {}  # no copies for a backward
     heads, cache = core.attention_forward(q, keys, values, mask, "bottom_right",
-                                          enable_gqa=K != H)  # -> (..., H, T, D)
+                                          enable_gqa=K != H, **inference)  # -> (..., H, T, D)
     kv_cache.commit(staged)  # every check passed
     weights = None
     if need_weights:

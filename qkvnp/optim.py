@@ -469,12 +469,22 @@ class Adam(Optimizer):
         # m + (1 - beta1) (g - m): beta1 m + (1 - beta1) g up to rounding. torch's
         # CPU kernels fuse some of these lines (FMA), so single entries may differ
         # from torch by an ulp; trajectories agree to ~1e-15 (tests/test_optim.py).
-        exp_avg += (1 - beta1) * (grad - exp_avg)  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
+        # NOTE: each line's operations in the same order as the formula beside it
+        # (the same rounding), into two arrays of this call's own, not temporaries
+        scratch, update = np.empty_like(grad), group.update
+        np.subtract(grad, exp_avg, out=scratch)
+        scratch *= 1 - beta1
+        exp_avg += scratch  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
         exp_avg_sq *= beta2  # v_t = beta2 * v_{t-1} + ...
-        exp_avg_sq += (1 - beta2) * grad * grad  # ... + (1 - beta2) * g^2
+        np.multiply(grad, 1 - beta2, out=scratch)
+        scratch *= grad
+        exp_avg_sq += scratch  # ... + (1 - beta2) * g^2
         step_size = lr / (1 - beta1**step)  # lr / (1 - beta1^t)
-        denom = np.sqrt(exp_avg_sq) / (1 - beta2**step) ** 0.5 + eps  # sqrt(v_t / (1 - beta2^t)) + eps
-        np.divide(step_size * exp_avg, denom, out=group.update)  # step_size * m_t / denom
+        np.sqrt(exp_avg_sq, out=scratch)
+        scratch /= (1 - beta2**step) ** 0.5
+        scratch += eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
+        np.multiply(exp_avg, step_size, out=update)
+        update /= scratch  # step_size * m_t / denom
         for param, update in zip(params, group.update_views):
             param -= update  # theta_t = theta_{t-1} - step_size * m_t / denom
 

@@ -277,7 +277,8 @@ def gelu_backward(dout: FloatArray, cache: GeluCache, check: bool = True) -> Flo
 
 def activation_dropout_forward(x: FloatArray, p: float, *,
                                rng: np.random.Generator | int | None = None,
-                               mask: BoolArray | None = None) -> tuple[FloatArray, ActivationDropoutCache]:
+                               mask: BoolArray | None = None,
+                               check: bool = True) -> tuple[FloatArray, ActivationDropoutCache]:
     """Dropout on activations (``nn.Dropout``): zero entries, scale the rest by ``1/(1-p)``.
 
     Parameters
@@ -290,6 +291,8 @@ def activation_dropout_forward(x: FloatArray, p: float, *,
     mask : ndarray of bool, keyword-only, optional
         True = keep, broadcastable to ``x.shape``: replays a mask (needs
         ``0 < p < 1``).
+    check : bool, keyword-only
+        False: ``x`` is a composite's own finite array, already checked.
 
     Returns
     -------
@@ -316,7 +319,8 @@ def activation_dropout_forward(x: FloatArray, p: float, *,
     array([2., 0., 2., 0.])
     """
     p = check_dropout_p(p, "p")
-    x = as_float_array(x, "x")
+    if check:
+        x = as_float_array(x, "x")
     if mask is None and p == 0.0:
         return x, ActivationDropoutCache(None, None, x.shape, x.dtype)
     if mask is None:
@@ -366,12 +370,16 @@ def activation_dropout_backward(dout: FloatArray, cache: ActivationDropoutCache,
 ResidualCache = namedtuple("ResidualCache", "shape dtype")
 
 
-def residual_add_forward(x: FloatArray, branch: FloatArray) -> tuple[FloatArray, ResidualCache]:
+def residual_add_forward(x: FloatArray, branch: FloatArray, *,
+                         check: bool = True) -> tuple[FloatArray, ResidualCache]:
     """The residual connection ``out = x + branch`` (same shapes, no broadcasting).
 
     Parameters
     ----------
     x, branch : ndarray, shape (...)
+    check : bool, keyword-only
+        False: both are a composite's own finite arrays of one dtype and
+        shape, already checked.
 
     Returns
     -------
@@ -394,10 +402,11 @@ def residual_add_forward(x: FloatArray, branch: FloatArray) -> tuple[FloatArray,
     >>> residual_add_backward(np.array([3.0, 4.0]), cache)
     (array([3., 4.]), array([3., 4.]))
     """
-    x = as_float_array(x, "x")
-    branch = as_float_array(branch, "branch")
-    if x.shape != branch.shape:
-        raise ValueError(f"branch must have x's shape {x.shape}, got shape {branch.shape}")
+    if check:
+        x = as_float_array(x, "x")
+        branch = as_float_array(branch, "branch")
+        if x.shape != branch.shape:
+            raise ValueError(f"branch must have x's shape {x.shape}, got shape {branch.shape}")
     out = x + branch
     return out, ResidualCache(out.shape, out.dtype)
 

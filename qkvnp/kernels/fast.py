@@ -512,7 +512,7 @@ def _backward_rows(do, o, q, k, value_aug_t, weights_num, inv, dscores, dq, dk_t
 
 
 def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=None, *,
-                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False):
+                      dropout_p=0.0, rng=None, dropout_mask=None, enable_gqa=False, inference=False):
     """Scaled dot-product attention ``softmax(q k^T * scale + mask) v``, fast path.
 
     Same arguments, semantics and errors as
@@ -536,6 +536,8 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     enable_gqa : bool, keyword-only
         Grouped-query attention, as in the reference: K/V are broadcast over
         each group of query heads, never repeated (:mod:`qkvnp.gqa`).
+    inference : bool, keyword-only
+        True: no backward will read the cache (a KV-cache decoding step): nothing is copied for one.
 
     Returns
     -------
@@ -599,7 +601,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     grouped = split_groups(query, key, value, attn_mask, enable_gqa)
     if grouped is not None:  # K < H key/value heads: broadcast over each group
         return grouped_forward(attention_forward, grouped, is_causal, scale, dropout_p=dropout_p,
-                               rng=rng, dropout_mask=dropout_mask)
+                               rng=rng, dropout_mask=dropout_mask, inference=inference)
     originals = (query, key, value)
     query, key, value, lead = check_attention_inputs(query, key, value)
     scale = check_scale(scale, query.shape[-1])
@@ -609,15 +611,15 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         with np.errstate(over="ignore", invalid="ignore"):  # recomputed exactly, then clipped
             return F.attention_forward(*originals, attn_mask, is_causal, scale, dropout_p=dropout_p,
                                        rng=rng, dropout_mask=dropout_mask)
-    (T, D), (S, Dv) = query.shape[-2:], value.shape[-2:]
-    dtype = query.dtype
+    (T, D), (S, Dv), dtype = query.shape[-2:], value.shape[-2:], query.dtype
     bias, keep = prepare_mask(attn_mask, is_causal, lead + (T, S), dtype)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
     drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
     mask = additive_mask(bias, keep, dtype)
     scaled_query = np.empty(lead + (T, D), dtype)
     np.multiply(query, dtype.type(scale), out=scaled_query)  # (..., T, D), broadcast
-    key, value, drop_keep = owned((key, value, drop_keep), originals + (dropout_mask,))  # the cache owns what backward reads
+    kept = (key, value, drop_keep)  # the cache owns what backward reads (none with inference)
+    key, value, drop_keep = kept if inference else owned(kept, originals + (dropout_mask,))
     key_b = np.broadcast_to(key, lead + (S, D))
     value_b = np.broadcast_to(value, lead + (S, Dv))
     exp_scores = recycled_empty(lead + (T, S), dtype)
@@ -628,7 +630,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     # NOTE: the cache keeps its own copy of out (a (T, Dv) copy): a caller
     # editing the returned array in place must not change the gradients.
     cache = FastAttentionCache(scaled_query, key_b, value_b, exp_scores,
-                               None if normalized else inv_sum, out.copy(),
+                               None if normalized else inv_sum, out if inference else out.copy(),
                                scale, (query.shape, key.shape, value.shape), drop_keep, drop_p,
                                causal_mask_offset(mask, dtype), chunk_rows)
     return out, cache

@@ -15,8 +15,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .._checks import as_float_array, check_int, is_real_number, layer_dtype, make_rng
+from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, is_real_number,
+                       layer_dtype, make_rng)
 from ..dropout import check_dropout_p, spawn_generator
+from ..kernels import num_threads
+from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
+                                 layer_norm_backward_fused, layer_norm_forward_fused)
 from ..transformer_ops import GELU_APPROXIMATIONS
 from .attention import MultiHeadAttention
 from .base import Layer, Model
@@ -79,19 +83,38 @@ class LayerNorm(Layer):
 
     _repr_fields = ("dim", "eps", "dtype")
 
-    def forward(self, x: Any) -> Any:
-        """Normalise each row of ``x`` ``(..., E)``; return ``(..., E)``."""
-        x = as_float_array(x, "x", self.dtype)
-        if x.ndim < 1 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (..., {self.dim}), got shape {x.shape}")
-        out, self._cache = F.layer_norm_forward(x, self.params["scale"], self.params["shift"],
-                                                self.eps)
+    def forward(self, x: Any, *, check: bool = True) -> Any:
+        """Normalise each row of ``x`` ``(..., E)``; return ``(..., E)``.
+
+        ``check=False`` (keyword-only): ``x`` is a composite's own finite
+        array of the layer's dtype and shape, not checked again.
+        """
+        if check:
+            x = as_float_array(x, "x", self.dtype)
+            if x.ndim < 1 or x.shape[-1] != self.dim:
+                raise ValueError(f"x must have shape (..., {self.dim}), got shape {x.shape}")
+        scale, shift = self.params["scale"], self.params["shift"]
+        if x.dtype.kind == "f" and x.dtype == scale.dtype == shift.dtype:
+            # NOTE: the fused passes of qkvnp.kernels.pointwise for real input; the
+            # reference op for the rest (the gradient checker's complex step)
+            scale = as_float_array(scale, "scale")  # finite (it is not a copy)
+            shift = as_float_array(shift, "shift")
+            out, self._cache = layer_norm_forward_fused(x, scale, shift, self.eps)
+            return out
+        out, self._cache = F.layer_norm_forward(x, scale, shift, self.eps)
         return out
 
-    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
-        """Accumulate ``dscale`` and ``dshift``; return ``dx`` ``(..., E)``."""
+    def backward(self, dout: Any, retain_cache: bool = False, *, check: bool = True) -> Any:
+        """Accumulate ``dscale`` and ``dshift``; return ``dx`` ``(..., E)``.
+
+        ``check=False`` (keyword-only): ``dout`` is a composite's own
+        gradient, already checked.
+        """
         cache = self._need_cache()
-        dx, dscale, dshift = F.layer_norm_backward(dout, cache)
+        if check or cache.normalized.dtype.kind != "f":
+            dx, dscale, dshift = F.layer_norm_backward(dout, cache, check)
+        else:
+            dx, dscale, dshift = layer_norm_backward_fused(dout, cache)
         self._accumulate("scale", dscale)
         self._accumulate("shift", dshift)
         self._release_cache(retain_cache)
@@ -128,15 +151,30 @@ class GELU(Layer):
 
     _repr_fields = ("approximate",)
 
-    def forward(self, x: Any) -> Any:
-        """GELU of every entry of ``x``."""
+    def forward(self, x: Any, *, check: bool = True) -> Any:
+        """GELU of every entry of ``x``.
+
+        ``check=False`` (keyword-only): ``x`` is a composite's own finite
+        real array, which it does not edit before the backward; it is
+        neither checked nor copied (the cache keeps it).
+        """
+        if not check and self.approximate == "tanh" and x.dtype.kind == "f":
+            out, self._cache = gelu_tanh_forward_fused(x)  # qkvnp.kernels.pointwise
+            return out
         out, self._cache = F.gelu_forward(x, self.approximate)
         return out
 
-    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
-        """Return ``dx = dout * gelu'(x)``."""
+    def backward(self, dout: Any, retain_cache: bool = False, *, check: bool = True) -> Any:
+        """Return ``dx = dout * gelu'(x)``.
+
+        ``check=False`` (keyword-only): ``dout`` is a composite's own
+        gradient, already checked.
+        """
         cache = self._need_cache()
-        dx = F.gelu_backward(dout, cache)
+        if check or cache.approximate != "tanh" or cache.x.dtype.kind != "f":
+            dx = F.gelu_backward(dout, cache, check)
+        else:
+            dx = gelu_tanh_backward_fused(dout, cache)
         self._release_cache(retain_cache)
         return dx
 
@@ -183,21 +221,29 @@ class Dropout(Layer):
         return {"dropout_rng": self.dropout_rng}
 
     def forward(self, x: Any, *, mask: Any = None,
-                rng: np.random.Generator | int | None = None) -> Any:
-        """Drop entries of ``x`` (a given ``mask``, or one drawn in training mode)."""
+                rng: np.random.Generator | int | None = None, check: bool = True) -> Any:
+        """Drop entries of ``x`` (a given ``mask``, or one drawn in training mode).
+
+        ``check=False`` (keyword-only): ``x`` is a composite's own finite
+        array, not checked again.
+        """
         if mask is None and (not self.training or self.p == 0.0):
-            out, self._cache = F.activation_dropout_forward(x, 0.0)
+            out, self._cache = F.activation_dropout_forward(x, 0.0, check=check)
             return out
         if mask is not None and self.p == 0.0:
             raise ValueError("mask needs a Dropout built with 0 < p < 1, this one has p=0.0")
         out, self._cache = F.activation_dropout_forward(
-            x, self.p, rng=self.dropout_rng if rng is None else rng, mask=mask)
+            x, self.p, rng=self.dropout_rng if rng is None else rng, mask=mask, check=check)
         return out
 
-    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
-        """Return ``dout`` masked and scaled as the forward was."""
+    def backward(self, dout: Any, retain_cache: bool = False, *, check: bool = True) -> Any:
+        """Return ``dout`` masked and scaled as the forward was.
+
+        ``check=False`` (keyword-only): ``dout`` is a composite's own
+        gradient, already checked.
+        """
         cache = self._need_cache()
-        dx = F.activation_dropout_backward(dout, cache)
+        dx = F.activation_dropout_backward(dout, cache, check)
         self._release_cache(retain_cache)
         return dx
 
@@ -299,13 +345,55 @@ class FeedForward(Model):
         ])
         self.zero_grad()
 
-    def forward(self, x: Any) -> Any:
-        """``(..., E) -> (..., E)``."""
-        return self.layers.forward(x)  # (..., E) -> (..., F) -> (..., E)
+    def forward(self, x: Any, *, check: bool = True) -> Any:
+        """``(..., E) -> (..., E)``.
 
-    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
-        """Accumulate the linears' gradients; return ``dx`` ``(..., E)``."""
-        return self.layers.backward(dout, retain_cache)
+        ``check=False`` (keyword-only): ``x`` is a composite's own finite
+        array of the layer's dtype and shape, which it does not edit before
+        the backward. Either way the hidden activations, the layer's own,
+        are not checked again between the sub-layers.
+        """
+        first, gelu, second = self.layers
+        h = first.forward(x, check=check)  # (..., E) -> (..., F)
+        h = gelu.forward(h, check=False)
+        return second.forward(h, check=False)  # (..., F) -> (..., E)
+
+    def backward(self, dout: Any, retain_cache: bool = False, *, check: bool = True) -> Any:
+        """Accumulate the linears' gradients; return ``dx`` ``(..., E)``.
+
+        ``check=False`` (keyword-only): ``dout`` is a composite's own
+        gradient, already checked.
+        """
+        first, gelu, second = self.layers
+        dh = second.backward(dout, retain_cache, check=check)  # (..., E) -> (..., F)
+        dh = gelu.backward(dh, retain_cache, check=False)
+        return first.backward(dh, retain_cache, check=False)  # (..., F) -> (..., E)
+
+
+# Forward operations of a block's attention (projections and core) below which
+# it runs in the calling thread, its projections still on OpenBLAS's threads as
+# the feed-forward's. NOTE: the kernels split a lone layer's batch over their
+# worker threads from ``batch_split_flops`` on, which pays for the layer alone;
+# in a block, the threads OpenBLAS spun up for the feed-forward's products are
+# still spinning, and the split lost: the book's GPT at (V, C, E, H, L, B) =
+# (256, 128, 128, 4, 4, 8) float32 (attention 201 MFLOP), 2 cores, an AdamW
+# step 121-135 ms split against 83-87 ms serial (PyTorch: 94-111 ms), tiny
+# (256, 64, 64, 4, 2, 8) unchanged (2026-11-27, load ~2). Above it: not
+# measured in a block; the kernels decide as for a lone layer.
+_SERIAL_ATTENTION_FLOPS = 1 << 29
+
+
+class _NoChange:
+    """A context manager that changes nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CHANGE = _NoChange()
 
 
 class TransformerBlock(Model):
@@ -391,7 +479,8 @@ class TransformerBlock(Model):
     def impl(self, value: Any) -> None:
         self.att.impl = value
 
-    def forward(self, x: FloatArray, *, dropout_masks: dict[str, Any] | None = None) -> Any:
+    def forward(self, x: FloatArray, *, dropout_masks: dict[str, Any] | None = None,
+                check: bool = True) -> Any:
         """The block on ``x`` ``(..., T, E)``; return ``(..., T, E)``.
 
         Parameters
@@ -402,50 +491,109 @@ class TransformerBlock(Model):
             ``"att"`` ``(..., H, T, T)`` for the attention weights,
             ``"drop_shortcut1"`` and ``"drop_shortcut2"`` ``(..., T, E)``.
             Missing names are drawn (training mode) or not applied.
+        check : bool, keyword-only
+            False: ``x`` is a composite's own finite array of the block's
+            dtype and shape (the previous block's output), which it does not
+            edit before the backward.
+
+        Raises
+        ------
+        ValueError
+            If ``x`` is not finite or of the wrong shape, or the output is
+            not finite (a parameter holding NaN or inf, an overflow).
+
+        Notes
+        -----
+        The activations between the sub-layers are the block's own and are
+        not checked again; the output is checked once instead.
         """
         masks = _check_mask_names(dropout_masks, ("att", "drop_shortcut1", "drop_shortcut2"))
-        h = self.norm1.forward(x)  # (..., T, E)
-        h = self.att.forward(h, is_causal=True, dropout_mask=masks.get("att"))  # (..., T, E)
-        h = self.drop_shortcut1.forward(h, mask=masks.get("drop_shortcut1"))
-        x, residual1 = F.residual_add_forward(x, h)  # (..., T, E)
-        h = self.norm2.forward(x)
-        h = self.ff.forward(h)  # (..., T, E) -> (..., T, 4E) -> (..., T, E)
-        h = self.drop_shortcut2.forward(h, mask=masks.get("drop_shortcut2"))
-        out, residual2 = F.residual_add_forward(x, h)
+        if check:
+            x = as_float_array(x, "x", self.dtype)
+            check_ndim(x, "x", 2, f"(..., T, {self.emb_dim})")
+            check_last_dim(x, "x", self.emb_dim, f"(..., T, {self.emb_dim})")
+        h = self.norm1.forward(x, check=False)  # (..., T, E)
+        with self._attention_threads(h):
+            h = self.att.forward(h, is_causal=True, dropout_mask=masks.get("att"))  # (..., T, E)
+        h = self.drop_shortcut1.forward(h, mask=masks.get("drop_shortcut1"), check=False)
+        x, residual1 = F.residual_add_forward(x, h, check=False)  # (..., T, E)
+        h = self.norm2.forward(x, check=False)
+        h = self.ff.forward(h, check=False)  # (..., T, E) -> (..., T, 4E) -> (..., T, E)
+        h = self.drop_shortcut2.forward(h, mask=masks.get("drop_shortcut2"), check=False)
+        out, residual2 = F.residual_add_forward(x, h, check=False)
+        if not np.isfinite(out).all():
+            raise ValueError("TransformerBlock's output contains NaN or inf: a parameter holds "
+                             "NaN or inf, or the activations overflowed")
         self._cache = (residual1, residual2)
         return out
 
-    def backward(self, dout: Any, retain_cache: bool = False) -> Any:
-        """Accumulate every sub-layer's gradients; return ``dx`` ``(..., T, E)``."""
+    def backward(self, dout: Any, retain_cache: bool = False, *, check: bool = True) -> Any:
+        """Accumulate every sub-layer's gradients; return ``dx`` ``(..., T, E)``.
+
+        ``check=False`` (keyword-only): ``dout`` is a composite's own
+        gradient, already checked (the next block's ``dx``). The gradients
+        between the sub-layers are not checked again; ``dx`` is checked
+        finite once instead.
+        """
         residual1, residual2 = self._need_cache()
-        dx, dh = F.residual_add_backward(dout, residual2)
-        dh = self.drop_shortcut2.backward(dh, retain_cache)
-        dh = self.ff.backward(dh, retain_cache)
-        dx = dx + self.norm2.backward(dh, retain_cache)
+        dx, dh = F.residual_add_backward(dout, residual2, check=check)
+        dh = self.drop_shortcut2.backward(dh, retain_cache, check=False)
+        dh = self.ff.backward(dh, retain_cache, check=False)
+        dx = dx + self.norm2.backward(dh, retain_cache, check=False)
         dx, dh = F.residual_add_backward(dx, residual1, check=False)
-        dh = self.drop_shortcut1.backward(dh, retain_cache)
-        dh = self.att.backward(dh, retain_cache)
-        dx = dx + self.norm1.backward(dh, retain_cache)
+        dh = self.drop_shortcut1.backward(dh, retain_cache, check=False)
+        with self._attention_threads(dh):
+            dh = self.att.backward(dh, retain_cache)
+        dx = dx + self.norm1.backward(dh, retain_cache, check=False)
+        if not np.isfinite(dx).all():
+            raise ValueError("TransformerBlock's input gradient contains NaN or inf: the "
+                             "gradients overflowed")
         self._release_cache(retain_cache)
         return dx
+
+    def _attention_threads(self, x):
+        """The attention's worker threads in this block: :func:`qkvnp.num_threads` (1) for a
+        layer below ``_SERIAL_ATTENTION_FLOPS``, else a no-op (the kernels' own choice)."""
+        rows, E = x.size // x.shape[-1], self.emb_dim
+        T = x.shape[-2]
+        flops = 8 * rows * E * E + 4 * rows * T * E  # projections + core, forward
+        return num_threads(1) if flops < _SERIAL_ATTENTION_FLOPS else _NO_CHANGE
 
     def decode(self, x: Any, kv_cache: Any) -> Any:
         """One inference step on the new tokens ``x`` ``(..., T, E)`` through ``kv_cache``.
 
         Runs the pure ops on the parameters (no layer cache is touched but
-        the attention's, which then refuses a backward) and no dropout.
+        the attention's, which then refuses a backward) and no dropout: the
+        fused passes of :mod:`qkvnp.kernels.pointwise` for real input, as
+        :meth:`forward`. ``x`` is checked once on the way in, the output on
+        the way out (``ValueError`` if not finite), not what lies between.
         """
+        x = as_float_array(x, "x", self.dtype)
+        check_ndim(x, "x", 2, f"(..., T, {self.emb_dim})")
+        check_last_dim(x, "x", self.emb_dim, f"(..., T, {self.emb_dim})")
         state = self._thread  # the calling thread's: a later backward refuses (nothing kept)
         state.cache = state.used_cache = None
         state.decoded = True
-        p1, p2 = self.norm1.params, self.norm2.params
-        h = F.layer_norm_forward(x, p1["scale"], p1["shift"], self.norm1.eps)[0]
-        x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
-        h = F.layer_norm_forward(x, p2["scale"], p2["shift"], self.norm2.eps)[0]
         first, gelu, second = self.ff.layers
+        fused = x.dtype.kind == "f" and gelu.approximate == "tanh"
+        h = _layer_norm(self.norm1, x, fused)
+        x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
+        h = _layer_norm(self.norm2, x, fused)
         h = h @ first.params["W"] + first.params["b"]  # (..., T, E) -> (..., T, F)
-        h = F.gelu_forward(h, gelu.approximate)[0]
-        return x + (h @ second.params["W"] + second.params["b"])  # (..., T, F) -> (..., T, E)
+        h = gelu_tanh_forward_fused(h)[0] if fused else F.gelu_forward(h, gelu.approximate)[0]
+        out = x + (h @ second.params["W"] + second.params["b"])  # (..., T, F) -> (..., T, E)
+        if not np.isfinite(out).all():
+            raise ValueError("TransformerBlock's output contains NaN or inf: a parameter holds "
+                             "NaN or inf, or the activations overflowed")
+        return out
+
+
+def _layer_norm(norm, x, fused):
+    """``norm``'s output on ``x`` (no cache kept): the fused passes or the reference op."""
+    scale, shift = norm.params["scale"], norm.params["shift"]
+    if fused and x.dtype == scale.dtype == shift.dtype:
+        return layer_norm_forward_fused(x, scale, shift, norm.eps)[0]
+    return F.layer_norm_forward(x, scale, shift, norm.eps)[0]
 
 
 def _check_mask_names(dropout_masks, names):

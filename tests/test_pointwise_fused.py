@@ -1,0 +1,120 @@
+"""The layers' fused LayerNorm and GELU passes, and the checks a composite keeps when it skips its inner ones.
+
+Shape key: B batch, T tokens, E embedding, F hidden width.
+
+Oracles: the reference ops of :mod:`qkvnp.functional` (whose gradients
+``tests/test_transformer_ops.py`` checks by central differences and complex
+step), float64, with random upstream gradients: the fused passes compute
+the same formulas, so they agree to rounding (1e-12 relative). Refusals: a
+NaN or inf placed in a parameter must raise, whatever check the layers skip
+between their sub-layers.
+"""
+import numpy as np
+import pytest
+
+import qkvnp
+from qkvnp import functional as F
+from qkvnp.kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
+                                     layer_norm_backward_fused, layer_norm_forward_fused)
+
+RTOL = {np.float64: 1e-12, np.float32: 2e-5}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(7,), (3, 5, 6), (2, 1, 4, 16)])  # one row; (B, T, E); 4-D
+def test_fused_layer_norm_equals_the_reference_op(shape, dtype, rng):
+    x = (rng.normal(size=shape) * 3 + 1).astype(dtype)
+    scale = rng.normal(size=shape[-1]).astype(dtype)
+    shift = rng.normal(size=shape[-1]).astype(dtype)
+    dout = rng.normal(size=shape).astype(dtype)
+    expected, ref_cache = F.layer_norm_forward(x, scale, shift)
+    out, cache = layer_norm_forward_fused(x, scale, shift, 1e-5)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_allclose(out, expected, rtol=RTOL[dtype], atol=RTOL[dtype])
+    for got, want in zip(layer_norm_backward_fused(dout, cache),
+                         F.layer_norm_backward(dout, ref_cache)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=RTOL[dtype], atol=RTOL[dtype] * 10)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_fused_gelu_equals_the_reference_op(dtype, rng):
+    x = (rng.normal(size=(3, 4, 10)) * 4).astype(dtype)
+    dout = rng.normal(size=x.shape).astype(dtype)
+    expected, ref_cache = F.gelu_forward(x, "tanh")
+    out, cache = gelu_tanh_forward_fused(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    np.testing.assert_allclose(out, expected, rtol=RTOL[dtype], atol=RTOL[dtype])
+    dx = gelu_tanh_backward_fused(dout, cache)
+    assert dx.shape == x.shape and dx.dtype == dtype
+    np.testing.assert_allclose(dx, F.gelu_backward(dout, ref_cache), rtol=RTOL[dtype],
+                               atol=RTOL[dtype])
+
+
+def test_fused_passes_leave_their_inputs_unchanged(rng):
+    x, dout = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 3, 8))
+    scale, shift = rng.normal(size=8), rng.normal(size=8)
+    before = [a.copy() for a in (x, dout, scale, shift)]
+    _, cache = layer_norm_forward_fused(x, scale, shift, 1e-5)
+    layer_norm_backward_fused(dout, cache)
+    _, cache = gelu_tanh_forward_fused(x)
+    gelu_tanh_backward_fused(dout, cache)
+    for a, b in zip((x, dout, scale, shift), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])  # fused; the reference (erf)
+def test_feed_forward_equals_its_ops_line_by_line(approximate, rng):
+    ff = qkvnp.FeedForward(6, rng=0, approximate=approximate)
+    x, dout = rng.normal(size=(2, 5, 6)), rng.normal(size=(2, 5, 6))
+    p = ff.params
+    h, c1 = F.linear_forward(x, p["layers.0.W"], p["layers.0.b"])
+    g, c2 = F.gelu_forward(h, approximate)
+    expected, c3 = F.linear_forward(g, p["layers.2.W"], p["layers.2.b"])
+    out = ff.forward(x)
+    np.testing.assert_allclose(out, expected, rtol=1e-12)
+    dg, dW2, db2 = F.linear_backward(dout, c3)
+    dx, dW1, db1 = F.linear_backward(F.gelu_backward(dg, c2), c1)
+    np.testing.assert_allclose(ff.backward(dout), dx, rtol=1e-12, atol=1e-14)
+    for name, want in (("layers.0.W", dW1), ("layers.0.b", db1), ("layers.2.W", dW2),
+                       ("layers.2.b", db2)):
+        np.testing.assert_allclose(ff.grads[name], want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["ff.layers.0.W", "ff.layers.2.b", "norm2.scale"])
+def test_a_block_refuses_a_nan_parameter_inside_it(name, rng):
+    # NOTE: the block does not check its inner activations; its output check must
+    block = qkvnp.TransformerBlock(8, 2, rng=0)
+    block.params[name][0] = np.nan
+    with pytest.raises(ValueError, match="NaN or inf"):
+        block.forward(rng.normal(size=(2, 3, 8)))
+
+
+@pytest.mark.parametrize("name", ["trf_blocks.1.ff.layers.0.W", "final_norm.shift",
+                                  "out_head.W", "tok_emb.weight"])
+def test_a_gpt_refuses_a_nan_or_inf_parameter(name):
+    model = qkvnp.GPTModel(11, 8, 8, 2, 2, rng=0)
+    model.params[name][...] = np.inf
+    with np.errstate(all="ignore"), pytest.raises(ValueError, match="NaN or inf"):
+        model.forward(np.array([[1, 2, 3]]))  # (inf - inf in a product may warn first)
+
+
+def test_a_block_refuses_a_nan_input_naming_it(rng):
+    block = qkvnp.TransformerBlock(8, 2, rng=0)
+    x = rng.normal(size=(2, 3, 8))
+    x[1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match="x contains NaN"):
+        block.forward(x)
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., T, 8\)"):
+        block.forward(np.ones((3, 7)))
+
+
+@pytest.mark.parametrize("name", ["trf_blocks.0.norm2.scale", "trf_blocks.1.ff.layers.2.W",
+                                  "final_norm.scale", "out_head.W"])
+def test_kv_cache_decoding_refuses_a_nan_parameter(name):
+    # NOTE: decoding checks each block's input and output and the logits, not between
+    model = qkvnp.GPTModel(11, 8, 8, 2, 2, rng=0).eval()
+    model.params[name][...] = np.nan
+    caches = [qkvnp.KVCache() for _ in range(2)]
+    with np.errstate(all="ignore"), pytest.raises(ValueError, match="NaN or inf"):
+        model.decode(np.array([[1, 2, 3]]), caches)
