@@ -206,8 +206,7 @@ def test_refused_options_and_refused_steps_change_nothing():
     np.testing.assert_array_equal(cache.key, before[2])
 
 
-def test_layer_matches_torch_autograd():
-    torch = pytest.importorskip("torch")
+def test_layer_matches_torch_autograd(torch):
     layer = make_layer(rope=True, position_bias="relative", sinks=True, softcap=2.5,
                        window=(2, 0), num_buckets=6, max_distance=8)
     rng = np.random.default_rng(11)

@@ -17,7 +17,13 @@ import pytest
 from qkvnp import functional as F
 from qkvnp.positions import alibi_bias, alibi_slopes, relative_position_bucket
 
-torch = pytest.importorskip("torch")
+torch = None  # PyTorch, set for each test by the fixture below
+
+
+@pytest.fixture(autouse=True)
+def _use_torch(torch):
+    """conftest's ``torch``: skipped without PyTorch (one summary line), an error in CI."""
+    globals()["torch"] = torch
 
 TOL = 1e-10
 
