@@ -9,11 +9,13 @@ the derivations are in ``docs/derivations_gpt.md``.
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 
 from ._checks import as_upstream_grad, check_int, check_indices, layer_dtype, make_rng
 from .dropout import check_dropout_p
+from .kernels._runtime import get_block_sizes, single_threaded_blas
 from .layers.base import Model
 from .layers.basic import Embedding, Linear
 from .layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
@@ -244,10 +246,11 @@ class GPTModel(Model):
         x = self.drop_emb.forward(x, mask=masks["drop_emb"])
         # NOTE: the first block checks its input; each block checks its output,
         # the next one's input, and the activations inside are not checked again
-        for i, block in enumerate(self.trf_blocks):
-            x = block.forward(x, dropout_masks=masks[i], check=i == 0)  # (..., T, E)
-        x = self.final_norm.forward(x, check=False)
-        logits = self.out_head.forward(x, check=False)  # (..., T, E) -> (..., T, V)
+        with self._blas_threads(x):
+            for i, block in enumerate(self.trf_blocks):
+                x = block.forward(x, dropout_masks=masks[i], check=i == 0)  # (..., T, E)
+            x = self.final_norm.forward(x, check=False)
+            logits = self.out_head.forward(x, check=False)  # (..., T, E) -> (..., T, V)
         if not np.isfinite(logits).all():
             raise ValueError("GPTModel's logits contain NaN or inf: a parameter holds NaN or "
                              "inf, or the activations overflowed")
@@ -272,10 +275,12 @@ class GPTModel(Model):
         """
         shape = self._need_cache()
         dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
-        dx = self.out_head.backward(dlogits, retain_cache, check=False)  # (..., T, V) -> (..., T, E)
-        dx = self.final_norm.backward(dx, retain_cache, check=False)
-        for block in reversed(list(self.trf_blocks)):
-            dx = block.backward(dx, retain_cache, check=False)  # each checks its dx
+        with self._blas_threads(dlogits):
+            # (..., T, V) -> (..., T, E)
+            dx = self.out_head.backward(dlogits, retain_cache, check=False)
+            dx = self.final_norm.backward(dx, retain_cache, check=False)
+            for block in reversed(list(self.trf_blocks)):
+                dx = block.backward(dx, retain_cache, check=False)  # each checks its dx
         dx = self.drop_emb.backward(dx, retain_cache, check=False)
         self.tok_emb.backward(dx, retain_cache)
         # NOTE: every sequence reads the same position rows: their gradient is the batch sum
@@ -335,6 +340,28 @@ class GPTModel(Model):
             raise ValueError("GPTModel's logits contain NaN or inf: a parameter holds NaN or "
                              "inf, or the activations overflowed")
         return logits
+
+    def _blas_threads(self, x):
+        """OpenBLAS at one thread (:class:`single_threaded_blas`) for the blocks and the
+        head when the step's largest product, ``2 * rows * E * max(4 E, V)`` flops, is
+        below the ``min_parallel_flops`` setting; else a no-op (BLAS's own count).
+
+        NOTE: OpenBLAS spreads even these small products over its threads, which
+        then spin while the step's NumPy passes that follow want the cores. The
+        book's GPT at (V, C, E, H, L, B) = (256, 64, 64, 4, 2, 8) float32 (largest
+        product 2**24), 2 cores, an AdamW step, host loaded by other jobs (load
+        2.3-4.4), alternated: 10.3-19 ms at one thread against 8.7-172 at two
+        (``benchmarks/gpt_compare.py``: medians 18.1 and 14.8 ms against 176
+        and 167); on an idle host not measured. At (256, 128, 128, 4, 4, 8)
+        (2**27) nothing changes. The thread count is process-wide while the
+        section is open (as in the kernels' sections); other threads' NumPy
+        products run at one thread meanwhile.
+        """
+        rows = x.size // x.shape[-1]
+        largest = 2 * rows * self.emb_dim * max(4 * self.emb_dim, self.vocab_size)
+        if largest < get_block_sizes()["min_parallel_flops"]:
+            return single_threaded_blas()
+        return contextlib.nullcontext()
 
     def _need_cache(self):
         """The forward's logits shape, or a ``RuntimeError`` saying what to call."""

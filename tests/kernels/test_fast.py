@@ -292,9 +292,10 @@ def test_causal_scores_are_masked_after_the_exponential(monkeypatch, dtype, spli
     masked key (key 5, after all 5 queries) scores about 100 (800 in float64),
     whose exponential overflows: the whole-array core's unshifted row sums are
     NaN (inf * 0), its shifted try's bound (set by key 5) leaves the visible
-    scores' sums below 2**-24, so the blocked core's exact row max computes
-    it (two shifted passes, one per call here), as the reference's, with the
-    masked weights exactly 0. The blocked core's bound covers every score."""
+    scores' sums below 2**-24, so its third try takes the exact row max of
+    the masked scores, as the reference does (one shifted pass per call), with
+    the masked weights exactly 0 and the weights kept. The blocked core's
+    bound covers every score."""
     calls = []
     shifted_exp = fast_small._shifted_exp
     monkeypatch.setattr(fast_small, "_shifted_exp",
@@ -312,8 +313,8 @@ def test_causal_scores_are_masked_after_the_exponential(monkeypatch, dtype, spli
         _, _, cache, _ = core_both_paths(inputs, options, dtype)
     weights = fast.attention_weights(cache)
     assert (weights[..., 5] == 0).all() and np.isfinite(weights).all()
-    if split[0] == 1:  # the whole-array core tried both, then handed over
-        assert len(calls) == 4 and cache.inv_sum is not None
+    if split[0] == 1:  # the whole-array core answered from the exact row max itself
+        assert len(calls) == 2 and cache.inv_sum is None
 
 
 def test_causal_factors_are_the_shared_causal_mask_as_0_and_1():
@@ -890,11 +891,12 @@ def test_batch_split_refuses_a_bad_mask_before_any_work():
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_batch_split_with_one_share_on_the_blocked_core(dtype):
+def test_batch_split_with_one_share_on_the_blocked_core(dtype, monkeypatch):
     """Oracle: the reference layer. One batch entry's keys point against its
     queries: every score is -20.6, so the whole-array core's unshifted try has
     row sums below 2**-24 and its shifted try, with the bound |q| max|k| =
-    20.6, exponentials of -41; that share falls back to the blocked core,
+    20.6, exponentials of -41; its exact-max try is made to fail here as an
+    overflowing score makes it (NaN), so that share falls back to the blocked core,
     which keeps numerators and 1 / rowsum, while the other share keeps the
     normalised weights; each share's backward reads its own. The share that
     falls back has run the one-thread layer of mha_small first (its sizes
@@ -908,6 +910,8 @@ def test_batch_split_with_one_share_on_the_blocked_core(dtype):
         layer.load_state_dict(weights)
     x = np.random.default_rng(3).normal(size=(2, 5, E))
     x[0] = [5.4, 0.0]  # queries (5.4, 0) / sqrt(2), keys (-5.4, 0): scores -20.6
+    monkeypatch.setattr(fast_small, "_exact_shifted_exp",
+                        lambda query, key, mask, exp_scores: exp_scores.fill(np.nan))
     with kernels.num_threads(2), kernels.block_sizes(batch_split_flops=0):
         check_layers(reference, other, [x.astype(dtype)], {"is_causal": True})
         assert other._used_cache.shares == (slice(0, 1), slice(1, 2))
