@@ -133,8 +133,7 @@ def _blocks(c, T, S):
     for i0 in range(0, T, c.block_q):
         i1 = min(i0 + c.block_q, T)
         lo, hi = band_key_range(i0, i1, S, c.offset, c.window, c.causal)
-        first = (lo // c.block_k) * c.block_k
-        yield i0, i1, [(j0, min(j0 + c.block_k, S)) for j0 in range(first, hi, c.block_k)]
+        yield i0, i1, [(j0, min(j0 + c.block_k, hi)) for j0 in range(lo, hi, c.block_k)]
 
 
 def _check_block_size(block_size, T, S, window=None, causal=False):
@@ -144,14 +143,20 @@ def _check_block_size(block_size, T, S, window=None, causal=False):
         left, right = (None, None) if window is None else window
         right = 0 if causal else right
         if left is not None and right is not None:
-            # NOTE: a block wider than the band computes mostly masked scores:
-            # key blocks of about a quarter of the band, query blocks twice that.
-            # Measured, (1, 16384, 64) float32, window (255, 0), fwd+bwd on a
-            # loaded 2-core host: (512, 512) 1.1-1.3 s, (128, 64) 0.61-0.69 s,
-            # (64, 64) 0.73-0.84 s, (256, 128) 0.75-0.84 s
+            # NOTE: one key block per query block, starting where its band
+            # starts and as wide as the band (block_q + left + right keys):
+            # fewer, larger products than aligned key blocks, and only the
+            # band's two triangles computed and masked. Measured,
+            # (1, 16384, 64) float32, window (255, 0), fwd+bwd, 2-core host
+            # at load 2-3: (128, 383) 0.20-0.21 s, (64, 319) 0.23 s,
+            # (256, 511) 0.23 s, the aligned (128, 64) 0.28-0.29 s
             width = left + right + 1
-            block = max(32, 2 ** int(math.log2(max(width // 4, 1))))
-            block_q, block_k = min(block_q, 2 * block), min(block_k, block)
+            if width <= 2 * block_k:
+                block_q = min(block_q, 128)
+                block_k = block_q + width - 1
+            else:  # a wide band: key blocks of about a quarter of it
+                block = 2 ** int(math.log2(width // 4))
+                block_q, block_k = min(block_q, 2 * block), min(block_k, block)
     else:
         block_q, block_k = check_block_pair(block_size, "block_size")
     return max(1, min(block_q, T)), max(1, min(block_k, S))
