@@ -32,6 +32,7 @@ per block, with :math:`\\Delta = \\mathrm{rowsum}(\\bar O \\odot O)`
 under the cap; :math:`\\bar\\sigma = -\\sum_i \\pi_i \\Delta_i` with
 :math:`\\pi_i = e^{\\sigma - m_i}/\\ell_i` (``docs/derivations_variants.md``).
 """
+import functools
 import math
 from collections import namedtuple
 
@@ -100,10 +101,10 @@ def _at_least_2d(a):
 def _block_scores(c, qs, i0, i1, j0, j1):
     """The scores of one block pair after bias, ALiBi, cap and masks, and the cap's tanh (or None)."""
     scores = qs @ np.swapaxes(c.key[..., j0:j1, :], -1, -2)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-    distance = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + c.offset)  # j - i, (bq, bk)
     if c.score_bias is not None:
         scores = scores + _slice(c.score_bias, i0, i1, j0, j1)
     if c.alibi is not None:
+        distance = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + c.offset)  # j - i, (bq, bk)
         scores = scores - c.alibi * np.abs(distance)  # slopes (..., 1, 1)
     capped = None
     if c.softcap is not None:
@@ -116,16 +117,44 @@ def _block_scores(c, qs, i0, i1, j0, j1):
         right = 0 if right is None else min(right, 0)
     allowed = None
     # only a block that crosses an edge of the band needs its mask
-    if left is not None and j0 - (i1 - 1 + c.offset) < -left:
-        allowed = distance >= -left
-    if right is not None and (j1 - 1) - (i0 + c.offset) > right:
-        allowed = distance <= right if allowed is None else allowed & (distance <= right)
+    crosses_left = left is not None and j0 - (i1 - 1 + c.offset) < -left
+    crosses_right = right is not None and (j1 - 1) - (i0 + c.offset) > right
+    if crosses_left or crosses_right:
+        allowed = _band_mask(i1 - i0, j1 - j0, j0 - i0 - c.offset, left if crosses_left else None,
+                             right if crosses_right else None)
     if c.keep is not None:
         keep = _slice(c.keep, i0, i1, j0, j1)
         allowed = keep if allowed is None else allowed & keep
     if allowed is None:
         return scores, capped
     return np.where(allowed, scores, -np.inf), capped
+
+
+def _band_mask(rows, cols, first, left, right):
+    """``-left <= j - i <= right`` with ``j - i = first + column - row``, shape (rows, cols), read-only.
+
+    Every query block at the same place in the band has the same mask: the
+    small ones are kept (at most 8 of 256 KiB, never written to).
+    """
+    if rows * cols <= 2 ** 18:
+        return _kept_band_mask(rows, cols, first, left, right)
+    return _new_band_mask(rows, cols, first, left, right)
+
+
+@functools.lru_cache(maxsize=8)
+def _kept_band_mask(rows, cols, first, left, right):
+    return _new_band_mask(rows, cols, first, left, right)
+
+
+def _new_band_mask(rows, cols, first, left, right):
+    distance = first + np.arange(cols)[None, :] - np.arange(rows)[:, None]  # j - i, (bq, bk)
+    allowed = np.ones((rows, cols), dtype=bool)
+    if left is not None:
+        allowed &= distance >= -left
+    if right is not None:
+        allowed &= distance <= right
+    allowed.flags.writeable = False
+    return allowed
 
 
 def _blocks(c, T, S):
