@@ -12,8 +12,9 @@ the caller passes a ``score_bias`` or mask of that size, which is sliced).
 
 What makes windows pay: query block ``[i0, i1)`` can only see keys
 ``[i0 + o - left, i1 - 1 + o + right]`` (``o`` the alignment's offset), so
-only the key blocks meeting that band are visited (:func:`band_key_range`):
-time and memory grow as ``T * (left + right + bk)``, not ``T * S``. ALiBi is
+only the keys of that band are visited (:func:`band_key_range`), by
+default in one key block that starts where the band starts: time and memory
+grow as ``T * (left + right + bq)``, not ``T * S``. ALiBi is
 computed per block from its slopes (``-slope * |i + o - j|``), never as a
 ``(H, T, S)`` bias.
 

@@ -10,6 +10,8 @@ slopes, or T5's learned ``rel_bias`` looked up by relative bucket) as the
 attention's ``score_bias``, the learned ``sinks`` and the soft-cap and window
 passed through. :func:`backward` runs the backwards in exact reverse order.
 :mod:`qkvnp.variant_decoding` runs such a layer's KV-cache decoding steps.
+:func:`split_forward` runs a large batch as the fused layer does, one share
+of the first batch dim per worker thread.
 """
 from collections import namedtuple
 
