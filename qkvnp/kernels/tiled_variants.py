@@ -158,6 +158,14 @@ def _new_band_mask(rows, cols, first, left, right):
     return allowed
 
 
+def _shifted_exp(scores, shift):
+    """``exp(scores - shift)``, in place in ``scores`` (fresh from :func:`_block_scores`) when it has the result's shape."""
+    if np.broadcast_shapes(scores.shape, shift.shape) != scores.shape:
+        return np.exp(scores - shift)
+    scores -= shift
+    return np.exp(scores, out=scores)
+
+
 def _blocks(c, T, S):
     """``(a, i0, i1, [(j0, j1), ...])`` of every query block and the key blocks its band meets."""
     for i0 in range(0, T, c.block_q):
@@ -306,7 +314,7 @@ def _forward_rows(c, v, sinks_column, i0, i1, key_blocks, out, row_max, row_sum)
         scores, _ = _block_scores(c, qs, i0, i1, j0, j1)  # (..., bq, bk)
         new_m = np.maximum(m, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
         shift = np.where(np.isneginf(new_m), 0, new_m)  # a row masked so far: no -inf - -inf
-        weights = np.exp(scores - shift)  # (..., bq, bk)
+        weights = _shifted_exp(scores, shift)  # (..., bq, bk)
         rescale = np.exp(m - shift)
         total = rescale * total + weights.sum(axis=-1, keepdims=True)
         if c.dropout is not None:
@@ -362,16 +370,19 @@ def _backward_rows(c, k, v, dout, delta, shift, inv_sum, i0, i1, key_blocks, dq,
     drop_scale = None if c.dropout is None else keep_scale(c.dropout.p, dout.dtype)
     for j0, j1 in key_blocks:
         scores, capped = _block_scores(c, qs, i0, i1, j0, j1)
-        weights = np.exp(scores - shift[..., i0:i1, :]) * inv_sum[..., i0:i1, :]  # P, (..., bq, bk)
+        weights = _shifted_exp(scores, shift[..., i0:i1, :])  # P, (..., bq, bk)
+        weights *= inv_sum[..., i0:i1, :]
         dweights = dout_block @ np.swapaxes(v[..., j0:j1, :], -1, -2)  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
         kept = weights
         if c.dropout is not None:
             drop = block_keep(c.dropout, i0, i1, j0, j1) * drop_scale
             kept, dweights = weights * drop, dweights * drop
         dv[..., j0:j1, :] += np.swapaxes(kept, -1, -2) @ dout_block  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
-        dscores = weights * (dweights - delta[..., i0:i1, :])  # (..., bq, bk)
+        dweights -= delta[..., i0:i1, :]  # fresh: in place
+        dscores = np.multiply(weights, dweights, out=dweights)  # (..., bq, bk)
         if capped is not None:
-            dscores = dscores * (1 - capped * capped)
+            capped *= capped
+            dscores *= np.subtract(1, capped, out=capped)
         if dscore_bias is not None:
             target = _slice(dscore_bias, i0, i1, j0, j1)
             target += F.sum_to_shape(dscores, target.shape)
