@@ -295,3 +295,39 @@ def test_self_attention_with_variants(options, method):
 def test_public_names():
     assert qkvnp.functional.rope_forward is qkvnp.variants.rope_forward
     assert callable(qkvnp.positions.alibi_slopes)
+
+
+@pytest.mark.parametrize("impl", ["reference", "tiled"])
+@pytest.mark.parametrize("options", [
+    {"rope": True, "position_bias": "relative", "sinks": True},  # learned bias and sinks summed over shares
+    {"softcap": 30.0, "position_bias": "alibi", "window": (3, 2)},
+])
+def test_the_batch_split_equals_the_whole_batch(options, impl):
+    """Oracle: the same layer on the whole batch in one thread (no split).
+
+    With two threads and ``batch_split_flops=0`` each worker runs a share of
+    the batch; a per-sample bool mask (one row fully masked) is sliced with it.
+    """
+    from qkvnp import kernels
+
+    if impl == "tiled" and options.get("position_bias") == "relative":
+        options = {"rope": True, "sinks": True}  # rel_bias runs on the reference path only
+    rng = np.random.default_rng(21)
+    x, dout = rng.standard_normal((5, 9, 8)), rng.standard_normal((5, 9, 8))
+    mask = rng.random((5, 1, 9, 9)) > 0.3
+    mask[2, 0, 4] = False  # a fully masked row
+    results = []
+    for threads in (1, 2):
+        layer = MultiHeadAttention(8, 2, rng=0, impl=impl, **options)
+        with kernels.num_threads(threads), kernels.block_sizes(batch_split_flops=0):
+            out = layer.forward(x, attn_mask=mask)
+            split = isinstance(layer._cache, kernels.variant_layer.SplitVariantCache)
+            dx = layer.backward(dout)
+        assert split == (threads == 2)
+        results.append((out, dx, dict(layer.grads)))
+    (out, dx, grads), (split_out, split_dx, split_grads) = results
+    assert sorted(split_grads) == sorted(grads)
+    for ours, theirs in [(split_out, out), (split_dx, dx)] + [
+            (split_grads[name], grads[name]) for name in grads]:
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12 * max(1.0, np.abs(theirs).max()))

@@ -314,7 +314,7 @@ def layer_forward(params: dict[str, Any], inputs: Sequence[FloatArray], kind: st
             # made the (8, 128, 256, 8) float32 layer with rope=True 10x slower
             # on a loaded 2-core host (1244 against 83 ms fwd+bwd)
             with single_threaded_blas():
-                out, weights, cache = variant_layer.forward(
+                out, weights, cache = variant_layer.split_forward(
                     params, inputs, kind, num_heads, mask, is_causal, variants,
                     need_weights=need_weights, dropout_p=dropout_p, rng=rng,
                     dropout_mask=dropout_mask, path=dispatch.path, out_proj=out_proj)
@@ -375,7 +375,7 @@ def layer_backward(dout: FloatArray, cache: Any) -> tuple[dict[str, Any], Sequen
         return reference.backward(dout, cache)
     from . import variant_layer  # imported with the first variant layer's forward
 
-    if isinstance(cache, variant_layer.VariantLayerCache):
+    if isinstance(cache, (variant_layer.VariantLayerCache, variant_layer.SplitVariantCache)):
         with single_threaded_blas():
             return variant_layer.backward(dout, cache)
     with single_threaded_blas():

@@ -12,8 +12,9 @@ the caller passes a ``score_bias`` or mask of that size, which is sliced).
 
 What makes windows pay: query block ``[i0, i1)`` can only see keys
 ``[i0 + o - left, i1 - 1 + o + right]`` (``o`` the alignment's offset), so
-only the key blocks meeting that band are visited (:func:`band_key_range`):
-time and memory grow as ``T * (left + right + bk)``, not ``T * S``. ALiBi is
+only the keys of that band are visited (:func:`band_key_range`), by
+default in one key block that starts where the band starts: time and memory
+grow as ``T * (left + right + bq)``, not ``T * S``. ALiBi is
 computed per block from its slopes (``-slope * |i + o - j|``), never as a
 ``(H, T, S)`` bias.
 
@@ -32,6 +33,7 @@ per block, with :math:`\\Delta = \\mathrm{rowsum}(\\bar O \\odot O)`
 under the cap; :math:`\\bar\\sigma = -\\sum_i \\pi_i \\Delta_i` with
 :math:`\\pi_i = e^{\\sigma - m_i}/\\ell_i` (``docs/derivations_variants.md``).
 """
+import functools
 import math
 from collections import namedtuple
 
@@ -100,10 +102,10 @@ def _at_least_2d(a):
 def _block_scores(c, qs, i0, i1, j0, j1):
     """The scores of one block pair after bias, ALiBi, cap and masks, and the cap's tanh (or None)."""
     scores = qs @ np.swapaxes(c.key[..., j0:j1, :], -1, -2)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-    distance = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + c.offset)  # j - i, (bq, bk)
     if c.score_bias is not None:
         scores = scores + _slice(c.score_bias, i0, i1, j0, j1)
     if c.alibi is not None:
+        distance = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + c.offset)  # j - i, (bq, bk)
         scores = scores - c.alibi * np.abs(distance)  # slopes (..., 1, 1)
     capped = None
     if c.softcap is not None:
@@ -116,10 +118,11 @@ def _block_scores(c, qs, i0, i1, j0, j1):
         right = 0 if right is None else min(right, 0)
     allowed = None
     # only a block that crosses an edge of the band needs its mask
-    if left is not None and j0 - (i1 - 1 + c.offset) < -left:
-        allowed = distance >= -left
-    if right is not None and (j1 - 1) - (i0 + c.offset) > right:
-        allowed = distance <= right if allowed is None else allowed & (distance <= right)
+    crosses_left = left is not None and j0 - (i1 - 1 + c.offset) < -left
+    crosses_right = right is not None and (j1 - 1) - (i0 + c.offset) > right
+    if crosses_left or crosses_right:
+        allowed = _band_mask(i1 - i0, j1 - j0, j0 - i0 - c.offset, left if crosses_left else None,
+                             right if crosses_right else None)
     if c.keep is not None:
         keep = _slice(c.keep, i0, i1, j0, j1)
         allowed = keep if allowed is None else allowed & keep
@@ -128,13 +131,47 @@ def _block_scores(c, qs, i0, i1, j0, j1):
     return np.where(allowed, scores, -np.inf), capped
 
 
+def _band_mask(rows, cols, first, left, right):
+    """``-left <= j - i <= right`` with ``j - i = first + column - row``, shape (rows, cols), read-only.
+
+    Every query block at the same place in the band has the same mask: the
+    small ones are kept (at most 8 of 256 KiB, never written to).
+    """
+    if rows * cols <= 2 ** 18:
+        return _kept_band_mask(rows, cols, first, left, right)
+    return _new_band_mask(rows, cols, first, left, right)
+
+
+@functools.lru_cache(maxsize=8)
+def _kept_band_mask(rows, cols, first, left, right):
+    return _new_band_mask(rows, cols, first, left, right)
+
+
+def _new_band_mask(rows, cols, first, left, right):
+    distance = first + np.arange(cols)[None, :] - np.arange(rows)[:, None]  # j - i, (bq, bk)
+    allowed = np.ones((rows, cols), dtype=bool)
+    if left is not None:
+        allowed &= distance >= -left
+    if right is not None:
+        allowed &= distance <= right
+    allowed.flags.writeable = False
+    return allowed
+
+
+def _shifted_exp(scores, shift):
+    """``exp(scores - shift)``, in place in ``scores`` (fresh from :func:`_block_scores`) when it has the result's shape."""
+    if np.broadcast_shapes(scores.shape, shift.shape) != scores.shape:
+        return np.exp(scores - shift)
+    scores -= shift
+    return np.exp(scores, out=scores)
+
+
 def _blocks(c, T, S):
     """``(a, i0, i1, [(j0, j1), ...])`` of every query block and the key blocks its band meets."""
     for i0 in range(0, T, c.block_q):
         i1 = min(i0 + c.block_q, T)
         lo, hi = band_key_range(i0, i1, S, c.offset, c.window, c.causal)
-        first = (lo // c.block_k) * c.block_k
-        yield i0, i1, [(j0, min(j0 + c.block_k, S)) for j0 in range(first, hi, c.block_k)]
+        yield i0, i1, [(j0, min(j0 + c.block_k, hi)) for j0 in range(lo, hi, c.block_k)]
 
 
 def _check_block_size(block_size, T, S, window=None, causal=False):
@@ -144,14 +181,20 @@ def _check_block_size(block_size, T, S, window=None, causal=False):
         left, right = (None, None) if window is None else window
         right = 0 if causal else right
         if left is not None and right is not None:
-            # NOTE: a block wider than the band computes mostly masked scores:
-            # key blocks of about a quarter of the band, query blocks twice that.
-            # Measured, (1, 16384, 64) float32, window (255, 0), fwd+bwd on a
-            # loaded 2-core host: (512, 512) 1.1-1.3 s, (128, 64) 0.61-0.69 s,
-            # (64, 64) 0.73-0.84 s, (256, 128) 0.75-0.84 s
+            # NOTE: one key block per query block, starting where its band
+            # starts and as wide as the band (block_q + left + right keys):
+            # fewer, larger products than aligned key blocks, and only the
+            # band's two triangles computed and masked. Measured,
+            # (1, 16384, 64) float32, window (255, 0), fwd+bwd, 2-core host
+            # at load 2-3: (128, 383) 0.20-0.21 s, (64, 319) 0.23 s,
+            # (256, 511) 0.23 s, the aligned (128, 64) 0.28-0.29 s
             width = left + right + 1
-            block = max(32, 2 ** int(math.log2(max(width // 4, 1))))
-            block_q, block_k = min(block_q, 2 * block), min(block_k, block)
+            if width <= 2 * block_k:
+                block_q = min(block_q, 128)
+                block_k = block_q + width - 1
+            else:  # a wide band: key blocks of about a quarter of it
+                block = 2 ** int(math.log2(width // 4))
+                block_q, block_k = min(block_q, 2 * block), min(block_k, block)
     else:
         block_q, block_k = check_block_pair(block_size, "block_size")
     return max(1, min(block_q, T)), max(1, min(block_k, S))
@@ -271,7 +314,7 @@ def _forward_rows(c, v, sinks_column, i0, i1, key_blocks, out, row_max, row_sum)
         scores, _ = _block_scores(c, qs, i0, i1, j0, j1)  # (..., bq, bk)
         new_m = np.maximum(m, scores.max(axis=-1, keepdims=True))  # (..., bq, 1)
         shift = np.where(np.isneginf(new_m), 0, new_m)  # a row masked so far: no -inf - -inf
-        weights = np.exp(scores - shift)  # (..., bq, bk)
+        weights = _shifted_exp(scores, shift)  # (..., bq, bk)
         rescale = np.exp(m - shift)
         total = rescale * total + weights.sum(axis=-1, keepdims=True)
         if c.dropout is not None:
@@ -327,16 +370,19 @@ def _backward_rows(c, k, v, dout, delta, shift, inv_sum, i0, i1, key_blocks, dq,
     drop_scale = None if c.dropout is None else keep_scale(c.dropout.p, dout.dtype)
     for j0, j1 in key_blocks:
         scores, capped = _block_scores(c, qs, i0, i1, j0, j1)
-        weights = np.exp(scores - shift[..., i0:i1, :]) * inv_sum[..., i0:i1, :]  # P, (..., bq, bk)
+        weights = _shifted_exp(scores, shift[..., i0:i1, :])  # P, (..., bq, bk)
+        weights *= inv_sum[..., i0:i1, :]
         dweights = dout_block @ np.swapaxes(v[..., j0:j1, :], -1, -2)  # (..., bq, Dv) @ (..., Dv, bk) -> (..., bq, bk)
         kept = weights
         if c.dropout is not None:
             drop = block_keep(c.dropout, i0, i1, j0, j1) * drop_scale
             kept, dweights = weights * drop, dweights * drop
         dv[..., j0:j1, :] += np.swapaxes(kept, -1, -2) @ dout_block  # (..., bk, bq) @ (..., bq, Dv) -> (..., bk, Dv)
-        dscores = weights * (dweights - delta[..., i0:i1, :])  # (..., bq, bk)
+        dweights -= delta[..., i0:i1, :]  # fresh: in place
+        dscores = np.multiply(weights, dweights, out=dweights)  # (..., bq, bk)
         if capped is not None:
-            dscores = dscores * (1 - capped * capped)
+            capped *= capped
+            dscores *= np.subtract(1, capped, out=capped)
         if dscore_bias is not None:
             target = _slice(dscore_bias, i0, i1, j0, j1)
             target += F.sum_to_shape(dscores, target.shape)

@@ -10,6 +10,8 @@ slopes, or T5's learned ``rel_bias`` looked up by relative bucket) as the
 attention's ``score_bias``, the learned ``sinks`` and the soft-cap and window
 passed through. :func:`backward` runs the backwards in exact reverse order.
 :mod:`qkvnp.variant_decoding` runs such a layer's KV-cache decoding steps.
+:func:`split_forward` runs a large batch as the fused layer does, one share
+of the first batch dim per worker thread.
 """
 from collections import namedtuple
 
@@ -17,13 +19,15 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad
-from ..masks import causal_offset, check_is_causal
+from ..masks import causal_offset, check_is_causal, prepare_mask
 from ..positions import alibi_bias, alibi_slopes, relative_position_bucket
 from ..variants import check_window
 from . import tiled_variants
+from ._runtime import run, threads_for
 
-__all__ = ["VariantOptions", "VariantLayerCache", "active_variants", "check_options",
-           "position_score_bias", "forward", "backward", "POSITION_BIASES"]
+__all__ = ["VariantOptions", "VariantLayerCache", "SplitVariantCache", "active_variants",
+           "check_options", "position_score_bias", "forward", "split_forward", "backward",
+           "POSITION_BIASES"]
 
 #: What a layer's ``position_bias`` may be.
 POSITION_BIASES = (None, "alibi", "relative")
@@ -47,6 +51,14 @@ VariantLayerCache.__doc__ = """What :func:`backward` reads, as :class:`qkvnp.ker
 query_rope, key_rope : :class:`qkvnp.variants.RopeCache`, or None without RoPE.
 buckets : int ndarray (T, S) of the relative buckets, or None without ``rel_bias``.
 num_buckets : int, the rows of ``rel_bias`` (or None).
+"""
+
+
+SplitVariantCache = namedtuple("SplitVariantCache", "kind shares caches out_shape")
+SplitVariantCache.__doc__ = """What :func:`backward` reads after :func:`split_forward`.
+
+kind : "self", "key_only" or "cross"; shares : slices of the first batch dim;
+caches : one :class:`VariantLayerCache` per share.
 """
 
 
@@ -156,6 +168,68 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
     return out, weights, cache
 
 
+def _batch_shares(params, inputs, num_heads, out_proj, need_weights, dropout_p, dropout_mask):
+    """Slices of the first batch dim, one per worker thread, or one slice: the whole batch.
+
+    As the fused layer's (:mod:`qkvnp.kernels.mha`): several when the
+    forward's operations reach the ``batch_split_flops`` setting, never in
+    a worker thread. One slice with dropout (its mask is drawn whole), with
+    weights requested, for :class:`qkvnp.SelfAttention`, or when the inputs
+    do not all have the same first batch dim.
+    """
+    query, key = inputs[0], inputs[-1]
+    whole = (slice(None),)
+    if (not out_proj or need_weights or dropout_p or dropout_mask is not None or query.ndim < 3
+            or any(x.ndim != query.ndim or x.shape[0] != query.shape[0] for x in inputs)):
+        return whole
+    W_query = params["W_query"]
+    N, N_kv = query.size // query.shape[-1], key.size // key.shape[-1]  # rows
+    T, S, D = query.shape[-2], key.shape[-2], W_query.shape[1] // num_heads
+    flops = (2 * N * W_query.size + 2 * N_kv * (params["W_key"].size + params["W_value"].size)
+             + 4 * (N // T) * num_heads * T * S * D + 2 * N * params["W_out"].size)
+    weight = 1.5 if W_query.itemsize == 8 else 1.0  # float64 (see batch_split_flops)
+    first = query.shape[0]
+    threads = min(threads_for(flops * weight, "batch_split_flops"), first)
+    if threads < 2:
+        return whole
+    bounds = [first * i // threads for i in range(threads + 1)]
+    return tuple(slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def split_forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weights=False,
+                  *, dropout_p=0.0, rng=None, dropout_mask=None, path="reference", out_proj=True):
+    """:func:`forward`, one share of the first batch dim per worker thread when it pays.
+
+    Same arguments and returns as :func:`forward` (the cache a
+    :class:`SplitVariantCache` when split). The variants act along T and S
+    and per head, never across the batch: each share is the same layer on
+    its rows. The mask is checked whole before any work.
+    """
+    shares = _batch_shares(params, inputs, num_heads, out_proj, need_weights, dropout_p,
+                           dropout_mask)
+    if len(shares) == 1:
+        return forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weights,
+                       dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask, path=path,
+                       out_proj=out_proj)
+    query = inputs[0]
+    T, S = query.shape[-2], inputs[-1].shape[-2]
+    scores_shape = query.shape[:-2] + (num_heads, T, S)
+    prepare_mask(mask, is_causal, scores_shape, params["W_query"].dtype)  # refuses before work
+    sliced = mask is not None and np.ndim(mask) == len(scores_shape) and np.shape(mask)[0] != 1
+    results = [None] * len(shares)
+
+    def task(work):
+        for i, share in work:
+            results[i] = forward(params, tuple(x[share] for x in inputs), kind, num_heads,
+                                 np.asarray(mask)[share] if sliced else mask, is_causal, options,
+                                 path=path)
+
+    run(task, list(enumerate(shares)))
+    out = np.concatenate([result[0] for result in results])  # (B_i, ..., T, out) -> (B, ..., T, out)
+    return out, None, SplitVariantCache(kind, shares, tuple(result[2] for result in results),
+                                        out.shape)
+
+
 def backward(dout, cache):
     """Backward of :func:`forward`: the ops' backwards in reverse order.
 
@@ -166,6 +240,8 @@ def backward(dout, cache):
     dinputs : tuple of ndarray
         As :func:`qkvnp.kernels.reference.backward`.
     """
+    if isinstance(cache, SplitVariantCache):
+        return _split_backward(dout, cache)
     c = cache
     dout = as_upstream_grad(dout, "dout", c.out_shape, c.query_cache.W.dtype)
     grads = {}
@@ -199,6 +275,24 @@ def backward(dout, cache):
     if c.kind == "key_only":
         return grads, (dquery, dkey + dvalue)
     return grads, (dquery, dkey, dvalue)
+
+
+def _split_backward(dout, cache):
+    """:func:`backward` after :func:`split_forward`: each share's in its worker thread."""
+    dout = as_upstream_grad(dout, "dout", cache.out_shape, cache.caches[0].query_cache.W.dtype)
+    results = [None] * len(cache.shares)
+
+    def task(work):
+        for i, share in work:
+            results[i] = backward(dout[share], cache.caches[i])
+
+    run(task, list(enumerate(cache.shares)))
+    grads = dict(results[0][0])
+    for more, _ in results[1:]:  # the parameters' gradients of the shares add up, in order
+        for name, grad in more.items():
+            grads[name] = grads[name] + grad
+    dinputs = tuple(np.concatenate(parts) for parts in zip(*(result[1] for result in results)))
+    return grads, dinputs
 
 
 def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_layout="half",
