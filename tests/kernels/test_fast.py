@@ -18,6 +18,7 @@ random, never all ones.
 import functools
 import subprocess
 import sys
+import threading
 import warnings
 import zlib
 from contextlib import contextmanager
@@ -360,9 +361,11 @@ def test_causal_row_chunks_skip_the_keys_no_row_sees(monkeypatch, dtype, threads
     takes the forward's chunks even when the setting changes in between."""
     monkeypatch.setattr(fast, "recycled_empty", lambda shape, dtype: np.full(shape, np.nan, dtype))
     seen = {"forward": 0, "backward": 0}
+    counting = threading.Lock()  # the workers call the spies concurrently: += is not atomic
     for name, index, kind in (("_forward_rows", 0, "forward"), ("_backward_rows", 5, "backward")):
         def spy(*args, _wrapped=getattr(fast, name), _index=index, _kind=kind):
-            seen[_kind] += args[_index].shape[-2] * min(args[-1], args[_index].shape[-1])
+            with counting:
+                seen[_kind] += args[_index].shape[-2] * min(args[-1], args[_index].shape[-1])
             return _wrapped(*args)
         monkeypatch.setattr(fast, name, spy)
     rng = np.random.default_rng(7)
