@@ -16,7 +16,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, compute_dtype, declare_complex_step, is_real_number, make_rng)
+from ._checks import (as_float_array, as_upstream_grad, compute_dtype, declare_complex_step,
+                      is_real_number, make_rng)
 from .dropout import check_dropout_p
 
 TYPE_CHECKING = False

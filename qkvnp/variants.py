@@ -31,11 +31,12 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (declare_complex_step, as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
-                      check_scale, is_real_number, owned)
+from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
+                      check_scale, declare_complex_step, is_real_number, owned)
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .gqa import GroupedCache, split_groups, split_head_axis
 from .masks import causal_offset, check_is_causal, prepare_mask
+from .reductions import sum_to_shape
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -199,18 +200,7 @@ def rope_backward(dout: FloatArray, cache: RopeCache) -> FloatArray:
     shape = broadcast_shapes(x_shape, cos.shape[:-1] + (x_shape[-1],))
     dout = as_upstream_grad(dout, "dout", shape, cos.dtype)
     dx = _rotate(dout, cos, -sin, layout)  # R(theta)^T = R(-theta)
-    return _sum_to_shape(dx, x_shape)
-
-
-def _sum_to_shape(grad, shape):
-    """Sum ``grad`` over the axes broadcasting added or stretched (as functional.sum_to_shape)."""
-    extra = grad.ndim - len(shape)
-    if extra:
-        grad = grad.sum(axis=tuple(range(extra)))
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
-    if stretched:
-        grad = grad.sum(axis=stretched, keepdims=True)
-    return grad
+    return sum_to_shape(dx, x_shape)
 
 
 # ---------------------------------------------------------------- options
@@ -495,17 +485,17 @@ def variant_attention_backward(dout, cache, check=True):
     dsinks = None
     if cache.sinks_shape is not None:  # d/dsink of P_j is -P_j * sink_weight
         dsink_rows = -cache.sink_weight * row_dot  # (..., T, 1)
-        column = _sum_to_shape(dsink_rows, cache.sinks_shape + (1, 1))  # (..., 1, 1)
+        column = sum_to_shape(dsink_rows, cache.sinks_shape + (1, 1))  # (..., 1, 1)
         dsinks = column.reshape(cache.sinks_shape)  # (..., 1, 1) -> sinks' shape
     if cache.capped is not None:
         dscores = dscores * (1 - cache.capped * cache.capped)  # d tanh = 1 - tanh^2
     dscore_bias = None
     if cache.score_bias_shape is not None:
-        dscore_bias = _sum_to_shape(dscores, cache.score_bias_shape)
+        dscore_bias = sum_to_shape(dscores, cache.score_bias_shape)
     dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
     dkey = (np.swapaxes(dscores, -1, -2) @ query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
-    return (_sum_to_shape(dquery, query.shape), _sum_to_shape(dkey, key.shape),
-            _sum_to_shape(dvalue, value.shape), dscore_bias, dsinks)
+    return (sum_to_shape(dquery, query.shape), sum_to_shape(dkey, key.shape),
+            sum_to_shape(dvalue, value.shape), dscore_bias, dsinks)
 
 
 declare_complex_step(rope_forward, variant_attention_forward)  # see qkvnp._checks.complex_step_mode
