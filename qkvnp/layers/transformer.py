@@ -564,7 +564,7 @@ class TransformerBlock(Model):
 
         Runs the pure ops on the parameters (no layer cache is touched but
         the attention's, which then refuses a backward) and no dropout: the
-        fused passes of :mod:`qkvnp.kernels.pointwise` for real input, as
+        fused passes of ``qkvnp.kernels.pointwise`` for real input, as
         :meth:`forward`. ``x`` is checked once on the way in, the output on
         the way out (``ValueError`` if not finite), not what lies between.
         """
