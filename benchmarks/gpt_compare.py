@@ -54,57 +54,15 @@ from gpt_runners import (  # noqa: E402
     CHECK_STEPS, CONFIGS, LOSS_TOLERANCE, TORCH_THREADS, GPTConfig, make_data, products_flops,
     step_products)
 from qkvnp._io import atomic_write  # noqa: E402  (the package's one atomic write)
-from workers import WorkerError, time_alternating  # noqa: E402
+from workers import Worker, WorkerError, time_alternating  # noqa: E402
 
-__all__ = ["TARGETS", "GPTWorker", "check_losses", "run_training", "run_generation",
+__all__ = ["TARGETS", "check_losses", "run_training", "run_generation",
            "measure_step_memory", "run", "format_report", "main"]
 
 #: qkvnp / PyTorch: at least (speed), at most (memory).
 TARGETS = {"train/tiny": 1.5, "train/small": 1.0, "memory": 1.25, "generate": 1.0}
 #: What a child process puts first on ``sys.path``: this directory and that of the qkvnp measured.
 CHILD_PATH = [HERE, os.path.dirname(os.path.dirname(os.path.abspath(qkvnp.__file__)))]
-
-
-class GPTWorker:
-    """A fresh process running :func:`gpt_runners.serve`; the interface of ``workers.Worker``."""
-
-    def __init__(self, name):
-        self.name = name
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        code = "import sys; sys.path[:0] = sys.argv[1:]; from gpt_runners import serve; serve()"
-        self.process = subprocess.Popen([sys.executable, "-c", code, *CHILD_PATH],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.stderr, text=True, bufsize=1)
-
-    def request(self, op, **fields):
-        """Send one command; return the reply (a dict), or raise ``WorkerError``."""
-        try:
-            self.process.stdin.write(json.dumps(dict(fields, op=op)) + "\n")
-            self.process.stdin.flush()
-            line = self.process.stdout.readline()
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            self.stderr.seek(0)
-            tail = (self.stderr.read().strip().splitlines() or ["no output"])[-1]
-            raise WorkerError(f"worker {self.name!r} exited ({tail})")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise WorkerError(f"worker {self.name!r}: {reply['error']}")
-        return reply
-
-    def close(self):
-        """Ask the worker to quit; kill it if it does not within 10 s."""
-        if self.process.poll() is None:
-            try:
-                self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.process.stdin.close()
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        self.process.stdout.close()
-        self.stderr.close()
 
 
 def check_losses(losses, expected):
@@ -309,7 +267,7 @@ def run(args, progress=None):
     report = {"environment": dict(_environment(), torch_threads=args.torch_threads),
               "threads": "at 1 thread" if args.threads == 1 else "with its default threads",
               "train": [], "generate": [], "memory": []}
-    workers = {"qkvnp": GPTWorker("qkvnp"), "torch": GPTWorker("torch")}
+    workers = {name: Worker(name, CHILD_PATH, module="gpt_runners") for name in ("qkvnp", "torch")}
     try:
         with tempfile.TemporaryDirectory(prefix="qkvnp-gpt-bench-") as directory:
             for name, config in args.configs:

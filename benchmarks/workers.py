@@ -44,12 +44,15 @@ class Worker:
     path : list of str
         Put first on the child's ``sys.path``: the directory of this module
         and that of the qkvnp the parent imported.
+    module : str
+        The harness module whose ``serve()`` the child runs: ``worker_child``
+        (the attention workloads) or ``gpt_runners`` (the GPT's).
     """
 
-    def __init__(self, name, path):
+    def __init__(self, name, path, module="worker_child"):
         self.name = name
         self._stderr = tempfile.TemporaryFile(mode="w+")
-        code = "import sys; sys.path[:0] = sys.argv[1:]; from worker_child import serve; serve()"
+        code = f"import sys; sys.path[:0] = sys.argv[1:]; from {module} import serve; serve()"
         self.process = subprocess.Popen([sys.executable, "-c", code, *path], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._stderr, text=True,
                                         bufsize=1)

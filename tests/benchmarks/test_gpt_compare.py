@@ -23,6 +23,7 @@ import gpt_compare  # noqa: E402  (benchmarks/gpt_compare.py)
 from gpt_runners import (LOSS_TOLERANCE, GPTConfig, book_config, make_data,  # noqa: E402
                          products_flops, step_products)
 from gpt_torch import book_gpt, generate_cached  # noqa: E402
+import workers  # noqa: E402  (benchmarks/workers.py)
 
 import qkvnp  # noqa: E402
 from qkvnp.interop import to_torch  # noqa: E402
@@ -186,7 +187,7 @@ def test_step_memory_of_qkvnp_in_a_fresh_process():
 def test_profile_of_a_qkvnp_step_gives_shares_of_its_time(tmp_path):
     # oracle: each function's own time is part of the profiled total, so the
     # shares lie in [0, 1], come largest first and sum to at most 1
-    worker = gpt_compare.GPTWorker("qkvnp")
+    worker = workers.Worker("qkvnp", gpt_compare.CHILD_PATH, module="gpt_runners")
     try:
         path = str(tmp_path / "data.npz")
         np.savez(path, **make_data(TINY))
