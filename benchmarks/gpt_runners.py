@@ -39,6 +39,8 @@ from collections import namedtuple
 
 import numpy as np
 
+from rss import proc_status_kib, reset_peak_rss
+
 __all__ = ["GPTConfig", "CONFIGS", "LR", "WEIGHT_DECAY", "CHECK_STEPS", "LOSS_TOLERANCE",
            "PROMPT_TOKENS", "TORCH_THREADS", "LIBRARIES", "book_config", "make_data",
            "make_runner", "step_products", "products_flops", "time_products", "serve",
@@ -420,25 +422,6 @@ def serve():
 # ---------------------------------------------------------------- memory
 
 
-def _proc_status_kib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss():
-    """Reset the kernel's peak-RSS counter (as the harness's memory.py); False where impossible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        _proc_status_kib("VmHWM")
-        return True
-    except OSError:
-        return False
-
-
 def memory_child(spec_json):
     """Body of the fresh process that measures one library's training step; prints JSON.
 
@@ -470,17 +453,17 @@ def memory_child(spec_json):
     del tiny
     data = make_data(config)
     gc.collect()
-    if not _reset_peak_rss():
+    if not reset_peak_rss():
         print(json.dumps({"error": "/proc/self/clear_refs cannot be written: no peak RSS"}))
         return
-    base = _proc_status_kib("VmRSS")
+    base = proc_status_kib("VmRSS")
     runner = make_runner(library, "train", config, data, spec.get("threads"))
     runner.repeat("forward_backward", 1)
     gc.collect()
-    _reset_peak_rss()
-    before = _proc_status_kib("VmRSS")
+    reset_peak_rss()
+    before = proc_status_kib("VmRSS")
     runner.repeat("forward_backward", 1)
-    peak = _proc_status_kib("VmHWM")
+    peak = proc_status_kib("VmHWM")
     report = {"method": "rss", "step_mib": (peak - before) / 1024.0,
               "peak_mib": (peak - base) / 1024.0, "tracemalloc_mib": None}
     if library == "qkvnp":  # PyTorch's allocations are invisible to tracemalloc

@@ -22,6 +22,7 @@ import numpy as np
 
 from grid import Config
 from machine import CHILD_PATH
+from rss import proc_status_kib, reset_peak_rss
 from workloads import make_problem, make_runner
 
 __all__ = ["MIB", "TILED_MEMORY_SHAPE", "TILED_MEMORY_LIMIT_MIB", "measure_memory",
@@ -31,25 +32,6 @@ MIB = 2.0 ** 20
 # the issue's memory target for the tiled core: (B, H, L, D), float32, MiB
 TILED_MEMORY_SHAPE = (1, 1, 16384, 64)
 TILED_MEMORY_LIMIT_MIB = 64
-
-
-def _proc_status_kib(field):
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss():
-    """Reset the kernel's peak-RSS counter; return False where that is impossible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        _proc_status_kib("VmHWM")
-        return True
-    except OSError:
-        return False
 
 
 def memory_child(spec_json):
@@ -67,11 +49,11 @@ def memory_child(spec_json):
     problem = make_problem(kind, config, dtype)
     runner = make_runner(impl, problem)
     gc.collect()
-    if _reset_peak_rss():
+    if reset_peak_rss():
         method = "rss"
-        before = _proc_status_kib("VmRSS")
+        before = proc_status_kib("VmRSS")
         result = runner.forward_backward()
-        peak = _proc_status_kib("VmHWM")
+        peak = proc_status_kib("VmHWM")
     else:
         method = "ru_maxrss"
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
