@@ -136,7 +136,8 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
     pending = None  # tokens not yet fed to the caches
     for _ in range(max_new_tokens):
         window = idx[:, -context_size:]  # (B, <= context_size)
-        if not use_cache or pending is None or len(caches[0]) + 1 > context_size:
+        position = caches[0].start + len(caches[0])  # of the next token (a window drops some)
+        if not use_cache or pending is None or position + 1 > context_size:
             for cache in caches:  # a first step, no cache, or a slid window: from scratch
                 cache.reset()
             logits = model.decode(window, caches)[:, -1]  # (B, T, V) -> (B, V)

@@ -57,6 +57,20 @@ class GPTModel(Model):
     dtype : float dtype, keyword-only
     impl : {"auto", "reference", "fast", "tiled"}, keyword-only
         The attention path of every block (:mod:`qkvnp.kernels`); assignable.
+    hidden_dim : int, keyword-only, optional
+        The feed-forward's width (default ``4 * emb_dim``, the book's).
+    approximate : {"tanh", "none"}, keyword-only
+        The GELU's: ``"tanh"`` (default) is the book's and GPT-2's.
+    num_kv_heads : int, keyword-only, optional
+        Grouped-query attention in every block (``K`` key/value heads, a
+        divisor of ``num_heads``; default one per query head).
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window : keyword-only
+        The attention variants of every block, as
+        :class:`~qkvnp.MultiHeadAttention`'s (``docs/variants.md``): e.g.
+        ``rope=True``, ``window=(left, 0)``, ``softcap=50.0``. The learned
+        position table stays (the book's); :meth:`decode` and
+        :func:`qkvnp.generate` continue the positions of RoPE and keep a
+        window's cache rolling. All off by default: the book's model.
 
     Attributes
     ----------
@@ -85,6 +99,10 @@ class GPTModel(Model):
     gradient, :math:`\\bar W_{pos}[t] = \\sum_b \\bar x_0[b, t]`; the token
     table gets :math:`\\bar x_0[b, t]` added into row :math:`i_{b,t}`.
 
+    Only the book's configuration (no option after ``impl`` changed) loads
+    into and from the book's ``GPTModel`` (:mod:`qkvnp.interop`'s layout
+    ``"book.GPTModel"`` refuses the others, naming the option).
+
     Examples
     --------
     >>> model = GPTModel(vocab_size=11, context_length=8, emb_dim=8, num_heads=2,
@@ -105,7 +123,12 @@ class GPTModel(Model):
     def __init__(self, vocab_size: int, context_length: int, emb_dim: int, num_heads: int,
                  num_layers: int, dropout: float = 0.0, qkv_bias: bool = False, *,
                  rng: np.random.Generator | int | None = None, dtype: DTypeLike = np.float64,
-                 impl: str = "auto") -> None:
+                 impl: str = "auto", hidden_dim: int | None = None, approximate: str = "tanh",
+                 num_kv_heads: int | None = None, rope: bool = False,
+                 rope_base: float = 10000.0, rope_layout: str = "half",
+                 position_bias: str | None = None, num_buckets: int = 32,
+                 max_distance: int = 128, sinks: bool = False, softcap: float | None = None,
+                 window: tuple[int | None, int | None] | None = None) -> None:
         self.vocab_size = check_int(vocab_size, "vocab_size", 1)
         self.context_length = check_int(context_length, "context_length", 1)
         self.emb_dim = check_int(emb_dim, "emb_dim", 1)
@@ -118,10 +141,18 @@ class GPTModel(Model):
         self.tok_emb = Embedding(self.vocab_size, self.emb_dim, rng=rng, dtype=dtype)
         self.pos_emb = Embedding(self.context_length, self.emb_dim, rng=rng, dtype=dtype)
         self.drop_emb = Dropout(self.dropout, rng=rng)
+        options = dict(hidden_dim=hidden_dim, approximate=approximate,
+                       num_kv_heads=num_kv_heads, rope=rope, rope_base=rope_base,
+                       rope_layout=rope_layout, position_bias=position_bias,
+                       num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
+                       softcap=softcap, window=window)
         self.trf_blocks = Sequential([
             TransformerBlock(self.emb_dim, self.num_heads, self.dropout, self.qkv_bias, rng=rng,
-                             dtype=dtype, impl=impl)
+                             dtype=dtype, impl=impl, **options)
             for _ in range(self.num_layers)])
+        first = self.trf_blocks[0]
+        self.hidden_dim, self.approximate = first.ff.hidden_dim, first.ff.layers[1].approximate
+        self.num_kv_heads, self.variants = first.att.num_kv_heads, first.att.variants
         self.final_norm = LayerNorm(self.emb_dim, dtype=dtype)
         self.out_head = Linear(self.emb_dim, self.vocab_size, bias=False, rng=rng, dtype=dtype)
         self._cache = None
@@ -295,7 +326,8 @@ class GPTModel(Model):
         Parameters
         ----------
         idx : ndarray of int, shape (..., T)
-            The new tokens; their positions follow the cached ones.
+            The new tokens; their positions follow the cached ones (those a
+            window's rolling cache dropped included, ``cache.start``).
         kv_caches : sequence of qkvnp.KVCache
             One per block, all holding the same past (empty at the start).
 
@@ -318,8 +350,11 @@ class GPTModel(Model):
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches must hold one KVCache per block ({self.num_layers}), "
                              f"got {len(kv_caches)}")
-        past = len(kv_caches[0])
-        if any(len(cache) != past for cache in kv_caches):
+        # NOTE: the position of the first new token: the cached tokens and those a
+        # window's rolling cache dropped (KVCache.start), as RoPE counts them
+        past = kv_caches[0].start + len(kv_caches[0])
+        if any((cache.start, len(cache)) != (kv_caches[0].start, len(kv_caches[0]))
+               for cache in kv_caches):
             raise ValueError("kv_caches must all hold the same number of tokens; reset them")
         idx = self._check_ids(idx, offset=past)
         tok, pos = self.tok_emb.params["weight"], self.pos_emb.params["weight"]

@@ -88,8 +88,18 @@ def _check_layout(layer, layout):
         if not isinstance(layer, GPTModel):
             raise ValueError(f"layout {layout!r} loads a qkvnp.GPTModel, got "
                              f"{type(layer).__name__}")
-        for block in layer.trf_blocks:
-            _check_layout(block.att, "book.MultiHeadAttention")
+        differs = [f"{name}={value!r}" for name, value, book in (
+            ("hidden_dim", layer.hidden_dim, 4 * layer.emb_dim),
+            ("approximate", layer.approximate, "tanh")) if value != book]
+        if differs:
+            raise ValueError(f"the book's GPTModel has a feed-forward of width 4 * emb_dim with "
+                             f"the tanh GELU; the model has {', '.join(differs)}")
+        for i, block in enumerate(layer.trf_blocks):
+            try:
+                _check_layout(block.att, "book.MultiHeadAttention")
+            except ValueError as error:
+                raise ValueError(f"layout {layout!r}: trf_blocks.{i}.att does not fit the "
+                                 f"book's attention: {error}") from None
         return GPTModel
     needed = MultiHeadAttention if layout.endswith("MultiheadAttention") or \
         layout.endswith("MultiHeadAttention") else SelfAttention
@@ -99,6 +109,13 @@ def _check_layout(layer, layout):
     # NOTE: neither torch's layer nor the book's shares key/value heads: a
     # layer with fewer key/value heads (num_kv_heads, issue 11 item 4) has no
     # layout here
+    # NOTE: neither has the attention variants either: a layer with RoPE, a
+    # window, ALiBi, sinks... would load as a layer computing something else
+    variants = getattr(layer, "variants", None)
+    if variants is not None:
+        on = [f"{name}={value!r}" for name, value in layer._variant_repr_items()]
+        raise ValueError(f"layout {layout!r} has none of the attention variants; the layer has "
+                         f"{', '.join(on)}")
     kv_heads = getattr(layer, "num_kv_heads", None)
     if needed is MultiHeadAttention and kv_heads not in (None, layer.num_heads):
         raise ValueError(f"layout {layout!r} has one key/value head per query head; the layer "

@@ -419,6 +419,12 @@ class TransformerBlock(Model):
         The GELU's.
     num_kv_heads : int, keyword-only, optional
         Grouped-query attention (see :class:`~qkvnp.MultiHeadAttention`).
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window : keyword-only
+        The attention variants, as :class:`~qkvnp.MultiHeadAttention`'s
+        (``docs/variants.md``): e.g. ``rope=True`` rotates queries and keys
+        (with a :class:`~qkvnp.KVCache` the positions continue),
+        ``window=(left, 0)`` makes the attention a causal sliding window.
+        All off by default: the book's block.
 
     Attributes
     ----------
@@ -456,11 +462,18 @@ class TransformerBlock(Model):
     def __init__(self, emb_dim: int, num_heads: int, dropout: float = 0.0, qkv_bias: bool = False,
                  *, hidden_dim: int | None = None, rng: np.random.Generator | int | None = None,
                  dtype: DTypeLike = np.float64, impl: str = "auto", approximate: str = "tanh",
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, rope: bool = False,
+                 rope_base: float = 10000.0, rope_layout: str = "half",
+                 position_bias: str | None = None, num_buckets: int = 32,
+                 max_distance: int = 128, sinks: bool = False, softcap: float | None = None,
+                 window: tuple[int | None, int | None] | None = None) -> None:
         rng = make_rng(rng)
         self.att = MultiHeadAttention(emb_dim, num_heads, rng=rng, dtype=dtype, impl=impl,
                                       qkv_bias=qkv_bias, out_bias=True, dropout=dropout,
-                                      num_kv_heads=num_kv_heads)
+                                      num_kv_heads=num_kv_heads, rope=rope, rope_base=rope_base,
+                                      rope_layout=rope_layout, position_bias=position_bias,
+                                      num_buckets=num_buckets, max_distance=max_distance,
+                                      sinks=sinks, softcap=softcap, window=window)
         self.ff = FeedForward(emb_dim, hidden_dim, rng=rng, dtype=dtype, approximate=approximate)
         self.norm1 = LayerNorm(emb_dim, dtype=dtype)
         self.norm2 = LayerNorm(emb_dim, dtype=dtype)

@@ -39,11 +39,15 @@ def add_arguments(parser):
     """Add the ``train`` options to an ``argparse`` parser."""
     from .models import VARIANTS
 
-    parser.add_argument("--task", choices=tuple(TASK_DEFAULTS), default=None,
+    # NOTE: "text" is listed for --help; `train --task text` never reaches this
+    # parser (qkvnp.cli sends it to qkvnp.training.text, which has its own options)
+    parser.add_argument("--task", choices=tuple(TASK_DEFAULTS) + ("text",), default=None,
                         help="kv-recall (default): recall the value stored under a key; "
                              "partner: recall the value stored under the key's partner "
                              "(a fixed random pairing; tied Q=K cannot learn it); "
-                             "teacher: a student attention layer fits a random teacher")
+                             "teacher: a student attention layer fits a random teacher; "
+                             "text: a byte-level GPT on text, with options of its own "
+                             "(see 'train --task text --help')")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="total optimizer steps, counting those of a resumed checkpoint, "
                              "and the cosine schedule's horizon "
