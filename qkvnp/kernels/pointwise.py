@@ -8,8 +8,8 @@ The same functions as :func:`qkvnp.functional.layer_norm_forward` /
 to rounding, and the same caches (:class:`~qkvnp.functional.LayerNormCache`,
 :class:`~qkvnp.functional.GeluCache`), so that either backward reads either
 forward's cache. They take real floating arrays already checked by the layer
-(dtype, shapes, finite values) and fewer passes over them: row sums through
-``einsum``, the arithmetic in place in the arrays the call allocated itself
+(dtype, shapes, finite values) and fewer passes over them: row sums as
+products with a column of ones, the arithmetic in place in the arrays the call allocated itself
 (never in an input, never in a buffer kept across calls). The reference ops
 stay the readable statement of the math; the layers
 (:class:`qkvnp.LayerNorm`, :class:`qkvnp.GELU`) call these for real input
@@ -31,11 +31,15 @@ _GELU_CUBIC = 0.044715
 _LOG2_E = 1.0 / math.log(2.0)
 
 
-def _row_means(a, b=None):
-    """The mean over the last axis of ``a`` (or of ``a * b``), kept as ``(..., 1)``."""
+def _row_means(a):
+    """The mean over the last axis of ``a`` ``(..., E)``, as ``(..., 1)``: ``a @ (ones / E)``."""
     E = a.shape[-1]
-    sums = np.einsum("...e->...", a) if b is None else np.einsum("...e,...e->...", a, b)
-    return (sums / a.dtype.type(E))[..., None]  # (...,) -> (..., 1)
+    return a @ np.full((E, 1), 1.0 / E, a.dtype)  # (..., E) @ (E, 1) -> (..., 1)
+
+
+def _column_sums(rows):
+    """The sum over the first axis of ``rows`` ``(R, E)``, as ``(E,)``: ``ones @ rows``."""
+    return (np.ones((1, rows.shape[0]), rows.dtype) @ rows)[0]  # (1, R) @ (R, E) -> (E,)
 
 
 def layer_norm_forward_fused(x, scale, shift, eps):
@@ -43,9 +47,13 @@ def layer_norm_forward_fused(x, scale, shift, eps):
 
     ``scale`` and ``shift`` ``(E,)`` of ``x``'s dtype; the cache holds a
     copy of ``scale`` (the backward differentiates the forward as it ran).
+
+    NOTE: row and column sums as products with ones, not ``einsum``: on
+    (8, 64, 64) float32 (AMD EPYC 2-core VM) a row mean took 3.9 us
+    against 4.8, a column sum 3.7 against 7.2.
     """
     normalized = x - _row_means(x)  # centred, (..., E); the call's own array from here
-    var = _row_means(normalized, normalized)  # (..., E) -> (..., 1)
+    var = _row_means(normalized * normalized)  # (..., E) -> (..., 1)
     rstd = 1.0 / np.sqrt(var + x.dtype.type(eps))  # (..., 1)
     normalized *= rstd
     out = normalized * scale
@@ -58,10 +66,10 @@ def layer_norm_backward_fused(dout, cache):
     normalized, rstd, scale = cache
     E = normalized.shape[-1]
     rows_dout = dout.reshape(-1, E)  # (..., E) -> (R, E)
-    dshift = np.einsum("re->e", rows_dout)  # (R, E) -> (E,)
-    dscale = np.einsum("re,re->e", rows_dout, normalized.reshape(-1, E))  # (R, E) -> (E,)
+    dshift = _column_sums(rows_dout)  # (R, E) -> (E,)
+    dscale = _column_sums(rows_dout * normalized.reshape(-1, E))  # (R, E) -> (E,)
     g = dout * scale  # dL/d normalized, (..., E); the call's own array
-    variance_term = _row_means(g, normalized)  # (..., 1)
+    variance_term = _row_means(g * normalized)  # (..., 1)
     g -= _row_means(g)
     g -= normalized * variance_term
     g *= rstd
