@@ -56,7 +56,7 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     NOTE: measured on (8, 64, 256) float32 (the book's tiny GPT, AMD EPYC
     2-core VM, numpy 2.4), alternating A/B, medians of 300: the loss's
     forward went from 370 to 280 us (``log_softmax`` alone 214 us, this
-    function 157 us, of which the row max 42 and the two row-broadcast
+    function 140 us, of which the row max 26 and the two row-broadcast
     passes 30 each) and its backward, a copy instead of an ``exp``, from
     119 to 59 us. ``np.exp2`` ran 28 us against ``np.exp``'s 59, a row sum
     as ``@ ones`` 9 us against ``einsum``'s 10.5.
@@ -71,8 +71,11 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     kind = logits.dtype.type
     C = logits.shape[-1]
     rows = logits.reshape(-1, C)  # (..., C) -> (N, C)
-    shifted = rows - rows.max(axis=1, keepdims=True)  # z - m, (N, C), every entry <= 0
-    picked = shifted[np.arange(rows.shape[0]), targets.reshape(-1)]  # z_y - m, (N,)
+    positions = np.arange(rows.shape[0])  # (N,)
+    # NOTE: the row maximum read at argmax: 26 us against max's 44 on (512, 256) float32
+    top = rows[positions, rows.argmax(axis=1)]  # m, (N, C) -> (N,)
+    shifted = rows - top[:, None]  # z - m, (N, C), every entry <= 0
+    picked = shifted[positions, targets.reshape(-1)]  # z_y - m, (N,)
     probs = shifted
     probs *= kind(_LOG2_E)
     with np.errstate(under="ignore"):
