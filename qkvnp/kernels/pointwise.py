@@ -7,13 +7,16 @@ The same functions as :func:`qkvnp.functional.layer_norm_forward` /
 ``layer_norm_backward`` and ``gelu_forward`` / ``gelu_backward`` (tanh), up
 to rounding, and the same caches (:class:`~qkvnp.functional.LayerNormCache`,
 :class:`~qkvnp.functional.GeluCache`), so that either backward reads either
-forward's cache. They take real floating arrays already checked by the layer
-(dtype, shapes, finite values) and fewer passes over them: row sums as
-products with a column of ones, the arithmetic in place in the arrays the call allocated itself
-(never in an input, never in a buffer kept across calls). The reference ops
-stay the readable statement of the math; the layers
-(:class:`qkvnp.LayerNorm`, :class:`qkvnp.GELU`) call these for real input
-and the reference ops otherwise (the gradient checker's complex step).
+forward's cache. (The fused GELU caches ``sigmoid(2u)`` instead of
+``tanh u``; its backward reads both, and :func:`gelu_tanh_reference_cache`
+gives the reference backward the ``tanh u`` it reads.) They take real
+floating arrays already checked by the layer (dtype, shapes, finite values)
+and fewer passes over them: row sums as products with a column of ones, the
+arithmetic in place in the arrays the call allocated itself (never in an
+input, never in a buffer kept across calls). The reference ops stay the
+readable statement of the math; the layers (:class:`qkvnp.LayerNorm`,
+:class:`qkvnp.GELU`) call these for real input and the reference ops
+otherwise (the gradient checker's complex step).
 """
 from __future__ import annotations
 
