@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 MSECache = namedtuple("MSECache", "diff")
-CrossEntropyCache = namedtuple("CrossEntropyCache", "log_probs targets counted count")
+# probs: softmax(logits), (..., C); targets with 0 at the uncounted positions
+CrossEntropyCache = namedtuple("CrossEntropyCache", "probs targets counted count")
 
 
 def _check_dloss(dloss, dtype):
@@ -189,8 +190,9 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
     Parameters
     ----------
     logits : ndarray, shape (..., C)
-        Unnormalised class scores, finite. Any magnitude: they go through
-        ``scipy.special.log_softmax``, which subtracts the row maximum.
+        Unnormalised class scores, finite. Any magnitude: the row maximum is
+        subtracted first (real floating logits take the fused passes of
+        :mod:`qkvnp.kernels.loss`, others ``scipy.special.log_softmax``).
     targets : ndarray of int, shape (...)
         Class indices in ``[0, C)`` at every counted position.
     ignore_index : int, optional
@@ -246,22 +248,30 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
            [ 0.125,  0.125,  0.125, -0.375],
            [ 0.   ,  0.   ,  0.   ,  0.   ]])
     """
+    logits, targets, counted = _check_classification(logits, targets, ignore_index, mask)
+    safe_targets = np.where(counted, targets, 0)  # uncounted rows may hold -100 etc.
+    count = int(counted.sum())
+    if logits.dtype.kind == "f":
+        # NOTE: real floating logits take the fused passes of qkvnp.kernels.loss
+        # (the same loss up to rounding, and the softmax for the backward)
+        from .kernels.loss import cross_entropy_probs_fused
+
+        loss, probs = cross_entropy_probs_fused(logits, safe_targets, counted, count)
+        return loss, CrossEntropyCache(probs, safe_targets, counted, count)
     from scipy.special import log_softmax
 
-    logits, targets, counted = _check_classification(logits, targets, ignore_index, mask)
     log_probs = log_softmax(logits, axis=-1)  # (..., C), every entry <= 0
-    safe_targets = np.where(counted, targets, 0)  # uncounted rows may hold -100 etc.
     # NOTE: each position's row indexed directly, not np.take_along_axis,
     # whose index building took 20 of the loss's 110 us in a kv-recall step
     rows = log_probs.reshape(-1, log_probs.shape[-1])  # (..., C) -> (n, C)
     picked = rows[np.arange(rows.shape[0]), safe_targets.reshape(-1)]  # (n,)
     picked = picked.reshape(targets.shape)  # (...)
-    count = int(counted.sum())
     # NOTE: no counted position -> loss 0 by definition (torch returns NaN = 0/0).
     loss = -np.sum(picked, where=counted) / count if count else 0.0  # (...) -> ()
+    probs = np.exp(log_probs, order="C")  # softmax, (..., C), read by the backward
     return (
         np.asarray(loss, dtype=logits.dtype),
-        CrossEntropyCache(log_probs, safe_targets, counted, count),
+        CrossEntropyCache(probs, safe_targets, counted, count),
     )
 
 
@@ -286,11 +296,11 @@ def cross_entropy_backward(dloss: float | FloatArray, cache: CrossEntropyCache) 
     ValueError
         If ``dloss`` is not a scalar, or is NaN or inf.
     """
-    log_probs, targets, counted, count = cache
-    dloss = _check_dloss(dloss, log_probs.dtype)
+    probs, targets, counted, count = cache
+    dloss = _check_dloss(dloss, probs.dtype)
     if count == 0:
-        return np.zeros_like(log_probs)
-    dlogits = np.exp(log_probs, order="C")  # softmax, (..., C), C order: rows below is a view
+        return np.zeros_like(probs)
+    dlogits = probs.copy(order="C")  # softmax, (..., C), C order: rows below is a view
     rows = dlogits.reshape(-1, dlogits.shape[-1])  # (..., C) -> (n, C), a view
     rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= 1  # softmax - onehot
     dlogits *= (dloss / count).astype(dlogits.dtype)

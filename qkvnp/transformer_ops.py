@@ -42,7 +42,9 @@ __all__ = [
 ]
 
 LayerNormCache = namedtuple("LayerNormCache", "normalized rstd scale")
-GeluCache = namedtuple("GeluCache", "x inner approximate")
+# NOTE: sigmoid is set by the fused pass qkvnp.kernels.pointwise.gelu_tanh_forward_fused
+# (s = sigmoid(2u) = (1 + t) / 2, inner None); the ops here leave it None
+GeluCache = namedtuple("GeluCache", "x inner approximate sigmoid", defaults=(None,))
 ActivationDropoutCache = namedtuple("ActivationDropoutCache", "mask scale shape dtype")
 
 #: The ``approximate`` values of :func:`gelu_forward` (PyTorch's names).
@@ -265,7 +267,7 @@ def gelu_backward(dout: FloatArray, cache: GeluCache, check: bool = True) -> Flo
     ValueError
         If ``dout`` is not of the output's shape or holds NaN or inf.
     """
-    x, inner, approximate = cache
+    x, inner, approximate = cache.x, cache.inner, cache.approximate  # (sigmoid: the fused pass's)
     if check:
         dout = as_upstream_grad(dout, "dout", x.shape, x.dtype)
     if approximate == "tanh":

@@ -370,3 +370,51 @@ def test_importing_losses_and_optim_costs_numpy_only():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == "[]"
+
+
+def _scipy_cross_entropy(logits, targets, counted):
+    """Oracle: the reference path, scipy's log_softmax, the target's entry, mean over counted."""
+    from scipy.special import log_softmax
+
+    log_probs = log_softmax(logits, axis=-1)  # (..., C)
+    picked = np.take_along_axis(log_probs, np.where(counted, targets, 0)[..., None], -1)[..., 0]
+    count = counted.sum()
+    return (-picked[counted].sum() / count if count else 0.0), np.exp(log_probs)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", ["plain", "huge", "ignore_index", "mask", "none_counted"])
+def test_fused_real_path_equals_scipy_log_softmax(case, dtype, rng):
+    # Oracle: scipy.special.log_softmax (the path complex logits keep), to rounding
+    logits = (rng.normal(size=(3, 6, 11)) * 5).astype(dtype)
+    targets = rng.integers(0, 11, size=(3, 6))
+    counted = np.ones((3, 6), dtype=bool)
+    kwargs = {}
+    if case == "huge":  # rows at +-1e30, one row spanning both, one huge entry in a normal row
+        logits[0, 0], logits[0, 1] = 1e30, -1e30
+        logits[0, 2, :4], logits[0, 3, 2] = 1e30, -1e30
+        targets[0, 2] = 5  # a target 1e30 below its row's top: loss 1e30
+    elif case == "ignore_index":
+        targets[1] = -100
+        counted[1] = False
+        kwargs = {"ignore_index": -100}
+    elif case == "mask":
+        counted = rng.random((3, 6)) < 0.5
+        kwargs = {"mask": counted}
+    elif case == "none_counted":
+        counted[...] = False
+        kwargs = {"mask": counted}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fused passes warn no more than the reference
+        loss, cache = cross_entropy_forward(logits, targets, **kwargs)
+        dlogits = cross_entropy_backward(1.5, cache)
+    want_loss, want_probs = _scipy_cross_entropy(logits, targets, counted)
+    assert loss.shape == () and loss.dtype == dtype
+    rtol = {np.float64: 1e-13, np.float32: 1e-5}[dtype]
+    np.testing.assert_allclose(loss, want_loss, rtol=rtol)
+    assert cache.probs.shape == logits.shape and cache.probs.dtype == dtype
+    np.testing.assert_allclose(cache.probs, want_probs, rtol=rtol, atol=rtol * 1e-3)
+    onehot = np.eye(11, dtype=dtype)[np.where(counted, targets, 0)]
+    want_grad = np.where(counted[..., None], 1.5 * (want_probs - onehot) / max(counted.sum(), 1), 0)
+    assert dlogits.shape == logits.shape and dlogits.dtype == dtype
+    np.testing.assert_allclose(dlogits, want_grad, rtol=rtol, atol=rtol * 1e-3)

@@ -9,13 +9,16 @@ the same formulas, so they agree to rounding (1e-12 relative). Refusals: a
 NaN or inf placed in a parameter must raise, whatever check the layers skip
 between their sub-layers.
 """
+import warnings
+
 import numpy as np
 import pytest
 
 import qkvnp
 from qkvnp import functional as F
 from qkvnp.kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
-                                     layer_norm_backward_fused, layer_norm_forward_fused)
+                                     gelu_tanh_reference_cache, layer_norm_backward_fused,
+                                     layer_norm_forward_fused)
 
 RTOL = {np.float64: 1e-12, np.float32: 2e-5}
 
@@ -48,6 +51,48 @@ def test_fused_gelu_equals_the_reference_op(dtype, rng):
     dx = gelu_tanh_backward_fused(dout, cache)
     assert dx.shape == x.shape and dx.dtype == dtype
     np.testing.assert_allclose(dx, F.gelu_backward(dout, ref_cache), rtol=RTOL[dtype],
+                               atol=RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_fused_gelu_and_the_reference_read_each_others_caches(dtype, rng):
+    # Oracle: the reference op's backward on its own cache; the fused cache holds
+    # s = sigmoid(2u), the reference's t = tanh u, and each backward reads the other's
+    x = (rng.normal(size=(4, 5, 12)) * 4).astype(dtype)
+    dout = rng.normal(size=x.shape).astype(dtype)
+    _, ref_cache = F.gelu_forward(x, "tanh")
+    _, cache = gelu_tanh_forward_fused(x)
+    assert cache.inner is None and cache.sigmoid.shape == x.shape
+    want = F.gelu_backward(dout, ref_cache)
+    for got in (gelu_tanh_backward_fused(dout, ref_cache),
+                F.gelu_backward(dout, gelu_tanh_reference_cache(cache))):
+        assert got.shape == x.shape and got.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=RTOL[dtype], atol=RTOL[dtype])
+    layer = qkvnp.GELU()
+    layer.forward(x, check=False)  # the fused pass; a checked backward reads its cache
+    np.testing.assert_allclose(layer.backward(dout), want, rtol=RTOL[dtype], atol=RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_fused_gelu_tails_give_no_nan_and_no_warning(dtype):
+    # Oracle: closed forms in the tails, gelu(x) -> x as x -> +inf, -> -0.0 as x -> -inf
+    # (exp(-2u) overflows to inf there: s = 0), and the float64 reference in between
+    big = np.finfo(dtype).max ** 0.25  # x^2 finite: the backward's polynomial stays finite
+    x = np.array([-big, -1e4, -60.0, -12.0, -3.0, 0.0, 3.0, 60.0, 1e4, big], dtype=dtype)
+    dout = np.ones_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = gelu_tanh_forward_fused(x)
+        dx = gelu_tanh_backward_fused(dout, cache)
+    assert not np.isnan(out).any() and not np.isnan(dx).any()
+    assert np.all(out[:3] == 0) and np.all(np.signbit(out[:3]))  # -0.0
+    np.testing.assert_array_equal(out[-3:], x[-3:])
+    np.testing.assert_array_equal(dx[:3], 0)
+    np.testing.assert_array_equal(dx[-3:], 1)
+    assert -1e-30 < out[3] <= 0  # -12: the reference's 0.5 x (1 + t) rounds to -0.0 here
+    want, want_cache = F.gelu_forward(x[4:7].astype(np.float64), "tanh")  # -3, 0, 3
+    np.testing.assert_allclose(out[4:7], want, rtol=RTOL[dtype], atol=RTOL[dtype])
+    np.testing.assert_allclose(dx[4:7], F.gelu_backward(np.ones(3), want_cache), rtol=RTOL[dtype],
                                atol=RTOL[dtype])
 
 

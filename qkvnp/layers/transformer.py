@@ -20,7 +20,8 @@ from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, is
 from ..dropout import check_dropout_p, spawn_generator
 from ..kernels import num_threads
 from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
-                                 layer_norm_backward_fused, layer_norm_forward_fused)
+                                 gelu_tanh_reference_cache, layer_norm_backward_fused,
+                                 layer_norm_forward_fused)
 from ..transformer_ops import GELU_APPROXIMATIONS
 from .attention import MultiHeadAttention
 from .base import Layer, Model
@@ -172,6 +173,8 @@ class GELU(Layer):
         """
         cache = self._need_cache()
         if check or cache.approximate != "tanh" or cache.x.dtype.kind != "f":
+            if cache.approximate == "tanh":  # the fused forward's cache holds s, not t
+                cache = gelu_tanh_reference_cache(cache)
             dx = F.gelu_backward(dout, cache, check)
         else:
             dx = gelu_tanh_backward_fused(dout, cache)
