@@ -161,7 +161,8 @@ def run_training(name, config, workers, args, directory):
                               "flops": flops, "ms": 1e3 * times["seconds"],
                               "one_thread_ms": 1e3 * times["one_thread_seconds"],
                               "floor_ms": 1e3 * seconds, "gflops": flops / seconds / 1e9,
-                              "share": seconds / step}
+                              "share": seconds / step,
+                              "handoff_us": 1e6 * times["handoff_seconds"]}
         if record["torch"]:
             # NOTE: the speedup qkvnp would have if its step were its products alone
             record["products"]["floor_ratio"] = record["torch"]["ms"] / 1e3 / seconds
@@ -306,6 +307,23 @@ def _cell(stats, key="ms"):
     return f"{stats[key]:.4g} [{stats['q1_' + key]:.3g}-{stats['q3_' + key]:.3g}]"
 
 
+def _budget_lines(record):
+    """What the missed target leaves on one core, and what a second core's hand-off costs."""
+    products, torch = record["products"], record["torch"]
+    if not torch:
+        return []
+    allowed = torch["ms"] / record["target"]  # the step the target asks for
+    one = products["one_thread_ms"]
+    rest = record["qkvnp"]["ms"] - one
+    mean_call = 1e3 * one / products["calls"]
+    return [f"    on one core the target's {allowed:.3g} ms step holds the products at one "
+            f"thread ({one:.3g} ms) and {allowed - one:.3g} ms for the rest, which takes "
+            f"{rest:.3g} ms now (step minus products)",
+            f"    a second core: a hand-off to another thread and back costs "
+            f"{products['handoff_us']:.3g} us here (threading.Event round trip), against "
+            f"{mean_call:.3g} us per product call on one thread ({products['calls']} calls)"]
+
+
 def _verdict(record, at_least=True):
     if record.get("ratio") is None:
         return "-"
@@ -361,6 +379,7 @@ def format_report(report):
                                                      if held else
                                                      "not held by the BLAS: the rest of the "
                                                      "step costs the difference"))
+                lines += _budget_lines(record)
         if record.get("profile"):
             lines.append(f"    cProfile of {record['profile']['steps']} qkvnp steps, own time "
                          "(it includes the `@` products a function issues: cProfile sees no "

@@ -43,7 +43,8 @@ from rss import proc_status_kib, reset_peak_rss
 
 __all__ = ["GPTConfig", "CONFIGS", "LR", "WEIGHT_DECAY", "CHECK_STEPS", "LOSS_TOLERANCE",
            "PROMPT_TOKENS", "TORCH_THREADS", "LIBRARIES", "book_config", "make_data",
-           "make_runner", "step_products", "products_flops", "time_products", "serve",
+           "make_runner", "step_products", "products_flops", "time_products", "time_handoff",
+           "serve",
            "memory_child"]
 
 GPTConfig = namedtuple("GPTConfig", "vocab context width heads layers batch")
@@ -317,6 +318,36 @@ def time_products(config, repeats=5, seed=0):
     return float(np.median(times[1:]))
 
 
+def time_handoff(rounds=2000):
+    """Median seconds of handing work to a second Python thread and back (``threading.Event``).
+
+    What any use of a second core costs an op of the step, whatever the
+    pool: the other thread is woken, then wakes the caller. On a host
+    whose idle CPUs sleep deeply (a VM), this is tens of microseconds.
+    """
+    import threading
+
+    ping, pong = threading.Event(), threading.Event()
+
+    def partner():
+        for _ in range(rounds + 1):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    thread = threading.Thread(target=partner, daemon=True)
+    thread.start()
+    times = []
+    for _ in range(rounds + 1):
+        start = time.perf_counter()
+        ping.set()
+        pong.wait()
+        pong.clear()
+        times.append(time.perf_counter() - start)
+    thread.join()
+    return float(np.median(times[1:]))
+
+
 # ---------------------------------------------------------------- the worker process
 
 
@@ -409,6 +440,7 @@ def serve():
                     reply = {"seconds": time_products(config, command["repeats"])}
                 with blas_threads(1):
                     reply["one_thread_seconds"] = time_products(config, command["repeats"])
+                reply["handoff_seconds"] = time_handoff()
             elif op == "profile":
                 reply = _profile(runner, command["steps"])
             else:

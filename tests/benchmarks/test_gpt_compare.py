@@ -155,12 +155,15 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     assert train["status"] == generate["status"] == "ok"
     assert len(train["qkvnp"]["times_ms"]) == 1 and train["qkvnp"]["per_s"] > 0
     assert train["products"]["flops"] == products_flops(step_products(TINY))
+    assert train["products"]["handoff_us"] > 0  # a round trip to a second thread takes time
     assert generate["new_tokens"] == TINY.context - make_data(TINY)["prompt"].shape[1]
     if _has_torch():
         assert train["check"]["max_rel_err"] <= LOSS_TOLERANCE
         assert generate["same_tokens"] is True
         assert train["ratio"] == pytest.approx(train["qkvnp"]["per_s"] / train["torch"]["per_s"])
         assert "floor_ratio" in train["products"]
+        if train["met"] is False:  # the one-core budget and the hand-off are printed
+            assert "on one core the target's" in out and "a hand-off to another thread" in out
     else:
         assert train["torch"] is None and "not installed" in train["reason"]
     assert "Training: one step" in out and "Generation: batch 1" in out
@@ -216,3 +219,15 @@ def test_doctests_of_the_gpt_benchmark_modules():
                           cwd=os.path.dirname(benchmarks), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout, done.stdout
+
+
+def test_a_missed_target_prints_the_one_core_budget_and_the_hand_off():
+    # oracle: the arithmetic by hand: torch 15 ms at a 1.5x target allows 10 ms;
+    # products 6 ms on one thread leave 4 ms for the rest, which takes 12 - 6 = 6 ms
+    record = {"target": 1.5, "torch": {"ms": 15.0}, "qkvnp": {"ms": 12.0},
+              "products": {"one_thread_ms": 6.0, "calls": 60, "handoff_us": 55.0}}
+    budget, handoff = gpt_compare._budget_lines(record)
+    assert "target's 10 ms step" in budget and "(6 ms) and 4 ms for the rest" in budget
+    assert "takes 6 ms now" in budget
+    assert "costs 55 us here" in handoff and "100 us per product call" in handoff
+    assert gpt_compare._budget_lines(dict(record, torch=None)) == []
