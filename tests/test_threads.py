@@ -11,6 +11,7 @@ Shapes are tiny: the point is the interleaving, not the arithmetic.
 """
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -199,3 +200,47 @@ def test_threads_sharing_the_worker_pool_get_the_serial_results(path, fast_switc
 
         _in_threads(work)
     assert not wrong, f"{len(wrong)} of {THREADS * 50} pairs differ, first {wrong[:3]}"
+
+
+class _SlowAdd(np.ndarray):
+    """A gradient array whose ``+=`` reads, waits 5 ms, then writes: two unlocked
+    additions from two threads would overlap, and one of them would be lost."""
+
+    def __iadd__(self, other):
+        total = np.add(np.asarray(self), other)  # read
+        time.sleep(0.005)  # the other thread's addition lands here, unless locked
+        np.asarray(self)[...] = total  # write
+        return self
+
+
+@pytest.mark.parametrize("variant", ["separate", "tied_qk"])
+def test_the_kv_recall_models_backwards_from_threads_add_as_if_serial(variant):
+    """Oracle: two threads each run the same forward/backward, so the gradients
+    must be twice one backward's, up to the rounding of the order in which the
+    two threads' additions land (the key table gets two per backward). Every
+    gradient array is a :class:`_SlowAdd`, which turns any unlocked addition
+    into a lost update, a whole backward's share: the model's own role
+    matrices and its embedding tables' rows alike."""
+    from qkvnp.training.models import KVRecallModel
+
+    model = KVRecallModel(6, 5, 8, variant=variant, rng=0)
+    rng = np.random.default_rng(3)
+    keys, values = rng.integers(0, 6, size=(4, 3)), rng.integers(0, 5, size=(4, 3))
+    query = keys[:, 0]
+    dlogits = rng.normal(size=(4, 5))
+    model.forward(keys, values, query)
+    model.backward(dlogits)
+    once = {name: g.copy() for name, g in model.grads.items()}
+    model.zero_grad()
+    model._own_grads = {name: g.view(_SlowAdd) for name, g in model._own_grads.items()}
+    for table in (model.embed_key, model.embed_value):
+        table.grads["weight"] = table.grads["weight"].view(_SlowAdd)
+
+    def work(thread):
+        model.forward(keys, values, query)
+        model.backward(dlogits)
+
+    _in_threads(work, threads=2)
+    for name, g in once.items():
+        np.testing.assert_allclose(np.asarray(model.grads[name]), g + g, rtol=1e-13,
+                                   atol=1e-15, err_msg=name)

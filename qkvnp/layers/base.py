@@ -487,6 +487,12 @@ class Model(Layer):
                 found[f"{prefix}.{name}"] = generator
         return found
 
+    def _accumulate_own(self, name, grad):
+        """Add ``grad`` into the gradient of the model's own array ``name``, locked (as
+        :meth:`Layer._accumulate`: backwards from several threads add as if serial)."""
+        with _GRADS_LOCK:
+            self._own_grads[name] += grad
+
     def zero_grad(self) -> None:
         """Reset every gradient (the sub-layers' and the model's own) to zeros."""
         for layer in self.__dict__.get("_layers", {}).values():

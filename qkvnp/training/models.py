@@ -266,7 +266,7 @@ class KVRecallModel(Model):
             dmixed = dattended
         else:
             dmixed, dW_value, _ = F.linear_backward(dattended, v_cache, check=False)
-            self._own_grads[role_v] += dW_value
+            self._accumulate_own(role_v, dW_value)
         # the items are the attention's keys and its values: they get the sum of
         # both gradients, dX = left^T right (attention_backward's Notes), left
         # as factors: only the two tables need dX, and each folds its one-hot
@@ -277,18 +277,20 @@ class KVRecallModel(Model):
             key_is_value="factors")  # (B, 1, E) -> (B, 1, E), (B, 2, P), (B, 2, E)
         # dW_key_t: the gradient of W_k^T, the matrix the query map multiplied by
         dq, dW_key_t, _ = F.linear_backward(dq_items[:, 0], qk_cache, check=False)  # (B, E)
-        self._own_grads[role_k] += dW_key_t.T  # a tied matrix sums the gradients of its uses
+        self._accumulate_own(role_k, dW_key_t.T)  # a tied matrix sums the gradients of its uses
         dquery_token, dW_query, _ = F.linear_backward(dq, q_cache, check=False)
-        self._own_grads[role_q] += dW_query
-        self._own_grads["query_marker"] += dquery_token.sum(axis=0)  # (B, E) -> (E,)
+        self._accumulate_own(role_q, dW_query)
+        self._accumulate_own("query_marker", dquery_token.sum(axis=0))  # (B, E) -> (E,)
         # items = embed_value[v] + embed_key[k]: both tables get the items' gradient
-        self.embed_value.grads["weight"] += F.embedding_backward_factored(
-            left, right, values_cache)  # (B, 2, P), (B, 2, E) -> (V, E)
-        self.embed_key.grads["weight"] += F.embedding_backward_factored(
-            left, right, keys_cache)  # (B, 2, P), (B, 2, E) -> (K, E)
+        # NOTE: every addition into grads is locked (Layer._accumulate), as the
+        # layers' own: backwards from several threads add as if serial
+        self.embed_value._accumulate("weight", F.embedding_backward_factored(
+            left, right, values_cache))  # (B, 2, P), (B, 2, E) -> (V, E)
+        self.embed_key._accumulate("weight", F.embedding_backward_factored(
+            left, right, keys_cache))  # (B, 2, P), (B, 2, E) -> (K, E)
         # the key table's second use, the query's lookup: its gradient adds up
-        self.embed_key.grads["weight"] += F.embedding_backward(dquery_token, query_cache,
-                                                               check=False)  # (B, E) -> (K, E)
+        self.embed_key._accumulate("weight", F.embedding_backward(
+            dquery_token, query_cache, check=False))  # (B, E) -> (K, E)
         self._release_cache(retain_cache)
         return None
 
