@@ -19,6 +19,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import functional as F
+from ._checks import check_projection
 from . import kernels
 from .masks import fold_key_padding_mask, prepare_mask
 
@@ -198,6 +199,7 @@ def _project_heads(x, params, name, num_heads):
     y = x @ params["W_" + name]  # (..., T, in) @ (in, n*D) -> (..., T, n*D)
     if "b_" + name in params:
         y = y + params["b_" + name]
+    check_projection(y, name)
     return F.split_heads_forward(y, num_heads)[0]  # (..., T, n*D) -> (..., n, T, D)
 
 

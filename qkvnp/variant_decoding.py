@@ -11,6 +11,7 @@ the soft-cap, and a sliding window whose cache is a rolling buffer.
 import numpy as np
 
 from . import functional as F
+from ._checks import check_projection
 from . import kernels
 from .kernels import tiled_variants
 from .kernels._runtime import single_threaded_blas
@@ -63,6 +64,7 @@ def _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch):
         y = x @ params["W_" + name]  # (..., T, E) @ (E, n*D) -> (..., T, n*D)
         if "b_" + name in params:
             y = y + params["b_" + name]
+        check_projection(y, name)
         heads.append(F.split_heads_forward(y, n)[0])  # (..., T, n*D) -> (..., n, T, D)
     q, k, v = heads
     if options.rope:

@@ -80,7 +80,7 @@ def test_a_refused_forward_leaves_the_previous_cache_whole(path, name):
     state = layer.dropout_rng.bit_generator.state
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the overflow itself
-        with pytest.raises(ValueError, match="query|contains NaN or inf"):
+        with pytest.raises(ValueError, match="the query projection overflowed"):
             layer.forward(*bad)
     assert layer.dropout_rng.bit_generator.state == state
     dx = layer.backward(dout)
@@ -113,11 +113,14 @@ def test_a_refused_decoding_step_leaves_the_kv_cache_as_it_was(path, layer_kind,
     length, key, value = len(cache), cache.key.copy(), cache.value.copy()
     nan_token = x[:, 3:4].copy()
     nan_token[0, 0, 2] = np.nan
-    # finite tokens whose keys overflow to inf (refused late, by the core), and NaN (at once)
-    for token in (np.full((1, 1, 8), 1.5e308), np.full((1, 2, 8), -1e308), nan_token):
+    # finite tokens whose projections overflow to inf (refused after the projections,
+    # named as an overflow), and NaN (at once)
+    for token, message in ((np.full((1, 1, 8), 1.5e308), "projection overflowed"),
+                           (np.full((1, 2, 8), -1e308), "projection overflowed"),
+                           (nan_token, "NaN or inf")):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            with pytest.raises(ValueError, match="NaN or inf"):
+            with pytest.raises(ValueError, match=message):
                 layer.forward(token, kv_cache=cache)
         assert len(cache) == length
         np.testing.assert_array_equal(cache.key, key)

@@ -303,3 +303,33 @@ def test_a_layer_with_values_near_the_float_maximum_is_exact(impl):
     if impl != "reference":
         assert layer.last_dispatch.path == "reference"
         assert "values reach" in layer.last_dispatch.reason
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast", "tiled", "auto"])
+@pytest.mark.parametrize("options", [{}, {"rope": True}, {"window": (1, 0)}],
+                         ids=["plain", "rope", "window"])
+def test_a_projection_that_overflows_is_refused_as_such(impl, options):
+    """Oracle: x = 1.5e308 and weights of ones make x @ W = 4 x = inf while x and
+    W are finite: the error names the projection, not a "query" or RoPE "x"
+    the user never passed; a key or value input alone overflowing names its
+    projection; a decoding step says the same and leaves its cache empty."""
+    x = np.full((1, 3, 4), 1.5e308)
+    small = np.ones((1, 3, 4))
+    layer = qkvnp.MultiHeadAttention(4, 2, rng=0, impl=impl, **options)
+    for role in ("query", "key", "value"):
+        layer.params["W_" + role][...] = 1.0
+    with _quiet():
+        with pytest.raises(ValueError, match="the query projection overflowed: x @ W_query"):
+            layer.forward(x, is_causal=True)
+        with pytest.raises(ValueError, match="the key projection overflowed"):
+            layer.forward(small, x, small)
+        cache = qkvnp.KVCache()
+        with pytest.raises(ValueError, match="the query projection overflowed"):
+            layer.forward(x, kv_cache=cache)
+        assert len(cache) == 0 and cache.key is None
+        with pytest.raises(ValueError, match="the value projection overflowed"):
+            layer.forward(small, small, x)
+        single = qkvnp.SelfAttention(4, 4, rng=0, impl=impl, **options)
+        single.params["W_query"][...] = 1.0
+        with pytest.raises(ValueError, match="the query projection overflowed"):
+            single.forward(x)

@@ -18,7 +18,7 @@ no output projection.
 """
 from collections import namedtuple
 
-from .._checks import as_upstream_grad
+from .._checks import as_upstream_grad, check_projection
 from .. import functional as F
 
 __all__ = ["forward", "backward", "ReferenceLayerCache"]
@@ -92,6 +92,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, in) -> (..., T, E)
     k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, in) -> (..., S, E)
     v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, in) -> (..., S, E)
+    for projected, role in ((q, "query"), (k, "key"), (v, "value")):
+        check_projection(projected, role)  # an overflow named as such, not as a bad "query"
     if not out_proj:  # SelfAttention: one head, no head axis, no output projection
         out, attention_cache = F.attention_forward(q, k, v, mask, is_causal, **dropout)  # -> (..., T, E)
         cache = ReferenceLayerCache(kind, q_cache, k_cache, v_cache, None, None, None,

@@ -18,7 +18,7 @@ from collections import namedtuple
 import numpy as np
 
 from .. import functional as F
-from .._checks import as_upstream_grad
+from .._checks import as_upstream_grad, check_projection
 from ..masks import causal_offset, check_is_causal, prepare_mask
 from ..positions import alibi_bias, alibi_slopes, relative_position_bucket
 from ..variants import check_window
@@ -128,6 +128,8 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
     q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, in) -> (..., T, E)
     k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, in) -> (..., S, E_kv)
     v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, in) -> (..., S, E_kv)
+    for projected, role in ((q, "query"), (k, "key"), (v, "value")):
+        check_projection(projected, role)  # an overflow named as such, not as RoPE's "x"
     num_kv_heads = num_heads * p["W_key"].shape[1] // p["W_query"].shape[1]
     q_heads, q_split = F.split_heads_forward(q, num_heads)  # (..., T, E) -> (..., H, T, D)
     k_heads, k_split = F.split_heads_forward(k, num_kv_heads)  # (..., S, E_kv) -> (..., K, S, D)
