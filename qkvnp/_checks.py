@@ -17,7 +17,6 @@ __all__ = [
     "compute_dtype",
     "as_float_array",
     "as_upstream_grad",
-    "check_projection",
     "check_real_dtype",
     "check_ndim",
     "check_last_dim",
@@ -194,26 +193,6 @@ def as_float_array(x, name, dtype=None, finite=True):
     if finite and not np.isfinite(arr).all():
         raise ValueError(f"{name} contains NaN or inf; expected finite values")
     return arr
-
-
-def check_projection(y, role):
-    """Raise ``ValueError`` if the projection ``y`` of checked, finite inputs is not finite.
-
-    ``x @ W_role (+ b_role)`` of finite ``x`` and weights holds inf (or NaN,
-    ``inf - inf`` in a sum) only when a product or the sum overflowed: the
-    message says so, where the core's check of its own inputs would blame
-    ``query`` (or RoPE's ``x``), arrays the user never passed.
-
-    >>> check_projection(np.ones(2), "query")
-    >>> check_projection(np.array([1.0, np.inf]), "key")
-    Traceback (most recent call last):
-    ...
-    ValueError: the key projection overflowed: x @ W_key (+ b_key) of finite inputs and weights exceeds the range of float64; scale the inputs or the weights down
-    """
-    if not np.isfinite(y).all():
-        raise ValueError(f"the {role} projection overflowed: x @ W_{role} (+ b_{role}) of finite "
-                         f"inputs and weights exceeds the range of {y.real.dtype}; scale the "
-                         "inputs or the weights down")
 
 
 def as_upstream_grad(d, name, shape, dtype):

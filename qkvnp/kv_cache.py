@@ -19,7 +19,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import functional as F
-from ._checks import check_projection
+from .overflow import check_projection
 from . import kernels
 from .masks import fold_key_padding_mask, prepare_mask
 

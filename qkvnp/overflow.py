@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-__all__ = ["product", "clip_overflow"]
+__all__ = ["product", "clip_overflow", "check_projection"]
 
 
 def product(a, b, factor=1.0, clip=False):
@@ -118,3 +118,23 @@ def clip_overflow(scores):
         return scores
     big = np.finfo(scores.dtype).max
     return np.nan_to_num(scores, nan=np.nan, posinf=big, neginf=-big)
+
+
+def check_projection(y, role):
+    """Raise ``ValueError`` if the projection ``y`` of checked, finite inputs is not finite.
+
+    ``x @ W_role (+ b_role)`` of finite ``x`` and weights holds inf (or NaN,
+    ``inf - inf`` in a sum) only when a product or the sum overflowed: the
+    message says so, where the core's check of its own inputs would blame
+    ``query`` (or RoPE's ``x``), arrays the user never passed.
+
+    >>> check_projection(np.ones(2), "query")
+    >>> check_projection(np.array([1.0, np.inf]), "key")
+    Traceback (most recent call last):
+    ...
+    ValueError: the key projection overflowed: x @ W_key (+ b_key) of finite inputs and weights exceeds the range of float64; scale the inputs or the weights down
+    """
+    if not np.isfinite(y).all():
+        raise ValueError(f"the {role} projection overflowed: x @ W_{role} (+ b_{role}) of finite "
+                         f"inputs and weights exceeds the range of {y.real.dtype}; scale the "
+                         "inputs or the weights down")

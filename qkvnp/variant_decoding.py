@@ -11,7 +11,7 @@ the soft-cap, and a sliding window whose cache is a rolling buffer.
 import numpy as np
 
 from . import functional as F
-from ._checks import check_projection
+from .overflow import check_projection
 from . import kernels
 from .kernels import tiled_variants
 from .kernels._runtime import single_threaded_blas

@@ -18,7 +18,8 @@ no output projection.
 """
 from collections import namedtuple
 
-from .._checks import as_upstream_grad, check_projection
+from .._checks import as_upstream_grad
+from ..overflow import check_projection
 from .. import functional as F
 
 __all__ = ["forward", "backward", "ReferenceLayerCache"]

@@ -18,7 +18,8 @@ from collections import namedtuple
 import numpy as np
 
 from .. import functional as F
-from .._checks import as_upstream_grad, check_projection
+from .._checks import as_upstream_grad
+from ..overflow import check_projection
 from ..masks import causal_offset, check_is_causal, prepare_mask
 from ..positions import alibi_bias, alibi_slopes, relative_position_bucket
 from ..variants import check_window
