@@ -141,11 +141,11 @@ class GPTModel(Model):
         self.tok_emb = Embedding(self.vocab_size, self.emb_dim, rng=rng, dtype=dtype)
         self.pos_emb = Embedding(self.context_length, self.emb_dim, rng=rng, dtype=dtype)
         self.drop_emb = Dropout(self.dropout, rng=rng)
-        options = dict(hidden_dim=hidden_dim, approximate=approximate,
-                       num_kv_heads=num_kv_heads, rope=rope, rope_base=rope_base,
-                       rope_layout=rope_layout, position_bias=position_bias,
-                       num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
-                       softcap=softcap, window=window)
+        options: dict[str, Any] = dict(
+            hidden_dim=hidden_dim, approximate=approximate, num_kv_heads=num_kv_heads,
+            rope=rope, rope_base=rope_base, rope_layout=rope_layout,
+            position_bias=position_bias, num_buckets=num_buckets, max_distance=max_distance,
+            sinks=sinks, softcap=softcap, window=window)
         self.trf_blocks = Sequential([
             TransformerBlock(self.emb_dim, self.num_heads, self.dropout, self.qkv_bias, rng=rng,
                              dtype=dtype, impl=impl, **options)

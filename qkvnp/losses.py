@@ -192,7 +192,7 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
     logits : ndarray, shape (..., C)
         Unnormalised class scores, finite. Any magnitude: the row maximum is
         subtracted first (real floating logits take the fused passes of
-        :mod:`qkvnp.kernels.loss`, others ``scipy.special.log_softmax``).
+        ``qkvnp.kernels.loss``, others ``scipy.special.log_softmax``).
     targets : ndarray of int, shape (...)
         Class indices in ``[0, C)`` at every counted position.
     ignore_index : int, optional
