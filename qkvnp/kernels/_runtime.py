@@ -255,11 +255,38 @@ _SPARE: list[np.ndarray] = []  # base arrays, each free while only this list ref
 _SPARE_LOCK = threading.Lock()
 
 
+def _references(pool, index):
+    """``sys.getrefcount`` of ``pool[index]``, always taken the same way (see ``_FREE``)."""
+    return sys.getrefcount(pool[index])
+
+
+def _free_references():
+    """What :func:`_references` counts for a buffer that only its pool holds.
+
+    NOTE: measured, not assumed. How many references ``getrefcount`` sees
+    depends on how the caller holds the object: a loop name over the pool
+    adds one, a copy of the list another, and Python 3.14 borrows some
+    references it used to count. A buffer that an array still uses has at
+    least one more (the array's base), so comparing with this count, taken
+    through the same function, is exact on any of them. The trim below once
+    compared a loop over a copy of the pool (4 references when free) with
+    3, so that it never let a buffer go: 100 buffers of distinct sizes kept
+    200 MiB under a 16 MiB ``recycle_bytes``.
+    """
+    pool = [np.empty(1, np.uint8)]
+    return _references(pool, 0)
+
+
+_FREE = _free_references()
+
+
 def recycled_empty(shape, dtype):
     """``np.empty(shape, dtype)``, reusing a large buffer no array refers to any more.
 
-    A buffer is free when its only references are this pool's: every numpy
+    A buffer is free when its only reference is this pool's: every numpy
     view of it (the cache's array, any slice a caller took) refers to it.
+    The pool keeps at most ``recycle_bytes`` of buffers no array uses (the
+    one returned aside): older free ones go first.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -267,28 +294,26 @@ def recycled_empty(shape, dtype):
     if nbytes < _SIZES["recycle_min_bytes"] or nbytes > limit:
         return np.empty(shape, dtype)
     with _SPARE_LOCK:
-        for base in _SPARE:
-            # references: the list, this loop's name, getrefcount's argument
-            if base.nbytes == nbytes and sys.getrefcount(base) == 3:
-                return base.view(dtype).reshape(shape)
+        for i in range(len(_SPARE)):
+            if _SPARE[i].nbytes == nbytes and _references(_SPARE, i) == _FREE:
+                return _SPARE[i].view(dtype).reshape(shape)
         base = np.empty(nbytes, np.uint8)
         _SPARE.append(base)
         total = sum(b.nbytes for b in _SPARE)
-        for old in list(_SPARE):
-            if total <= limit:
-                break
-            if old is not base and sys.getrefcount(old) == 3:  # list, name, argument
-                _SPARE.remove(old)
-                total -= old.nbytes
+        i = 0
+        while total > limit and i < len(_SPARE) - 1:  # the last one is `base`
+            if _references(_SPARE, i) == _FREE:
+                total -= _SPARE[i].nbytes
+                del _SPARE[i]
+            else:
+                i += 1
         return base.view(dtype).reshape(shape)
 
 
 def release_buffers() -> None:
     """Drop the recycled score buffers that no array uses (setting ``recycle_bytes``)."""
-    import sys
-
     with _SPARE_LOCK:
-        _SPARE[:] = [b for b in _SPARE if sys.getrefcount(b) > 3]  # list, name, argument
+        _SPARE[:] = [_SPARE[i] for i in range(len(_SPARE)) if _references(_SPARE, i) > _FREE]
 
 
 # ---------------------------------------------------------------- BLAS threads

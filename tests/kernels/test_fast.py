@@ -485,6 +485,36 @@ def test_recycled_score_buffers_are_never_shared():
     assert len(_runtime._SPARE) == pooled
 
 
+def test_the_buffer_pool_keeps_at_most_recycle_bytes_of_free_buffers():
+    """Oracle: the setting. 100 buffers of distinct sizes (2 MiB + i * 8 bytes),
+    each dropped after its call, leave at most ``recycle_bytes`` = 16 MiB of free
+    buffers in the pool; a buffer whose array is alive is never dropped nor
+    handed out again; ``release_buffers`` drops every free one."""
+    kernels.release_buffers()
+    pooled = list(_runtime._SPARE)  # buffers live arrays of other tests still use
+    kept = sum(b.nbytes for b in pooled)
+    size = 2 << 20
+    with kernels.block_sizes(recycle_bytes=16 << 20, recycle_min_bytes=1 << 20):
+        alive = _runtime.recycled_empty((size // 8,), np.float64)
+        alive[:] = 7.0
+        for i in range(100):
+            buffer = _runtime.recycled_empty((size // 8 + i,), np.float64)
+            assert not np.shares_memory(buffer, alive)
+            del buffer
+            free = sum(b.nbytes for b in _runtime._SPARE) - kept - alive.nbytes
+            assert free <= 16 << 20, f"{free / 2**20:.1f} MiB of free buffers after {i + 1}"
+        again = _runtime.recycled_empty((size // 8,), np.float64)  # alive's size: a new one
+        assert not np.shares_memory(again, alive) and (alive == 7.0).all()
+        assert any(b is alive.base for b in _runtime._SPARE)  # in use: kept
+        del again
+        kernels.release_buffers()
+        others = [id(b) for b in _runtime._SPARE if b is not alive.base]
+        assert others == [id(b) for b in pooled]
+    del alive
+    kernels.release_buffers()
+    assert [id(b) for b in _runtime._SPARE] == [id(b) for b in pooled]
+
+
 def test_blas_thread_count_is_restored_even_on_error():
     """The threaded section pins BLAS to one thread and must always restore it."""
     blas = _runtime.openblas_thread_functions()
