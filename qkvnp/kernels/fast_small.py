@@ -29,20 +29,38 @@ __all__ = ["small_forward", "small_backward", "masked_exp", "mask_row_max", "LAR
 LARGE_SCORES = 1 << 17
 
 
-@functools.lru_cache(maxsize=64)
+#: Longest column the caches below keep: at most 64 + 16 columns of 4096
+#: float64 entries (2.5 MiB) stay in the process. NOTE: bounded by entries
+#: alone, decoding through the fast path (a new key length S at every step)
+#: kept a column per length, 64 x S x 8 bytes (51 MiB at S = 100,000); a
+#: longer column is made anew, 20 us against the attention over its S keys.
+CACHED_COLUMN = 4096
+
+
 def _ones(n, dtype):
     """A read-only ``(n, 1)`` column of ones: ``x @ _ones`` sums the last axis of ``x``."""
-    ones = np.ones((n, 1), dtype)
-    ones.flags.writeable = False
-    return ones
+    return _cached_ones(n, dtype) if n <= CACHED_COLUMN else _read_only(np.ones((n, 1), dtype))
+
+
+def _zeros_column(n, dtype):
+    """A read-only ``(n, 1)`` column of zeros."""
+    return (_cached_zeros(n, dtype) if n <= CACHED_COLUMN
+            else _read_only(np.zeros((n, 1), dtype)))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ones(n, dtype):
+    return _read_only(np.ones((n, 1), dtype))
 
 
 @functools.lru_cache(maxsize=16)
-def _zeros_column(n, dtype):
-    """A read-only ``(n, 1)`` column of zeros."""
-    zeros = np.zeros((n, 1), dtype)
-    zeros.flags.writeable = False
-    return zeros
+def _cached_zeros(n, dtype):
+    return _read_only(np.zeros((n, 1), dtype))
+
+
+def _read_only(column):
+    column.flags.writeable = False  # shared between calls: nobody writes into it
+    return column
 
 
 def mask_row_max(mask, dtype):

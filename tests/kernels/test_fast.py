@@ -1106,3 +1106,27 @@ def test_one_thread_runs_a_problem_larger_than_a_block_by_blocks(monkeypatch):
     with kernels.num_threads(1), kernels.block_sizes(fast_block_bytes=4096):
         check_layers(reference, other, [x], {"is_causal": True})
     assert seen and max(seen) <= 4096  # blocks of two (16, 16) matrices
+
+
+def test_the_cached_columns_of_ones_and_zeros_stay_small():
+    """Oracle: the bound in fast_small. Columns of many distinct lengths (as a
+    decoding loop's growing key count gives) leave at most 64 + 16 columns of
+    at most CACHED_COLUMN entries cached; every column is right and read-only."""
+    from qkvnp.kernels import fast_small
+
+    for n in (1, 7, fast_small.CACHED_COLUMN, fast_small.CACHED_COLUMN + 1, 100_000):
+        for make, value in ((fast_small._ones, 1.0), (fast_small._zeros_column, 0.0)):
+            column = make(n, np.dtype(np.float32))
+            assert column.shape == (n, 1) and column.dtype == np.float32
+            assert (column == value).all() and not column.flags.writeable
+    for n in range(fast_small.CACHED_COLUMN - 100, fast_small.CACHED_COLUMN + 400):
+        fast_small._ones(n, np.dtype(np.float64))
+    info = fast_small._cached_ones.cache_info()
+    assert info.currsize <= 64 and fast_small._cached_zeros.cache_info().currsize <= 16
+    # a short column is the cached one; a long one is made anew, never kept
+    f64 = np.dtype(np.float64)
+    assert fast_small._ones(64, f64) is fast_small._ones(64, f64)
+    assert fast_small._ones(100_000, f64) is not fast_small._ones(100_000, f64)
+    assert fast_small._zeros_column(100_000, f64) is not fast_small._zeros_column(100_000, f64)
+    # the longest kept column has CACHED_COLUMN entries: 64 of them fit in 2 MiB
+    assert 64 * fast_small.CACHED_COLUMN * 8 <= 2 << 20
