@@ -46,6 +46,10 @@ EXPECTED = {
     "plot_sliding_window_decoder.py": [r"cache bytes after 10, 100, 1000, 2000 steps: (\d+) \1 \1 \1\n",
                                        r"token by token vs full forward: \d\.\d+e-1[4-7]\n",
                                        r"chunks of 37: largest difference \d\.\d+e-1[4-7]\n"],
+    "plot_gpt_with_todays_attention.py": [r"num_kv_heads=2, rope=True, softcap=30\.0, window=\(7, 0\)",
+                                          r"the continuation repeats the period: True",
+                                          r"a cache holds [1-8] keys, first at position \d+",
+                                          r"rolling caches vs one forward: (0\.0|\d\.\d+e-1[3-7])\n"],
     # checked below: the last held-out loss under the bigram baseline's, and under the first
     "plot_train_tiny_gpt.py": [r"^bigram baseline \(add-one smoothing\), held-out loss \d\.\d+",
                                r"^step +600 +train \d\.\d+ .* ratio \d\.\d+$",
