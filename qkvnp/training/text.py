@@ -58,7 +58,10 @@ class TextConfig:
     """Everything a text run depends on (saved in its checkpoints).
 
     Model: ``context`` (T), ``emb_dim``, ``num_heads``, ``num_layers``,
-    ``dropout``. Optimisation: AdamW with ``lr``, ``weight_decay``, linear
+    ``dropout``, and the attention of recent models in every block, all off
+    by default (the book's model): ``kv_heads`` (grouped-query attention),
+    ``rope``, ``window`` (each token sees itself and the ``window - 1``
+    before it) and ``softcap``. Optimisation: AdamW with ``lr``, ``weight_decay``, linear
     warm-up over ``warmup`` steps then cosine decay to ``lr / 10`` at ``steps``;
     ``batch_size`` windows a step, drawn at random offsets of the training
     split. ``eval_every`` steps, the held-out loss over ``eval_windows``
@@ -84,8 +87,13 @@ class TextConfig:
     eval_windows: int = 64
     sample_every: int = 500
     sample_length: int = 120
+    kv_heads: Optional[int] = None
+    rope: bool = False
+    window: Optional[int] = None
+    softcap: Optional[float] = None
 
-    MODEL_FIELDS = ("context", "emb_dim", "num_heads", "num_layers", "dtype")
+    MODEL_FIELDS = ("context", "emb_dim", "num_heads", "num_layers", "dtype", "kv_heads", "rope",
+                    "window", "softcap")
 
     def check(self):
         """Refuse impossible values with ``ValueError`` naming the option."""
@@ -104,7 +112,25 @@ class TextConfig:
             raise ValueError("--lr must be > 0, --weight-decay and --warmup >= 0")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.num_heads % self.kv_heads):
+            raise ValueError(f"--kv-heads must divide --num-heads ({self.num_heads}), got "
+                             f"{self.kv_heads}")
+        if self.rope and (self.emb_dim // self.num_heads) % 2:
+            raise ValueError(f"--rope rotates pairs: the head dim --emb-dim / --num-heads must be "
+                             f"even, got {self.emb_dim // self.num_heads}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"--window must be >= 1 (the tokens each one sees, itself "
+                             f"included), got {self.window}")
+        if self.softcap is not None and not 0.0 < self.softcap < math.inf:
+            raise ValueError(f"--softcap must be a finite number > 0, got {self.softcap}")
         return self
+
+    def model_options(self):
+        """The :class:`~qkvnp.GPTModel` keywords of the attention options that are on."""
+        options = {"num_kv_heads": self.kv_heads, "rope": self.rope or None,
+                   "window": None if self.window is None else (self.window - 1, 0),
+                   "softcap": self.softcap}
+        return {name: value for name, value in options.items() if value is not None}
 
 
 def default_corpus(cap=DEFAULT_CORPUS_BYTES):
@@ -189,7 +215,8 @@ def _lr(config, step):
 
 def _model(config):
     return GPTModel(256, config.context, config.emb_dim, config.num_heads, config.num_layers,
-                    config.dropout, rng=config.seed, dtype=np.dtype(config.dtype))
+                    config.dropout, rng=config.seed, dtype=np.dtype(config.dtype),
+                    **config.model_options())
 
 
 def _held_out_loss(model, held, starts, config):
@@ -314,8 +341,9 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
         data_rng.bit_generator.state = meta["data_rng"]
         step, history, running = meta["step"], meta["history"], meta["running"]
     print(f"text: {source}; {len(train)} training bytes, {len(held)} held out", file=stream)
+    options = "".join(f", {name}={value}" for name, value in config.model_options().items())
     print(f"model: GPTModel(vocab 256, context {config.context}, width {config.emb_dim}, "
-          f"{config.num_heads} heads, {config.num_layers} layers), "
+          f"{config.num_heads} heads, {config.num_layers} layers{options}), "
           f"{model.num_parameters()} parameters, {config.dtype}", file=stream)
     print(f"schedule: AdamW lr {config.lr:g} (warm-up {config.warmup} steps, cosine to "
           f"{config.lr / 10:g} at step {config.steps}), weight decay {config.weight_decay:g}, "
@@ -389,6 +417,16 @@ def add_arguments(parser):
                             default=getattr(defaults, name),
                             help=f"{help_text} (default {getattr(defaults, name)})")
     parser.add_argument("--dtype", choices=("float32", "float64"), default=defaults.dtype)
+    parser.add_argument("--kv-heads", type=int, metavar="K", default=None,
+                        help="grouped-query attention: K key/value heads, a divisor of "
+                             "--num-heads (default: one per head)")
+    parser.add_argument("--rope", action="store_true",
+                        help="rotary positions in every head (besides the learned table)")
+    parser.add_argument("--window", type=int, metavar="W", default=None,
+                        help="sliding-window attention: each token sees itself and the W - 1 "
+                             "before it (default: the whole context)")
+    parser.add_argument("--softcap", type=float, metavar="S", default=None,
+                        help="soft-cap the scores: S tanh(scores / S) (default: none)")
     parser.add_argument("--save", metavar="PATH", default=None, help="checkpoint path (.npz)")
     parser.add_argument("--save-every", type=int, metavar="N", default=None)
     parser.add_argument("--resume", metavar="PATH", default=None)

@@ -136,3 +136,65 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
     assert process.returncode == 143, err
     _, meta, _ = text_task.load_text_checkpoint(save)
     assert meta["step"] >= 1
+
+
+def test_the_attention_of_recent_models_trains_saves_and_writes(corpus, tmp_path, capsys):
+    # oracle: the checkpoint's model is the GPTModel built with those options (its
+    # attention says so), generate gives qkvnp.generate's tokens through the rolling
+    # caches, and a resume with another window is refused naming --window
+    import qkvnp
+
+    save = str(tmp_path / "modern.npz")
+    options = ["--kv-heads", "1", "--rope", "--window", "4", "--softcap", "20"]
+    base = ["train", "--task", "text", "--text", corpus, "--eval-every", "2",
+            "--sample-every", "100"] + SMALL + options
+    assert main(base + ["--steps", "4", "--save", save]) == 0
+    out = capsys.readouterr().out
+    assert "1 layers, num_kv_heads=1, rope=True, window=(3, 0), softcap=20.0)" in out
+    model, meta, _ = text_task.load_text_checkpoint(save)
+    att = model.trf_blocks[0].att
+    assert (att.num_kv_heads, att.variants.rope, att.variants.window, att.variants.softcap) == \
+        (1, True, (3, 0), 20.0)
+    assert main(["generate", "--resume", save, "--prompt", "the cat", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    idx = np.frombuffer(b"the cat", dtype=np.uint8).astype(np.int64)[None]
+    expected = qkvnp.generate(model.eval(), idx, 12)[0, 7:].astype(np.uint8).tolist()
+    assert capsys.readouterr().out == "the cat" + bytes(expected).decode("utf-8", "replace") + "\n"
+    assert main(base[:-2] + ["--window", "5", "--steps", "6", "--resume", save]) == 2
+    assert "trained with other --window" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_the_attention_options_still_loads(corpus, tmp_path, capsys):
+    # oracle: a config without the new fields (as saved before they existed) is the book's model
+    save = str(tmp_path / "old.npz")
+    assert main(["train", "--task", "text", "--text", corpus, "--steps", "2", "--eval-every",
+                 "1", "--sample-every", "100", "--save", save] + SMALL) == 0
+    model, meta, optimizer = text_task.load_text_checkpoint(save)
+    for name in ("kv_heads", "rope", "window", "softcap"):
+        del meta["config"][name]
+    text_task.save_text_checkpoint(save, model, _optimizer_with(model, optimizer), meta)
+    again, _, _ = text_task.load_text_checkpoint(save)
+    assert again.trf_blocks[0].att.variants is None
+    assert again.trf_blocks[0].att.num_kv_heads == again.num_heads
+
+
+def _optimizer_with(model, state):
+    from qkvnp.optim import AdamW
+
+    optimizer = AdamW(model.params)
+    optimizer.load_state_dict(state)
+    return optimizer
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--kv-heads", "3"], "--kv-heads must divide --num-heads \\(2\\), got 3"),
+    (["--rope", "--emb-dim", "6"], "--rope rotates pairs: .* must be even, got 3"),
+    (["--window", "0"], "--window must be >= 1"),
+    (["--softcap", "-1"], "--softcap must be a finite number > 0"),
+])
+def test_bad_attention_options_are_refused_naming_the_option(corpus, capsys, options, message):
+    import re
+
+    code = main(["train", "--task", "text", "--text", corpus] + SMALL + options)
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)
