@@ -35,7 +35,6 @@ blank. Results belong in ``RESULTS.md``, dated.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,10 +48,10 @@ if HERE not in sys.path:
 
 import numpy as np  # noqa: E402
 
-import qkvnp  # noqa: E402
 from gpt_runners import (  # noqa: E402
     CHECK_STEPS, CONFIGS, LOSS_TOLERANCE, TORCH_THREADS, GPTConfig, make_data, products_flops,
     step_products)
+from machine import CHILD_PATH, environment_info, run_json_child  # noqa: E402
 from qkvnp._io import atomic_write  # noqa: E402  (the package's one atomic write)
 from workers import Worker, WorkerError, time_alternating  # noqa: E402
 
@@ -61,8 +60,6 @@ __all__ = ["TARGETS", "check_losses", "run_training", "run_generation",
 
 #: qkvnp / PyTorch: at least (speed), at most (memory).
 TARGETS = {"train/tiny": 1.5, "train/small": 1.0, "memory": 1.25, "generate": 1.0}
-#: What a child process puts first on ``sys.path``: this directory and that of the qkvnp measured.
-CHILD_PATH = [HERE, os.path.dirname(os.path.dirname(os.path.abspath(qkvnp.__file__)))]
 
 
 def check_losses(losses, expected):
@@ -218,54 +215,14 @@ def measure_step_memory(library, config, threads=None, torch_threads=TORCH_THREA
     """
     spec = json.dumps({"library": library, "config": list(config), "threads": threads,
                        "torch_threads": torch_threads})
-    code = ("import sys; sys.path[:0] = sys.argv[2:]; "
-            "from gpt_runners import memory_child; memory_child(sys.argv[1])")
-    try:
-        child = subprocess.run([sys.executable, "-c", code, spec, *CHILD_PATH],
-                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    lines = child.stdout.strip().splitlines()
-    if child.returncode != 0 or not lines:
-        tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {child.returncode}: {tail}"}
-    return json.loads(lines[-1])
-
-
-def _environment():
-    from importlib import metadata
-
-    def version(package):
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return None
-
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                        if line.startswith("model name")), None)
-    except OSError:
-        pass
-    commit = None
-    try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=CHILD_PATH[1],
-                              capture_output=True, text=True, timeout=30,
-                              env=dict(os.environ, GIT_OPTIONAL_LOCKS="0"))
-        commit = done.stdout.strip() or None if done.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "cpu": cpu,
-            "cores": os.cpu_count(), "python": sys.version.split()[0], "numpy": np.__version__,
-            "qkvnp": qkvnp.__version__, "commit": commit, "torch": version("torch"),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    return run_json_child("gpt_runners", "memory_child", spec, timeout)
 
 
 def run(args, progress=None):
     """Every measurement ``args`` asks for; returns the report (a JSON-ready dict)."""
     progress = progress or (lambda message: None)
-    report = {"environment": dict(_environment(), torch_threads=args.torch_threads),
+    report = {"environment": dict(environment_info(torch=False),
+                                  torch_threads=args.torch_threads),
               "threads": "at 1 thread" if args.threads == 1 else "with its default threads",
               "train": [], "generate": [], "memory": []}
     workers = {name: Worker(name, CHILD_PATH, module="gpt_runners") for name in ("qkvnp", "torch")}

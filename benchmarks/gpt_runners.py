@@ -32,7 +32,6 @@ the fresh process that measures a step's peak RSS, as the harness's
 """
 import gc
 import json
-import math
 import sys
 import time
 from collections import namedtuple
@@ -40,6 +39,7 @@ from collections import namedtuple
 import numpy as np
 
 from rss import proc_status_kib, reset_peak_rss
+from timing import calls_per_round
 
 __all__ = ["GPTConfig", "CONFIGS", "LR", "WEIGHT_DECAY", "CHECK_STEPS", "LOSS_TOLERANCE",
            "PROMPT_TOKENS", "TORCH_THREADS", "LIBRARIES", "book_config", "make_data",
@@ -351,19 +351,6 @@ def time_handoff(rounds=2000):
 # ---------------------------------------------------------------- the worker process
 
 
-def _calibrate(call, seconds):
-    """Calls that make a round last at least ``seconds`` (as the harness's worker picks them)."""
-    call()
-    done, start = 0, time.perf_counter()
-    while True:
-        call()
-        done += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min(seconds, 0.02) and done >= 2:
-            break
-    return max(1, math.ceil(seconds / (elapsed / done)))
-
-
 def _profile(runner, steps, top=12):
     """cProfile of ``steps`` calls: the functions of largest own time, as (name, share)."""
     import cProfile
@@ -425,7 +412,7 @@ def serve():
                 np.savez(command["path"], **runner.result())
                 reply = {"saved": command["path"]}
             elif op == "calibrate":
-                reply = {"calls": _calibrate(lambda: runner.repeat(command["method"], 1),
+                reply = {"calls": calls_per_round(lambda: runner.repeat(command["method"], 1),
                                              command["seconds"])}
             elif op == "time":
                 gc.collect()

@@ -13,9 +13,11 @@ second core adds. :func:`measure_attention_gemm_ceiling` times the
 attention core's own matmul shapes, one head per thread in cache: about the
 most an attention core built on these BLAS calls can reach.
 """
+import json
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -29,6 +31,7 @@ from workloads import ImplementationMissing, import_torch
 
 __all__ = [
     "CHILD_PATH",
+    "run_json_child",
     "GEMM_SIZE",
     "CEILING_LENGTH",
     "CEILING_HEAD_DIM",
@@ -46,6 +49,25 @@ CEILING_HEAD_DIM = 64
 #: ``sys.path``: this harness's directory, and the directory of the qkvnp this process imported.
 CHILD_PATH = [os.path.dirname(os.path.abspath(__file__)),
               os.path.dirname(os.path.dirname(os.path.abspath(qkvnp.__file__)))]
+
+
+def run_json_child(module, function, spec, timeout):
+    """``module.function(spec)`` in a fresh Python process (:data:`CHILD_PATH` first on its
+    path); the JSON of the last line it printed, or ``{"error": ...}`` with its exit status and
+    last error line (or the timeout).
+    """
+    code = ("import sys; sys.path[:0] = sys.argv[2:]; "
+            f"from {module} import {function}; {function}(sys.argv[1])")
+    try:
+        child = subprocess.run([sys.executable, "-c", code, spec, *CHILD_PATH],
+                               capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = child.stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {child.returncode}: {tail}"}
+    return json.loads(lines[-1])
 
 
 def measure_gemm_peak(dtype, size=GEMM_SIZE, repeats=5, blas=None):
@@ -130,8 +152,13 @@ def checkout_commit():
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
-def environment_info():
-    """What makes the numbers interpretable: machine, versions, BLAS, threads, env vars."""
+def environment_info(torch=True):
+    """What makes the numbers interpretable: machine, versions, BLAS, threads, env vars.
+
+    ``torch=False``: PyTorch's version from its package metadata, without
+    importing it (a parent process whose workers alone run the libraries);
+    ``torch_threads`` is then None.
+    """
     from importlib import metadata
 
     def version(package):
@@ -166,7 +193,7 @@ def environment_info():
         "scipy": version("scipy"),
         "qkvnp": qkvnp.__version__,
         "commit": checkout_commit(),
-        "torch": None,
+        "torch": None if torch else version("torch"),
         "torch_threads": None,
         "blas_build": blas_build,
         "openblas": openblas_info(),
@@ -177,10 +204,11 @@ def environment_info():
             "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
     }
-    try:
-        torch = import_torch()
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-    except ImplementationMissing:
-        pass
+    if torch:
+        try:
+            module = import_torch()
+            info["torch"] = module.__version__
+            info["torch_threads"] = module.get_num_threads()
+        except ImplementationMissing:
+            pass
     return info

@@ -15,13 +15,11 @@ and the method is named in the output.
 """
 import gc
 import json
-import subprocess
-import sys
 
 import numpy as np
 
 from grid import Config
-from machine import CHILD_PATH
+from machine import run_json_child
 from rss import proc_status_kib, reset_peak_rss
 from workloads import make_problem, make_runner
 
@@ -84,18 +82,7 @@ def measure_memory(kind, impl, config, dtype, timeout=900):
     """
     spec = json.dumps({"kind": kind, "impl": impl, "config": list(config),
                        "dtype": np.dtype(dtype).name})
-    code = ("import sys; sys.path[:0] = sys.argv[2:]; "  # CHILD_PATH: this harness, this qkvnp
-            "from memory import memory_child; memory_child(sys.argv[1])")
-    try:
-        child = subprocess.run([sys.executable, "-c", code, spec, *CHILD_PATH],
-                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
-    lines = child.stdout.strip().splitlines()
-    if child.returncode != 0 or not lines:
-        tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {child.returncode}: {tail}"}
-    return json.loads(lines[-1])
+    return run_json_child("memory", "memory_child", spec, timeout)
 
 
 

@@ -29,13 +29,15 @@ the core): below 1 means qkvnp is faster.
 >>> format_ms(1234.5), format_ms(12.345), format_ms(0.12345)
 ('1234', '12.3', '0.123')
 """
+import math
 import time
 
 import numpy as np
 
 from grid import MODE_LABELS
 
-__all__ = ["ROUND_SECONDS", "format_ms", "time_interleaved", "timing_stats"]
+__all__ = ["ROUND_SECONDS", "calls_per_round", "format_ms", "time_interleaved",
+           "timing_stats"]
 
 #: A round of the one-library-per-process protocol lasts at least this long (s).
 #: 0.25 (was 0.05): each round follows a pause, and the first calls after it
@@ -46,6 +48,21 @@ __all__ = ["ROUND_SECONDS", "format_ms", "time_interleaved", "timing_stats"]
 #: 0.78-1.28x at (16, 32, 64, 4). At (1, 6, 3, 1) float64 causal a hot loop
 #: took 115 us, 0.25 s rounds 137, 0.05 s rounds 175-209.
 ROUND_SECONDS = 0.25
+
+
+
+def calls_per_round(call, seconds):
+    """Calls of ``call`` that make a round last at least ``seconds``, from a short trial
+    after a warm call (the worker processes of both harnesses pick their rounds so)."""
+    call()
+    done, start = 0, time.perf_counter()
+    while True:
+        call()
+        done += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min(seconds, 0.02) and done >= 2:
+            break
+    return max(1, math.ceil(seconds / (elapsed / done)))
 
 
 def format_ms(value):

@@ -13,12 +13,12 @@ last at least a given time (``calibrate``) and times that many calls
 """
 import gc
 import json
-import math
 import sys
 import time
 
 import numpy as np
 
+from timing import calls_per_round
 from train_bench import make_training_runner
 from workloads import ImplementationMissing, make_problem, make_runner
 
@@ -32,19 +32,6 @@ def _make_runner(workload, spec):
     if workload == "training":
         return make_training_runner(spec["library"], spec["task"], spec["dtype"], spec["data"])
     raise ValueError(f"workload must be 'attention' or 'training', got {workload!r}")
-
-
-def _calibrate(call, seconds):
-    """Calls that make a round last at least ``seconds``, from a short trial after a warm call."""
-    call()
-    done, start = 0, time.perf_counter()
-    while True:
-        call()
-        done += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min(seconds, 0.02) and done >= 2:
-            break
-    return max(1, math.ceil(seconds / (elapsed / done)))
 
 
 def _repeat(runner, method, calls):
@@ -104,7 +91,7 @@ def serve():
                 repeat = getattr(runner, "repeat", None)
                 call = ((lambda: repeat(command["method"], 1)) if repeat is not None
                         else getattr(runner, command["method"]))
-                reply = {"calls": _calibrate(call, command["seconds"])}
+                reply = {"calls": calls_per_round(call, command["seconds"])}
             elif op == "time":
                 reply = {"seconds": _repeat(runner, command["method"], command["calls"])}
             else:
