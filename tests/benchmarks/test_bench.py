@@ -44,17 +44,6 @@ TINY_ARGS = ["--configs", "1,16,16,2", "--repeats", "1", "--no-memory",
              "--round-time", "0.001", "--no-training"]
 
 
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """The benchmark sets PyTorch to 2 threads; give the other tests theirs back."""
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch else None
-    yield
-    torch = sys.modules.get("torch")
-    if torch is not None and threads is not None and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
 def matmul_flops(shapes):
     """2*m*k*n summed over matmuls given as (count, m, k, n)."""
     return sum(2 * count * m * k * n for count, m, k, n in shapes)

@@ -42,17 +42,6 @@ def _has_torch():
     return True
 
 
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """Give the other tests PyTorch's thread count back."""
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch else None
-    yield
-    torch = sys.modules.get("torch")
-    if torch is not None and threads is not None and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("config", [
     GPTConfig(256, 64, 64, 4, 2, 8),    # the issue's tiny configuration
     GPTConfig(256, 128, 128, 4, 4, 8),  # the issue's small one
