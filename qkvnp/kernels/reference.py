@@ -22,7 +22,7 @@ from .._checks import as_upstream_grad
 from ..overflow import check_projection
 from .. import functional as F
 
-__all__ = ["forward", "backward", "ReferenceLayerCache"]
+__all__ = ["forward", "backward", "ReferenceLayerCache", "inputs_by_role"]
 
 ReferenceLayerCache = namedtuple(
     "ReferenceLayerCache",
@@ -43,7 +43,7 @@ out_shape : shape of the forward output.
 """
 
 
-def _inputs_by_role(inputs, kind):
+def inputs_by_role(inputs, kind):
     """``(query, key, value)`` inputs from the ``inputs`` tuple of ``kind``."""
     if kind == "self":
         return inputs[0], inputs[0], inputs[0]
@@ -89,7 +89,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, need_weights=False
     """
     dropout = {"dropout_p": dropout_p, "rng": rng, "dropout_mask": dropout_mask}
     p = params
-    query, key, value = _inputs_by_role(inputs, kind)
+    query, key, value = inputs_by_role(inputs, kind)
     q, q_cache = F.linear_forward(query, p["W_query"], p.get("b_query"))  # (..., T, in) -> (..., T, E)
     k, k_cache = F.linear_forward(key, p["W_key"], p.get("b_key"))  # (..., S, in) -> (..., S, E)
     v, v_cache = F.linear_forward(value, p["W_value"], p.get("b_value"))  # (..., S, in) -> (..., S, E)

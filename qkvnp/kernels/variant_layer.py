@@ -25,6 +25,7 @@ from ..positions import alibi_bias, alibi_slopes, relative_position_bucket
 from ..variants import check_window
 from . import tiled_variants
 from ._runtime import run, threads_for
+from .reference import inputs_by_role
 
 __all__ = ["VariantOptions", "VariantLayerCache", "SplitVariantCache", "active_variants",
            "check_options", "position_score_bias", "forward", "split_forward", "backward",
@@ -81,14 +82,6 @@ def active_variants(options):
     return tuple(names)
 
 
-def _inputs_by_role(inputs, kind):
-    if kind == "self":
-        return inputs[0], inputs[0], inputs[0]
-    if kind == "key_only":
-        return inputs[0], inputs[1], inputs[1]
-    return inputs
-
-
 def position_score_bias(params, options, num_heads, T, S, offset, causal, dtype):
     """The position bias ``(H, T, S)`` and the buckets it read (None but for ``rel_bias``).
 
@@ -121,7 +114,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
     cache : VariantLayerCache
     """
     p = params
-    query, key, value = _inputs_by_role(inputs, kind)
+    query, key, value = inputs_by_role(inputs, kind)
     T, S = query.shape[-2], key.shape[-2]
     offset = causal_offset(is_causal, T, S) or 0
     causal = check_is_causal(is_causal) is not False
