@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
 
 __all__ = [
     "TrainConfig",
+    "StopFlag",
     "TrainResult",
     "SaveError",
     "train",
@@ -197,7 +198,7 @@ def evaluate(model, task, batch):
 # ---------------------------------------------------------------- Ctrl-C and SIGTERM
 
 
-class _StopFlag:
+class StopFlag:
     """SIGINT or SIGTERM sets a flag checked between steps; a second signal raises at once.
 
     Only installed in the main thread (signal handlers cannot be set elsewhere).
@@ -580,7 +581,7 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
     # NOTE: numpy's overflow warnings say nothing that _check_finite and the
     # layers' input checks do not say as one "training diverged" error (and
     # under -W error they would be tracebacks instead of that error)
-    with _blas_single_thread(), _StopFlag(save is not None or save_on_interrupt) as stop, \
+    with _blas_single_thread(), StopFlag(save is not None or save_on_interrupt) as stop, \
             np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         while step < config.steps and not stop.requested:
             step += 1

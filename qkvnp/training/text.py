@@ -22,9 +22,7 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
-import threading
 
 import numpy as np
 
@@ -33,6 +31,7 @@ from ..gpt import GPTModel
 from ..losses import cross_entropy_backward, cross_entropy_forward
 from ..optim import AdamW
 from .checkpoint import write_npz_atomic
+from .loop import StopFlag
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -279,31 +278,6 @@ def load_text_checkpoint(path):
     return model, meta, optimizer_state
 
 
-class _Stop:
-    """SIGINT/SIGTERM set a flag read between steps (main thread only)."""
-
-    def __init__(self):
-        self.signum, self._previous = None, {}
-
-    def _handler(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving",
-              file=sys.stderr)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        return False
-
-
 def train_text(config, *, resume=None, save=None, save_every=None, stream=None, stop_at=None):
     """Train; print progress to ``stream``; return ``(model, history, exit_code)``.
 
@@ -354,7 +328,9 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
     prompt = bytes(held[:16].tolist())
     sample_rng = np.random.default_rng(config.seed + 2)
     code = 0
-    with _Stop() as stop, blas_threads(1), num_threads(1):
+    # NOTE: the other tasks' handling: a first signal stops after the step (and saves),
+    # a second one stops at once
+    with StopFlag(save is not None) as stop, blas_threads(1), num_threads(1):
         model.train()
         while step < config.steps:
             offsets = data_rng.integers(0, len(train) - config.context - 1, config.batch_size)
@@ -384,8 +360,8 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
             if save is not None and save_every and step % save_every == 0:
                 save_text_checkpoint(save, model, optimizer,
                                      _meta(config, step, data_rng, model, history, source, running))
-            if stop.signum is not None:
-                code = 128 + stop.signum
+            if stop.requested:
+                code = 128 + int(stop.signal)
                 break
             if stop_at is not None and step >= stop_at:
                 break
