@@ -150,9 +150,6 @@ class GPTModel(Model):
             TransformerBlock(self.emb_dim, self.num_heads, self.dropout, self.qkv_bias, rng=rng,
                              dtype=dtype, impl=impl, **options)
             for _ in range(self.num_layers)])
-        first = self.trf_blocks[0]
-        self.hidden_dim, self.approximate = first.ff.hidden_dim, first.ff.layers[1].approximate
-        self.num_kv_heads, self.variants = first.att.num_kv_heads, first.att.variants
         self.final_norm = LayerNorm(self.emb_dim, dtype=dtype)
         self.out_head = Linear(self.emb_dim, self.vocab_size, bias=False, rng=rng, dtype=dtype)
         self._cache = None
@@ -196,6 +193,28 @@ class GPTModel(Model):
         return cls(cfg["vocab_size"], cfg["context_length"], cfg["emb_dim"], cfg["n_heads"],
                    cfg["n_layers"], cfg["drop_rate"], cfg["qkv_bias"], rng=rng, dtype=dtype,
                    impl=impl)
+
+    # NOTE: what the model was built with, read from its first block (every block
+    # was built with the same options), not kept a second time
+    @property
+    def hidden_dim(self) -> int:
+        """The feed-forward's width ``F``."""
+        return self.trf_blocks[0].ff.hidden_dim
+
+    @property
+    def approximate(self) -> str:
+        """The GELU's form, ``"tanh"`` or ``"none"``."""
+        return self.trf_blocks[0].ff.layers[1].approximate
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The key/value heads of every block's attention."""
+        return self.trf_blocks[0].att.num_kv_heads
+
+    @property
+    def variants(self) -> Any:
+        """The attention variants of every block (``VariantOptions``), or None."""
+        return self.trf_blocks[0].att.variants
 
     @property
     def impl(self) -> Any:
