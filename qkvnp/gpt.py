@@ -406,7 +406,9 @@ class GPTModel(Model):
         product 2**24), 2 cores, an AdamW step, host loaded by other jobs (load
         2.3-4.4), alternated: 10.3-19 ms at one thread against 8.7-172 at two
         (``benchmarks/gpt_compare.py``: medians 18.1 and 14.8 ms against 176
-        and 167); on an idle host not measured. At (256, 128, 128, 4, 4, 8)
+        and 167). On the idle host (2026-11-27, four processes, each alternating
+        both): 9.9-10.7 ms pinned against 8.2-9.0 in two processes and
+        11.1-11.7 in the other two, unpinned. At (256, 128, 128, 4, 4, 8)
         (2**27) nothing changes. The thread count is process-wide while the
         section is open (as in the kernels' sections); other threads' NumPy
         products run at one thread meanwhile.
