@@ -63,8 +63,7 @@ def test_gpt_gradients_with_attention_options(case, method, rng):
 def test_the_model_passes_its_options_to_every_block(case, rng):
     options = OPTIONS[case]
     model = gpt(**options)
-    block_options = {k: v for k, v in options.items()}
-    block = qkvnp.TransformerBlock(8, 4, rng=0, **block_options)
+    block = qkvnp.TransformerBlock(8, 4, rng=0, **options)
     for built in model.trf_blocks:
         assert built.att.variants == block.att.variants
         assert built.att.num_kv_heads == block.att.num_kv_heads
