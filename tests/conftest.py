@@ -13,6 +13,7 @@ without PyTorch (``-ra``) ends with one line about them, not one per test
 function; every other skip reason still gets its own line.
 """
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -46,6 +47,22 @@ def _import_torch():
         pytest.skip(TORCH_INSTALL_HINT)
     torch.set_num_threads(1)
     return torch
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads(request):
+    """The benchmark tests (tests/benchmarks/) set PyTorch's thread count; give the other
+    tests theirs back. (Here, not in a conftest.py of that directory: a second module
+    named ``conftest`` would shadow this one for ``from conftest import ...``.)"""
+    if "benchmarks" not in request.path.parts:
+        yield
+        return
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 #: The one line of the short test summary under which every skip for a
