@@ -13,9 +13,11 @@ import contextlib
 
 import numpy as np
 
-from ._checks import as_upstream_grad, check_int, check_indices, layer_dtype, make_rng
+from ._checks import (as_upstream_grad, check_bool, check_int, check_indices, layer_dtype,
+                      make_rng)
 from .dropout import check_dropout_p
 from .kernels._runtime import get_block_sizes, single_threaded_blas
+from .kv_cache import KVCache
 from .layers.base import Model
 from .layers.basic import Embedding, Linear
 from .layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
@@ -135,7 +137,7 @@ class GPTModel(Model):
         self.num_heads = check_int(num_heads, "num_heads", 1)
         self.num_layers = check_int(num_layers, "num_layers", 1)
         self.dropout = check_dropout_p(dropout, "dropout")
-        self.qkv_bias = bool(qkv_bias)
+        self.qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.dtype = layer_dtype(dtype)
         rng = make_rng(rng)
         self.tok_emb = Embedding(self.vocab_size, self.emb_dim, rng=rng, dtype=dtype)
@@ -365,10 +367,17 @@ class GPTModel(Model):
         No dropout (evaluation semantics) and nothing kept for a backward:
         a later :meth:`backward` raises ``RuntimeError``.
         """
+        if isinstance(kv_caches, KVCache) or not hasattr(kv_caches, "__iter__"):
+            raise TypeError(f"kv_caches must be a sequence of one qkvnp.KVCache per block "
+                            f"({self.num_layers}), got {type(kv_caches).__name__}")
         kv_caches = list(kv_caches)
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"kv_caches must hold one KVCache per block ({self.num_layers}), "
                              f"got {len(kv_caches)}")
+        for i, cache in enumerate(kv_caches):
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"kv_caches[{i}] must be a qkvnp.KVCache, got "
+                                f"{type(cache).__name__}")
         # NOTE: the position of the first new token: the cached tokens and those a
         # window's rolling cache dropped (KVCache.start), as RoPE counts them
         past = kv_caches[0].start + len(kv_caches[0])
@@ -386,7 +395,7 @@ class GPTModel(Model):
         scale, shift = self.final_norm.params["scale"], self.final_norm.params["shift"]
         norm = layer_norm_forward_fused if x.dtype.kind == "f" else layer_norm_forward
         x = norm(x, scale, shift, self.final_norm.eps)[0]  # the blocks' output: checked
-        state = self._thread  # the calling thread's: nothing kept for a backward
+        state = self._state_to_write()  # the calling thread's: nothing kept for a backward
         state.cache = state.used_cache = None
         state.decoded = True
         logits = x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)

@@ -19,6 +19,7 @@ from collections import namedtuple
 import numpy as np
 
 from . import functional as F
+from ._transaction import journal
 from .overflow import check_projection
 from . import kernels
 from .masks import fold_key_padding_mask, prepare_mask
@@ -65,12 +66,26 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every cached token and the layer it was bound to."""
+        journal(self)  # inside a model's decode: put back if the call is refused
         self._layer: weakref.ref[Any] | None = None  # to the layer, once bound
         # (..., K, capacity, D) buffers; None exactly while _layer is None
         self._key: Any = None
         self._value: Any = None
         self._length = 0
         self.start = 0  # tokens dropped from the front (keep_last): the position of key 0
+
+    def _save_state(self):
+        """What the cache holds, for :mod:`qkvnp._transaction`'s journal.
+
+        NOTE: the buffers need no copy: a step writes new tokens past the
+        cached ones (:meth:`stage`) or into new buffers (growing,
+        :meth:`keep_last`), never over the tokens a saved state shows.
+        """
+        return self._layer, self._key, self._value, self._length, self.start
+
+    def _restore_state(self, saved):
+        """Put back what :meth:`_save_state` returned (a refused decoding step)."""
+        self._layer, self._key, self._value, self._length, self.start = saved
 
     def __len__(self):
         """The number of cached tokens ``S``."""
@@ -151,6 +166,7 @@ class KVCache:
         """Make the tokens :meth:`stage` wrote part of the cache."""
         if staged.start != self._length:
             raise RuntimeError("kv_cache changed between stage and commit: stage again")
+        journal(self)  # inside a model's decode: put back if a later block refuses the step
         if self._key is None:
             self._layer = weakref.ref(staged.layer)
         self._key, self._value = staged.key_buffer, staged.value_buffer
@@ -170,6 +186,7 @@ class KVCache:
         drop = self._length - keep
         if drop <= 0:
             return
+        journal(self)
         moved = []
         for buffer in (self._key, self._value):
             fresh = np.empty_like(buffer)  # (..., K, capacity, D)

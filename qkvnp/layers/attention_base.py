@@ -87,7 +87,7 @@ class AttentionLayer(Layer):
         (``ValueError``, ``TypeError``, however late) leaves the thread's
         previous cache whole: it is replaced only once the forward succeeded.
         """
-        state = self._thread
+        state = self._state_to_write()
         state.used_cache = None  # a used-up cache is dead: free it before the new one
         out, weights, cache, dispatch = kernels.layer_forward(
             self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
@@ -123,7 +123,7 @@ class AttentionLayer(Layer):
         else:
             out, weights, dispatch = cached_forward(self, query, kv_cache, attn_mask,
                                                     key_padding_mask, return_weights)
-        state = self._thread
+        state = self._state_to_write()
         state.cache = state.used_cache = None  # nothing for a backward: inference only
         state.decoded, state.dispatch = True, dispatch
         return out, weights

@@ -8,7 +8,6 @@ layers assigned to its attributes, as a PyTorch ``Module`` does.
 """
 from __future__ import annotations
 
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections import namedtuple
@@ -17,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_state_value
+from .._transaction import add_grad, add_grads, journal, transactional
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -31,22 +31,6 @@ LoadResult.__doc__ = """What :meth:`Layer.load_state_dict` did not load (as PyTo
 missing_keys : list of str, parameters the dict did not have (left as they were).
 unexpected_keys : list of str, entries of the dict that are no parameter (ignored).
 """
-
-
-# NOTE: one lock for every layer's gradient accumulation: an addition into
-# ``grads`` is short next to the backward that computed it, and one
-# module-level lock can be renewed in a forked child (a lock held by another
-# thread at the fork would never be released there).
-_GRADS_LOCK = threading.Lock()
-
-
-def _renew_grads_lock():
-    global _GRADS_LOCK
-    _GRADS_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_grads_lock)
 
 
 class _ThreadState(threading.local):
@@ -111,7 +95,9 @@ class Layer(ABC):
     them while no other thread runs the layer.
 
     **Refused calls.** A forward or backward that raises leaves the layer
-    as it was: its cache, its gradients and its parameters.
+    as it was: its cache, its gradients and its parameters. A
+    :class:`Model`'s calls are transactions, so the same holds for a
+    composite however late its refusal comes.
 
     ``copy.deepcopy`` (and pickling) copies the parameters, gradients and
     settings, not the per-thread caches.
@@ -261,17 +247,14 @@ class Layer(ABC):
         return f"{type(self).__name__}({', '.join(fields)})"
 
     def _accumulate(self, name, grad):
-        if grad is not None:
-            with _GRADS_LOCK:  # backwards from several threads add as if serial
-                self.grads[name] += grad
+        """Add ``grad`` into ``self.grads[name]``: locked, or kept until a composite's
+        call commits (:mod:`qkvnp._transaction`)."""
+        add_grad(self, "grads", name, grad)
 
     def _accumulate_all(self, grads):
-        """Add each ``grads[name]`` into ``self.grads[name]`` (the names ``grads`` shares), locked."""
+        """:meth:`_accumulate` each ``grads[name]`` whose name ``self.grads`` shares."""
         own = self.grads
-        with _GRADS_LOCK:  # backwards from several threads add as if serial
-            for name, grad in grads.items():
-                if name in own:
-                    own[name] += grad
+        add_grads(self, "grads", {name: grad for name, grad in grads.items() if name in own})
 
     def __new__(cls, *args, **kwargs):
         """A layer with its per-thread state (before any ``__init__``, which subclasses
@@ -280,6 +263,21 @@ class Layer(ABC):
         layer.__dict__["_thread"] = _ThreadState()  # the calling thread's state of this layer
         return layer
 
+    def _save_state(self):
+        """The calling thread's state of the layer, for :mod:`qkvnp._transaction`'s journal."""
+        state = self._thread
+        return state.cache, state.used_cache, state.used, state.decoded, state.dispatch
+
+    def _restore_state(self, saved):
+        """Put back what :meth:`_save_state` returned (a refused composite call)."""
+        state = self._thread
+        state.cache, state.used_cache, state.used, state.decoded, state.dispatch = saved
+
+    def _state_to_write(self):
+        """The calling thread's state, journaled first when a composite's call is open."""
+        journal(self)
+        return self._thread
+
     @property
     def _cache(self):
         """The cache of the calling thread's last forward (None once used up)."""
@@ -287,7 +285,7 @@ class Layer(ABC):
 
     @_cache.setter
     def _cache(self, cache):
-        state = self._thread
+        state = self._state_to_write()
         state.cache, state.used_cache = cache, None
         if cache is not None:
             state.used = state.decoded = False
@@ -326,7 +324,7 @@ class Layer(ABC):
         until the thread's next forward, which drops it first.
         """
         if not retain_cache:
-            state = self._thread
+            state = self._state_to_write()
             state.used_cache, state.cache, state.used = state.cache, None, True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -346,8 +344,19 @@ class Model(Layer):
 
     A subclass defines ``forward``/``backward`` (calling its sub-layers') and
     may keep its own arrays in ``self._own`` (name -> array, listed first in
-    ``params``, with gradients in ``self._own_grads``); it calls
-    ``self.zero_grad()`` at the end of ``__init__``. ``Model()`` itself can
+    ``params``, with gradients in ``self._own_grads``, added into with
+    ``self._accumulate_own``); it calls ``self.zero_grad()`` at the end of
+    ``__init__``.
+
+    **A subclass's calls are transactions** (:mod:`qkvnp._transaction`):
+    its ``forward``, ``backward`` and ``decode`` either succeed whole or
+    change nothing. If one raises, however late and whatever it raises
+    (``KeyboardInterrupt`` included), every sub-layer's per-thread cache,
+    every :class:`~qkvnp.KVCache` the call appended to and the model's
+    dropout Generators get back the state they had before it; a backward's
+    gradients are added into ``grads`` only once the whole backward has
+    returned, all under one lock. Inside a subclass's ``backward``, ``grads``
+    therefore hold the earlier calls' sum, not yet this call's. ``Model()`` itself can
     hold layers for an optimizer while you call them yourself; its
     ``forward`` raises ``NotImplementedError``.
 
@@ -371,6 +380,20 @@ class Model(Layer):
 
     def __init__(self) -> None:
         self.zero_grad()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make the subclass's ``forward``, ``backward`` and ``decode`` transactions.
+
+        NOTE: the guarantee of a refused call is the base class's mechanism,
+        not each model's habit: a subclass's call that raises restores its
+        sub-layers' caches, KV caches and Generators, and adds no gradient
+        (:mod:`qkvnp._transaction`).
+        """
+        super().__init_subclass__(**kwargs)
+        for name in ("forward", "backward", "decode"):
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "transactional", False):
+                setattr(cls, name, transactional(method))
 
     def __setattr__(self, name, value):
         """Register a :class:`Layer` assigned as an attribute (PyTorch's ``Module``)."""
@@ -488,10 +511,9 @@ class Model(Layer):
         return found
 
     def _accumulate_own(self, name, grad):
-        """Add ``grad`` into the gradient of the model's own array ``name``, locked (as
-        :meth:`Layer._accumulate`: backwards from several threads add as if serial)."""
-        with _GRADS_LOCK:
-            self._own_grads[name] += grad
+        """Add ``grad`` into the gradient of the model's own array ``name``, as
+        :meth:`Layer._accumulate` does (locked, or at the call's commit)."""
+        add_grad(self, "_own_grads", name, grad)
 
     def zero_grad(self) -> None:
         """Reset every gradient (the sub-layers' and the model's own) to zeros."""

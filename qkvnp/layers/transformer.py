@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, is_real_number,
-                       layer_dtype, make_rng)
+from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim,
+                       is_real_number, layer_dtype, make_rng)
 from ..dropout import check_dropout_p, spawn_generator
 from ..kernels import num_threads
 from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
@@ -470,6 +470,7 @@ class TransformerBlock(Model):
                  position_bias: str | None = None, num_buckets: int = 32,
                  max_distance: int = 128, sinks: bool = False, softcap: float | None = None,
                  window: tuple[int | None, int | None] | None = None) -> None:
+        self.qkv_bias = check_bool(qkv_bias, "qkv_bias")
         rng = make_rng(rng)
         self.att = MultiHeadAttention(emb_dim, num_heads, rng=rng, dtype=dtype, impl=impl,
                                       qkv_bias=qkv_bias, out_bias=True, dropout=dropout,
@@ -483,7 +484,7 @@ class TransformerBlock(Model):
         self.drop_shortcut1 = Dropout(dropout, rng=rng)
         self.drop_shortcut2 = Dropout(dropout, rng=rng)
         self.emb_dim, self.num_heads = self.att.embed_dim, self.att.num_heads
-        self.dropout, self.qkv_bias, self.dtype = self.att.dropout, bool(qkv_bias), self.att.dtype
+        self.dropout, self.dtype = self.att.dropout, self.att.dtype
         self.zero_grad()
 
     @property
@@ -587,7 +588,7 @@ class TransformerBlock(Model):
         x = as_float_array(x, "x", self.dtype)
         check_ndim(x, "x", 2, f"(..., T, {self.emb_dim})")
         check_last_dim(x, "x", self.emb_dim, f"(..., T, {self.emb_dim})")
-        state = self._thread  # the calling thread's: a later backward refuses (nothing kept)
+        state = self._state_to_write()  # the calling thread's: a later backward refuses (nothing kept)
         state.cache = state.used_cache = None
         state.decoded = True
         first, gelu, second = self.ff.layers

@@ -270,7 +270,7 @@ _FORK_SCRIPT = textwrap.dedent("""
     for impl in ("fast", "tiled"):
         fwd_bwd(layers[impl])  # the parent's workers exist and are idle
     locks = qkvnp_locks()
-    assert {"qkvnp.kernels._runtime._SECTION_LOCK", "qkvnp.layers.base._GRADS_LOCK",
+    assert {"qkvnp.kernels._runtime._SECTION_LOCK", "qkvnp._transaction._GRADS_LOCK",
             "qkvnp.masks._SHARED.lock"} <= set(locks), sorted(locks)
 
     def child():

@@ -1,0 +1,163 @@
+"""A composite's call succeeds whole or changes nothing: :func:`transactional`.
+
+A model's ``forward``, ``backward`` or ``decode`` touches many objects: the
+per-thread cache of each sub-layer, the gradients of each sub-layer, the
+:class:`~qkvnp.KVCache` of each block, the dropout Generators. A check that
+refuses the call (a bad mask, a NaN weight, an overflow in the last block)
+may come after some of them were touched. Inside a transaction:
+
+- an object about to change its per-thread state first hands that state to
+  :func:`journal` (once per call); if the call raises, every journaled
+  object gets its state back;
+- a gradient is handed to :func:`add_grad`, which keeps it aside; only when
+  the outermost call has returned are the kept gradients added into the
+  layers' ``grads``, all of them under one lock, after checking that every
+  addition can be made;
+- the Generators the model draws from are saved at the start and restored
+  if the call raises.
+
+Transactions nest: a composite called inside another joins the outer call,
+which alone commits or rolls back. A transaction is the calling thread's
+own: another thread neither sees nor joins it.
+
+Outside a transaction (a lone layer), :func:`journal` does nothing and
+:func:`add_grad` adds at once, under the same lock.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["transactional", "journal", "add_grad", "add_grads", "in_transaction"]
+
+# NOTE: one lock for every layer's gradient accumulation: an addition into
+# ``grads`` is short next to the backward that computed it, and one
+# module-level lock can be renewed in a forked child (a lock held by another
+# thread at the fork would never be released there).
+_GRADS_LOCK = threading.Lock()
+
+
+def _renew_grads_lock():
+    global _GRADS_LOCK
+    _GRADS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_grads_lock)
+
+
+class _Local(threading.local):
+    current = None  # the calling thread's open transaction, if any
+
+
+_LOCAL = _Local()
+
+
+class _Transaction:
+    """One outermost call's journal, kept gradients and saved Generators."""
+
+    __slots__ = ("journal", "grads", "generators")
+
+    def __init__(self, generators):
+        self.journal = {}  # id(obj) -> (obj, the state it had before the call)
+        self.grads = []  # (owner, attribute, name, gradient), in the order they came
+        self.generators = [(g, g.bit_generator.state) for g in generators]
+
+    def commit(self):
+        """Add every kept gradient into its layer's array, or none if one cannot be added."""
+        if not self.grads:
+            return
+        targets = []
+        for owner, attribute, name, grad in self.grads:
+            target = getattr(owner, attribute)[name]
+            grad = np.asarray(grad)
+            if (np.broadcast_shapes(target.shape, grad.shape) != target.shape
+                    or not np.can_cast(grad.dtype, target.dtype, "same_kind")):
+                raise ValueError(f"the gradient of {name!r} ({grad.dtype}, shape {grad.shape}) "
+                                 f"cannot be added into its array ({target.dtype}, shape "
+                                 f"{target.shape}); nothing was added")
+            targets.append((target, grad))
+        with _GRADS_LOCK:  # backwards from several threads add as if serial
+            for target, grad in targets:
+                target += grad
+
+    def rollback(self):
+        """Give every journaled object, and every Generator, the state it had before the call."""
+        for obj, state in self.journal.values():
+            obj._restore_state(state)
+        for generator, state in self.generators:
+            generator.bit_generator.state = state
+
+
+def in_transaction() -> bool:
+    """Whether the calling thread is inside a composite's call."""
+    return _LOCAL.current is not None
+
+
+def journal(obj) -> None:
+    """Inside a transaction: keep ``obj._save_state()`` once, to restore if the call raises.
+
+    Called by an object (a layer, a KV cache) right before it changes its
+    state; a no-op outside a transaction.
+    """
+    current = _LOCAL.current
+    if current is not None and id(obj) not in current.journal:
+        current.journal[id(obj)] = (obj, obj._save_state())
+
+
+def add_grad(owner, attribute: str, name: str, grad) -> None:
+    """``getattr(owner, attribute)[name] += grad``, now (locked) or at the transaction's commit."""
+    if grad is None:
+        return
+    current = _LOCAL.current
+    if current is not None:
+        current.grads.append((owner, attribute, name, grad))
+        return
+    with _GRADS_LOCK:  # backwards from several threads add as if serial
+        getattr(owner, attribute)[name] += grad
+
+
+def add_grads(owner, attribute: str, grads) -> None:
+    """:func:`add_grad` for each ``name -> gradient`` of ``grads`` (one lock for all)."""
+    current = _LOCAL.current
+    if current is not None:
+        current.grads.extend((owner, attribute, name, grad) for name, grad in grads.items()
+                             if grad is not None)
+        return
+    target = getattr(owner, attribute)
+    with _GRADS_LOCK:  # backwards from several threads add as if serial
+        for name, grad in grads.items():
+            if grad is not None:
+                target[name] += grad
+
+
+def transactional(method):
+    """Make a composite's ``method(self, ...)`` a transaction (see the module's docstring).
+
+    The outermost call saves the Generators of ``self.generators()`` in
+    training mode (where dropout draws), runs ``method``, then commits the
+    kept gradients; if anything raises (``KeyboardInterrupt`` included) it
+    restores what the call changed and re-raises. A call made inside an
+    open transaction joins it.
+    """
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if _LOCAL.current is not None:
+            return method(self, *args, **kwargs)
+        generators = self.generators().values() if self.training else ()
+        current = _LOCAL.current = _Transaction(generators)
+        try:
+            result = method(self, *args, **kwargs)
+            current.commit()
+        except BaseException:
+            current.rollback()
+            raise
+        finally:
+            _LOCAL.current = None
+        return result
+
+    call.transactional = True  # type: ignore[attr-defined]
+    return call
