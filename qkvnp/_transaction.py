@@ -13,8 +13,9 @@ may come after some of them were touched. Inside a transaction:
   the outermost call has returned are the kept gradients added into the
   layers' ``grads``, all of them under one lock, after checking that every
   addition can be made;
-- the Generators the model draws from are saved at the start and restored
-  if the call raises.
+- a Generator about to draw a dropout mask is handed to
+  :func:`journal_generator` first, and gets its state back if the call
+  raises.
 
 Transactions nest: a composite called inside another joins the outer call,
 which alone commits or rolls back. A transaction is the calling thread's
@@ -31,7 +32,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["transactional", "journal", "add_grad", "add_grads", "in_transaction"]
+__all__ = ["transactional", "journal", "journal_generator", "add_grad", "add_grads",
+           "in_transaction"]
 
 # NOTE: one lock for every layer's gradient accumulation: an addition into
 # ``grads`` is short next to the backward that computed it, and one
@@ -57,14 +59,14 @@ _LOCAL = _Local()
 
 
 class _Transaction:
-    """One outermost call's journal, kept gradients and saved Generators."""
+    """One outermost call's journal, kept gradients and saved Generator states."""
 
     __slots__ = ("journal", "grads", "generators")
 
-    def __init__(self, generators):
+    def __init__(self):
         self.journal = {}  # id(obj) -> (obj, the state it had before the call)
         self.grads = []  # (owner, attribute, name, gradient), in the order they came
-        self.generators = [(g, g.bit_generator.state) for g in generators]
+        self.generators = {}  # id(generator) -> (generator, its state before the call)
 
     def commit(self):
         """Add every kept gradient into its layer's array, or none if one cannot be added."""
@@ -74,11 +76,8 @@ class _Transaction:
         for owner, attribute, name, grad in self.grads:
             target = getattr(owner, attribute)[name]
             grad = np.asarray(grad)
-            if (np.broadcast_shapes(target.shape, grad.shape) != target.shape
-                    or not np.can_cast(grad.dtype, target.dtype, "same_kind")):
-                raise ValueError(f"the gradient of {name!r} ({grad.dtype}, shape {grad.shape}) "
-                                 f"cannot be added into its array ({target.dtype}, shape "
-                                 f"{target.shape}); nothing was added")
+            if grad.shape != target.shape or grad.dtype != target.dtype:
+                _check_addable(name, target, grad)
             targets.append((target, grad))
         with _GRADS_LOCK:  # backwards from several threads add as if serial
             for target, grad in targets:
@@ -88,8 +87,17 @@ class _Transaction:
         """Give every journaled object, and every Generator, the state it had before the call."""
         for obj, state in self.journal.values():
             obj._restore_state(state)
-        for generator, state in self.generators:
+        for generator, state in self.generators.values():
             generator.bit_generator.state = state
+
+
+def _check_addable(name, target, grad):
+    """Refuse a gradient that ``target += grad`` would broadcast it up or cast it down."""
+    if (np.broadcast_shapes(target.shape, grad.shape) != target.shape
+            or not np.can_cast(grad.dtype, target.dtype, "same_kind")):
+        raise ValueError(f"the gradient of {name!r} ({grad.dtype}, shape {grad.shape}) cannot "
+                         f"be added into its array ({target.dtype}, shape {target.shape}); "
+                         "nothing was added")
 
 
 def in_transaction() -> bool:
@@ -106,6 +114,17 @@ def journal(obj) -> None:
     current = _LOCAL.current
     if current is not None and id(obj) not in current.journal:
         current.journal[id(obj)] = (obj, obj._save_state())
+
+
+def journal_generator(generator) -> None:
+    """Inside a transaction: keep ``generator``'s state once, to restore if the call raises.
+
+    Called right before a layer draws a dropout mask from it.
+    """
+    current = _LOCAL.current
+    if (current is not None and id(generator) not in current.generators
+            and isinstance(generator, np.random.Generator)):
+        current.generators[id(generator)] = (generator, generator.bit_generator.state)
 
 
 def add_grad(owner, attribute: str, name: str, grad) -> None:
@@ -137,18 +156,16 @@ def add_grads(owner, attribute: str, grads) -> None:
 def transactional(method):
     """Make a composite's ``method(self, ...)`` a transaction (see the module's docstring).
 
-    The outermost call saves the Generators of ``self.generators()`` in
-    training mode (where dropout draws), runs ``method``, then commits the
-    kept gradients; if anything raises (``KeyboardInterrupt`` included) it
-    restores what the call changed and re-raises. A call made inside an
-    open transaction joins it.
+    The outermost call runs ``method``, then commits the kept gradients; if
+    anything raises (``KeyboardInterrupt`` included) it restores what the
+    call changed and re-raises. A call made inside an open transaction
+    joins it.
     """
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if _LOCAL.current is not None:
             return method(self, *args, **kwargs)
-        generators = self.generators().values() if self.training else ()
-        current = _LOCAL.current = _Transaction(generators)
+        current = _LOCAL.current = _Transaction()
         try:
             result = method(self, *args, **kwargs)
             current.commit()

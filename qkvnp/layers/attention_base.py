@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from .._transaction import journal_generator
 from ..dropout import check_dropout_p, spawn_generator
 from ..kv_cache import KVCache, cached_forward
 from ..masks import check_is_causal
@@ -77,7 +78,9 @@ class AttentionLayer(Layer):
             return {"dropout_p": self.dropout, "dropout_mask": dropout_mask}
         if not self.training or self.dropout == 0.0:
             return {}
-        return {"dropout_p": self.dropout, "rng": self.dropout_rng if rng is None else rng}
+        rng = self.dropout_rng if rng is None else rng
+        journal_generator(rng)  # a refused model call puts its state back
+        return {"dropout_p": self.dropout, "rng": rng}
 
     def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj,
                         originals, dropout=None):

@@ -17,6 +17,7 @@ import numpy as np
 from .. import functional as F
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim,
                        is_real_number, layer_dtype, make_rng)
+from .._transaction import journal_generator
 from ..dropout import check_dropout_p, spawn_generator
 from ..kernels import num_threads
 from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
@@ -235,8 +236,11 @@ class Dropout(Layer):
             return out
         if mask is not None and self.p == 0.0:
             raise ValueError("mask needs a Dropout built with 0 < p < 1, this one has p=0.0")
-        out, self._cache = F.activation_dropout_forward(
-            x, self.p, rng=self.dropout_rng if rng is None else rng, mask=mask, check=check)
+        rng = self.dropout_rng if rng is None else rng
+        if mask is None:
+            journal_generator(rng)  # a refused model call puts its state back
+        out, self._cache = F.activation_dropout_forward(x, self.p, rng=rng, mask=mask,
+                                                        check=check)
         return out
 
     def backward(self, dout: Any, retain_cache: bool = False, *, check: bool = True) -> Any:

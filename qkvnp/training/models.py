@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
+from .._transaction import journal_generator
 from ..dropout import check_dropout_p, spawn_generator
 from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
 
@@ -214,6 +215,8 @@ class KVRecallModel(Model):
         # multiplies a (B, 1, E) stack as B products (15.6 against 6.6 us)
         q_items, qk_cache = F.linear_forward(q, matrices[role_k].T, check=False)  # (B, E) -> (B, E)
         drawn = self.training and self.dropout > 0
+        if drawn:
+            journal_generator(self.dropout_rng)  # a refused call puts its state back
         mixed, attention_cache = F.attention_forward(
             q_items[:, None], items, items, dropout_p=self.dropout if drawn else 0.0,
             rng=self.dropout_rng, check=False)  # (B, 1, E), (B, P, E), (B, P, E) -> (B, 1, E)
