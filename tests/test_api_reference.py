@@ -8,6 +8,7 @@ is the same object there (``qkvnp.layers.SelfAttention`` is
 counts when it has its own page.
 """
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -83,3 +84,33 @@ def test_pages_list_only_public_names():
         module = importlib.import_module(page)
         unknown = [name for name in names if name not in module.__all__]
         assert not unknown, f"docs/api page of {page} lists names outside __all__: {unknown}"
+
+
+def _public_classes():
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type):
+                yield f"{module_name}.{name}", value
+
+
+@pytest.mark.parametrize("name, cls", sorted(set(_public_classes())), ids=lambda v: str(v))
+def test_a_class_shows_its_constructors_signature(name, cls):
+    # Oracle: what autodoc shows. It takes the first __new__ below object's
+    # before __init__: a Layer.__new__(cls, *args, **kwargs) once hid every
+    # layer's parameters behind "(*args, **kwargs)".
+    init = inspect.signature(cls.__init__)
+    named = [p for p in init.parameters.values()
+             if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not named:
+        return
+    for klass in cls.__mro__:
+        if "__new__" in vars(klass) and klass is not object:
+            new = inspect.signature(vars(klass)["__new__"])
+            kinds = {p.kind for p in new.parameters.values()}
+            assert not {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds, (
+                f"{name}: {klass.__name__}.__new__{new} hides __init__{init}")
+            break
+    shown = inspect.signature(cls)
+    assert [p.name for p in shown.parameters.values()] == [p.name for p in named], name

@@ -103,8 +103,6 @@ class Layer(ABC):
     settings, not the per-thread caches.
     """
 
-    _thread: _ThreadState  # set by __new__: the calling thread's cache and dispatch
-
     params: dict
     grads: dict
     _repr_fields: tuple = ()
@@ -256,12 +254,18 @@ class Layer(ABC):
         own = self.grads
         add_grads(self, "grads", {name: grad for name, grad in grads.items() if name in own})
 
-    def __new__(cls, *args, **kwargs):
-        """A layer with its per-thread state (before any ``__init__``, which subclasses
-        need not chain; ``copy`` and ``pickle`` come through here too)."""
-        layer = super().__new__(cls)
-        layer.__dict__["_thread"] = _ThreadState()  # the calling thread's state of this layer
-        return layer
+    @property
+    def _thread(self) -> _ThreadState:
+        """The calling thread's state of this layer: its last forward's cache and dispatch.
+
+        NOTE: made on first use, not in a ``__new__``, so that a layer's
+        signature is its ``__init__``'s (``inspect.signature``, the API
+        reference) and subclasses need not chain ``__init__``.
+        """
+        try:
+            return self.__dict__["_thread_state"]
+        except KeyError:  # dict.setdefault is atomic: two threads get the same state
+            return self.__dict__.setdefault("_thread_state", _ThreadState())
 
     def _save_state(self):
         """The calling thread's state of the layer, for :mod:`qkvnp._transaction`'s journal."""
@@ -298,7 +302,7 @@ class Layer(ABC):
     def __getstate__(self):
         """For ``copy`` and ``pickle``: everything but the per-thread caches."""
         state = dict(self.__dict__)
-        del state["_thread"]
+        state.pop("_thread_state", None)
         return state
 
     def __setstate__(self, state):
