@@ -55,14 +55,18 @@ def _next_tokens(logits, temperature, top_k, rng):  # (B, V) -> (B,)
         logits = np.where(logits < kth, -np.inf, logits)  # (B, V)
     if temperature == 0.0:
         return logits.argmax(axis=-1)  # (B,) first maximum, as torch.argmax
-    # NOTE: softmax(logits / temperature) as exp((logits - max) / temperature):
-    # the maxima are exactly 0 and the others <= 0 or -inf for any temperature
-    # > 0, so a temperature so small that logits / temperature would overflow
-    # gives the limit, the uniform draw among the maxima, never inf - inf = NaN
-    with np.errstate(over="ignore"):
-        scaled = (logits - top) / temperature  # (B, V), the top-k's -inf stay -inf
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = logits / temperature  # (B, V) in the logits' dtype; top-k's -inf stay -inf
+        scaled_top = scaled.max(axis=-1, keepdims=True)  # (B, 1)
+        scaled = scaled - scaled_top  # exp below is at most 1
+    # NOTE: where logits / temperature overflow, or the temperature rounds to 0
+    # in the logits' dtype (1e-320 in float32), the gaps to the maximum are
+    # worth over 1e30 temperatures (unless the logits are subnormal): softmax
+    # is then its limit, 1 on the maxima and 0 elsewhere, not inf - inf = NaN
+    overflowed = ~np.isfinite(scaled_top[:, 0])  # (B,)
+    scaled[overflowed] = np.where(logits[overflowed] == top[overflowed], 0.0, -np.inf)
     probs = np.exp(scaled)
-    probs /= probs.sum(axis=-1, keepdims=True)  # (B, V), each sum >= 1 before
+    probs /= probs.sum(axis=-1, keepdims=True)  # (B, V)
     # NOTE: inverse CDF with one uniform per row: the draws of a seeded rng
     # are those of the same call recomputing the context (not torch.multinomial's)
     u = rng.random(probs.shape[0])[:, None]  # (B, 1)
@@ -100,11 +104,11 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
         ``model.context_length``), as the book's ``idx[:, -context_size:]``.
     temperature : float, keyword-only
         0 (default): greedy, the argmax. Above 0: sample from
-        ``softmax(logits / temperature)``, computed as
-        ``exp((logits - max) / temperature)`` normalised. A temperature so
-        small that ``logits / temperature`` would overflow (``1e-320``) is
-        handled, not refused: it samples the limit, uniformly among the
-        tied maxima (the argmax when there is one), never NaN.
+        ``softmax(logits / temperature)`` (in the logits' dtype). A
+        temperature so small that ``logits / temperature`` overflows, or
+        rounds to 0 in that dtype (``1e-320``), is handled, not refused:
+        it samples the limit, uniformly among the tied maxima (the argmax
+        when there is one), never NaN.
     top_k : int, keyword-only, optional
         Keep the ``top_k`` largest logits (ties with the k-th kept), the
         others get ``-inf``.

@@ -207,8 +207,8 @@ def test_generate_memory_grows_by_the_tokens_and_asked_logits_only(return_logits
 class FixedLogits:
     """A stand-in model whose every decode step gives ``logits`` (B, V) at the last position."""
 
-    def __init__(self, logits):
-        self.logits = np.asarray(logits, dtype=np.float64)
+    def __init__(self, logits, dtype=np.float64):
+        self.logits = np.asarray(logits, dtype=dtype)
         self.vocab_size, self.context_length, self.num_layers = self.logits.shape[1], 8, 1
         self.dtype = self.logits.dtype
 
@@ -216,20 +216,27 @@ class FixedLogits:
         return np.repeat(self.logits[:, None, :], idx.shape[1], axis=1)  # (B, T, V)
 
 
-@pytest.mark.parametrize("temperature", [1e-320, 1e-300])  # 1/t overflows; 1/t does not
-def test_a_tiny_temperature_samples_the_argmax_limit_never_nan_or_token_0(temperature):
+@pytest.mark.parametrize("temperature, dtype", [
+    (1e-320, np.float64),  # logits / t overflows
+    (1e-300, np.float64),  # it does not, and the gaps are still worth 1e300 temperatures
+    (1e-320, np.float32),  # t rounds to 0 in the logits' dtype
+    (1e-40, np.float32),  # a float32 subnormal: logits / t overflows
+])
+def test_a_tiny_temperature_samples_the_argmax_limit_never_nan_or_token_0(temperature, dtype):
     """Oracle: ``softmax(logits / t)`` in closed form. For ``t`` so small that every gap
     to the maximum is huge, it is the uniform draw among the tied maxima: rows
-    ``[0, 5, 5, 1]`` give tokens 1 and 2, about half each, never 0."""
+    ``[0, 5, 5, 1]`` give tokens 1 and 2, about half each, never 0; rows of negative
+    logits (``logits / t`` overflowing to ``-inf`` everywhere) their argmax."""
     rows = 4000
-    model = FixedLogits(np.tile([0.0, 5.0, 5.0, 1.0], (rows, 1)))
+    model = FixedLogits(np.tile([0.0, 5.0, 5.0, 1.0], (rows, 1)), dtype)
     tokens = qkvnp.generate(model, np.zeros((rows, 1), int), 1, temperature=temperature,
                             rng=0)[:, 1]
     assert set(np.unique(tokens)) == {1, 2}
     assert abs(np.mean(tokens == 1) - 0.5) < 0.05  # 6 standard deviations
-    greedy_row = FixedLogits([[0.0, 1.0, 7.0, -3.0]])
-    assert qkvnp.generate(greedy_row, np.zeros((1, 1), int), 3,
-                          temperature=temperature, rng=0)[0, 1:].tolist() == [2, 2, 2]
+    for row in ([0.0, 1.0, 7.0, -3.0], [-9.0, -8.0, -2.0, -3.0]):
+        one_row = FixedLogits([row], dtype)
+        assert qkvnp.generate(one_row, np.zeros((1, 1), int), 3, temperature=temperature,
+                              rng=0)[0, 1:].tolist() == [2, 2, 2]
 
 
 def test_a_tiny_temperature_that_does_not_overflow_keeps_the_softmax_with_top_k():
