@@ -157,7 +157,7 @@ def to_torch(layer: Any, layout: str, *, prefix: str = "", module: Any = None) -
 
     Parameters
     ----------
-    layer : SelfAttention or MultiHeadAttention
+    layer : SelfAttention, MultiHeadAttention or GPTModel
     layout : str
         One of :data:`LAYOUTS`.
     prefix : str, keyword-only
@@ -336,7 +336,7 @@ def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
 
     Parameters
     ----------
-    layer : SelfAttention or MultiHeadAttention
+    layer : SelfAttention, MultiHeadAttention or GPTModel
         Its arrays are overwritten (:meth:`qkvnp.layers.Layer.load_state_dict`):
         optimizers and models that share them see the new values.
     state_dict : mapping or torch.nn.Module

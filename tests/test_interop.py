@@ -384,3 +384,26 @@ def test_errors_on_a_12_layer_gpt_are_short_and_name_the_offending_key():
         assert len(message) < 500 and "\n" not in message, (len(message), message[:300])
         assert "GPTModel(vocab_size=50, context_length=8, emb_dim=8, num_heads=2, " \
                "num_layers=12)" in message
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"add_zero_attn": True}, r"built with add_zero_attn=True"),
+    ({"num_heads": 4}, r"module.attn.num_heads=4 but layer.num_heads=2"),
+])
+def test_a_module_inside_a_larger_one_is_checked_at_its_prefix(torch, options, match):
+    """Oracle: the error names the option of the submodule ``prefix`` names (the outer
+    module has no ``num_heads`` or ``add_zero_attn`` of its own), in both directions."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(**{"embed_dim": 4, "num_heads": 2, **options},
+                                                    batch_first=True)
+
+    holder, layer = Holder(), qkvnp.MultiHeadAttention(4, 2, rng=0)
+    with pytest.raises(ValueError, match=match):
+        from_torch(layer, holder, MHA, prefix="attn")
+    with pytest.raises(ValueError, match=match):
+        to_torch(layer, MHA, prefix="attn.", module=holder)
+    with pytest.raises(TypeError, match="module must be a torch module"):
+        to_torch(layer, MHA, module=holder.state_dict())
