@@ -43,15 +43,28 @@ def _check_options(model, idx, max_new_tokens, context_size, temperature, top_k,
     return idx.astype(np.int64), max_new_tokens, context_size, float(temperature), top_k, eos_id
 
 
-def _next_tokens(logits, temperature, top_k, rng):
+def _next_tokens(logits, temperature, top_k, rng):  # (B, V) -> (B,)
     """The book's choice: top-k filter, then argmax (temperature 0) or a sample."""
+    top = logits.max(axis=-1, keepdims=True)  # (B, 1)
+    if not np.isfinite(top).all():
+        raise ValueError(f"the model's logits must have a finite maximum in every row (NaN, "
+                         f"+inf or a row of -inf is no distribution), got row maxima "
+                         f"{top[:, 0].tolist()[:4]}")
     if top_k is not None:
         kth = np.sort(logits, axis=-1)[:, -top_k][:, None]  # (B, 1) the k-th largest
         logits = np.where(logits < kth, -np.inf, logits)  # (B, V)
     if temperature == 0.0:
         return logits.argmax(axis=-1)  # (B,) first maximum, as torch.argmax
-    scaled = logits / temperature
-    scaled = scaled - scaled.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = logits / temperature  # (B, V) in the logits' dtype; top-k's -inf stay -inf
+        scaled_top = scaled.max(axis=-1, keepdims=True)  # (B, 1)
+        scaled = scaled - scaled_top  # exp below is at most 1
+    # NOTE: where logits / temperature overflow, or the temperature rounds to 0
+    # in the logits' dtype (1e-320 in float32), the gaps to the maximum are
+    # worth over 1e30 temperatures (unless the logits are subnormal): softmax
+    # is then its limit, 1 on the maxima and 0 elsewhere, not inf - inf = NaN
+    overflowed = ~np.isfinite(scaled_top[:, 0])  # (B,)
+    scaled[overflowed] = np.where(logits[overflowed] == top[overflowed], 0.0, -np.inf)
     probs = np.exp(scaled)
     probs /= probs.sum(axis=-1, keepdims=True)  # (B, V)
     # NOTE: inverse CDF with one uniform per row: the draws of a seeded rng
@@ -59,6 +72,18 @@ def _next_tokens(logits, temperature, top_k, rng):
     u = rng.random(probs.shape[0])[:, None]  # (B, 1)
     cdf = np.cumsum(probs, axis=-1)  # (B, V)
     return np.minimum((cdf <= u * cdf[:, -1:]).sum(axis=-1), probs.shape[-1] - 1)
+
+
+def _last_logits(model, caches, tokens, end, context_size, fresh):  # -> (B, V)
+    """The logits after ``tokens[:, :end]``: the cropped window from empty caches
+    (``fresh``), or the last token alone on the caches holding the ones before it."""
+    if fresh:  # a first step, no cache, or a slid window: from scratch
+        for cache in caches:
+            cache.reset()
+        window = tokens[:, max(0, end - context_size):end]  # (B, <= context_size)
+    else:
+        window = tokens[:, end - 1:end]  # (B, 1)
+    return model.decode(window, caches)[:, -1]  # (B, T, V) -> (B, V)
 
 
 def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: int | None = None,
@@ -79,7 +104,11 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
         ``model.context_length``), as the book's ``idx[:, -context_size:]``.
     temperature : float, keyword-only
         0 (default): greedy, the argmax. Above 0: sample from
-        ``softmax(logits / temperature)``.
+        ``softmax(logits / temperature)`` (in the logits' dtype). A
+        temperature so small that ``logits / temperature`` overflows, or
+        rounds to 0 in that dtype (``1e-320``), is handled, not refused:
+        it samples the limit, uniformly among the tied maxima (the argmax
+        when there is one), never NaN.
     top_k : int, keyword-only, optional
         Keep the ``top_k`` largest logits (ties with the k-th kept), the
         others get ``-inf``.
@@ -97,21 +126,31 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
     Returns
     -------
     idx : ndarray of int64, shape (B, T + n)
-        The prompt and the ``n <= max_new_tokens`` new tokens.
+        The prompt and the ``n <= max_new_tokens`` new tokens (a new array
+        holding just these).
     logits : ndarray, shape (B, n, V)
         Only with ``return_logits``; the logits each token was chosen from,
-        before top-k and temperature.
+        before top-k and temperature (a new array holding just these).
 
     Raises
     ------
     ValueError, TypeError
-        On a bad argument (the message names it).
+        On a bad argument (the message names it). ValueError also when the
+        model's logits have a row without a finite maximum (NaN, ``+inf``,
+        or all ``-inf``): no distribution to sample, as ``torch.multinomial``
+        refuses.
 
     Notes
     -----
     No dropout: decoding is inference (``model.backward`` then raises until
     the next ``forward``). With the cache, each step costs one token's
     projections and an attention row over the cached keys.
+
+    Memory: the tokens (and, with ``return_logits``, the ``(B, V)`` logits
+    of each step) go into arrays of ``max_new_tokens`` entries allocated
+    once; a step's ``(B, T, V)`` output is freed by the next step. Beyond
+    these and the caches (at most ``context_size`` tokens), memory does not
+    grow with ``max_new_tokens``.
 
     NOTE: a position embedding is absolute, so once the context has
     ``context_size`` tokens the cropped window slides: every token changes
@@ -131,26 +170,27 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
     idx, max_new_tokens, context_size, temperature, top_k, eos_id = _check_options(
         model, idx, max_new_tokens, context_size, temperature, top_k, eos_id)
     rng = make_rng(rng)
+    (B, T), V = idx.shape, model.vocab_size
     caches = [KVCache() for _ in range(model.num_layers)]
-    chosen_logits = []
-    pending = None  # tokens not yet fed to the caches
-    for _ in range(max_new_tokens):
-        window = idx[:, -context_size:]  # (B, <= context_size)
-        position = caches[0].start + len(caches[0])  # of the next token (a window drops some)
-        if not use_cache or pending is None or position + 1 > context_size:
-            for cache in caches:  # a first step, no cache, or a slid window: from scratch
-                cache.reset()
-            logits = model.decode(window, caches)[:, -1]  # (B, T, V) -> (B, V)
-        else:
-            logits = model.decode(pending, caches)[:, -1]  # (B, 1) -> (B, V)
+    # NOTE: the tokens and the chosen logits go into arrays allocated once: a
+    # step keeps no reference to the model's (B, T, V) output, and no token is
+    # copied twice (growing by concatenation copies the whole array each step)
+    tokens = np.empty((B, T + max_new_tokens), np.int64)  # (B, T + max_new_tokens)
+    tokens[:, :T] = idx
+    kept = np.empty((B, max_new_tokens, V), model.dtype) if return_logits else None
+    n = 0  # the new tokens so far
+    while n < max_new_tokens:
+        fed = caches[0].start + len(caches[0])  # tokens the caches hold (a window drops some)
+        fresh = not use_cache or n == 0 or fed + 1 > context_size
+        logits = _last_logits(model, caches, tokens, T + n, context_size, fresh)  # (B, V)
         next_tokens = _next_tokens(logits, temperature, top_k, rng)  # (B,)
         if eos_id is not None and (next_tokens == eos_id).all():
             break
-        chosen_logits.append(logits)
-        idx = np.concatenate([idx, next_tokens[:, None]], axis=1)  # (B, T) -> (B, T + 1)
-        pending = next_tokens[:, None]  # (B, 1)
-    if not return_logits:
-        return idx
-    V = model.vocab_size
-    logits = np.stack(chosen_logits, axis=1) if chosen_logits else np.empty((idx.shape[0], 0, V))
-    return idx, logits
+        if kept is not None:
+            kept[:, n] = logits  # a copy: the (B, T, V) output it views is freed
+        tokens[:, T + n] = next_tokens
+        n += 1
+    out = tokens if n == max_new_tokens else tokens[:, :T + n].copy()  # (B, T + n)
+    if kept is None:
+        return out
+    return out, kept if n == max_new_tokens else kept[:, :n].copy()  # (B, n, V)

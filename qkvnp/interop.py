@@ -38,9 +38,13 @@ computes ``x @ weight.T``; qkvnp computes ``x @ W``, so ``W = weight.T``
 (the book's ``SelfAttention_v1`` already holds ``x @ W`` matrices). The book's
 ``mask`` buffer is not a weight: :func:`from_torch` ignores it and
 :func:`to_torch` does not produce it (load into torch with ``strict=False``).
-What a state dict cannot say is the layer's head count and causality: build
-the qkvnp layer with the torch layer's ``num_heads`` and call it with the
-book's ``is_causal=True``.
+What a state dict cannot say is the layer's head count and causality (nor
+a LayerNorm's ``eps``, nor an ``nn.GELU``'s ``approximate``): build the
+qkvnp layer with the torch layer's ``num_heads`` and call it with the
+book's ``is_causal=True``. Pass the torch module itself (to
+:func:`from_torch` as the ``state_dict``, to :func:`to_torch` as
+``module=``) and these settings are checked: a difference is refused,
+naming the submodule and both values.
 
 Examples
 --------
@@ -148,12 +152,12 @@ def _packed(layer):
     return layer.kdim == layer.embed_dim and layer.vdim == layer.embed_dim
 
 
-def to_torch(layer: Any, layout: str, *, prefix: str = "") -> dict[str, Any]:
+def to_torch(layer: Any, layout: str, *, prefix: str = "", module: Any = None) -> dict[str, Any]:
     """The layer's parameters under ``layout``'s torch names, as numpy arrays.
 
     Parameters
     ----------
-    layer : SelfAttention or MultiHeadAttention
+    layer : SelfAttention, MultiHeadAttention or GPTModel
     layout : str
         One of :data:`LAYOUTS`.
     prefix : str, keyword-only
@@ -161,6 +165,14 @@ def to_torch(layer: Any, layout: str, *, prefix: str = "") -> dict[str, Any]:
         (``"trf_blocks.0.att."``), as that model's ``state_dict`` names it.
         A prefix without its trailing dot gets one (``"enc"`` is ``"enc."``),
         as in :func:`from_torch`.
+    module : torch.nn.Module, keyword-only, optional
+        The module the state will be loaded into (the layer at ``prefix``
+        in it). What the weights' shapes cannot show is checked against the
+        layer, as :func:`from_torch` checks a module: each attention's
+        ``num_heads``, the GPT's LayerNorm ``eps`` and an ``nn.GELU``'s
+        ``approximate``, ``nn.MultiheadAttention``'s ``add_zero_attn`` and
+        ``add_bias_kv``. Without it, nothing can check them: build the
+        module with the layer's settings.
 
     Returns
     -------
@@ -172,10 +184,16 @@ def to_torch(layer: Any, layout: str, *, prefix: str = "") -> dict[str, Any]:
     ------
     ValueError
         If ``layout`` is unknown or does not fit the layer (its class, its
-        widths, its biases); the message says what differs.
+        widths, its biases), or ``module``'s settings differ from the
+        layer's; the message says what differs.
     """
     _check_layout(layer, layout)
     prefix = _check_prefix(prefix)
+    if module is not None:
+        if not _is_module(module):
+            raise TypeError(f"module must be a torch module (the state's destination), got "
+                            f"{type(module).__name__}")
+        _check_module(layer, layout, module, prefix)
     if layout == "book.GPTModel":
         return {prefix + name: value for name, value in _gpt_to_torch(layer).items()}
     p = layer.params
@@ -218,25 +236,70 @@ def _is_module(value):
     return callable(getattr(value, "state_dict", None)) and not hasattr(value, "keys")
 
 
-def _module_state(layer, module):
-    """The state dict of a torch module, refused for options a state dict cannot show."""
-    if type(module).__name__ == "MultiheadAttention":
-        if getattr(module, "add_zero_attn", False):
+def _settings(layer, layout):
+    """``(module name, qkvnp layer, attribute)`` of every setting the weights' shapes cannot
+    show: a torch module of ``layout`` names it alike and must hold the layer's value."""
+    if layout == "book.GPTModel":
+        for i, block in enumerate(layer.trf_blocks):
+            yield f"trf_blocks.{i}.att", block.att, "num_heads"
+            yield f"trf_blocks.{i}.norm1", block.norm1, "eps"
+            yield f"trf_blocks.{i}.norm2", block.norm2, "eps"
+            yield f"trf_blocks.{i}.ff.layers.1", block.ff.layers[1], "approximate"  # nn.GELU's
+        yield "final_norm", layer.final_norm, "eps"
+    elif isinstance(layer, MultiHeadAttention):
+        yield "", layer, "num_heads"
+
+
+def _check_module(layer, layout, module, prefix):
+    """Refuse a torch ``module`` (the layer at ``prefix`` in it) whose options or settings,
+    which its state dict cannot show, differ from the layer's; name each."""
+    modules = dict(module.named_modules())
+    target = modules.get(prefix[:-1] if prefix else "")
+    if type(target).__name__ == "MultiheadAttention":
+        if getattr(target, "add_zero_attn", False):
             raise ValueError("the nn.MultiheadAttention was built with add_zero_attn=True: it "
                              "attends to an extra all-zero key and value, which qkvnp does not "
                              "support")
-        if getattr(module, "bias_k", None) is not None or \
-                getattr(module, "bias_v", None) is not None:
+        if getattr(target, "bias_k", None) is not None or \
+                getattr(target, "bias_v", None) is not None:
             raise ValueError("the nn.MultiheadAttention was built with add_bias_kv=True: it "
                              "appends a learned key and value to every sequence, which qkvnp "
                              "does not support")
-    num_heads = getattr(module, "num_heads", None)
-    if isinstance(num_heads, int) and isinstance(layer, MultiHeadAttention) and \
-            num_heads != layer.num_heads:
-        raise ValueError(f"the {type(module).__name__} has num_heads={num_heads}, the layer "
-                         f"num_heads={layer.num_heads}: build the layer with the module's "
-                         "head count")
-    return module.state_dict()
+    differs = []
+    for name, sublayer, setting in _settings(layer, layout):
+        theirs = getattr(modules.get((prefix + name).rstrip(".")), setting, None)
+        ours = getattr(sublayer, setting)
+        # NOTE: a module without the attribute (the book's GELU class is the tanh
+        # form, its attention has no kv heads) fixes it by its class: the layout's
+        if isinstance(theirs, (bool, int, float, str)) and theirs != ours:
+            differs.append(f"module.{prefix + name}{'.' if name else ''}{setting}={theirs!r} "
+                           f"but layer.{name}{'.' if name else ''}{setting}={ours!r}")
+    if differs:
+        raise ValueError(f"the torch module's settings that its state dict cannot show differ "
+                         f"from the layer's ({_describe(layer)}): {_some(differs, 3, '; ')}; "
+                         "build the layer with the module's settings")
+
+
+_SUMMARY_FIELDS = ("vocab_size", "context_length", "emb_dim", "num_heads", "num_layers")
+
+
+def _describe(layer):
+    """The layer in one short line for a message: its repr, or a composite's class and sizes."""
+    text = repr(layer)
+    if "\n" not in text and len(text) <= 200:
+        return text
+    fields = [f"{name}={getattr(layer, name)!r}" for name in _SUMMARY_FIELDS
+              if hasattr(layer, name)]
+    return f"{type(layer).__name__}({', '.join(fields)})"
+
+
+def _some(items, limit=3, separator=", "):
+    """The first ``limit`` of ``items`` (sorted) in one line, with how many there are in all."""
+    items = sorted(items)
+    shown = separator.join(str(item) for item in items[:limit])
+    if len(items) > limit:
+        return f"{shown}{separator}... ({len(items)} in all)"
+    return shown
 
 
 def _prefix_hint(layout, unexpected, expected):
@@ -262,8 +325,9 @@ def _missing_message(layout, layer, missing, unexpected):
         hints.append(f"torch packs in_proj_weight only when kdim == vdim == embed_dim; the "
                      f"layer has embed_dim={layer.embed_dim}, kdim={layer.kdim}, "
                      f"vdim={layer.vdim}")
-    return (f"state_dict does not fit layout {layout!r} for {layer!r}: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}" + "".join(f"; {hint}" for hint in hints))
+    return (f"state_dict does not fit layout {layout!r} for {_describe(layer)}: missing "
+            f"[{_some(repr(name) for name in missing)}], unexpected "
+            f"[{_some(repr(name) for name in unexpected)}]" + "".join(f"; {h}" for h in hints))
 
 
 def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
@@ -272,7 +336,7 @@ def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
 
     Parameters
     ----------
-    layer : SelfAttention or MultiHeadAttention
+    layer : SelfAttention, MultiHeadAttention or GPTModel
         Its arrays are overwritten (:meth:`qkvnp.layers.Layer.load_state_dict`):
         optimizers and models that share them see the new values.
     state_dict : mapping or torch.nn.Module
@@ -284,8 +348,12 @@ def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
         ...), whichever the dict has. A module shows what its state dict
         cannot: an ``nn.MultiheadAttention`` built with ``add_zero_attn=True``
         (or ``add_bias_kv=True``) is refused, and so is a module whose
-        ``num_heads`` differs from the layer's. A plain state dict cannot
-        show ``add_zero_attn``: pass the module when you have it.
+        settings that the weights' shapes cannot show differ from the
+        layer's: the ``num_heads`` of an attention (each block's, for
+        ``"book.GPTModel"``), a LayerNorm's ``eps``, an ``nn.GELU``'s
+        ``approximate``; the message names the submodule and both values.
+        A plain state dict cannot show these: pass the module when you
+        have it. With ``prefix``, the checks read the submodule it names.
     layout : str
         One of :data:`LAYOUTS`.
     prefix : str, keyword-only
@@ -307,7 +375,9 @@ def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
         under ``prefix``); the message says what differs, and names the
         prefix when the keys carry one. For a module built with
         ``add_zero_attn=True`` or ``add_bias_kv=True`` (naming the option),
-        or with another ``num_heads``. Also on NaN or inf.
+        or with another ``num_heads``, ``eps`` or ``approximate`` (naming
+        the submodule). Also on NaN or inf. A message names a composite by
+        its class and sizes and lists a few keys, not all of them.
     TypeError
         If ``state_dict`` is neither a mapping nor a module, ``prefix`` not
         a str, or a value does not hold real numbers.
@@ -315,7 +385,9 @@ def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
     _check_layout(layer, layout)
     prefix = _check_prefix(prefix)
     if _is_module(state_dict):
-        state_dict = _module_state(layer, state_dict)
+        module: Any = state_dict
+        _check_module(layer, layout, module, prefix)
+        state_dict = module.state_dict()
     if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
         raise TypeError(f"state_dict must be a mapping of name -> tensor or array, or a torch "
                         f"module, got {type(state_dict).__name__}")
@@ -344,14 +416,15 @@ def from_torch(layer: Any, state_dict: Mapping[str, Any], layout: str, *,
     if missing or unexpected:
         hint = None if prefix else _prefix_hint(layout, unexpected, expected)
         if hint is not None:  # the likeliest cause: the other hints would mislead
-            raise ValueError(f"state_dict does not fit layout {layout!r} for {layer!r}: {hint} "
-                             f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+            raise ValueError(f"state_dict does not fit layout {layout!r} for {_describe(layer)}: "
+                             f"{hint} (missing [{_some(repr(name) for name in missing)}], "
+                             f"unexpected [{_some(repr(name) for name in unexpected)}])")
         raise ValueError(_missing_message(layout, layer, missing, unexpected))
     values = {}
     for name, target in expected.items():
         values[name] = check_state_value(state_dict[name], f"state_dict[{name!r}]",
                                          target.shape, layer.dtype,
-                                         f" for {layer!r} (layout {layout!r})")
+                                         f" for {_describe(layer)} (layout {layout!r})")
     if layout == "book.GPTModel":
         layer.load_state_dict(_gpt_to_qkvnp(layer, values))
     else:

@@ -247,3 +247,55 @@ def test_a_trained_model_goes_into_the_books_gpt_and_back_bit_for_bit(torch):
     from_torch(back, state, "book.GPTModel")
     for name, value in model.params.items():
         np.testing.assert_array_equal(back.params[name], value)
+
+
+def test_a_book_gpt_with_another_head_count_is_refused_naming_the_block(torch):
+    """Oracle: the book's GPT itself. Its weights have the same shapes at 2 and 4 heads,
+    so only the module's ``num_heads`` tells them apart: loaded into a 4-head model the
+    logits differ from the module's, and both directions refuse it, naming the block
+    and both counts. At the module's head count the logits agree (the positive control).
+    """
+    cfg = {**CFG, "emb_dim": 8, "n_heads": 2}
+    torch.manual_seed(0)
+    module = book_gpt(torch)(cfg).double().eval()
+    idx = np.array([[1, 5, 2, 7, 3]])
+    expected = module(torch.tensor(idx)).detach().numpy()
+    four = qkvnp.GPTModel.from_config({**cfg, "n_heads": 4}, rng=0)
+    from_torch(four, module.state_dict(), "book.GPTModel")  # a state dict cannot tell
+    assert relative(four.forward(idx), expected) > 1e-3
+    before = {name: value.copy() for name, value in four.params.items()}
+    match = r"module.trf_blocks.0.att.num_heads=2 but layer.trf_blocks.0.att.num_heads=4"
+    with pytest.raises(ValueError, match=match):
+        from_torch(four, module, "book.GPTModel")
+    for name, value in four.params.items():  # the refused load changed nothing
+        np.testing.assert_array_equal(value, before[name])
+    with pytest.raises(ValueError, match=match):
+        to_torch(four, "book.GPTModel", module=module)
+    with pytest.raises(ValueError, match=r"module.trf_blocks.1.att.num_heads=2 but layer.num_heads=4"):
+        from_torch(qkvnp.MultiHeadAttention(8, 4, qkv_bias=False, rng=0), module,
+                   "book.MultiHeadAttention", prefix="trf_blocks.1.att")
+    two = qkvnp.GPTModel.from_config(cfg, rng=0)
+    from_torch(two, module, "book.GPTModel")
+    assert relative(two.forward(idx), expected) <= 1e-12
+    assert set(to_torch(two, "book.GPTModel", module=module)) <= set(module.state_dict())
+
+
+@pytest.mark.parametrize("edit, match", [
+    # a LayerNorm eps other than the book's 1e-5: same scale and shift shapes
+    (lambda m, torch: setattr(m.trf_blocks[1].norm2, "eps", 1e-6),
+     r"module.trf_blocks.1.norm2.eps=1e-06 but layer.trf_blocks.1.norm2.eps=1e-05"),
+    (lambda m, torch: setattr(m.final_norm, "eps", 1e-6), r"module.final_norm.eps=1e-06"),
+    # torch's exact GELU in place of the book's tanh form: no weights at all
+    (lambda m, torch: m.trf_blocks[0].ff.layers.__setitem__(1, torch.nn.GELU()),
+     r"module.trf_blocks.0.ff.layers.1.approximate='none' but layer.trf_blocks.0.ff.layers.1"
+     r".approximate='tanh'"),
+])
+def test_a_book_gpt_with_another_norm_eps_or_gelu_is_refused_naming_it(torch, edit, match):
+    """Oracle: the error names the submodule and both values, in both directions."""
+    module = book_gpt(torch)(CFG).double()
+    edit(module, torch)
+    model = qkvnp.GPTModel.from_config(CFG, rng=0)
+    with pytest.raises(ValueError, match=match):
+        from_torch(model, module, "book.GPTModel")
+    with pytest.raises(ValueError, match=match):
+        to_torch(model, "book.GPTModel", module=module)

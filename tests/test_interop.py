@@ -347,7 +347,7 @@ def test_a_torch_module_loads_as_its_state_dict(torch):
     # the outputs then differed by 0.079
     ({"add_zero_attn": True}, r"built with add_zero_attn=True"),
     ({"add_bias_kv": True}, r"built with add_bias_kv=True"),
-    ({"num_heads": 4}, r"has num_heads=4, the layer num_heads=2"),
+    ({"num_heads": 4}, r"module.num_heads=4 but layer.num_heads=2"),
 ])
 def test_a_module_with_an_option_qkvnp_lacks_is_refused_naming_it(torch, options, match):
     """Oracle: the error names the option; the refused load leaves the layer unchanged."""
@@ -359,3 +359,51 @@ def test_a_module_with_an_option_qkvnp_lacks_is_refused_naming_it(torch, options
         from_torch(layer, module, MHA)
     for name, value in layer.params.items():
         assert np.array_equal(value, before[name]), name
+
+
+def test_errors_on_a_12_layer_gpt_are_short_and_name_the_offending_key():
+    """Oracle: the message's length (a 12-layer model's repr alone is over 7 KB) and the
+    key or option it must name: a line or two that still says what differs."""
+    model = qkvnp.GPTModel(vocab_size=50, context_length=8, emb_dim=8, num_heads=2,
+                           num_layers=12, rng=0)
+    assert len(repr(model)) > 5000
+    state = to_torch(model, "book.GPTModel")
+    biased = to_torch(qkvnp.GPTModel(50, 8, 8, 2, 12, qkv_bias=True, rng=0), "book.GPTModel")
+    bad_shape = {**state, "trf_blocks.11.ff.layers.0.weight": np.ones((3, 8))}
+    cases = [
+        (biased, r"unexpected \['trf_blocks.0.att.W_key.bias', .*\(36 in all\)"),
+        ({k: v for k, v in state.items() if "norm2" not in k},
+         r"missing \['trf_blocks.0.norm2.scale', .*\(24 in all\)"),
+        ({"gpt." + k: v for k, v in state.items()}, r"prefix \('gpt.'\)"),
+        (bad_shape, r"state_dict\['trf_blocks.11.ff.layers.0.weight'\] must have shape \(32, 8\)"),
+    ]
+    for state_dict, match in cases:
+        with pytest.raises(ValueError, match=match) as error:
+            from_torch(model, state_dict, "book.GPTModel")
+        message = str(error.value)
+        assert len(message) < 500 and "\n" not in message, (len(message), message[:300])
+        assert "GPTModel(vocab_size=50, context_length=8, emb_dim=8, num_heads=2, " \
+               "num_layers=12)" in message
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"add_zero_attn": True}, r"built with add_zero_attn=True"),
+    ({"num_heads": 4}, r"module.attn.num_heads=4 but layer.num_heads=2"),
+])
+def test_a_module_inside_a_larger_one_is_checked_at_its_prefix(torch, options, match):
+    """Oracle: the error names the option of the submodule ``prefix`` names (the outer
+    module has no ``num_heads`` or ``add_zero_attn`` of its own), in both directions."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(**{"embed_dim": 4, "num_heads": 2, **options},
+                                                    batch_first=True)
+
+    holder, layer = Holder(), qkvnp.MultiHeadAttention(4, 2, rng=0)
+    with pytest.raises(ValueError, match=match):
+        from_torch(layer, holder, MHA, prefix="attn")
+    with pytest.raises(ValueError, match=match):
+        to_torch(layer, MHA, prefix="attn.", module=holder)
+    with pytest.raises(TypeError, match="module must be a torch module"):
+        to_torch(layer, MHA, module=holder.state_dict())
