@@ -75,9 +75,8 @@ __all__ = [
 # Provenance: the book's "self-attention from scratch" walkthrough (the
 # six-token sentence with hand-picked 3-d embeddings and random 3x2 projection
 # matrices, printed there to 8 digits; Sebastian Raschka, Build a Large
-# Language Model (From Scratch), chapter 3), copied from issue 2, case 1,
-# which restates them.
-# Case 3 of the issue (attention without weights) uses the same INPUTS.
+# Language Model (From Scratch), chapter 3).
+# Attention without weights uses the same INPUTS.
 WORDS = ("Your", "journey", "starts", "with", "one", "step")
 INPUTS = np.array(
     [
@@ -101,7 +100,7 @@ W_VALUE = np.array(
 
 # Provenance: a popular tutorial's plain-numpy attention example (four integer "words"
 # and integer weight matrices with entries 0..2, as numpy.random.randint(3,
-# size=(3, 3)) draws them), copied from issue 2, case 2. qkvnp promotes
+# size=(3, 3)) draws them). qkvnp promotes
 # integer input to float64.
 NUMPY_WORDS = np.array([[1, 0, 0], [0, 1, 0], [1, 1, 0], [0, 0, 1]])
 NUMPY_W_Q = np.array([[2, 0, 2], [2, 0, 0], [2, 1, 2]])

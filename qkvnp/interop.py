@@ -111,7 +111,7 @@ def _check_layout(layer, layout):
         raise ValueError(f"layout {layout!r} loads a qkvnp.{needed.__name__}, got "
                          f"{type(layer).__name__}")
     # NOTE: neither torch's layer nor the book's shares key/value heads: a
-    # layer with fewer key/value heads (num_kv_heads, issue 11 item 4) has no
+    # layer with fewer key/value heads (num_kv_heads) has no
     # layout here
     # NOTE: neither has the attention variants either: a layer with RoPE, a
     # window, ALiBi, sinks... would load as a layer computing something else
