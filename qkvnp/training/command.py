@@ -41,7 +41,7 @@ def add_arguments(parser):
     from .models import VARIANTS
 
     # NOTE: "text" is listed for --help; `train --task text` never reaches this
-    # parser (qkvnp.cli sends it to qkvnp.training.text, which has its own options)
+    # parser (qkvnp.cli sends it to qkvnp.training.text_command, which has its own options)
     parser.add_argument("--task", choices=tuple(TASK_DEFAULTS) + ("text",), default=None,
                         help="kv-recall (default): recall the value stored under a key; "
                              "partner: recall the value stored under the key's partner "

@@ -2,6 +2,9 @@
 
 Shape key: B batch, T context (tokens), V = 256 byte values, E embedding.
 
+The command line is :mod:`qkvnp.training.text_command`; ``generate``,
+:mod:`qkvnp.training.text_generate`.
+
 Tokens are bytes: no tokenizer, no download. Without ``--text`` the corpus
 is the running Python's standard-library sources (``*.py`` files at the top
 of ``sysconfig.get_paths()["stdlib"]``, sorted by name, read as bytes and
@@ -23,7 +26,6 @@ that never stopped, bit for bit, its printed samples included.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import hashlib
@@ -49,11 +51,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
 
 __all__ = ["TextConfig", "DEFAULT_CORPUS_BYTES", "MAXIMA", "default_corpus", "read_text",
            "split_text", "bigram_loss", "train_text", "read_text_checkpoint",
-           "load_text_checkpoint", "add_arguments", "run"]
-
-#: What ``train --task text --help`` opens with (plain text: ``__doc__`` is None under -OO).
-DESCRIPTION = ("Train a byte-level GPT (the book's GPTModel) on text by gradient descent, with "
-               "hand-derived gradients, beside a bigram baseline.")
+           "load_text_checkpoint", "text_config_of"]
 
 #: The default corpus' cap: the first this many bytes of the sorted stdlib sources.
 DEFAULT_CORPUS_BYTES = 2_000_000
@@ -342,8 +340,8 @@ def _config_dict(config, corpus):
     return {**dataclasses.asdict(config), "task": "text", "corpus_sha256": corpus.digest}
 
 
-def _config_from_meta(saved):
-    """``(TextConfig, corpus digest)`` of a checkpoint's ``meta/config``, checked.
+def text_config_of(saved):
+    """``(TextConfig, corpus digest)`` of a text checkpoint's ``meta/config`` (a dict), checked.
 
     Raises ``ValueError`` or ``TypeError`` naming the key.
     """
@@ -369,7 +367,7 @@ def _layout(saved, file_bytes):
                               "(train --task text)")
     if task != "text":
         raise ValueError(f"task must be 'text', got {str(task)[:80]!r}")
-    config, _ = _config_from_meta(saved)
+    config, _ = text_config_of(saved)
     need = 3 * parameter_floor(config) * np.dtype(config.dtype).itemsize  # params, 2 moments
     if need > file_bytes:
         raise CheckpointError(f"holds {file_bytes:,} bytes, but its configuration (meta/config) "
@@ -441,7 +439,7 @@ def load_text_checkpoint(path):
         naming the file and the entry.
     """
     checkpoint = read_text_checkpoint(path)
-    run = _fresh_run(_config_from_meta(checkpoint.config)[0])
+    run = _fresh_run(text_config_of(checkpoint.config)[0])
     _restore(checkpoint, run)
     return run.model, checkpoint
 
@@ -457,7 +455,7 @@ def _resume(checkpoint, config, corpus):
     """A run continuing ``checkpoint``; ``CheckpointError`` unless it is ``config``'s run."""
     path = checkpoint.path
     try:
-        saved, digest = _config_from_meta(checkpoint.config)
+        saved, digest = text_config_of(checkpoint.config)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path!r} holds an invalid configuration (meta/config): "
                               f"{exc}") from None
@@ -607,142 +605,3 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
               + (f" --save {save}" if save else ""), file=stream)
     code = 128 + int(stop.signal) if interrupted and stop.requested else 0
     return run.model, _eval_rows(run.history), code
-
-
-def add_arguments(parser):
-    """The options of ``train --task text`` (its own parser: see :func:`run`).
-
-    Every default is None, so that :func:`run` tells a value given from one
-    left out: a resume takes the checkpoint's settings for what is left out.
-    """
-    defaults = TextConfig()
-    parser.add_argument("--task", choices=("text",), required=True)
-    parser.add_argument("--text", metavar="FILE", default=None,
-                        help="a UTF-8 file to train on (default: this Python's stdlib sources)")
-    for name, kind, help_text in (
-            ("corpus_bytes", int, "cap of the default corpus"),
-            ("context", int, "tokens (bytes) a window holds"),
-            ("emb_dim", int, "width"), ("num_heads", int, "heads"),
-            ("num_layers", int, "blocks"), ("dropout", float, "drop rate"),
-            ("batch_size", int, "windows per step"),
-            ("steps", int, "optimizer steps in total, a resumed checkpoint's included"),
-            ("lr", float, "peak learning rate"), ("warmup", int, "warm-up steps"),
-            ("weight_decay", float, "AdamW weight decay"), ("seed", int, "seed"),
-            ("eval_every", int, "held-out evaluation period"),
-            ("eval_windows", int, "held-out windows"),
-            ("sample_every", int, "sample period"), ("sample_length", int, "sample bytes")):
-        parser.add_argument(_flag(name), type=kind, default=None,
-                            help=f"{help_text} (default {getattr(defaults, name)})")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default=None,
-                        help=f"default {defaults.dtype}")
-    parser.add_argument("--kv-heads", type=int, metavar="K", default=None,
-                        help="grouped-query attention: K key/value heads, a divisor of "
-                             "--num-heads (default: one per head)")
-    parser.add_argument("--rope", action="store_true", default=None,
-                        help="rotary positions in every head (besides the learned table)")
-    parser.add_argument("--window", type=int, metavar="W", default=None,
-                        help="sliding-window attention: each token sees itself and the W - 1 "
-                             "before it (default: the whole context)")
-    parser.add_argument("--softcap", type=float, metavar="S", default=None,
-                        help="soft-cap the scores: S tanh(scores / S) (default: none)")
-    parser.add_argument("--save", metavar="PATH", default=None,
-                        help="write a checkpoint at the end (and on Ctrl-C or SIGTERM); "
-                             "checked before training")
-    parser.add_argument("--save-every", type=int, metavar="N", default=None,
-                        help="also write --save every N steps")
-    parser.add_argument("--resume", metavar="PATH", default=None,
-                        help="continue a saved run with its settings (bitwise identical to "
-                             "an uninterrupted run if --steps is unchanged)")
-
-
-def _error(message, code):
-    print(f"error: {message}", file=sys.stderr)
-    return code
-
-
-def _usage_error(exc):
-    return argparse.ArgumentError(None, str(exc))
-
-
-def _config_from_args(args, checkpoint):
-    """``(config, given)``: the options given, laid over the checkpoint's settings or the defaults.
-
-    ``given`` lists the options given whose value differs from the checkpoint's
-    and may not change on a resume.
-    """
-    names = [field.name for field in dataclasses.fields(TextConfig)]
-    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    if checkpoint is None:
-        return TextConfig(**given), []
-    try:
-        saved, _ = _config_from_meta(checkpoint.config)
-    except (TypeError, ValueError) as exc:  # the layout checked it: only a Checkpoint made by hand
-        raise CheckpointError(f"{checkpoint.path!r} holds an invalid configuration "
-                              f"(meta/config): {exc}") from None
-    differs = [name for name, value in given.items()
-               if name not in TextConfig.RESUMABLE_CHANGES and value != getattr(saved, name)]
-    return dataclasses.replace(saved, **given), differs
-
-
-def _differs_message(path, differs, checkpoint, args):
-    saved = checkpoint.config
-    return (f"--resume {path} was trained with other {', '.join(map(_flag, differs))} ("
-            + "; ".join(f"{_flag(name)}: checkpoint {saved[name]!r}, given "
-                        f"{getattr(args, name)!r}" for name in differs)
-            + "); leave them out to resume with the checkpoint's settings; nothing was "
-              "trained or written")
-
-
-def _schedule_note(checkpoint, config):
-    steps = checkpoint.config["steps"]
-    if steps == config.steps or checkpoint.step >= config.steps:
-        return None
-    return (f"note: the checkpoint's cosine schedule was built for --steps {steps}; with "
-            f"--steps {config.steps} the learning rate changes from step {checkpoint.step + 1} "
-            f"on, so the run will match no uninterrupted run (resume with --steps {steps} "
-            "for that)")
-
-
-def run(args):
-    """Run ``train --task text``; return the exit code.
-
-    The checks of the other tasks, before the first step: the options, the
-    checkpoint of ``--resume`` (read header-first) and the options given
-    that differ from its settings, the ``--save`` path. A bad option is a
-    usage error (exit 2), a bad checkpoint one ``error:`` line (exit 2), a
-    divergence or a failed write one ``error:`` line (exit 1).
-    """
-    checkpoint = None
-    if args.resume is not None:
-        try:
-            checkpoint = read_text_checkpoint(args.resume)
-        except (FileNotFoundError, CheckpointError) as exc:
-            return _error(f"--resume: {exc}; nothing was trained or written", 2)
-    try:
-        config, differs = _config_from_args(args, checkpoint)
-        config.check()
-        check_save_options(args.save, args.save_every, ("--save", "--save-every"))
-    except CheckpointError as exc:
-        return _error(f"--resume: {exc}; nothing was trained or written", 2)
-    except (TypeError, ValueError, OSError) as exc:
-        raise _usage_error(exc) from None
-    if differs:
-        return _error(_differs_message(args.resume, differs, checkpoint, args), 2)
-    note = checkpoint and _schedule_note(checkpoint, config)
-    if note:
-        print(note, file=sys.stderr)
-    try:
-        *_, code = train_text(config, resume=checkpoint, save=args.save,
-                              save_every=args.save_every)
-    except KeyboardInterrupt as exc:
-        from ..cli import interrupt_status
-
-        return _error("aborted by a second Ctrl-C or SIGTERM: nothing was saved",
-                      interrupt_status(exc))
-    except CheckpointError as exc:
-        return _error(f"{exc}; nothing was trained or written", 2)
-    except (FloatingPointError, SaveError) as exc:
-        return _error(exc, 1)
-    except (TypeError, ValueError, OSError) as exc:  # the text: missing, not UTF-8, too short
-        raise _usage_error(exc) from None
-    return code
