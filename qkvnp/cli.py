@@ -46,7 +46,7 @@ COMMANDS = {
 }
 
 # (command, option, value) -> the module that takes that command over (its own options)
-TASK_MODULES = {("train", "--task", "text"): "qkvnp.training.text"}
+TASK_MODULES = {("train", "--task", "text"): "qkvnp.training.text_command"}
 
 
 def _task_module(command, argv):

@@ -14,9 +14,12 @@ Layout of the archive (every entry a plain numeric or unicode array)::
     meta/step              int64, optimizer steps taken (N)
     meta/config            JSON text of the configuration
     meta/rng_state         JSON text of ``Generator.bit_generator.state``
-    meta/generator_states  JSON text ``{name: bit_generator.state}`` of the model's
-                           own Generators (the layers' dropout draws); optional
-                           (files written before it existed had none to save)
+    meta/generator_states  JSON text ``{name: bit_generator.state}`` of the run's
+                           other Generators: the model's own (the layers' dropout
+                           draws) and, for the text task, ``"sample"`` (the
+                           printed samples'); optional for the kv-recall, partner
+                           and teacher tasks (files written before it existed
+                           had none to save)
     param/<name>           one array per model parameter
     optim/<key>            one array per entry of ``optimizer.state_dict()``
     history/step           int64, shape (N,): 1, 2, ..., N
@@ -154,8 +157,9 @@ def save_checkpoint(path: str | str | os.PathLike[str], params: dict[str, FloatA
         ``eval_accuracy`` (one number or None per evaluation).
         :func:`load_checkpoint` gives it back equal, None included.
     generator_states : dict of str to dict, optional
-        ``{name: generator.bit_generator.state}`` of the model's own
-        Generators (``model.generators()``: the layers' dropout masks).
+        ``{name: generator.bit_generator.state}`` of the run's other
+        Generators: the model's own (``model.generators()``: the layers'
+        dropout masks), and the text task's ``"sample"``.
 
     Returns
     -------
@@ -386,6 +390,10 @@ def _check_meta_headers(headers, path):
     """The five ``meta/`` entries exist (and the optional one may), are scalars of their
     kind, and the texts are short."""
     missing = [name for name in _META if name not in headers]
+    if missing and "meta" in headers:
+        raise CheckpointError(f"{path!r} is a text checkpoint of an earlier qkvnp (one 'meta' "
+                              "entry, without the sampling generator's state): train again "
+                              "with train --task text to resume or read it")
     if missing:
         raise CheckpointError(f"{path!r} is not a qkvnp checkpoint: missing {missing}")
     for name in _META + ((_GENERATORS,) if _GENERATORS in headers else ()):
@@ -418,7 +426,8 @@ def load_checkpoint(path: str | str | os.PathLike[str],
         (shape, dtype)}`` entries it implies and the largest step it allows.
         It raises ``ValueError`` or ``TypeError`` for a configuration it
         refuses (``qkvnp.training.loop.checkpoint_layout`` bounds every
-        size). Without it, any float ``param/`` and numeric ``optim/``
+        size), or a :class:`CheckpointError` whose message follows the
+        file's name (``"is a checkpoint of train --task text, ..."``). Without it, any float ``param/`` and numeric ``optim/``
         entries are accepted.
 
     Returns
@@ -522,6 +531,8 @@ def _check_layout(headers, path, step, config, layout):
     if layout is not None:
         try:
             specs, max_step = layout(config)
+        except CheckpointError as exc:  # a sentence about the file: another task's, too large
+            raise CheckpointError(f"{path!r} {exc}") from None
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{path!r} holds an invalid configuration (meta/config): "
                                   f"{exc}") from None

@@ -23,7 +23,8 @@ from .._io import check_writable
 from ..cli import interrupt_status, program_name
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import LOOKUP_TASKS, TASK_DEFAULTS, TrainConfig
-from .loop import SaveError, build_model, check_resume, checkpoint_layout, scheduled_lr, train
+from .loop import (SaveError, build_model, check_resume, check_save_options, checkpoint_layout,
+                   scheduled_lr, train)
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -40,7 +41,7 @@ def add_arguments(parser):
     from .models import VARIANTS
 
     # NOTE: "text" is listed for --help; `train --task text` never reaches this
-    # parser (qkvnp.cli sends it to qkvnp.training.text, which has its own options)
+    # parser (qkvnp.cli sends it to qkvnp.training.text_command, which has its own options)
     parser.add_argument("--task", choices=tuple(TASK_DEFAULTS) + ("text",), default=None,
                         help="kv-recall (default): recall the value stored under a key; "
                              "partner: recall the value stored under the key's partner "
@@ -151,20 +152,12 @@ def _check_combinations(args, config):
     if args.warmup is not None and config.warmup > config.steps:
         raise _usage_error(f"--warmup {config.warmup} is longer than the run "
                            f"(--steps {config.steps})")
-    if args.save == "":
-        raise _usage_error("--save is empty: give a file name")
-    if args.save_every is not None:
-        if args.save is None:
-            raise _usage_error("--save-every needs --save (the checkpoint to write)")
-        if args.save_every < 1:
-            raise _usage_error(f"--save-every must be >= 1, got {args.save_every}")
-    for name in ("save", "plot"):
-        path = getattr(args, name)
-        if path is not None:
-            try:
-                check_writable(path, _option(name))
-            except (OSError, ValueError) as exc:
-                raise _usage_error(str(exc)) from None
+    try:
+        check_save_options(args.save, args.save_every, ("--save", "--save-every"))
+        if args.plot is not None:
+            check_writable(args.plot, "--plot")
+    except (OSError, ValueError, TypeError) as exc:
+        raise _usage_error(str(exc)) from None
     if args.plot is not None and not _have_matplotlib():
         raise _usage_error(f"--plot {args.plot}: matplotlib is not installed; install it with "
                            "pip install 'qkvnp[plot]' (or pip install matplotlib)")

@@ -79,6 +79,11 @@ __all__ = [
     "checkpoint_layout",
     "check_resume",
     "default_checkpoint_path",
+    "check_run_state",
+    "check_save_options",
+    "save_run",
+    "divergence_guard",
+    "check_finite",
 ]
 
 TrainResult = namedtuple(
@@ -282,6 +287,10 @@ def checkpoint_layout(saved_config):
     max_step : int
         The configuration's ``steps``.
     """
+    if saved_config.get("task") == "text":
+        raise CheckpointError("is a checkpoint of train --task text, not of the kv-recall, "
+                              "partner or teacher tasks: resume it with train --task text "
+                              "--resume, or continue a prompt with generate --resume")
     config = TrainConfig.from_dict(saved_config).resolved()
     model = build_model(config, 0)
     optimizer = build_optimizer(config, model.params)
@@ -340,6 +349,34 @@ def check_resume(checkpoint, config):
             f"checkpoint {path!r} is at step {checkpoint.step}, beyond steps={config.steps}: "
             "steps counts the total, pass a larger --steps"
         )
+    check_run_state(checkpoint, build_model(config, 0).generators())
+
+
+def check_run_state(checkpoint, generators):
+    """Refuse a checkpoint whose optimizer step or generator states a run cannot continue from.
+
+    The checks every task's resume shares: ``optim/step`` equals ``meta/step``,
+    ``meta/rng_state`` is a PCG64 state numpy writes, and
+    ``meta/generator_states`` holds a valid state for exactly ``generators``.
+
+    Parameters
+    ----------
+    checkpoint : Checkpoint
+    generators : dict of str to numpy.random.Generator
+        The run's Generators besides the batches' (the model's, and the
+        text task's ``"sample"``), by name.
+
+    Returns
+    -------
+    dict
+        ``{name: state}``, checked on copies, ready to assign.
+
+    Raises
+    ------
+    CheckpointError
+        Naming the file and the entry.
+    """
+    path = checkpoint.path
     optimizer_step = checkpoint.optimizer_state.get("step")
     if optimizer_step is None or optimizer_step.shape != () or int(optimizer_step) != checkpoint.step:
         raise CheckpointError(
@@ -355,7 +392,7 @@ def check_resume(checkpoint, config):
             f"{path!r}: entry 'meta/rng_state' is not a PCG64 generator state "
             f"({type(exc).__name__}: {exc})"
         ) from None
-    _generator_states(checkpoint, build_model(config, 0).generators())
+    return _generator_states(checkpoint, generators)
 
 
 def _is_int(value, low, high):
@@ -441,13 +478,18 @@ def _restore(checkpoint, config, model, optimizer, data_rng):
     return checkpoint.history
 
 
-def _save(path, model, optimizer, step, data_rng, config, history):
-    """Write the checkpoint atomically; any OSError becomes a :class:`SaveError`."""
+def save_run(path, model, optimizer, step, data_rng, config, history, generators=None):
+    """Write a run's checkpoint atomically; any OSError becomes a :class:`SaveError`.
+
+    ``config``: the run's configuration as a dict; ``generators``: its
+    Generators besides ``data_rng``, by name (default ``model.generators()``).
+    """
+    generators = model.generators() if generators is None else generators
     try:
         save_checkpoint(path, model.params, optimizer.state_dict(), step,
-                        data_rng.bit_generator.state, config.to_dict(), history,
+                        data_rng.bit_generator.state, config, history,
                         generator_states={name: generator.bit_generator.state
-                                          for name, generator in model.generators().items()})
+                                          for name, generator in generators.items()})
     except OSError as exc:
         reason = exc.strerror or str(exc)
         if exc.errno == errno.ENOSPC:
@@ -457,13 +499,37 @@ def _save(path, model, optimizer, step, data_rng, config, history):
     return path
 
 
+def check_save_options(save, save_every, names=("save", "save_every")):
+    """The rules of ``save`` and ``save_every`` that every training task shares.
+
+    ``save`` must be writable now (:func:`qkvnp._io.check_writable`);
+    ``save_every`` needs ``save`` and is an int >= 1. ``names``: how the
+    messages spell the two (the command lines pass ``--save``, ``--save-every``).
+    Returns ``(save, save_every)``, ``save`` as a str.
+
+    Raises
+    ------
+    ValueError, TypeError, OSError
+        Naming the option; nothing is written.
+    """
+    if save_every is not None:
+        if save is None:
+            raise ValueError(f"{names[1]} needs {names[0]} (the checkpoint to write)")
+        save_every = check_int(save_every, names[1], 1)
+    if save is not None:
+        save = os.fspath(save)
+        check_writable(save, names[0])
+    return save, save_every
+
+
 @contextlib.contextmanager
-def _divergence_guard(step, config):
-    """Turn "x contains NaN or inf" from an input check into a divergence error."""
+def divergence_guard(step, config):
+    """Turn "x contains NaN or inf" from an input check, or "the query projection overflowed",
+    into a divergence error: inside a training step, the inputs are the run's own values."""
     try:
         yield
     except ValueError as exc:
-        if "NaN or inf" not in str(exc):
+        if "NaN or inf" not in str(exc) and "overflowed" not in str(exc):
             raise
         raise FloatingPointError(
             f"training diverged at step {step} ({exc}); lower the learning rate "
@@ -471,7 +537,7 @@ def _divergence_guard(step, config):
         ) from None
 
 
-def _check_finite(model, step, config, loss=0.0):
+def check_finite(model, step, config, loss=0.0):
     """Raise ``FloatingPointError`` if the loss, a parameter or a gradient is not finite."""
     bad = [] if math.isfinite(loss) else ["the loss"]
     bad += [f"parameter {name}" for name, value in model.params.items()
@@ -553,13 +619,7 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
     from .tasks import make_streams
 
     config = config.resolved()
-    if save is not None:
-        save = os.fspath(save)
-        check_writable(save, "save")
-    if save_every is not None:
-        save_every = check_int(save_every, "save_every", 1)
-        if save is None:
-            raise ValueError("save_every needs save (the checkpoint path)")
+    save, save_every = check_save_options(save, save_every)
     if resume is not None and not isinstance(resume, Checkpoint):
         resume = load_checkpoint(resume, checkpoint_layout)
     streams = make_streams(config.seed)
@@ -578,7 +638,7 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
     heldout = evaluate(model, task, heldout_batch) if step else initial
     checkpoint_path = None
     started = time.perf_counter()
-    # NOTE: numpy's overflow warnings say nothing that _check_finite and the
+    # NOTE: numpy's overflow warnings say nothing that check_finite and the
     # layers' input checks do not say as one "training diverged" error (and
     # under -W error they would be tracebacks instead of that error)
     with _blas_single_thread(), StopFlag(save is not None or save_on_interrupt) as stop, \
@@ -587,12 +647,12 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
             step += 1
             optimizer.lr = scheduled_lr(config, step)
             batch = task.sample(data_rng, config.batch_size)
-            with _divergence_guard(step, config):
+            with divergence_guard(step, config):
                 model.zero_grad()
                 out = _forward(model, batch)
                 loss, acc, dout = _loss(task, out, batch)
                 model.backward(dout)
-                _check_finite(model, step, config, loss)
+                check_finite(model, step, config, loss)
                 optimizer.step(model.grads)
                 evaluated = None
                 if step % config.eval_every == 0 or step == config.steps:
@@ -605,7 +665,7 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
                 history["eval_loss"].append(heldout["loss"])
                 history["eval_accuracy"].append(heldout["accuracy"])
             if save_every is not None and step % save_every == 0 and step < config.steps:
-                _save(save, model, optimizer, step, data_rng, config, history)
+                save_run(save, model, optimizer, step, data_rng, config.to_dict(), history)
             if callback is not None:
                 callback({"step": step, "steps": config.steps, "start_step": start_step,
                           "loss": loss, "accuracy": acc, "lr": optimizer.lr,
@@ -621,7 +681,7 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
         elif save is not None:
             checkpoint_path = save
         if checkpoint_path is not None:
-            _save(checkpoint_path, model, optimizer, step, data_rng, config, history)
+            save_run(checkpoint_path, model, optimizer, step, data_rng, config.to_dict(), history)
     return TrainResult(config, model, optimizer, task, step, start_step, history, heldout,
                        initial, seconds, interrupted, checkpoint_path,
                        stop.signal if interrupted else None)

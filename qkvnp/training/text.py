@@ -2,6 +2,9 @@
 
 Shape key: B batch, T context (tokens), V = 256 byte values, E embedding.
 
+The command line is :mod:`qkvnp.training.text_command`; ``generate``,
+:mod:`qkvnp.training.text_generate`.
+
 Tokens are bytes: no tokenizer, no download. Without ``--text`` the corpus
 is the running Python's standard-library sources (``*.py`` files at the top
 of ``sysconfig.get_paths()["stdlib"]``, sorted by name, read as bytes and
@@ -11,44 +14,53 @@ run prints the held-out loss of a bigram model (byte pair counts of the
 training split, add-one smoothing) on the same positions: the bar a model
 that reads context must clear. Bits per byte are the loss over ``ln 2``.
 
-Checkpoints are ``.npz`` archives read back without pickle: the parameters
-(``param/<name>``), the AdamW state (``opt/<key>``) and a JSON ``meta``
-entry (the configuration, the step, the Generators' states, the history).
+Checkpoints are those of every training task
+(:mod:`qkvnp.training.checkpoint`: one reader, entries checked before any
+array is loaded, nothing pickled). ``meta/config`` holds every
+:class:`TextConfig` field, ``"task": "text"`` and the corpus' SHA-256;
+``meta/rng_state`` the batches' generator; ``meta/generator_states`` the
+model's dropout generators and ``"sample"``, the printed samples'; the
+history holds each step's loss and learning rate and each held-out loss. A
+resume continues the saved run with its saved settings: it equals the run
+that never stopped, bit for bit, its printed samples included.
 """
 from __future__ import annotations
 
-import argparse
+import collections
 import dataclasses
-import json
+import hashlib
 import math
 import os
 import sys
 
 import numpy as np
 
+from .._checks import check_int
 from ..generation import generate
 from ..gpt import GPTModel
 from ..losses import cross_entropy_backward, cross_entropy_forward
 from ..optim import AdamW
-from .checkpoint import write_npz_atomic
-from .loop import StopFlag
+from .checkpoint import HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint
+from .config import TASK_DEFAULTS
+from .loop import (SaveError, StopFlag, check_finite, check_run_state, check_save_options,
+                   default_checkpoint_path, divergence_guard, save_run)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Optional
 
-__all__ = ["TextConfig", "DEFAULT_CORPUS_BYTES", "default_corpus", "read_text", "split_text",
-           "bigram_loss", "train_text", "save_text_checkpoint", "load_text_checkpoint",
-           "add_arguments", "run", "FORMAT"]
-
-#: What ``train --task text --help`` opens with (plain text: ``__doc__`` is None under -OO).
-DESCRIPTION = ("Train a byte-level GPT (the book's GPTModel) on text by gradient descent, with "
-               "hand-derived gradients, beside a bigram baseline.")
+__all__ = ["TextConfig", "DEFAULT_CORPUS_BYTES", "MAXIMA", "default_corpus", "read_text",
+           "split_text", "bigram_loss", "train_text", "read_text_checkpoint",
+           "load_text_checkpoint", "text_config_of"]
 
 #: The default corpus' cap: the first this many bytes of the sorted stdlib sources.
 DEFAULT_CORPUS_BYTES = 2_000_000
-#: The checkpoint's format tag (its ``meta["format"]``).
-FORMAT = "qkvnp-text-gpt-1"
+#: Upper bounds of the sizes (far above what the task is for), so that neither a typo nor a
+#: checkpoint's configuration makes the task allocate without limit before it says no.
+MAXIMA = {"corpus_bytes": 2**31, "context": 2**16, "emb_dim": 2**16, "num_heads": 2**10,
+          "num_layers": 2**10, "batch_size": 2**16, "steps": 10**9, "warmup": 10**9,
+          "seed": 2**128, "eval_every": 10**9, "eval_windows": 2**20, "sample_every": 10**9,
+          "sample_length": 2**20, "kv_heads": 2**10, "window": 2**16, "parameters": 2**31}
 _LN2 = math.log(2.0)
 
 
@@ -93,35 +105,74 @@ class TextConfig:
 
     MODEL_FIELDS = ("context", "emb_dim", "num_heads", "num_layers", "dtype", "kv_heads", "rope",
                     "window", "softcap")
+    #: What a resume may change: none of them changes the trained state (``text``: the same
+    #: bytes under another name; the checkpoint's SHA-256 of them is compared).
+    RESUMABLE_CHANGES = ("text", "steps", "eval_every", "eval_windows", "sample_every",
+                         "sample_length")
+    # NOTE: not fields: the names the shared loop helpers read (default_checkpoint_path,
+    # the divergence message)
+    task = "text"
+    optimizer = "adamw"
+
+    @classmethod
+    def from_dict(cls, values):
+        """The checked configuration of exactly the fields' keys (a checkpoint's ``meta/config``).
+
+        Raises ``ValueError`` for a missing or unknown key, and what :meth:`check` raises.
+        """
+        names = [field.name for field in dataclasses.fields(cls)]
+        missing = [name for name in names if name not in values]
+        unknown = sorted(str(name) for name in values if name not in names)
+        if missing or unknown:
+            raise ValueError(f"the text task's settings must have exactly the keys {names}; "
+                             f"missing {missing}, unknown {unknown[:5]}")
+        return cls(**values).check()
 
     def check(self):
-        """Refuse impossible values with ``ValueError`` naming the option."""
+        """Refuse impossible values with ``ValueError`` or ``TypeError`` naming the option."""
         for name in ("corpus_bytes", "context", "emb_dim", "num_heads", "num_layers",
                      "batch_size", "steps", "eval_every", "eval_windows", "sample_every",
-                     "sample_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                                 f"{getattr(self, name)}")
+                     "sample_length", "warmup", "seed"):
+            check_int(getattr(self, name), _flag(name), 0 if name in ("warmup", "seed") else 1,
+                      MAXIMA[name])
+        for name in ("kv_heads", "window"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), _flag(name), 1, MAXIMA[name])
+        for name, low, high in (("dropout", 0.0, 1.0), ("lr", 0.0, math.inf),
+                                ("weight_decay", 0.0, math.inf), ("softcap", 0.0, math.inf)):
+            value = getattr(self, name)
+            if value is None and name == "softcap":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise TypeError(f"{_flag(name)} must be a finite number, got {value!r}")
+            if not low <= value < high or (value == 0 and name in ("lr", "softcap")):
+                kind = {"dropout": "in [0, 1)", "weight_decay": ">= 0",
+                        "softcap": "a finite number > 0"}.get(name, "> 0")
+                raise ValueError(f"{_flag(name)} must be {kind}, got {value}")
+        if not isinstance(self.rope, bool):
+            raise TypeError(f"--rope must be true or false, got {self.rope!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
+        if self.text is not None and (not isinstance(self.text, str) or not self.text):
+            raise ValueError(f"--text must be a file name, got {self.text!r}")
+        return self._check_model()
+
+    def _check_model(self):
         if self.emb_dim % self.num_heads:
             raise ValueError(f"--emb-dim must be divisible by --num-heads, got {self.emb_dim} "
                              f"and {self.num_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if not self.lr > 0 or self.weight_decay < 0 or self.warmup < 0:
-            raise ValueError("--lr must be > 0, --weight-decay and --warmup >= 0")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
-        if self.kv_heads is not None and (self.kv_heads < 1 or self.num_heads % self.kv_heads):
+        if self.kv_heads is not None and self.num_heads % self.kv_heads:
             raise ValueError(f"--kv-heads must divide --num-heads ({self.num_heads}), got "
                              f"{self.kv_heads}")
         if self.rope and (self.emb_dim // self.num_heads) % 2:
             raise ValueError(f"--rope rotates pairs: the head dim --emb-dim / --num-heads must be "
                              f"even, got {self.emb_dim // self.num_heads}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"--window must be >= 1 (the tokens each one sees, itself "
-                             f"included), got {self.window}")
-        if self.softcap is not None and not 0.0 < self.softcap < math.inf:
-            raise ValueError(f"--softcap must be a finite number > 0, got {self.softcap}")
+        if parameter_floor(self) > MAXIMA["parameters"]:
+            raise ValueError(f"--emb-dim {self.emb_dim}, --context {self.context} and "
+                             f"--num-layers {self.num_layers} make a model of more than "
+                             f"{parameter_floor(self):,} parameters (at most "
+                             f"{MAXIMA['parameters']:,})")
         return self
 
     def model_options(self):
@@ -130,6 +181,22 @@ class TextConfig:
                    "window": None if self.window is None else (self.window - 1, 0),
                    "softcap": self.softcap}
         return {name: value for name, value in options.items() if value is not None}
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def parameter_floor(config):
+    """A lower bound of the parameters of ``config``'s model, computed without building it.
+
+    The two 256-row tables (token embedding, output head), the position
+    table, and per block the query and output projections and the
+    feed-forward layer's two ``E x 4E`` matrices (the key and value
+    projections shrink with ``kv_heads``).
+    """
+    width = config.emb_dim
+    return 2 * 256 * width + config.context * width + config.num_layers * 10 * width * width
 
 
 def default_corpus(cap=DEFAULT_CORPUS_BYTES):
@@ -236,60 +303,27 @@ def _sample(model, prompt, length, rng):
     return bytes(out[0, idx.shape[1]:].astype(np.uint8).tolist()).decode("utf-8", "replace")
 
 
-def _meta(config, step, data_rng, model, history, source, running):
-    return {"format": FORMAT, "config": dataclasses.asdict(config), "step": step,
-            "running": running,
-            "data_rng": data_rng.bit_generator.state, "source": source,
-            "generators": {name: g.bit_generator.state for name, g in model.generators().items()},
-            "history": history}
+_Corpus = collections.namedtuple("_Corpus", "train held starts baseline source digest")
 
 
-def save_text_checkpoint(path, model, optimizer, meta):
-    """Write a checkpoint atomically (nothing pickled)."""
-    arrays = {f"param/{name}": value for name, value in model.params.items()}
-    arrays.update({f"opt/{key}": value for key, value in optimizer.state_dict().items()})
-    arrays["meta"] = np.array(json.dumps(meta))
-    return write_npz_atomic(path, arrays)
+@dataclasses.dataclass
+class _Run:
+    """What a text run changes as it goes: the state a checkpoint holds."""
+
+    model: GPTModel
+    optimizer: AdamW
+    data_rng: np.random.Generator
+    sample_rng: np.random.Generator
+    step: int
+    history: dict
+
+    def generators(self):
+        """The run's Generators besides the batches': the model's, and the samples'."""
+        return {**self.model.generators(), "sample": self.sample_rng}
 
 
-def load_text_checkpoint(path):
-    """``(model, meta, optimizer_state)`` from a checkpoint of :func:`train_text`.
-
-    Raises ``ValueError`` for a file that is not such a checkpoint.
-    """
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-        meta = json.loads(str(arrays.pop("meta")))
-    except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"{path} is not a qkvnp text checkpoint ({exc})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a qkvnp text checkpoint (format "
-                         f"{meta.get('format')!r}, expected {FORMAT!r})")
-    config = TextConfig(**meta["config"]).check()
-    model = _model(config)
-    params = {name[len("param/"):]: value for name, value in arrays.items()
-              if name.startswith("param/")}
-    model.load_state_dict(params)  # checks names, shapes, finiteness
-    for name, generator in model.generators().items():
-        generator.bit_generator.state = meta["generators"][name]
-    optimizer_state = {name[len("opt/"):]: value for name, value in arrays.items()
-                       if name.startswith("opt/")}
-    return model, meta, optimizer_state
-
-
-def train_text(config, *, resume=None, save=None, save_every=None, stream=None, stop_at=None):
-    """Train; print progress to ``stream``; return ``(model, history, exit_code)``.
-
-    ``history`` is a list of ``[step, train_loss, held_loss]`` rows; the exit
-    code is 0, or 130/143 after SIGINT/SIGTERM (a checkpoint is saved first
-    when ``save`` is given). ``stop_at``: stop after that step as a signal
-    would (exit code 0), the schedule still aiming at ``config.steps``.
-    """
-    from ..kernels import blas_threads, num_threads
-
-    stream = sys.stdout if stream is None else stream
-    config.check()
+def _corpus(config):
+    """The text of ``config`` split, its held-out windows, the bigram baseline and its digest."""
     if config.text is None:
         data, source = default_corpus(config.corpus_bytes)
     else:
@@ -298,124 +332,276 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
     starts = _eval_starts(held, config)
     eval_inputs, eval_targets = _windows(held, starts, config.context)
     baseline = bigram_loss(train, eval_inputs, eval_targets)
-    data_rng = np.random.default_rng(config.seed + 1)
-    history, step, running = [], 0, []  # running: the train losses since the last evaluation
+    return _Corpus(train, held, starts, baseline, source, hashlib.sha256(data).hexdigest())
+
+
+def _config_dict(config, corpus):
+    """``meta/config``: every field, the task, and the digest of the text trained on."""
+    return {**dataclasses.asdict(config), "task": "text", "corpus_sha256": corpus.digest}
+
+
+def text_config_of(saved):
+    """``(TextConfig, corpus digest)`` of a text checkpoint's ``meta/config`` (a dict), checked.
+
+    Raises ``ValueError`` or ``TypeError`` naming the key.
+    """
+    values = dict(saved)
+    values.pop("task", None)
+    digest = values.pop("corpus_sha256", None)
+    if not (isinstance(digest, str) and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest)):
+        raise ValueError(f"corpus_sha256 must be 64 hexadecimal digits, got {str(digest)[:80]!r}")
+    return TextConfig.from_dict(values), digest
+
+
+def _layout(saved, file_bytes):
+    """``load_checkpoint``'s layout of a text checkpoint of ``file_bytes`` bytes.
+
+    The configuration is checked, and the least its model and optimizer state
+    need compared with the file's size, before the model is built to read
+    its shapes: a small file cannot make the reader allocate a large model.
+    """
+    task = saved.get("task")
+    if task in TASK_DEFAULTS:
+        raise CheckpointError(f"is a checkpoint of train --task {task}, not a text checkpoint "
+                              "(train --task text)")
+    if task != "text":
+        raise ValueError(f"task must be 'text', got {str(task)[:80]!r}")
+    config, _ = text_config_of(saved)
+    need = 3 * parameter_floor(config) * np.dtype(config.dtype).itemsize  # params, 2 moments
+    if need > file_bytes:
+        raise CheckpointError(f"holds {file_bytes:,} bytes, but its configuration (meta/config) "
+                              f"describes a model whose parameters and optimizer state need at "
+                              f"least {need:,}")
     model = _model(config)
-    optimizer = AdamW(model.params, lr=config.lr, weight_decay=config.weight_decay)
-    if resume is not None:
-        model, meta, optimizer_state = load_text_checkpoint(resume)
-        saved = TextConfig(**meta["config"])
-        differs = [f for f in TextConfig.MODEL_FIELDS + ("text", "corpus_bytes", "seed")
-                   if getattr(saved, f) != getattr(config, f)]
-        if differs:
-            raise ValueError(f"--resume {resume} was trained with other "
-                             f"{', '.join('--' + f.replace('_', '-') for f in differs)}")
-        optimizer = AdamW(model.params, lr=config.lr, weight_decay=config.weight_decay)
-        optimizer.load_state_dict(optimizer_state)
-        data_rng.bit_generator.state = meta["data_rng"]
-        step, history, running = meta["step"], meta["history"], meta["running"]
-    print(f"text: {source}; {len(train)} training bytes, {len(held)} held out", file=stream)
+    specs = {"param/" + name: (value.shape, value.dtype) for name, value in model.params.items()}
+    specs.update({"optim/" + name: (value.shape, value.dtype)
+                  for name, value in AdamW(model.params).state_dict().items()})
+    return specs, config.steps
+
+
+def read_text_checkpoint(path):
+    """The :class:`~qkvnp.training.checkpoint.Checkpoint` of a text run, every entry checked.
+
+    Read by :func:`qkvnp.training.checkpoint.load_checkpoint` (the reader of
+    every task) with the text task's layout: the configuration's types and
+    ranges, sizes bounded by the file's own size, the parameters' and
+    optimizer entries' names, shapes and dtypes, before any array is loaded.
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist.
+    CheckpointError
+        Naming the file and the entry (another task's checkpoint included).
+    """
+    path = os.fspath(path)
+    return load_checkpoint(path, lambda saved: _layout(saved, os.stat(path).st_size))
+
+
+def _checked_states(checkpoint, run):
+    """The checkpoint's generator states for ``run``'s generators, checked (see check_run_state)."""
+    if "sample" not in checkpoint.generator_states:
+        raise CheckpointError(f"{checkpoint.path!r}: entry 'meta/generator_states' lacks "
+                              "'sample', the sampling generator's state")
+    return check_run_state(checkpoint, run.generators())
+
+
+def _restore(checkpoint, run):
+    """Load ``checkpoint`` into the fresh ``run`` (everything checked first)."""
+    states = _checked_states(checkpoint, run)
+    try:
+        run.model.load_state_dict(checkpoint.params)
+        run.optimizer.load_state_dict(checkpoint.optimizer_state)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint.path!r}: the parameters (param/) or optimizer "
+                              f"entries (optim/) are refused: {exc}") from None
+    run.data_rng.bit_generator.state = checkpoint.rng_state
+    generators = run.generators()
+    for name, state in states.items():
+        generators[name].bit_generator.state = state
+    run.step, run.history = checkpoint.step, checkpoint.history
+
+
+def load_text_checkpoint(path):
+    """``(model, checkpoint)``: the model of a text checkpoint, and what it holds.
+
+    ``checkpoint`` is what :func:`read_text_checkpoint` gives (``step``,
+    ``config``, ``history``, ``optimizer_state``, ...). The model has the
+    saved parameters and dropout generators.
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist.
+    CheckpointError
+        (a ``ValueError``) for a file that is not a usable text checkpoint,
+        naming the file and the entry.
+    """
+    checkpoint = read_text_checkpoint(path)
+    run = _fresh_run(text_config_of(checkpoint.config)[0])
+    _restore(checkpoint, run)
+    return run.model, checkpoint
+
+
+def _fresh_run(config):
+    model = _model(config)
+    return _Run(model, AdamW(model.params, lr=config.lr, weight_decay=config.weight_decay),
+                np.random.default_rng(config.seed + 1), np.random.default_rng(config.seed + 2),
+                0, {key: [] for key in HISTORY_FIELDS})
+
+
+def _resume(checkpoint, config, corpus):
+    """A run continuing ``checkpoint``; ``CheckpointError`` unless it is ``config``'s run."""
+    path = checkpoint.path
+    try:
+        saved, digest = text_config_of(checkpoint.config)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path!r} holds an invalid configuration (meta/config): "
+                              f"{exc}") from None
+    differs = [field.name for field in dataclasses.fields(TextConfig)
+               if field.name not in TextConfig.RESUMABLE_CHANGES
+               and getattr(saved, field.name) != getattr(config, field.name)]
+    if differs:
+        raise CheckpointError(
+            f"--resume {path} was trained with other {', '.join(map(_flag, differs))} ("
+            + "; ".join(f"{_flag(name)}: checkpoint {getattr(saved, name)!r}, this run "
+                        f"{getattr(config, name)!r}" for name in differs) + ")")
+    if digest != corpus.digest:
+        raise CheckpointError(f"--resume {path} was trained on another text: {corpus.source} "
+                              "is not the text whose SHA-256 meta/config holds")
+    if checkpoint.step > config.steps:
+        raise CheckpointError(f"--resume {path} is at step {checkpoint.step}, beyond --steps "
+                              f"{config.steps} (the total, the saved steps included)")
+    run = _fresh_run(config)
+    _restore(checkpoint, run)
+    return run
+
+
+def _save(path, config, corpus, run):
+    return save_run(path, run.model, run.optimizer, run.step, run.data_rng,
+                    _config_dict(config, corpus), run.history,
+                    generators=run.generators())
+
+
+def _eval_rows(history):
+    """``[step, mean training loss since the previous evaluation, held-out loss]`` rows."""
+    rows, start = [], 0
+    for step, held in zip(history["eval_step"], history["eval_loss"]):
+        losses = history["loss"][start:step]
+        rows.append([step, sum(losses) / len(losses), held])
+        start = step
+    return rows
+
+
+def _step(config, corpus, run, stream):
+    """One optimizer step; then the evaluation and the sample that fall on it."""
+    step = run.step + 1
+    lr = _lr(config, step)
+    offsets = run.data_rng.integers(0, len(corpus.train) - config.context - 1, config.batch_size)
+    inputs, targets = _windows(corpus.train, offsets, config.context)  # (B, T) each
+    model = run.model
+    with divergence_guard(step, config):
+        model.zero_grad()
+        loss, cache = cross_entropy_forward(model.forward(inputs), targets)
+        model.backward(cross_entropy_backward(1.0, cache))
+        check_finite(model, step, config, float(loss))
+        run.optimizer.lr = lr
+        run.optimizer.step(model.grads)
+        run.step = step
+        for key, value in (("step", step), ("loss", float(loss)), ("accuracy", None),
+                           ("lr", lr)):
+            run.history[key].append(value)
+        if step % config.eval_every == 0 or step == config.steps:
+            held_loss = _held_out_loss(model, corpus.held, corpus.starts, config)
+            run.history["eval_step"].append(step)
+            run.history["eval_loss"].append(held_loss)
+            run.history["eval_accuracy"].append(None)
+            evaluations = run.history["eval_step"]
+            losses = run.history["loss"][evaluations[-2] if len(evaluations) > 1 else 0:]
+            train_loss = sum(losses) / len(losses)  # NOTE: as _eval_rows computes it
+            print(f"step {step:5d}  train {train_loss:.4f} ({train_loss / _LN2:.3f} bits/byte)"
+                  f"  held-out {held_loss:.4f} ({held_loss / _LN2:.3f} bits/byte)  bigram "
+                  f"{corpus.baseline:.4f}  ratio {held_loss / corpus.baseline:.3f}", file=stream)
+        if step % config.sample_every == 0 or step == config.steps:
+            prompt = bytes(corpus.held[:16].tolist())
+            text = _sample(model, prompt, config.sample_length, run.sample_rng)
+            print(f"sample at step {step}: {prompt.decode('utf-8', 'replace')!r} -> {text!r}",
+                  file=stream)
+
+
+def _print_header(config, corpus, run, stream):
+    print(f"text: {corpus.source}; {len(corpus.train)} training bytes, {len(corpus.held)} held "
+          "out", file=stream)
     options = "".join(f", {name}={value}" for name, value in config.model_options().items())
     print(f"model: GPTModel(vocab 256, context {config.context}, width {config.emb_dim}, "
           f"{config.num_heads} heads, {config.num_layers} layers{options}), "
-          f"{model.num_parameters()} parameters, {config.dtype}", file=stream)
+          f"{run.model.num_parameters()} parameters, {config.dtype}", file=stream)
     print(f"schedule: AdamW lr {config.lr:g} (warm-up {config.warmup} steps, cosine to "
           f"{config.lr / 10:g} at step {config.steps}), weight decay {config.weight_decay:g}, "
           f"batch {config.batch_size}"
-          + (f"; resumed at step {step}" if step else ""), file=stream)
-    print(f"bigram baseline (add-one smoothing), held-out loss {baseline:.4f} "
-          f"({baseline / _LN2:.3f} bits/byte)", file=stream)
-    prompt = bytes(held[:16].tolist())
-    sample_rng = np.random.default_rng(config.seed + 2)
-    code = 0
-    # NOTE: the other tasks' handling: a first signal stops after the step (and saves),
-    # a second one stops at once
-    with StopFlag(save is not None) as stop, blas_threads(1), num_threads(1):
-        model.train()
-        while step < config.steps:
-            offsets = data_rng.integers(0, len(train) - config.context - 1, config.batch_size)
-            inputs, targets = _windows(train, offsets, config.context)  # (B, T) each
-            model.zero_grad()
-            loss, cache = cross_entropy_forward(model.forward(inputs), targets)
-            model.backward(cross_entropy_backward(1.0, cache))
-            step += 1
-            optimizer.lr = _lr(config, step)
-            optimizer.step(model.grads)
-            running.append(float(loss))
-            if not math.isfinite(running[-1]):
-                raise FloatingPointError(f"the training loss is {running[-1]} at step {step}: "
-                                         "lower --lr")
-            if step % config.eval_every == 0 or step == config.steps:
-                train_loss = sum(running) / len(running)
-                running = []
-                held_loss = _held_out_loss(model, held, starts, config)
-                history.append([step, train_loss, held_loss])
-                print(f"step {step:5d}  train {train_loss:.4f} ({train_loss / _LN2:.3f} bits/byte)"
-                      f"  held-out {held_loss:.4f} ({held_loss / _LN2:.3f} bits/byte)  "
-                      f"bigram {baseline:.4f}  ratio {held_loss / baseline:.3f}", file=stream)
-            if step % config.sample_every == 0 or step == config.steps:
-                text = _sample(model, prompt, config.sample_length, sample_rng)
-                print(f"sample at step {step}: {prompt.decode('utf-8', 'replace')!r} -> "
-                      f"{text!r}", file=stream)
-            if save is not None and save_every and step % save_every == 0:
-                save_text_checkpoint(save, model, optimizer,
-                                     _meta(config, step, data_rng, model, history, source, running))
-            if stop.requested:
-                code = 128 + int(stop.signal)
+          + (f"; resumed at step {run.step}" if run.step else ""), file=stream)
+    print(f"bigram baseline (add-one smoothing), held-out loss {corpus.baseline:.4f} "
+          f"({corpus.baseline / _LN2:.3f} bits/byte)", file=stream)
+
+
+def train_text(config, *, resume=None, save=None, save_every=None, stream=None, stop_at=None,
+               save_on_interrupt=True):
+    """Train; print progress to ``stream``; return ``(model, rows, exit_code)``.
+
+    ``rows``: ``[step, train_loss, held_loss]`` at each evaluation, from step
+    1 (a resumed run's included). The exit code is 0, or 130/143 after
+    SIGINT/SIGTERM. ``resume``: a path, or what :func:`read_text_checkpoint`
+    gave; its settings must equal ``config``'s except
+    ``TextConfig.RESUMABLE_CHANGES``, and the text must be the one it was
+    trained on. ``save``: written at the end, and every ``save_every``
+    steps; checked before the first step (as for the other tasks).
+    Stopped early (a signal, or ``stop_at``: stop after that step, the
+    schedule still aiming at ``config.steps``), the run saves to ``save``,
+    or without it to ``default_checkpoint_path`` unless ``save_on_interrupt``
+    is False, and prints how to resume.
+
+    Raises
+    ------
+    CheckpointError
+        A ``resume`` that is unreadable or another run's; nothing is trained.
+    ValueError, TypeError, OSError
+        A bad ``config``, ``save`` or ``save_every``, or an unreadable
+        text; nothing is trained.
+    FloatingPointError
+        If the run diverges (the loss or a gradient not finite).
+    SaveError
+        If a checkpoint cannot be written.
+    """
+    from ..cli import program_name
+    from ..kernels import blas_threads, num_threads
+
+    stream = sys.stdout if stream is None else stream
+    config.check()
+    save, save_every = check_save_options(save, save_every)
+    if resume is not None and not isinstance(resume, Checkpoint):
+        resume = read_text_checkpoint(resume)
+    corpus = _corpus(config)
+    run = _fresh_run(config) if resume is None else _resume(resume, config, corpus)
+    _print_header(config, corpus, run, stream)
+    with StopFlag(save is not None or save_on_interrupt) as stop, blas_threads(1), \
+            num_threads(1), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        run.model.train()
+        while run.step < config.steps and not stop.requested:
+            _step(config, corpus, run, stream)
+            if save_every is not None and run.step % save_every == 0 and run.step < config.steps:
+                _save(save, config, corpus, run)
+            if stop_at is not None and run.step >= stop_at:
                 break
-            if stop_at is not None and step >= stop_at:
-                break
-    if save is not None:
-        save_text_checkpoint(save, model, optimizer,
-                             _meta(config, step, data_rng, model, history, source, running))
-        print(f"saved {save} at step {step}", file=stream)
-    return model, history, code
-
-
-def add_arguments(parser):
-    """The options of ``train --task text`` (its own parser: see :func:`run`)."""
-    defaults = TextConfig()
-    parser.add_argument("--task", choices=("text",), required=True)
-    parser.add_argument("--text", metavar="FILE", default=None,
-                        help="a UTF-8 file to train on (default: this Python's stdlib sources)")
-    for name, kind, help_text in (
-            ("corpus_bytes", int, "cap of the default corpus"),
-            ("context", int, "tokens (bytes) a window holds"),
-            ("emb_dim", int, "width"), ("num_heads", int, "heads"),
-            ("num_layers", int, "blocks"), ("dropout", float, "drop rate"),
-            ("batch_size", int, "windows per step"), ("steps", int, "optimizer steps"),
-            ("lr", float, "peak learning rate"), ("warmup", int, "warm-up steps"),
-            ("weight_decay", float, "AdamW weight decay"), ("seed", int, "seed"),
-            ("eval_every", int, "held-out evaluation period"),
-            ("eval_windows", int, "held-out windows"),
-            ("sample_every", int, "sample period"), ("sample_length", int, "sample bytes")):
-        parser.add_argument("--" + name.replace("_", "-"), type=kind,
-                            default=getattr(defaults, name),
-                            help=f"{help_text} (default {getattr(defaults, name)})")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default=defaults.dtype)
-    parser.add_argument("--kv-heads", type=int, metavar="K", default=None,
-                        help="grouped-query attention: K key/value heads, a divisor of "
-                             "--num-heads (default: one per head)")
-    parser.add_argument("--rope", action="store_true",
-                        help="rotary positions in every head (besides the learned table)")
-    parser.add_argument("--window", type=int, metavar="W", default=None,
-                        help="sliding-window attention: each token sees itself and the W - 1 "
-                             "before it (default: the whole context)")
-    parser.add_argument("--softcap", type=float, metavar="S", default=None,
-                        help="soft-cap the scores: S tanh(scores / S) (default: none)")
-    parser.add_argument("--save", metavar="PATH", default=None, help="checkpoint path (.npz)")
-    parser.add_argument("--save-every", type=int, metavar="N", default=None)
-    parser.add_argument("--resume", metavar="PATH", default=None)
-
-
-def run(args):
-    """Run ``train --task text``; return the exit code."""
-    fields = {f.name for f in dataclasses.fields(TextConfig)}
-    config = TextConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    try:
-        config.check()
-        *_, code = train_text(config, resume=args.resume, save=args.save,
-                              save_every=args.save_every)
-    except (ValueError, OSError) as exc:
-        raise argparse.ArgumentError(None, str(exc)) from None
-    return code
+        interrupted = run.step < config.steps
+        path = save
+        if path is None and interrupted and save_on_interrupt:
+            path = default_checkpoint_path(config, run.step)
+        if path is not None:
+            _save(path, config, corpus, run)
+            print(f"saved {path} at step {run.step}", file=stream)
+    if interrupted and path is not None:
+        print(f"interrupted: resume with {program_name()} train --task text --resume {path}"
+              + (f" --save {save}" if save else ""), file=stream)
+    code = 128 + int(stop.signal) if interrupted and stop.requested else 0
+    return run.model, _eval_rows(run.history), code

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from ..generation import generate
+from .checkpoint import CheckpointError
 from .text import load_text_checkpoint
 
 __all__ = ["add_arguments", "run"]
@@ -32,9 +33,17 @@ def add_arguments(parser):
 
 
 def run(args):
-    """Print the prompt's continuation; return the exit code."""
+    """Print the prompt's continuation; return the exit code.
+
+    A file that is not a text checkpoint (another task's, damaged) is one
+    ``error:`` line naming it and the entry, exit status 2.
+    """
     try:
-        model, meta, _ = load_text_checkpoint(args.resume)
+        model, _ = load_text_checkpoint(args.resume)
+    except (FileNotFoundError, CheckpointError) as exc:
+        print(f"error: --resume: {exc}", file=sys.stderr)
+        return 2
+    try:
         prompt = args.prompt.encode("utf-8")
         if not prompt:
             raise ValueError("--prompt must not be empty")

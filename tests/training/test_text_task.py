@@ -72,17 +72,17 @@ def test_stopping_and_resuming_equals_one_uninterrupted_run(corpus, tmp_path, ca
                                   dropout=0.1, context=8, emb_dim=8, num_heads=2, num_layers=1,
                                   batch_size=4, eval_windows=4, sample_length=10, warmup=2)
     text_task.train_text(config, save=part, stop_at=3)  # as SIGTERM after step 3 would
-    assert text_task.load_text_checkpoint(part)[1]["step"] == 3
+    assert text_task.load_text_checkpoint(part)[1].step == 3
     assert main(args + ["--steps", "6", "--save", part, "--resume", part]) == 0
     capsys.readouterr()
-    a, meta_a, opt_a = text_task.load_text_checkpoint(whole)
-    b, meta_b, opt_b = text_task.load_text_checkpoint(part)
-    assert meta_a["step"] == meta_b["step"] == 6
+    a, saved_a = text_task.load_text_checkpoint(whole)
+    b, saved_b = text_task.load_text_checkpoint(part)
+    assert saved_a.step == saved_b.step == 6
     for name, value in a.params.items():
         np.testing.assert_array_equal(b.params[name], value)
-    for name, value in opt_a.items():
-        np.testing.assert_array_equal(opt_b[name], value)
-    assert meta_a["history"] == meta_b["history"]
+    for name, value in saved_a.optimizer_state.items():
+        np.testing.assert_array_equal(saved_b.optimizer_state[name], value)
+    assert saved_a.history == saved_b.history
 
 
 def test_resume_refuses_another_model(corpus, tmp_path, capsys):
@@ -112,7 +112,7 @@ def test_generate_continues_the_prompt_with_qkvnp_generate(corpus, tmp_path, cap
     assert main(["generate", "--resume", save, "--prompt", "the cat", "--max-new-tokens", "12",
                  "--temperature", "0"]) == 0
     out = capsys.readouterr().out
-    model, _, _ = text_task.load_text_checkpoint(save)
+    model, _ = text_task.load_text_checkpoint(save)
     idx = np.frombuffer(b"the cat", dtype=np.uint8).astype(np.int64)[None]
     expected = qkvnp.generate(model.eval(), idx, 12)[0, 7:].astype(np.uint8).tolist()
     assert out == "the cat" + bytes(expected).decode("utf-8", "replace") + "\n"
@@ -134,8 +134,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 143, err
-    _, meta, _ = text_task.load_text_checkpoint(save)
-    assert meta["step"] >= 1
+    _, saved = text_task.load_text_checkpoint(save)
+    assert saved.step >= 1
 
 
 def test_the_attention_of_recent_models_trains_saves_and_writes(corpus, tmp_path, capsys):
@@ -151,7 +151,7 @@ def test_the_attention_of_recent_models_trains_saves_and_writes(corpus, tmp_path
     assert main(base + ["--steps", "4", "--save", save]) == 0
     out = capsys.readouterr().out
     assert "1 layers, num_kv_heads=1, rope=True, window=(3, 0), softcap=20.0)" in out
-    model, meta, _ = text_task.load_text_checkpoint(save)
+    model, _ = text_task.load_text_checkpoint(save)
     att = model.trf_blocks[0].att
     assert (att.num_kv_heads, att.variants.rope, att.variants.window, att.variants.softcap) == \
         (1, True, (3, 0), 20.0)
@@ -164,26 +164,16 @@ def test_the_attention_of_recent_models_trains_saves_and_writes(corpus, tmp_path
     assert "trained with other --window" in capsys.readouterr().err
 
 
-def test_a_checkpoint_from_before_the_attention_options_still_loads(corpus, tmp_path, capsys):
-    # oracle: a config without the new fields (as saved before they existed) is the book's model
+def test_a_text_checkpoint_of_the_earlier_format_is_refused_with_advice(corpus, tmp_path):
+    # oracle: the earlier format (one JSON 'meta' entry, no sampling generator state, so it
+    # cannot continue a run bit for bit) is one CheckpointError that says to train again
+    from qkvnp.training.checkpoint import CheckpointError, write_npz_atomic
+
     save = str(tmp_path / "old.npz")
-    assert main(["train", "--task", "text", "--text", corpus, "--steps", "2", "--eval-every",
-                 "1", "--sample-every", "100", "--save", save] + SMALL) == 0
-    model, meta, optimizer = text_task.load_text_checkpoint(save)
-    for name in ("kv_heads", "rope", "window", "softcap"):
-        del meta["config"][name]
-    text_task.save_text_checkpoint(save, model, _optimizer_with(model, optimizer), meta)
-    again, _, _ = text_task.load_text_checkpoint(save)
-    assert again.trf_blocks[0].att.variants is None
-    assert again.trf_blocks[0].att.num_kv_heads == again.num_heads
-
-
-def _optimizer_with(model, state):
-    from qkvnp.optim import AdamW
-
-    optimizer = AdamW(model.params)
-    optimizer.load_state_dict(state)
-    return optimizer
+    write_npz_atomic(save, {"param/tok_emb.weight": np.zeros((256, 8), np.float32),
+                            "meta": np.array('{"format": "qkvnp-text-gpt-1"}')})
+    with pytest.raises(CheckpointError, match="text checkpoint of an earlier qkvnp.*train again"):
+        text_task.load_text_checkpoint(save)
 
 
 @pytest.mark.parametrize("options, message", [
