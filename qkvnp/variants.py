@@ -34,7 +34,7 @@ import numpy as np
 from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_scale, declare_complex_step, is_real_number, owned)
 from .dropout import dense_keep, keep_scale, prepare_dropout
-from .gqa import GroupedCache, split_groups, split_head_axis
+from .gqa import GroupedCache, split_groups, split_head_axis, split_per_head
 from .masks import causal_offset, check_is_causal, prepare_mask
 from .reductions import sum_to_shape
 
@@ -433,13 +433,8 @@ def _grouped_forward(grouped, is_causal, scale, score_bias, softcap, sinks, wind
                              f"(query heads), got shape {score_bias.shape}")
         score_bias = split_head_axis(score_bias, H, K, G)
     if sinks is not None:
-        sinks = np.asarray(sinks)
-        sinks_shape = sinks.shape
-        if sinks.ndim >= 1 and sinks.shape[-1] not in (1, H):
-            raise ValueError(f"sinks must have shape ({H},) (one per query head) or broadcast to "
-                             f"it, got shape {sinks.shape}")
-        if sinks.ndim >= 1 and sinks.shape[-1] == H:
-            sinks = sinks.reshape(sinks.shape[:-1] + (K, G))  # (..., H) -> (..., K, G)
+        sinks_shape = np.shape(sinks)
+        sinks = split_per_head(sinks, H, K, G, "sinks")  # (..., H or 1) -> (..., K or 1, G or 1)
     drop = options.get("dropout_mask")
     if drop is not None and np.ndim(drop) >= 3:
         options["dropout_mask"] = split_head_axis(np.asarray(drop), H, K, G)
