@@ -102,8 +102,8 @@ def _at_least_2d(a):
 def _block_scores(c, qs, i0, i1, j0, j1):
     """The scores of one block pair after bias, ALiBi, cap and masks, and the cap's tanh (or None)."""
     scores = qs @ np.swapaxes(c.key[..., j0:j1, :], -1, -2)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-    if c.score_bias is not None:
-        scores = scores + _slice(c.score_bias, i0, i1, j0, j1)
+    if c.score_bias is not None:  # an overflowed sum clipped, as a float mask's (reference)
+        scores = _clipped_sum(scores, _slice(c.score_bias, i0, i1, j0, j1))
     if c.alibi is not None:
         distance = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + c.offset)  # j - i, (bq, bk)
         scores = scores - c.alibi * np.abs(distance)  # slopes (..., 1, 1)
@@ -112,7 +112,7 @@ def _block_scores(c, qs, i0, i1, j0, j1):
         capped = np.tanh(scores / c.softcap)
         scores = c.softcap * capped
     if c.bias is not None:
-        scores = scores + _slice(c.bias, i0, i1, j0, j1)
+        scores = _clipped_sum(scores, _slice(c.bias, i0, i1, j0, j1))
     left, right = (None, None) if c.window is None else c.window
     if c.causal:
         right = 0 if right is None else min(right, 0)
@@ -129,6 +129,13 @@ def _block_scores(c, qs, i0, i1, j0, j1):
     if allowed is None:
         return scores, capped
     return np.where(allowed, scores, -np.inf), capped
+
+
+def _clipped_sum(scores, bias):
+    """``scores + bias``, ``+inf`` (an overflowed sum) clipped to the dtype's max; ``-inf`` stays."""
+    with np.errstate(over="ignore"):
+        scores = scores + bias
+    return np.minimum(scores, np.finfo(scores.dtype).max, out=scores)
 
 
 def _band_mask(rows, cols, first, left, right):
