@@ -41,8 +41,9 @@ import numpy as np
 from .._checks import owned, scores_may_overflow
 from ..masks import check_is_causal
 from ._runtime import (BLOCK_SIZE_DEFAULTS, MAX_NUM_THREADS, blas_threads, block_sizes,
-                       get_block_sizes, get_num_threads, num_threads, release_buffers,
-                       set_block_sizes, set_num_threads, single_threaded_blas)
+                       buffer_owner, get_block_sizes, get_num_threads, held_buffer_bytes,
+                       num_threads, release_buffers, set_block_sizes, set_num_threads,
+                       single_threaded_blas)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -68,6 +69,8 @@ __all__ = [
     "BLOCK_SIZE_DEFAULTS",
     "blas_threads",
     "release_buffers",
+    "held_buffer_bytes",
+    "buffer_owner",
 ]
 
 #: What a layer's ``impl=`` may be.

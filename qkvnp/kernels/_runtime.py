@@ -37,6 +37,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -65,6 +66,8 @@ __all__ = [
     "openblas_thread_functions",
     "openblas_info",
     "release_buffers",
+    "held_buffer_bytes",
+    "buffer_owner",
     "recycled_empty",
     "blocks",
     "threads_for",
@@ -126,8 +129,14 @@ BLOCK_SIZE_DEFAULTS = {
     # Freed score buffers of at least recycle_min_bytes are kept, up to
     # recycle_bytes in all, for the next forward of the same size: fresh ones
     # page-faulted (128 MiB: 24% of a fwd+bwd at (1, 8, 2048, 64); 8 MiB: 2 ms
-    # of 40 at (32, 64, 128, 8) float64). recycle_bytes = 0 disables.
+    # of 40 at (32, 64, 128, 8) float64). recycle_bytes = 0 disables. They are
+    # kept for the layer that used them last, and let go when it is collected
+    # (buffer_owner) ...
     "recycle_bytes": 512 << 20,
+    # ... and up to recycle_unowned_bytes of those taken outside a layer (a
+    # kernel called directly): nothing lets those go but a later call or
+    # release_buffers, so they are few.
+    "recycle_unowned_bytes": 8 << 20,
     "recycle_min_bytes": 1 << 20,
     # impl="auto" takes the tiled path from this many keys on (from 4096 the
     # two cost about the same and tiled needs memory linear in L) ...
@@ -150,7 +159,8 @@ BLOCK_SIZE_DEFAULTS = {
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "causal_row_block": 1,
             "min_split": 1,
             "min_parallel_flops": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
-            "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
+            "recycle_bytes": 0, "recycle_unowned_bytes": 0, "recycle_min_bytes": 0,
+            "tiled_min_length": 1,
             "causal_tiled_min_length": 1,
             "dense_weights_budget": 0, "heap_mmap_threshold": 0}
 
@@ -252,7 +262,10 @@ class block_sizes:
 # ---------------------------------------------------------------- score buffers
 
 _SPARE: list[np.ndarray] = []  # base arrays, each free while only this list refers to it
+_SPARE_OWNERS: list[Any] = []  # beside each: a weak reference to the layer it is kept for, or None
 _SPARE_LOCK = threading.Lock()
+_LOCAL = threading.local()  # .owner: the weak reference of the buffer_owner being run, or None
+_WATCHED: dict[int, Any] = {}  # id(owner) -> its weak reference, while it lives
 
 
 def _references(pool, index):
@@ -280,40 +293,136 @@ def _free_references():
 _FREE = _free_references()
 
 
+class _OwnerScope:
+    """Context manager: the calling thread's buffers are kept for ``ref`` (a weak reference or None)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = getattr(_LOCAL, "owner", None)
+        _LOCAL.owner = self.ref
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.owner = self.previous
+        return False
+
+
+def buffer_owner(owner: Any) -> _OwnerScope:
+    """Context manager: the score buffers taken inside are kept for ``owner`` while it lives.
+
+    A layer runs its kernels inside it (``qkvnp.layers.AttentionLayer``):
+    the pool keeps the free buffers of live layers, up to ``recycle_bytes``
+    in all, for their next forward of the same size, and forgets a layer's
+    buffers when the layer is garbage-collected. Buffers taken outside any
+    owner (a kernel called directly) are kept up to ``recycle_unowned_bytes``.
+    Thread-local; :func:`run` hands the caller's owner to its worker threads.
+
+    >>> class Owner: pass
+    >>> with buffer_owner(Owner()):
+    ...     buffer = recycled_empty((1024, 1024), np.float32)
+    >>> buffer.shape
+    (1024, 1024)
+    """
+    key = id(owner)
+    ref = _WATCHED.get(key)
+    if ref is None or ref() is not owner:
+        ref = weakref.ref(owner)
+        _WATCHED[key] = ref
+        weakref.finalize(owner, _forget_owner, key, ref)
+    return _OwnerScope(ref)
+
+
+def _forget_owner(key, ref):
+    """An owner was garbage-collected: the pool lets its buffers go (now, or at its next call)."""
+    if _WATCHED.get(key) is ref:
+        del _WATCHED[key]
+    # NOTE: never wait here: the collector may run in a thread that holds the
+    # lock (inside recycled_empty), which drops dead owners' buffers itself
+    if _SPARE_LOCK.acquire(blocking=False):
+        try:
+            _drop_dead_owners()
+        finally:
+            _SPARE_LOCK.release()
+
+
+def _drop_dead_owners():
+    """Forget the buffers whose owner is gone (with ``_SPARE_LOCK`` held); arrays still using one keep it alive."""
+    live = [i for i, ref in enumerate(_SPARE_OWNERS) if ref is None or ref() is not None]
+    if len(live) < len(_SPARE):
+        _SPARE[:] = [_SPARE[i] for i in live]
+        _SPARE_OWNERS[:] = [_SPARE_OWNERS[i] for i in live]
+
+
+def _trim():
+    """Drop free buffers, oldest first, until the owned and the unowned ones fit their settings."""
+    limits = (_SIZES["recycle_unowned_bytes"], _SIZES["recycle_bytes"])  # by "has an owner"
+    totals = [0, 0]
+    for base, ref in zip(_SPARE, _SPARE_OWNERS):
+        totals[ref is not None] += base.nbytes
+    i = 0
+    while i < len(_SPARE) and (totals[0] > limits[0] or totals[1] > limits[1]):
+        owned = _SPARE_OWNERS[i] is not None
+        if totals[owned] > limits[owned] and _references(_SPARE, i) == _FREE:
+            totals[owned] -= _SPARE[i].nbytes
+            del _SPARE[i], _SPARE_OWNERS[i]
+        else:
+            i += 1
+
+
 def recycled_empty(shape, dtype):
     """``np.empty(shape, dtype)``, reusing a large buffer no array refers to any more.
 
     A buffer is free when its only reference is this pool's: every numpy
     view of it (the cache's array, any slice a caller took) refers to it.
-    The pool keeps at most ``recycle_bytes`` of buffers no array uses (the
-    one returned aside): older free ones go first.
+    The pool keeps, of its buffers (the one returned aside, older free ones
+    going first): at most ``recycle_bytes`` taken under a live
+    :func:`buffer_owner` (a layer's forward), and at most
+    ``recycle_unowned_bytes`` taken outside one. A buffer is kept for the
+    owner that took it last, and forgotten when that owner is collected.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    limit = _SIZES["recycle_bytes"]
+    owner = getattr(_LOCAL, "owner", None)
+    limit = _SIZES["recycle_bytes" if owner is not None else "recycle_unowned_bytes"]
     if nbytes < _SIZES["recycle_min_bytes"] or nbytes > limit:
         return np.empty(shape, dtype)
     with _SPARE_LOCK:
+        _drop_dead_owners()
         for i in range(len(_SPARE)):
             if _SPARE[i].nbytes == nbytes and _references(_SPARE, i) == _FREE:
-                return _SPARE[i].view(dtype).reshape(shape)
-        base = np.empty(nbytes, np.uint8)
-        _SPARE.append(base)
-        total = sum(b.nbytes for b in _SPARE)
-        i = 0
-        while total > limit and i < len(_SPARE) - 1:  # the last one is `base`
-            if _references(_SPARE, i) == _FREE:
-                total -= _SPARE[i].nbytes
-                del _SPARE[i]
-            else:
-                i += 1
-        return base.view(dtype).reshape(shape)
+                _SPARE_OWNERS[i] = owner  # kept for its last user
+                buffer = _SPARE[i].view(dtype).reshape(shape)
+                break
+        else:
+            base = np.empty(nbytes, np.uint8)
+            _SPARE.append(base)
+            _SPARE_OWNERS.append(owner)
+            buffer = base.view(dtype).reshape(shape)
+        _trim()  # `buffer` refers to its base: never dropped here
+        return buffer
 
 
 def release_buffers() -> None:
-    """Drop the recycled score buffers that no array uses (setting ``recycle_bytes``)."""
+    """Drop the recycled score buffers that no array uses (settings ``recycle_bytes``, ``recycle_unowned_bytes``)."""
     with _SPARE_LOCK:
-        _SPARE[:] = [_SPARE[i] for i in range(len(_SPARE)) if _references(_SPARE, i) > _FREE]
+        busy = [i for i in range(len(_SPARE)) if _references(_SPARE, i) > _FREE]
+        _SPARE[:] = [_SPARE[i] for i in busy]
+        _SPARE_OWNERS[:] = [_SPARE_OWNERS[i] for i in busy]
+        _drop_dead_owners()
+
+
+def held_buffer_bytes() -> int:
+    """Bytes of the score buffers the pool holds, in use or free (:func:`recycled_empty`).
+
+    >>> held_buffer_bytes() >= 0
+    True
+    """
+    with _SPARE_LOCK:
+        _drop_dead_owners()
+        return sum(base.nbytes for base in _SPARE)
 
 
 # ---------------------------------------------------------------- BLAS threads
@@ -535,6 +644,14 @@ def run(task, work, flops=None):
                 task(work)
         return
     parts = _snake_shares(work, threads)
+    owner = getattr(_LOCAL, "owner", None)
+    if owner is not None:  # the workers' buffers are kept for the caller's owner too
+        shared = task
+
+        def task(part):
+            with _OwnerScope(owner):
+                shared(part)
+
     with _SECTION_LOCK, single_threaded_blas():
         crew(workers).run(task, parts)  # share 0 in the calling thread (see workers.Crew)
 
