@@ -331,7 +331,7 @@ def buffer_owner(owner: Any) -> _OwnerScope:
     if ref is None or ref() is not owner:
         ref = weakref.ref(owner)
         _WATCHED[key] = ref
-        weakref.finalize(owner, _forget_owner, key, ref)
+        weakref.finalize(owner, _forget_owner, key, ref).atexit = False  # nothing to free at exit
     return _OwnerScope(ref)
 
 
