@@ -379,7 +379,7 @@ def recycled_empty(shape, dtype):
     view of it (the cache's array, any slice a caller took) refers to it.
     The pool keeps, of its buffers (the one returned aside, older free ones
     going first): at most ``recycle_bytes`` taken under a live
-    :func:`buffer_owner` (a layer's forward), and at most
+    :func:`buffer_owner` (a layer's forward or backward), and at most
     ``recycle_unowned_bytes`` taken outside one. A buffer is kept for the
     owner that took it last, and forgotten when that owner is collected.
     """

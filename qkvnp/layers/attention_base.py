@@ -144,7 +144,8 @@ class AttentionLayer(Layer):
         """Run :func:`qkvnp.kernels.layer_backward` on ``cache`` (default the calling
         thread's, :meth:`_need_cache`); accumulate; return the input gradients."""
         cache = self._need_cache() if cache is None else cache
-        grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
+        with kernels.buffer_owner(self):  # scratch buffers too: let go with the layer
+            grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
         self._accumulate_all(grads)  # one lock for the 8 additions
         self._release_cache(retain_cache)
         return dinputs
