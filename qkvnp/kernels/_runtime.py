@@ -1,5 +1,5 @@
-"""The kernels' runtime: worker threads, BLAS thread control, the score-buffer
-pool, and the settings that tune them.
+"""The kernels' runtime: worker threads, BLAS thread control, and the settings
+that tune them (the score-buffer pool's among them: :mod:`qkvnp.kernels.buffers`).
 
 Shape key: ``lead`` the leading (batch, head) dims of an attention problem,
 G one block of them.
@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
-import weakref
 
 import numpy as np
 
@@ -65,10 +63,8 @@ __all__ = [
     "single_threaded_blas",
     "openblas_thread_functions",
     "openblas_info",
-    "release_buffers",
-    "held_buffer_bytes",
-    "buffer_owner",
-    "recycled_empty",
+    "current_owner",
+    "OwnerScope",
     "blocks",
     "threads_for",
     "run",
@@ -259,42 +255,20 @@ class block_sizes:
         return False
 
 
-# ---------------------------------------------------------------- score buffers
+# ---------------------------------------------------------------- buffer owners
 
-_SPARE: list[np.ndarray] = []  # base arrays, each free while only this list refers to it
-_SPARE_OWNERS: list[Any] = []  # beside each: a weak reference to the layer it is kept for, or None
-_SPARE_LOCK = threading.Lock()
-_LOCAL = threading.local()  # .owner: the weak reference of the buffer_owner being run, or None
-_WATCHED: dict[int, Any] = {}  # id(owner) -> its weak reference, while it lives
+_LOCAL = threading.local()  # .owner: a weak reference to the buffers' owner, or None
 
 
-def _references(pool, index):
-    """``sys.getrefcount`` of ``pool[index]``, always taken the same way (see ``_FREE``)."""
-    return sys.getrefcount(pool[index])
+def current_owner():
+    """The weak reference of the :class:`OwnerScope` the calling thread runs in, or None."""
+    return getattr(_LOCAL, "owner", None)
 
 
-def _free_references():
-    """What :func:`_references` counts for a buffer that only its pool holds.
-
-    NOTE: measured, not assumed. How many references ``getrefcount`` sees
-    depends on how the caller holds the object: a loop name over the pool
-    adds one, a copy of the list another, and Python 3.14 borrows some
-    references it used to count. A buffer that an array still uses has at
-    least one more (the array's base), so comparing with this count, taken
-    through the same function, is exact on any of them. The trim below once
-    compared a loop over a copy of the pool (4 references when free) with
-    3, so that it never let a buffer go: 100 buffers of distinct sizes kept
-    200 MiB under a 16 MiB ``recycle_bytes``.
-    """
-    pool = [np.empty(1, np.uint8)]
-    return _references(pool, 0)
-
-
-_FREE = _free_references()
-
-
-class _OwnerScope:
-    """Context manager: the calling thread's buffers are kept for ``ref`` (a weak reference or None)."""
+class OwnerScope:
+    """Context manager: the calling thread's score buffers are kept for ``ref`` (a weak
+    reference, or None). :mod:`qkvnp.kernels.buffers` reads it; :func:`run` hands it
+    to the worker threads."""
 
     def __init__(self, ref):
         self.ref = ref
@@ -308,121 +282,6 @@ class _OwnerScope:
     def __exit__(self, *exc):
         _LOCAL.owner = self.previous
         return False
-
-
-def buffer_owner(owner: Any) -> _OwnerScope:
-    """Context manager: the score buffers taken inside are kept for ``owner`` while it lives.
-
-    A layer runs its kernels inside it (``qkvnp.layers.AttentionLayer``):
-    the pool keeps the free buffers of live layers, up to ``recycle_bytes``
-    in all, for their next forward of the same size, and forgets a layer's
-    buffers when the layer is garbage-collected. Buffers taken outside any
-    owner (a kernel called directly) are kept up to ``recycle_unowned_bytes``.
-    Thread-local; :func:`run` hands the caller's owner to its worker threads.
-
-    >>> class Owner: pass
-    >>> with buffer_owner(Owner()):
-    ...     buffer = recycled_empty((1024, 1024), np.float32)
-    >>> buffer.shape
-    (1024, 1024)
-    """
-    key = id(owner)
-    ref = _WATCHED.get(key)
-    if ref is None or ref() is not owner:
-        ref = weakref.ref(owner)
-        _WATCHED[key] = ref
-        weakref.finalize(owner, _forget_owner, key, ref).atexit = False  # nothing to free at exit
-    return _OwnerScope(ref)
-
-
-def _forget_owner(key, ref):
-    """An owner was garbage-collected: the pool lets its buffers go (now, or at its next call)."""
-    if _WATCHED.get(key) is ref:
-        del _WATCHED[key]
-    # NOTE: never wait here: the collector may run in a thread that holds the
-    # lock (inside recycled_empty), which drops dead owners' buffers itself
-    if _SPARE_LOCK.acquire(blocking=False):
-        try:
-            _drop_dead_owners()
-        finally:
-            _SPARE_LOCK.release()
-
-
-def _drop_dead_owners():
-    """Forget the buffers whose owner is gone (with ``_SPARE_LOCK`` held); arrays still using one keep it alive."""
-    live = [i for i, ref in enumerate(_SPARE_OWNERS) if ref is None or ref() is not None]
-    if len(live) < len(_SPARE):
-        _SPARE[:] = [_SPARE[i] for i in live]
-        _SPARE_OWNERS[:] = [_SPARE_OWNERS[i] for i in live]
-
-
-def _trim():
-    """Drop free buffers, oldest first, until the owned and the unowned ones fit their settings."""
-    limits = (_SIZES["recycle_unowned_bytes"], _SIZES["recycle_bytes"])  # by "has an owner"
-    totals = [0, 0]
-    for base, ref in zip(_SPARE, _SPARE_OWNERS):
-        totals[ref is not None] += base.nbytes
-    i = 0
-    while i < len(_SPARE) and (totals[0] > limits[0] or totals[1] > limits[1]):
-        owned = _SPARE_OWNERS[i] is not None
-        if totals[owned] > limits[owned] and _references(_SPARE, i) == _FREE:
-            totals[owned] -= _SPARE[i].nbytes
-            del _SPARE[i], _SPARE_OWNERS[i]
-        else:
-            i += 1
-
-
-def recycled_empty(shape, dtype):
-    """``np.empty(shape, dtype)``, reusing a large buffer no array refers to any more.
-
-    A buffer is free when its only reference is this pool's: every numpy
-    view of it (the cache's array, any slice a caller took) refers to it.
-    The pool keeps, of its buffers (the one returned aside, older free ones
-    going first): at most ``recycle_bytes`` taken under a live
-    :func:`buffer_owner` (a layer's forward or backward), and at most
-    ``recycle_unowned_bytes`` taken outside one. A buffer is kept for the
-    owner that took it last, and forgotten when that owner is collected.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    owner = getattr(_LOCAL, "owner", None)
-    limit = _SIZES["recycle_bytes" if owner is not None else "recycle_unowned_bytes"]
-    if nbytes < _SIZES["recycle_min_bytes"] or nbytes > limit:
-        return np.empty(shape, dtype)
-    with _SPARE_LOCK:
-        _drop_dead_owners()
-        for i in range(len(_SPARE)):
-            if _SPARE[i].nbytes == nbytes and _references(_SPARE, i) == _FREE:
-                _SPARE_OWNERS[i] = owner  # kept for its last user
-                buffer = _SPARE[i].view(dtype).reshape(shape)
-                break
-        else:
-            base = np.empty(nbytes, np.uint8)
-            _SPARE.append(base)
-            _SPARE_OWNERS.append(owner)
-            buffer = base.view(dtype).reshape(shape)
-        _trim()  # `buffer` refers to its base: never dropped here
-        return buffer
-
-
-def release_buffers() -> None:
-    """Drop the recycled score buffers that no array uses (settings ``recycle_bytes``, ``recycle_unowned_bytes``)."""
-    with _SPARE_LOCK:
-        busy = [i for i in range(len(_SPARE)) if _references(_SPARE, i) > _FREE]
-        _SPARE[:] = [_SPARE[i] for i in busy]
-        _SPARE_OWNERS[:] = [_SPARE_OWNERS[i] for i in busy]
-        _drop_dead_owners()
-
-
-def held_buffer_bytes() -> int:
-    """Bytes of the score buffers the pool holds, in use or free (:func:`recycled_empty`).
-
-    >>> held_buffer_bytes() >= 0
-    True
-    """
-    with _SPARE_LOCK:
-        _drop_dead_owners()
-        return sum(base.nbytes for base in _SPARE)
 
 
 # ---------------------------------------------------------------- BLAS threads
@@ -510,10 +369,10 @@ def _reset_after_fork_in_child():
     open either: the child restores OpenBLAS's count from before the
     parent's sections (consistent with ``_PIN``: the fork held ``_PIN_LOCK``).
     """
-    global _SECTION_LOCK, _PIN_LOCK, _BLAS_POOL_LOCK, _SETTINGS_LOCK, _SPARE_LOCK
+    global _SECTION_LOCK, _PIN_LOCK, _BLAS_POOL_LOCK, _SETTINGS_LOCK
     _SECTION_LOCK, _PIN_LOCK = threading.Lock(), threading.Lock()
     _BLAS_POOL_LOCK = threading.RLock()
-    _SETTINGS_LOCK, _SPARE_LOCK = threading.Lock(), threading.Lock()
+    _SETTINGS_LOCK = threading.Lock()
     if _PIN["depth"]:
         _PIN["depth"] = 0
         functions = openblas_thread_functions()
@@ -644,12 +503,12 @@ def run(task, work, flops=None):
                 task(work)
         return
     parts = _snake_shares(work, threads)
-    owner = getattr(_LOCAL, "owner", None)
+    owner = current_owner()
     if owner is not None:  # the workers' buffers are kept for the caller's owner too
         shared = task
 
         def task(part):
-            with _OwnerScope(owner):
+            with OwnerScope(owner):
                 shared(part)
 
     with _SECTION_LOCK, single_threaded_blas():

@@ -33,7 +33,7 @@ import qkvnp
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp import kernels
-from qkvnp.kernels import _runtime, fast, fast_small, mha
+from qkvnp.kernels import _runtime, buffers, fast, fast_small, mha
 
 from strategies import attention_cases, mha_cases, self_attention_cases
 from oracles import assert_matches_reference
@@ -455,7 +455,7 @@ def test_recycled_score_buffers_are_never_shared():
     or a caller's slice of one, keep their own; gradients match those of
     caches computed alone (oracle: the same call without recycling)."""
     kernels.release_buffers()  # (buffers that live arrays still use stay in the pool)
-    pooled = len(_runtime._SPARE)
+    pooled = len(buffers._SPARE)
     rng = np.random.default_rng(13)
     problems = [[rng.normal(size=(2, 6, 3)) for _ in range(3)] for _ in range(3)]
     douts = [rng.normal(size=(2, 6, 3)) for _ in range(3)]
@@ -476,15 +476,15 @@ def test_recycled_score_buffers_are_never_shared():
             assert np.array_equal(got, want)
         del piece, second, third
         # three score buffers, and the backwards' (T, S) scratch, freed after each
-        allocated = len(_runtime._SPARE)
+        allocated = len(buffers._SPARE)
         assert allocated == pooled + 4
         _, fourth = fast.attention_forward(*problems[0])  # now a free buffer is reused
-        assert len(_runtime._SPARE) == allocated
+        assert len(buffers._SPARE) == allocated
         for got, want in zip(fast.attention_backward(douts[0], fourth), expected[0]):
             assert np.array_equal(got, want)
         del fourth
     kernels.release_buffers()
-    assert len(_runtime._SPARE) == pooled
+    assert len(buffers._SPARE) == pooled
 
 
 class _Owner:
@@ -499,30 +499,30 @@ def test_the_buffer_pool_keeps_at_most_recycle_bytes_of_free_buffers(setting):
     ``recycle_unowned_bytes`` for the others; a buffer whose array is alive
     is never dropped nor handed out again; ``release_buffers`` drops every free one."""
     kernels.release_buffers()
-    pooled = list(_runtime._SPARE)  # buffers live arrays of other tests still use
+    pooled = list(buffers._SPARE)  # buffers live arrays of other tests still use
     kept = sum(b.nbytes for b in pooled)
     size = 2 << 20
     owner = _Owner()
     scope = kernels.buffer_owner(owner) if setting == "recycle_bytes" else contextlib.nullcontext()
     with kernels.block_sizes(recycle_min_bytes=1 << 20, **{setting: 16 << 20}), scope:
-        alive = _runtime.recycled_empty((size // 8,), np.float64)
+        alive = buffers.recycled_empty((size // 8,), np.float64)
         alive[:] = 7.0
         for i in range(100):
-            buffer = _runtime.recycled_empty((size // 8 + i,), np.float64)
+            buffer = buffers.recycled_empty((size // 8 + i,), np.float64)
             assert not np.shares_memory(buffer, alive)
             del buffer
-            free = sum(b.nbytes for b in _runtime._SPARE) - kept - alive.nbytes
+            free = sum(b.nbytes for b in buffers._SPARE) - kept - alive.nbytes
             assert free <= 16 << 20, f"{free / 2**20:.1f} MiB of free buffers after {i + 1}"
-        again = _runtime.recycled_empty((size // 8,), np.float64)  # alive's size: a new one
+        again = buffers.recycled_empty((size // 8,), np.float64)  # alive's size: a new one
         assert not np.shares_memory(again, alive) and (alive == 7.0).all()
-        assert any(b is alive.base for b in _runtime._SPARE)  # in use: kept
+        assert any(b is alive.base for b in buffers._SPARE)  # in use: kept
         del again
         kernels.release_buffers()
-        others = [id(b) for b in _runtime._SPARE if b is not alive.base]
+        others = [id(b) for b in buffers._SPARE if b is not alive.base]
         assert others == [id(b) for b in pooled]
     del alive
     kernels.release_buffers()
-    assert [id(b) for b in _runtime._SPARE] == [id(b) for b in pooled]
+    assert [id(b) for b in buffers._SPARE] == [id(b) for b in pooled]
 
 
 def test_a_deleted_layer_leaves_at_most_the_unowned_bound_in_the_buffer_pool():
@@ -544,7 +544,7 @@ def test_a_deleted_layer_leaves_at_most_the_unowned_bound_in_the_buffer_pool():
     for impl in ("fast", "auto"):
         gc.collect()
         kernels.release_buffers()
-        held_before = sum(b.nbytes for b in _runtime._SPARE)
+        held_before = sum(b.nbytes for b in buffers._SPARE)
         tracemalloc.start()
         try:
             traced_before = tracemalloc.get_traced_memory()[0]
@@ -552,10 +552,10 @@ def test_a_deleted_layer_leaves_at_most_the_unowned_bound_in_the_buffer_pool():
             for T in range(1536, 1552):
                 out = layer.forward(rng.normal(size=(1, T, 32)).astype(np.float32),
                                     is_causal=True)
-            assert sum(b.nbytes for b in _runtime._SPARE) - held_before > 100 << 20  # used
+            assert sum(b.nbytes for b in buffers._SPARE) - held_before > 100 << 20  # used
             del layer, out
             gc.collect()
-            held = sum(b.nbytes for b in _runtime._SPARE) - held_before
+            held = sum(b.nbytes for b in buffers._SPARE) - held_before
             traced = tracemalloc.get_traced_memory()[0] - traced_before
         finally:
             tracemalloc.stop()
