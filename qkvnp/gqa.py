@@ -27,8 +27,8 @@ import numpy as np
 
 from ._checks import as_upstream_grad
 
-__all__ = ["GroupedCache", "split_groups", "split_head_axis", "grouped_forward", "grouped_backward",
-           "ungroup_weights"]
+__all__ = ["GroupedCache", "split_groups", "split_head_axis", "split_per_head", "grouped_forward",
+           "grouped_backward", "ungroup_weights"]
 
 
 class GroupedCache(namedtuple("GroupedCache", "inner shapes out_shape grouped_out_shape dtype")):
@@ -150,6 +150,32 @@ def split_head_axis(x, H, K, G):
     if n == K:
         return x[..., None, :, :]  # (..., K, L, d) -> (..., K, 1, L, d)
     return x[..., None, :, :, :]  # (..., 1, L, d) -> (..., 1, 1, L, d)
+
+
+def split_per_head(x, H, K, G, name):
+    """Give a per-head argument (``sinks``, ALiBi's slopes) the ``(K, G)`` head axes.
+
+    Its last axis is the head axis, before which its leading (batch) dims
+    stand: ``(..., H) -> (..., K, G)`` and ``(..., 1) -> (..., 1, 1)``, so
+    that a batch axis stays a batch axis and does not meet the ``K`` axis of
+    the grouped scores ``(..., K, G, T, S)``. A scalar is returned as is.
+
+    Raises
+    ------
+    ValueError
+        If the last axis is neither ``H`` nor 1.
+
+    >>> split_per_head(np.zeros((2, 1)), 4, 2, 2, "sinks").shape
+    (2, 1, 1)
+    """
+    x = np.asarray(x)
+    if x.ndim == 0:
+        return x
+    if x.shape[-1] not in (1, H):
+        raise ValueError(f"{name} must have shape ({H},) (one per query head) or broadcast to "
+                         f"(..., {H}), got shape {x.shape}")
+    heads = (K, G) if x.shape[-1] == H else (1, 1)
+    return x.reshape(x.shape[:-1] + heads)  # (..., H) -> (..., K, G); (..., 1) -> (..., 1, 1)
 
 
 def grouped_forward(core_forward, grouped, is_causal, scale, **options):

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any
     from ._typing import ArrayLike, FloatArray, IntArray
 
-__all__ = ["alibi_slopes", "alibi_bias", "relative_position_bucket", "relative_positions"]
+__all__ = ["alibi_slopes", "alibi_bias", "relative_position_bucket", "relative_positions",
+           "check_max_distance"]
 
 
 def alibi_slopes(num_heads: int) -> FloatArray:
@@ -100,6 +101,34 @@ def alibi_bias(T: int, S: int, slopes: ArrayLike, offset: int = 0) -> FloatArray
     return slopes[:, None, None] * -distance  # (H,) -> (H, T, S); 0, not -0, on the diagonal
 
 
+def check_max_distance(num_buckets: int, max_distance: int, bidirectional: bool = True,
+                       where: str = "") -> int:
+    """``max_distance`` if T5's log-spaced buckets fit it, else a ``ValueError`` naming it.
+
+    With ``e`` the exact buckets (half of the buckets, of each side's half
+    when bidirectional), distances from ``e`` on are bucketed by
+    ``log(n / e) / log(max_distance / e)``: ``max_distance <= e`` makes that
+    denominator 0 or negative, and the buckets NaN or negative (rows of
+    ``rel_bias`` that belong to other distances). So ``max_distance`` must
+    exceed ``max(e, 1)``.
+
+    >>> check_max_distance(32, 128)
+    128
+    >>> check_max_distance(8, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_distance must be greater than 2 for num_buckets=8 bidirectional (the distances below 2 have exact buckets; the log-spaced ones need room beyond them), got max_distance=2
+    """
+    half = num_buckets // 2 if bidirectional else num_buckets
+    exact = max(half // 2, 1)
+    if max_distance <= exact:
+        kind = "bidirectional" if bidirectional else "unidirectional"
+        raise ValueError(f"max_distance must be greater than {exact} for num_buckets={num_buckets} "
+                         f"{kind}{where} (the distances below {exact} have exact buckets; the "
+                         f"log-spaced ones need room beyond them), got max_distance={max_distance}")
+    return max_distance
+
+
 def relative_position_bucket(T: int, S: int, num_buckets: int = 32, max_distance: int = 128,
                              bidirectional: bool = True, *, offset: int = 0) -> IntArray:
     """T5's bucket of each relative position ``j - i``: an int ``(T, S)`` array in ``[0, num_buckets)``.
@@ -110,7 +139,8 @@ def relative_position_bucket(T: int, S: int, num_buckets: int = 32, max_distance
     num_buckets : int
         T5: 32. Bidirectional, half of them for keys after the query.
     max_distance : int
-        Distances from here on share the last bucket. T5: 128.
+        Distances from here on share the last bucket. T5: 128. Must exceed
+        the exact buckets' reach (:func:`check_max_distance`).
     bidirectional : bool
         True (T5's encoder) tells keys before and after apart; False (its
         decoder) gives every key after the query bucket 0.
@@ -120,6 +150,12 @@ def relative_position_bucket(T: int, S: int, num_buckets: int = 32, max_distance
     Returns
     -------
     buckets : ndarray of int64, shape (T, S)
+
+    Raises
+    ------
+    ValueError
+        If ``max_distance`` is too small for ``num_buckets``
+        (:func:`check_max_distance`).
 
     Notes
     -----
@@ -137,6 +173,7 @@ def relative_position_bucket(T: int, S: int, num_buckets: int = 32, max_distance
     """
     num_buckets = check_int(num_buckets, "num_buckets", 2 if bidirectional else 1)
     max_distance = check_int(max_distance, "max_distance", 1)
+    check_max_distance(num_buckets, max_distance, bidirectional)
     relative = relative_positions(T, S, offset)  # j - i, (T, S)
     n = -relative
     buckets = np.zeros(relative.shape, dtype=np.int64)
@@ -152,5 +189,5 @@ def relative_position_bucket(T: int, S: int, num_buckets: int = 32, max_distance
         large = exact + (np.log(np.maximum(n, 1) / max(exact, 1))
                          / math.log(max_distance / max(exact, 1))
                          * (num_buckets - exact)).astype(np.int64)
-    large = np.minimum(large, num_buckets - 1)
+    large = np.minimum(large, num_buckets - 1)  # >= exact: max_distance > exact (checked)
     return buckets + np.where(is_small, n, large)

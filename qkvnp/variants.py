@@ -34,8 +34,9 @@ import numpy as np
 from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_scale, declare_complex_step, is_real_number, owned)
 from .dropout import dense_keep, keep_scale, prepare_dropout
-from .gqa import GroupedCache, split_groups, split_head_axis
+from .gqa import GroupedCache, split_groups, split_head_axis, split_per_head
 from .masks import causal_offset, check_is_causal, prepare_mask
+from .overflow import product
 from .reductions import sum_to_shape
 
 TYPE_CHECKING = False
@@ -370,18 +371,21 @@ def variant_attention_forward(query, key, value, attn_mask=None, is_causal=False
         keep = band if keep is None else keep & band
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, scores_shape)
 
-    scores = (query @ np.swapaxes(key, -1, -2)) * scale  # (..., T, D) @ (..., D, S) -> (..., T, S)
-    if scores.dtype.kind == "f" and not np.isfinite(scores).all():
-        big = np.finfo(scores.dtype).max  # as the reference: overflowed scores clipped
-        scores = np.nan_to_num(scores, nan=0.0, posinf=big, neginf=-big)
+    # NOTE: the plain path's numerics (qkvnp.overflow): exact where the exact
+    # score fits the dtype, even when partial products overflow; beyond it,
+    # clipped to +-max. A sum with score_bias or the float mask that overflows
+    # is clipped to +max as well (-inf stays -inf): score_bias is a float mask
+    # that also gets a gradient, taken as if unclipped.
+    big = np.finfo(query.real.dtype).max
+    scores = product(query, np.swapaxes(key, -1, -2), scale, clip=True)  # (..., T, D) @ (..., D, S) -> (..., T, S)
     if score_bias is not None:
-        scores = scores + score_bias
+        scores = _clipped_sum(scores, score_bias, big)
     capped = None
     if softcap is not None:
         capped = np.tanh(scores / softcap)  # (..., T, S), in (-1, 1)
         scores = softcap * capped
     if bias is not None:
-        scores = scores + bias
+        scores = _clipped_sum(scores, bias, big)
     if keep is not None:
         scores = np.where(keep, scores, -np.inf)
     weights, sink_weight = _sink_softmax(scores, sinks_column)  # (..., T, S), (..., T, 1)
@@ -395,6 +399,15 @@ def variant_attention_forward(query, key, value, attn_mask=None, is_causal=False
     out = _dropped(cache) @ value  # (..., T, S) @ (..., S, Dv) -> (..., T, Dv)
     query, key, value = owned((query, key, value), originals)  # the cache owns what backward reads
     return out, cache._replace(query=query, key=key, value=value)
+
+
+def _clipped_sum(scores, bias, big):
+    """``scores + bias`` with ``+inf`` (an overflowed sum) clipped to ``big``; ``-inf`` stays."""
+    total = scores + bias
+    if np.isfinite(total).all():
+        return total
+    real = np.minimum(total.real, big)  # the real part: the complex step's imaginary part stays
+    return real + 1j * total.imag if np.iscomplexobj(total) else real
 
 
 def _check_broadcast(array, name, shape, dtype, expected, shown=None):
@@ -433,13 +446,8 @@ def _grouped_forward(grouped, is_causal, scale, score_bias, softcap, sinks, wind
                              f"(query heads), got shape {score_bias.shape}")
         score_bias = split_head_axis(score_bias, H, K, G)
     if sinks is not None:
-        sinks = np.asarray(sinks)
-        sinks_shape = sinks.shape
-        if sinks.ndim >= 1 and sinks.shape[-1] not in (1, H):
-            raise ValueError(f"sinks must have shape ({H},) (one per query head) or broadcast to "
-                             f"it, got shape {sinks.shape}")
-        if sinks.ndim >= 1 and sinks.shape[-1] == H:
-            sinks = sinks.reshape(sinks.shape[:-1] + (K, G))  # (..., H) -> (..., K, G)
+        sinks_shape = np.shape(sinks)
+        sinks = split_per_head(sinks, H, K, G, "sinks")  # (..., H or 1) -> (..., K or 1, G or 1)
     drop = options.get("dropout_mask")
     if drop is not None and np.ndim(drop) >= 3:
         options["dropout_mask"] = split_head_axis(np.asarray(drop), H, K, G)
@@ -470,18 +478,39 @@ def variant_attention_backward(dout, cache, check=True):
         # (..., K, G, T, D) -> (..., H, T, D); (..., K, 1, S, D) -> (..., K, S, D); (K, G) -> (H,)
         return tuple(None if g is None else g.reshape(shape)
                      for g, shape in zip(grads, cache.shapes))
-    query, key, value, weights, scale = cache[:5]
+    weights, value = cache.weights, cache.value
     lead = broadcast_shapes(weights.shape[:-2], value.shape[:-2])
     if check:
         dout = as_upstream_grad(dout, "dout", lead + (weights.shape[-2], value.shape[-1]),
                                 weights.dtype)
+    grads = _variant_backward(dout, cache)
+    if all(np.isfinite(g).all() for g in grads if g is not None):
+        return grads
+    # NOTE: as the plain path's backward: an inf or NaN gradient of finite
+    # inputs means that a product overflowed; once more with products that
+    # overflow only where the exact result does (qkvnp.overflow)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _variant_backward(dout, cache, careful=True)
+
+
+def _variant_backward(dout, cache, careful=False):
+    """:func:`variant_attention_backward` of a checked ``dout``.
+
+    ``careful``: every product through :func:`qkvnp.overflow.product`, and the
+    softmax backward as ``P dP - P delta`` (no ``inf * 0`` where ``P = 0``).
+    """
+    query, key, value, weights, scale = cache[:5]
+    matmul = product if careful else _plain_product
     kept = _dropped(cache)  # P~, (..., T, S)
-    dvalue = np.swapaxes(kept, -1, -2) @ dout  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
-    dweights = dout @ np.swapaxes(value, -1, -2)  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
+    dvalue = matmul(np.swapaxes(kept, -1, -2), dout)  # (..., S, T) @ (..., T, Dv) -> (..., S, Dv)
+    dweights = matmul(dout, np.swapaxes(value, -1, -2))  # (..., T, Dv) @ (..., Dv, S) -> (..., T, S)
     if cache.dropout_mask is not None:
         dweights = dweights * cache.dropout_mask * keep_scale(cache.dropout_p, weights.real.dtype)
     row_dot = np.sum(weights * dweights, axis=-1, keepdims=True)  # (..., T, 1)
-    dscores = weights * (dweights - row_dot)  # (..., T, S); 0 where masked (P = 0)
+    if careful:  # P dP - P delta: each term finite, unlike dP - delta
+        dscores = weights * dweights - weights * row_dot
+    else:
+        dscores = weights * (dweights - row_dot)  # (..., T, S); 0 where masked (P = 0)
     dsinks = None
     if cache.sinks_shape is not None:  # d/dsink of P_j is -P_j * sink_weight
         dsink_rows = -cache.sink_weight * row_dot  # (..., T, 1)
@@ -492,10 +521,16 @@ def variant_attention_backward(dout, cache, check=True):
     dscore_bias = None
     if cache.score_bias_shape is not None:
         dscore_bias = sum_to_shape(dscores, cache.score_bias_shape)
-    dquery = (dscores @ key) * scale  # (..., T, S) @ (..., S, D) -> (..., T, D)
-    dkey = (np.swapaxes(dscores, -1, -2) @ query) * scale  # (..., S, T) @ (..., T, D) -> (..., S, D)
+    dquery = matmul(dscores, key, scale)  # (..., T, S) @ (..., S, D) -> (..., T, D)
+    dkey = matmul(np.swapaxes(dscores, -1, -2), query, scale)  # (..., S, T) @ (..., T, D) -> (..., S, D)
     return (sum_to_shape(dquery, query.shape), sum_to_shape(dkey, key.shape),
             sum_to_shape(dvalue, value.shape), dscore_bias, dsinks)
+
+
+def _plain_product(a, b, factor=1.0):
+    """``(a @ b) * factor``, as numpy computes it."""
+    out = a @ b
+    return out * factor if factor != 1.0 else out
 
 
 declare_complex_step(rope_forward, variant_attention_forward)  # see qkvnp._checks.complex_step_mode

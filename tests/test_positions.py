@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+import qkvnp
 from qkvnp.positions import alibi_bias, alibi_slopes, relative_position_bucket
 
 
@@ -62,3 +63,42 @@ def test_refused_arguments():
         alibi_slopes(0)
     with pytest.raises(ValueError, match="slopes"):
         alibi_bias(2, 2, np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_buckets_stay_in_the_table_for_every_allowed_max_distance(bidirectional):
+    """Oracle: the definition's range, every bucket in [0, num_buckets), checked exhaustively on
+    a grid (num_buckets 1..34, max_distance 1..40, distances -3 max_distance - 5 .. +), and the
+    bound of T5's/HF's formula: the log-spaced buckets divide by log(max_distance / max_exact),
+    max_exact = max(half // 2, 1) with half the buckets of a side, so a max_distance at or below
+    it is refused by name, and one above it is accepted."""
+    for num_buckets in range(2 if bidirectional else 1, 35):
+        half = num_buckets // 2 if bidirectional else num_buckets
+        bound = max(half // 2, 1)
+        for max_distance in range(1, 41):
+            reach = 3 * max_distance + 5
+            if max_distance <= bound:
+                with pytest.raises(ValueError, match=f"max_distance must be greater than "
+                                                     f"{bound}.*got max_distance={max_distance}"):
+                    relative_position_bucket(1, 2 * reach + 1, num_buckets, max_distance,
+                                             bidirectional, offset=reach)
+                continue
+            buckets = relative_position_bucket(1, 2 * reach + 1, num_buckets, max_distance,
+                                               bidirectional, offset=reach)  # j - i in -reach..reach
+            assert buckets.shape == (1, 2 * reach + 1)
+            assert buckets.min() >= 0 and buckets.max() < num_buckets, (num_buckets, max_distance)
+
+
+@pytest.mark.parametrize("build", [
+    lambda **kw: qkvnp.MultiHeadAttention(8, 2, **kw),
+    lambda **kw: qkvnp.SelfAttention(8, 8, **kw),
+    lambda **kw: qkvnp.TransformerBlock(8, 2, **kw),
+    lambda **kw: qkvnp.GPTModel(11, 6, 8, 2, 1, **kw),
+], ids=["MultiHeadAttention", "SelfAttention", "TransformerBlock", "GPTModel"])
+def test_t5_max_distance_too_small_for_num_buckets_is_refused_by_the_constructors(build):
+    """Oracle: the bound of the causal (unidirectional) buckets a layer may be called with,
+    max_distance > num_buckets // 2; 8 buckets: 4 is refused by name, 5 builds."""
+    with pytest.raises(ValueError, match="max_distance must be greater than 4 .*got "
+                                         "max_distance=4"):
+        build(position_bias="relative", num_buckets=8, max_distance=4)
+    build(position_bias="relative", num_buckets=8, max_distance=5)

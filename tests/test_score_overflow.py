@@ -333,3 +333,133 @@ def test_a_projection_that_overflows_is_refused_as_such(impl, options):
         single.params["W_query"][...] = 1.0
         with pytest.raises(ValueError, match="the query projection overflowed"):
             single.forward(x)
+
+
+# ---------------------------------------------------------------- the variant path
+
+
+def _variant_ops():
+    from qkvnp.kernels import tiled_variants
+
+    return {"reference": (F.attention_forward, F.attention_backward),
+            "tiled": (tiled_variants.attention_forward, tiled_variants.attention_backward)}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("path", ["reference", "tiled"])
+@pytest.mark.parametrize("variant", [
+    {"window": (None, None)},  # unbounded: no variant at all, oracle the plain path
+    {"sinks": np.array(-50.0)},  # a sink far below the winner: the plain path's one-hot
+    {"softcap": 3.0},  # exact scores capped: closed form softmax([3, 0])
+])
+def test_variant_path_keeps_exact_scores_when_partial_products_overflow(path, dtype, variant):
+    """Oracle: the plain path on the same inputs (q . k_0 = 7.1e307 exactly, partial products
+    +-inf; the output is key 0's value 1.0, dq = dk = 0) where the variant changes nothing at
+    this point; with a soft-cap, the exact scores capped, softmax([3, 0]): out = tanh(3 / 2)."""
+    size = REPRO[dtype]
+    q = np.array([[size, size]], dtype)
+    k = np.array([[10, -9], [0, 0]], dtype)
+    v = np.array([[1], [-1]], dtype)
+    dout = np.array([[0.37]], dtype)
+    forward, backward = _variant_ops()[path]
+    with _quiet():
+        out, cache = forward(q, k, v, **variant)
+        grads = backward(dout, cache)
+        plain, plain_cache = F.attention_forward(q, k, v)
+        plain_grads = F.attention_backward(dout, plain_cache)
+    assert out.shape == (1, 1) and out.dtype == dtype
+    assert all(np.isfinite(g).all() for g in grads if g is not None)
+    if "softcap" in variant:
+        np.testing.assert_allclose(out, [[math.tanh(1.5)]], rtol=1e-6 if dtype == np.float32 else 1e-15)
+        np.testing.assert_array_equal(grads[0], np.zeros_like(q))  # tanh' = 0 at key 0, k_1 = 0
+        return
+    np.testing.assert_array_equal(out, plain)
+    for ours, theirs in zip(grads[:3], plain_grads):
+        assert ours.shape == theirs.shape
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("path", ["reference", "tiled"])
+@pytest.mark.parametrize("variant", [{}, {"window": (1, 1)}, {"softcap": 1e30}])
+def test_an_overflowing_score_bias_is_treated_as_a_float_mask(path, dtype, variant):
+    """Oracle: the same values passed as attn_mask to the plain path (a sum beyond the float
+    maximum is clipped to it): score 0.6 max + bias 0.6 max on key 0 wins, the output is
+    key 0's value 1.0 (NaN before), and dq, dk, dv equal the mask call's; dscore_bias is the
+    one-hot softmax's, 0. The window covers both keys and the soft-cap keeps key 0 ahead."""
+    big = float(np.finfo(dtype).max)
+    q = np.array([[1, 0]], dtype)
+    k = np.array([[0.6 * big * math.sqrt(2), 0], [0, 0]], dtype)  # scores (0.6 max, 0)
+    v = np.array([[1], [-1]], dtype)
+    bias = np.array([[0.6 * big, 0]], dtype)
+    dout = np.array([[0.37]], dtype)
+    forward, backward = _variant_ops()[path]
+    with _quiet():
+        out, cache = forward(q, k, v, score_bias=bias, **variant)
+        grads = backward(dout, cache)
+        masked, masked_cache = F.attention_forward(q, k, v, attn_mask=bias)  # the plain path
+        masked_grads = F.attention_backward(dout, masked_cache)
+    assert out.shape == (1, 1)
+    np.testing.assert_array_equal(masked, [[1]])
+    np.testing.assert_array_equal(out, masked)
+    for ours, theirs in zip(grads[:3], masked_grads[:3]):
+        assert ours.shape == theirs.shape
+        np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(grads[3], np.zeros_like(bias))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+@pytest.mark.parametrize("variant", [{"window": (None, None)}, {"softcap": 3.0},
+                                     {"rope": True}], ids=["window", "softcap", "rope"])
+def test_a_variant_layer_is_exact_when_partial_products_of_a_finite_score_overflow(
+        impl, dtype, variant):
+    """Oracle: the plain layer's closed form through identity projections (key 0's value
+    [1, 0], dquery = dkey = 0); with a soft-cap, softmax([3, 0]): out = [tanh(3 / 2), 0]. RoPE
+    at positions 0 turns nothing (query 0, key 0; key 1 is 0)."""
+    size = REPRO[dtype]
+    layer = qkvnp.MultiHeadAttention(2, 1, bias=False, rng=0, dtype=dtype, impl=impl, **variant)
+    for name in ("W_query", "W_key", "W_value", "W_out"):
+        layer.params[name] = np.eye(2, dtype=dtype)
+    query = np.array([[[size, size]]], dtype)
+    key = np.array([[[10, -9], [0, 0]]], dtype)
+    value = np.array([[[1, 0], [-1, 0]]], dtype)
+    with _quiet():
+        out = layer.forward(query, key, value)
+        dquery, dkey, dvalue = layer.backward(np.array([[[0.3, -0.2]]], dtype))
+    assert out.shape == (1, 1, 2)
+    expected = math.tanh(1.5) if "softcap" in variant else 1.0
+    np.testing.assert_allclose(out, np.array([[[expected, 0]]], dtype),
+                               rtol=1e-6 if dtype == np.float32 else 1e-15)
+    np.testing.assert_array_equal(dquery, np.zeros_like(query))
+    if "softcap" not in variant:
+        np.testing.assert_array_equal(dkey, np.zeros_like(key))
+    assert np.isfinite(dkey).all() and np.isfinite(dvalue).all()
+
+
+@pytest.mark.parametrize("impl", kernels.IMPLS)
+def test_a_layers_overflowing_relative_bias_is_treated_as_a_float_mask(impl):
+    """Oracle: the plain op with the layer's bias (rel_bias read at the buckets) as attn_mask,
+    through identity projections: outputs and dquery, dkey, dvalue equal; rel_bias's gradient
+    is the one-hot softmax's, 0."""
+    big = float(np.finfo(np.float64).max)
+    layer = qkvnp.MultiHeadAttention(2, 1, bias=False, rng=0, impl=impl,
+                                     position_bias="relative", num_buckets=4, max_distance=4)
+    for name in ("W_query", "W_key", "W_value", "W_out"):
+        layer.params[name] = np.eye(2)
+    layer.params["rel_bias"][0, 0] = 0.6 * big  # bucket 0: j - i = 0, key 0 for query 0
+    query = np.array([[[1.0, 0]]])
+    key = np.array([[[0.6 * big * math.sqrt(2), 0], [0, 0]]])
+    value = np.array([[[1.0, 0], [-1, 0]]])
+    dout = np.array([[[0.3, -0.2]]])
+    mask = np.array([[0.6 * big, 0]])
+    with _quiet():
+        out = layer.forward(query, key, value)
+        grads = layer.backward(dout)
+        expected, cache = F.attention_forward(query, key, value, attn_mask=mask)
+        expected_grads = F.attention_backward(dout, cache)
+    assert out.shape == (1, 1, 2)
+    np.testing.assert_array_equal(out, expected)
+    for ours, theirs in zip(grads, expected_grads):
+        np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(layer.grads["rel_bias"], np.zeros((4, 1)))

@@ -321,3 +321,72 @@ def test_tiled_variants_property(case, block_q, block_k):
                             F.attention_backward(dout, cache)):
         assert ours.shape == theirs.shape
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-11)
+
+
+def _grouped_and_repeated(attention_forward, attention_backward, q, k, v, dout, **per_head):
+    """The grouped call's outputs and gradients, and the same of the call on k/v repeated G times."""
+    G = q.shape[1] // k.shape[1]
+    out, cache = attention_forward(q, k, v, enable_gqa=True, **per_head)
+    grads = attention_backward(dout, cache)
+    k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # (B, K, S, D) -> (B, H, S, D)
+    out_rep, cache_rep = attention_forward(q, k_rep, v_rep, **per_head)
+    dq, dk, dv, dbias, dsinks = attention_backward(dout, cache_rep)
+    B, H, S = k_rep.shape[:3]
+    dk, dv = (d.reshape(B, H // G, G, S, -1).sum(axis=2) for d in (dk, dv))  # sum over each group
+    return (out,) + tuple(grads), (out_rep, dq, dk, dv, dbias, dsinks)
+
+
+@pytest.mark.parametrize("path", ["reference", "tiled"])
+@pytest.mark.parametrize("sinks", [
+    np.array([[3.0], [-3.0]]),  # (B, 1): one sink per batch entry, the issue's case
+    np.array([[0.5, -1.0, 2.0, 0.0], [-2.0, 1.5, 0.3, -0.7]]),  # (B, H): per batch and head
+    np.array([[[1.0]], [[-1.0]]]),  # (B, 1, 1): the head axis of 1 after a batch axis of 1
+])
+def test_gqa_per_batch_sinks_reach_their_group(path, sinks):
+    """Oracle: the same call with k/v repeated along the head axis (np.repeat), where every
+    query head has its own key/value head: outputs, dq, dv, dk summed over each group, dsinks."""
+    from qkvnp.kernels import tiled_variants
+
+    ops = {"reference": (F.attention_forward, F.attention_backward),
+           "tiled": (tiled_variants.attention_forward, tiled_variants.attention_backward)}[path]
+    rng = np.random.default_rng(38)
+    q, k, v = rng.standard_normal((2, 4, 3, 4)), rng.standard_normal((2, 2, 3, 4)), \
+        rng.standard_normal((2, 2, 3, 4))
+    dout = rng.standard_normal((2, 4, 3, 4))
+    if sinks.ndim == 3:
+        q = q[:, None]  # (B, H, T, D) -> (B, 1, H, T, D): sinks (B, 1, 1) per batch entry
+        k, v, dout = k[:, None], v[:, None], dout[:, None]
+        sinks = sinks.reshape(2, 1, 1)
+        grouped = ops[0](q, k, v, enable_gqa=True, sinks=sinks)
+        k_rep, v_rep = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)
+        repeated = ops[0](q, k_rep, v_rep, sinks=sinks)
+        assert grouped[0].shape == repeated[0].shape == (2, 1, 4, 3, 4)
+        np.testing.assert_allclose(grouped[0], repeated[0], rtol=0, atol=1e-13)
+        dsinks, dsinks_rep = ops[1](dout, grouped[1])[4], ops[1](dout, repeated[1])[4]
+        assert dsinks.shape == dsinks_rep.shape == (2, 1, 1)
+        np.testing.assert_allclose(dsinks, dsinks_rep, rtol=0, atol=1e-13)
+        return
+    got, expected = _grouped_and_repeated(*ops, q, k, v, dout, sinks=sinks)
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv", "dscore_bias", "dsinks"), got,
+                                  expected):
+        if theirs is None:
+            assert ours is None, name
+            continue
+        assert ours.shape == theirs.shape, name
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-13, err_msg=name)
+
+
+def test_gqa_per_batch_alibi_slopes_reach_their_group():
+    """Oracle: the tiled call with k/v repeated along the head axis (np.repeat); slopes of
+    shape (B, 1) are one slope per batch entry, as sinks of that shape are."""
+    from qkvnp.kernels import tiled_variants
+
+    rng = np.random.default_rng(39)
+    q, k, v = rng.standard_normal((2, 4, 5, 4)), rng.standard_normal((2, 2, 5, 4)), \
+        rng.standard_normal((2, 2, 5, 4))
+    slopes = np.array([[2.0], [0.01]])  # (B, 1)
+    out, _ = tiled_variants.attention_forward(q, k, v, enable_gqa=True, alibi_slopes=slopes)
+    expected, _ = tiled_variants.attention_forward(q, np.repeat(k, 2, axis=1),
+                                                   np.repeat(v, 2, axis=1), alibi_slopes=slopes)
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-13)

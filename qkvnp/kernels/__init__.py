@@ -41,8 +41,9 @@ import numpy as np
 from .._checks import owned, scores_may_overflow
 from ..masks import check_is_causal
 from ._runtime import (BLOCK_SIZE_DEFAULTS, MAX_NUM_THREADS, blas_threads, block_sizes,
-                       get_block_sizes, get_num_threads, num_threads, release_buffers,
-                       set_block_sizes, set_num_threads, single_threaded_blas)
+                       get_block_sizes, get_num_threads, num_threads, set_block_sizes,
+                       set_num_threads, single_threaded_blas)
+from .buffers import buffer_owner, held_buffer_bytes, release_buffers
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -68,6 +69,8 @@ __all__ = [
     "BLOCK_SIZE_DEFAULTS",
     "blas_threads",
     "release_buffers",
+    "held_buffer_bytes",
+    "buffer_owner",
 ]
 
 #: What a layer's ``impl=`` may be.
@@ -295,7 +298,7 @@ def layer_forward(params: dict[str, Any], inputs: Sequence[FloatArray], kind: st
     Notes
     -----
     Every path writes only into memory this call owns (fresh arrays, or a
-    buffer of the pool of :func:`qkvnp.kernels._runtime.recycled_empty` that
+    buffer of the pool of :func:`qkvnp.kernels.buffers.recycled_empty` that
     no array refers to), and its cache keeps copies of the weights it read:
     a refused call, another thread's call or a parameter edited before the
     backward changes no cache (:class:`qkvnp.layers.Layer`).

@@ -1,5 +1,5 @@
-"""The kernels' runtime: worker threads, BLAS thread control, the score-buffer
-pool, and the settings that tune them.
+"""The kernels' runtime: worker threads, BLAS thread control, and the settings
+that tune them (the score-buffer pool's among them: :mod:`qkvnp.kernels.buffers`).
 
 Shape key: ``lead`` the leading (batch, head) dims of an attention problem,
 G one block of them.
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
 
 import numpy as np
@@ -64,8 +63,8 @@ __all__ = [
     "single_threaded_blas",
     "openblas_thread_functions",
     "openblas_info",
-    "release_buffers",
-    "recycled_empty",
+    "current_owner",
+    "OwnerScope",
     "blocks",
     "threads_for",
     "run",
@@ -126,8 +125,14 @@ BLOCK_SIZE_DEFAULTS = {
     # Freed score buffers of at least recycle_min_bytes are kept, up to
     # recycle_bytes in all, for the next forward of the same size: fresh ones
     # page-faulted (128 MiB: 24% of a fwd+bwd at (1, 8, 2048, 64); 8 MiB: 2 ms
-    # of 40 at (32, 64, 128, 8) float64). recycle_bytes = 0 disables.
+    # of 40 at (32, 64, 128, 8) float64). recycle_bytes = 0 disables. They are
+    # kept for the layer that used them last, and let go when it is collected
+    # (buffer_owner) ...
     "recycle_bytes": 512 << 20,
+    # ... and up to recycle_unowned_bytes of those taken outside a layer (a
+    # kernel called directly): nothing lets those go but a later call or
+    # release_buffers, so they are few.
+    "recycle_unowned_bytes": 8 << 20,
     "recycle_min_bytes": 1 << 20,
     # impl="auto" takes the tiled path from this many keys on (from 4096 the
     # two cost about the same and tiled needs memory linear in L) ...
@@ -150,7 +155,8 @@ BLOCK_SIZE_DEFAULTS = {
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "causal_row_block": 1,
             "min_split": 1,
             "min_parallel_flops": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
-            "recycle_bytes": 0, "recycle_min_bytes": 0, "tiled_min_length": 1,
+            "recycle_bytes": 0, "recycle_unowned_bytes": 0, "recycle_min_bytes": 0,
+            "tiled_min_length": 1,
             "causal_tiled_min_length": 1,
             "dense_weights_budget": 0, "heap_mmap_threshold": 0}
 
@@ -249,71 +255,33 @@ class block_sizes:
         return False
 
 
-# ---------------------------------------------------------------- score buffers
+# ---------------------------------------------------------------- buffer owners
 
-_SPARE: list[np.ndarray] = []  # base arrays, each free while only this list refers to it
-_SPARE_LOCK = threading.Lock()
-
-
-def _references(pool, index):
-    """``sys.getrefcount`` of ``pool[index]``, always taken the same way (see ``_FREE``)."""
-    return sys.getrefcount(pool[index])
+_LOCAL = threading.local()  # .owner: a weak reference to the buffers' owner, or None
 
 
-def _free_references():
-    """What :func:`_references` counts for a buffer that only its pool holds.
-
-    NOTE: measured, not assumed. How many references ``getrefcount`` sees
-    depends on how the caller holds the object: a loop name over the pool
-    adds one, a copy of the list another, and Python 3.14 borrows some
-    references it used to count. A buffer that an array still uses has at
-    least one more (the array's base), so comparing with this count, taken
-    through the same function, is exact on any of them. The trim below once
-    compared a loop over a copy of the pool (4 references when free) with
-    3, so that it never let a buffer go: 100 buffers of distinct sizes kept
-    200 MiB under a 16 MiB ``recycle_bytes``.
-    """
-    pool = [np.empty(1, np.uint8)]
-    return _references(pool, 0)
+def current_owner():
+    """The weak reference of the :class:`OwnerScope` the calling thread runs in, or None."""
+    return getattr(_LOCAL, "owner", None)
 
 
-_FREE = _free_references()
+class OwnerScope:
+    """Context manager: the calling thread's score buffers are kept for ``ref`` (a weak
+    reference, or None). :mod:`qkvnp.kernels.buffers` reads it; :func:`run` hands it
+    to the worker threads."""
 
+    def __init__(self, ref):
+        self.ref = ref
+        self.previous = None
 
-def recycled_empty(shape, dtype):
-    """``np.empty(shape, dtype)``, reusing a large buffer no array refers to any more.
+    def __enter__(self):
+        self.previous = getattr(_LOCAL, "owner", None)
+        _LOCAL.owner = self.ref
+        return self
 
-    A buffer is free when its only reference is this pool's: every numpy
-    view of it (the cache's array, any slice a caller took) refers to it.
-    The pool keeps at most ``recycle_bytes`` of buffers no array uses (the
-    one returned aside): older free ones go first.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    limit = _SIZES["recycle_bytes"]
-    if nbytes < _SIZES["recycle_min_bytes"] or nbytes > limit:
-        return np.empty(shape, dtype)
-    with _SPARE_LOCK:
-        for i in range(len(_SPARE)):
-            if _SPARE[i].nbytes == nbytes and _references(_SPARE, i) == _FREE:
-                return _SPARE[i].view(dtype).reshape(shape)
-        base = np.empty(nbytes, np.uint8)
-        _SPARE.append(base)
-        total = sum(b.nbytes for b in _SPARE)
-        i = 0
-        while total > limit and i < len(_SPARE) - 1:  # the last one is `base`
-            if _references(_SPARE, i) == _FREE:
-                total -= _SPARE[i].nbytes
-                del _SPARE[i]
-            else:
-                i += 1
-        return base.view(dtype).reshape(shape)
-
-
-def release_buffers() -> None:
-    """Drop the recycled score buffers that no array uses (setting ``recycle_bytes``)."""
-    with _SPARE_LOCK:
-        _SPARE[:] = [_SPARE[i] for i in range(len(_SPARE)) if _references(_SPARE, i) > _FREE]
+    def __exit__(self, *exc):
+        _LOCAL.owner = self.previous
+        return False
 
 
 # ---------------------------------------------------------------- BLAS threads
@@ -401,10 +369,10 @@ def _reset_after_fork_in_child():
     open either: the child restores OpenBLAS's count from before the
     parent's sections (consistent with ``_PIN``: the fork held ``_PIN_LOCK``).
     """
-    global _SECTION_LOCK, _PIN_LOCK, _BLAS_POOL_LOCK, _SETTINGS_LOCK, _SPARE_LOCK
+    global _SECTION_LOCK, _PIN_LOCK, _BLAS_POOL_LOCK, _SETTINGS_LOCK
     _SECTION_LOCK, _PIN_LOCK = threading.Lock(), threading.Lock()
     _BLAS_POOL_LOCK = threading.RLock()
-    _SETTINGS_LOCK, _SPARE_LOCK = threading.Lock(), threading.Lock()
+    _SETTINGS_LOCK = threading.Lock()
     if _PIN["depth"]:
         _PIN["depth"] = 0
         functions = openblas_thread_functions()
@@ -535,6 +503,14 @@ def run(task, work, flops=None):
                 task(work)
         return
     parts = _snake_shares(work, threads)
+    owner = current_owner()
+    if owner is not None:  # the workers' buffers are kept for the caller's owner too
+        shared = task
+
+        def task(part):
+            with OwnerScope(owner):
+                shared(part)
+
     with _SECTION_LOCK, single_threaded_blas():
         crew(workers).run(task, parts)  # share 0 in the calling thread (see workers.Crew)
 

@@ -70,7 +70,8 @@ from ..functional import sum_to_shape
 from ..dropout import dense_keep, keep_scale, prepare_dropout
 from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
 from ..masks import additive_mask, causal_factors, causal_mask_offset, prepare_mask
-from ._runtime import blocks, get_block_sizes, recycled_empty, run, threads_for
+from ._runtime import blocks, get_block_sizes, run, threads_for
+from .buffers import recycled_empty
 from .fast_small import LARGE_SCORES, mask_row_max, masked_exp, small_backward, small_forward
 
 __all__ = [

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 
 from ..masks import is_causal_additive
-from ._runtime import recycled_empty
+from .buffers import recycled_empty
 
 __all__ = ["small_forward", "small_backward", "masked_exp", "mask_row_max", "LARGE_SCORES"]
 

@@ -19,7 +19,7 @@ setting (:func:`qkvnp.kernels.set_block_sizes`, default 32 MiB) and
 ``M_TRIM_THRESHOLD`` = twice that. A process then keeps up to that much freed
 memory for reuse, as it would after one large temporary; blocks of 32 MiB
 and more are still mapped and unmapped each time (the kernels recycle their
-large score buffers themselves, :func:`qkvnp.kernels.recycled_empty`).
+large score buffers themselves, :func:`qkvnp.kernels.buffers.recycled_empty`).
 
 It is process-wide, like the BLAS thread count, and is done at the first
 kernel call, never at ``import qkvnp``. It does nothing off glibc, with

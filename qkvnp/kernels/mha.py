@@ -50,7 +50,8 @@ from ..functional import column_sums
 from ..gqa import split_head_axis
 from ..masks import additive_mask, causal_mask_offset, prepare_mask
 from . import fast, mha_small, tiled
-from ._runtime import matmul, recycled_empty, run, threads_for
+from ._runtime import matmul, run, threads_for
+from .buffers import recycled_empty
 
 __all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "CACHES",
            "PATHS", "ScoresMayOverflow", "projected_score_bound", "weights_apart"]

@@ -43,7 +43,7 @@ from .. import functional as F
 from .._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_scale,
                        core_scores_may_overflow, owned)
 from ..dropout import block_keep, keep_scale, prepare_dropout
-from ..gqa import split_groups, split_head_axis
+from ..gqa import split_groups, split_head_axis, split_per_head
 from ..masks import causal_offset, check_is_causal, prepare_mask
 from ..variants import VariantCache, VariantGroupedCache, check_softcap, check_window
 from ._runtime import check_block_pair, get_block_sizes, run, single_threaded_blas
@@ -102,8 +102,8 @@ def _at_least_2d(a):
 def _block_scores(c, qs, i0, i1, j0, j1):
     """The scores of one block pair after bias, ALiBi, cap and masks, and the cap's tanh (or None)."""
     scores = qs @ np.swapaxes(c.key[..., j0:j1, :], -1, -2)  # (..., bq, D) @ (..., D, bk) -> (..., bq, bk)
-    if c.score_bias is not None:
-        scores = scores + _slice(c.score_bias, i0, i1, j0, j1)
+    if c.score_bias is not None:  # an overflowed sum clipped, as a float mask's (reference)
+        scores = _clipped_sum(scores, _slice(c.score_bias, i0, i1, j0, j1))
     if c.alibi is not None:
         distance = np.arange(j0, j1)[None, :] - (np.arange(i0, i1)[:, None] + c.offset)  # j - i, (bq, bk)
         scores = scores - c.alibi * np.abs(distance)  # slopes (..., 1, 1)
@@ -112,7 +112,7 @@ def _block_scores(c, qs, i0, i1, j0, j1):
         capped = np.tanh(scores / c.softcap)
         scores = c.softcap * capped
     if c.bias is not None:
-        scores = scores + _slice(c.bias, i0, i1, j0, j1)
+        scores = _clipped_sum(scores, _slice(c.bias, i0, i1, j0, j1))
     left, right = (None, None) if c.window is None else c.window
     if c.causal:
         right = 0 if right is None else min(right, 0)
@@ -129,6 +129,13 @@ def _block_scores(c, qs, i0, i1, j0, j1):
     if allowed is None:
         return scores, capped
     return np.where(allowed, scores, -np.inf), capped
+
+
+def _clipped_sum(scores, bias):
+    """``scores + bias``, ``+inf`` (an overflowed sum) clipped to the dtype's max; ``-inf`` stays."""
+    with np.errstate(over="ignore"):
+        scores = scores + bias
+    return np.minimum(scores, np.finfo(scores.dtype).max, out=scores)
 
 
 def _band_mask(rows, cols, first, left, right):
@@ -341,10 +348,6 @@ def _grouped_forward(grouped, is_causal, scale, score_bias, alibi_slopes, softca
     """Grouped-query attention: split the head axis of every per-head argument as the query's."""
     H, (K, G) = grouped.num_heads, grouped.query.shape[-4:-2]
 
-    def per_head(x):  # (..., H) -> (..., K, G)
-        x = np.asarray(x)
-        return x.reshape(x.shape[:-1] + (K, G)) if x.ndim and x.shape[-1] == H else x
-
     bias_shape = None if score_bias is None else np.shape(score_bias)
     sinks_shape = None if sinks is None else np.shape(sinks)
     if score_bias is not None:
@@ -353,8 +356,10 @@ def _grouped_forward(grouped, is_causal, scale, score_bias, alibi_slopes, softca
         dropout_mask = split_head_axis(np.asarray(dropout_mask), H, K, G)
     out, inner = attention_forward(
         grouped.query, grouped.key, grouped.value, grouped.attn_mask, is_causal, scale,
-        score_bias=score_bias, alibi_slopes=None if alibi_slopes is None else per_head(alibi_slopes),
-        softcap=softcap, sinks=None if sinks is None else per_head(sinks), window=window,
+        score_bias=score_bias, alibi_slopes=None if alibi_slopes is None else split_per_head(alibi_slopes, H, K, G,
+                                                                        "alibi_slopes"),
+        softcap=softcap, sinks=None if sinks is None else split_per_head(sinks, H, K, G, "sinks"),
+        window=window,
         block_size=block_size, dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
     out_shape = out.shape[:-4] + (H,) + out.shape[-2:]
     shapes = grouped.shapes + (bias_shape, sinks_shape)

@@ -21,7 +21,7 @@ from .. import functional as F
 from .._checks import as_upstream_grad
 from ..overflow import check_projection
 from ..masks import causal_offset, check_is_causal, prepare_mask
-from ..positions import alibi_bias, alibi_slopes, relative_position_bucket
+from ..positions import alibi_bias, alibi_slopes, check_max_distance, relative_position_bucket
 from ..variants import check_window
 from . import tiled_variants
 from ._runtime import run, threads_for
@@ -298,7 +298,8 @@ def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_la
 
     Raises ``TypeError``/``ValueError`` naming the option: an odd head dim
     with ``rope``, an unknown ``position_bias`` or ``rope_layout``, a bad
-    ``softcap`` or ``window``.
+    ``softcap`` or ``window``, a ``max_distance`` within ``num_buckets // 2``
+    with ``position_bias="relative"`` (its log-spaced buckets need more).
     """
     from .._checks import check_int, is_real_number
     from ..variants import ROPE_LAYOUTS, check_softcap
@@ -318,6 +319,9 @@ def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_la
         raise ValueError(f"position_bias must be one of {POSITION_BIASES}, got {position_bias!r}")
     num_buckets = check_int(num_buckets, "num_buckets", 2)
     max_distance = check_int(max_distance, "max_distance", 1)
+    if position_bias == "relative":  # a layer may be called causally: unidirectional buckets
+        check_max_distance(num_buckets, max_distance, bidirectional=False,
+                           where=" (position_bias='relative': a causal call's buckets)")
     options = VariantOptions(bool(rope), float(rope_base), rope_layout, position_bias,
                              num_buckets, max_distance, bool(sinks), check_softcap(softcap),
                              check_window(window))

@@ -306,6 +306,10 @@ def _work(jobs, cpu):
             errors[index] = error
         finally:
             lock.release()
+        # NOTE: let go of the job before waiting for the next one: its task
+        # refers to the caller's arrays (a layer's score buffer, its masks),
+        # which an idle worker would otherwise keep alive after their layer
+        job = task = part = errors = None
 
 
 def _pin_caller(cpu):

@@ -92,10 +92,11 @@ class AttentionLayer(Layer):
         """
         state = self._state_to_write()
         state.used_cache = None  # a used-up cache is dead: free it before the new one
-        out, weights, cache, dispatch = kernels.layer_forward(
-            self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
-            need_weights=need_weights, out_proj=out_proj, originals=originals,
-            variants=self.variants, **(dropout or {}))
+        with kernels.buffer_owner(self):  # the pool lets this layer's buffers go with it
+            out, weights, cache, dispatch = kernels.layer_forward(
+                self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
+                need_weights=need_weights, out_proj=out_proj, originals=originals,
+                variants=self.variants, **(dropout or {}))
         self._cache, state.dispatch = cache, dispatch
         return out, weights
 
@@ -118,14 +119,15 @@ class AttentionLayer(Layer):
                              "dropout_mask cannot be given with kv_cache")
         check_is_causal(is_causal)
         query = self._check_tokens(query)
-        if self.variants is not None:
-            from ..variant_decoding import decode
+        with kernels.buffer_owner(self):  # the pool lets this layer's buffers go with it
+            if self.variants is not None:
+                from ..variant_decoding import decode
 
-            out, weights, dispatch = decode(self, query, kv_cache, attn_mask, key_padding_mask,
-                                            return_weights)
-        else:
-            out, weights, dispatch = cached_forward(self, query, kv_cache, attn_mask,
-                                                    key_padding_mask, return_weights)
+                out, weights, dispatch = decode(self, query, kv_cache, attn_mask,
+                                                key_padding_mask, return_weights)
+            else:
+                out, weights, dispatch = cached_forward(self, query, kv_cache, attn_mask,
+                                                        key_padding_mask, return_weights)
         state = self._state_to_write()
         state.cache = state.used_cache = None  # nothing for a backward: inference only
         state.decoded, state.dispatch = True, dispatch
@@ -145,7 +147,8 @@ class AttentionLayer(Layer):
         """Run :func:`qkvnp.kernels.layer_backward` on ``cache`` (default the calling
         thread's, :meth:`_need_cache`); accumulate; return the input gradients."""
         cache = self._need_cache() if cache is None else cache
-        grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
+        with kernels.buffer_owner(self):  # scratch buffers too: let go with the layer
+            grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
         self._accumulate_all(grads)  # one lock for the 8 additions
         self._release_cache(retain_cache)
         return dinputs

@@ -15,6 +15,7 @@ force several blocks (a small ``fast_block_bytes`` setting) and both one and two
 the threaded code runs even on a one-core machine. Upstream gradients are
 random, never all ones.
 """
+import contextlib
 import functools
 import subprocess
 import sys
@@ -28,10 +29,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import qkvnp
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp import kernels
-from qkvnp.kernels import _runtime, fast, fast_small, mha
+from qkvnp.kernels import _runtime, buffers, fast, fast_small, mha
 
 from strategies import attention_cases, mha_cases, self_attention_cases
 from oracles import assert_matches_reference
@@ -453,7 +455,7 @@ def test_recycled_score_buffers_are_never_shared():
     or a caller's slice of one, keep their own; gradients match those of
     caches computed alone (oracle: the same call without recycling)."""
     kernels.release_buffers()  # (buffers that live arrays still use stay in the pool)
-    pooled = len(_runtime._SPARE)
+    pooled = len(buffers._SPARE)
     rng = np.random.default_rng(13)
     problems = [[rng.normal(size=(2, 6, 3)) for _ in range(3)] for _ in range(3)]
     douts = [rng.normal(size=(2, 6, 3)) for _ in range(3)]
@@ -474,45 +476,92 @@ def test_recycled_score_buffers_are_never_shared():
             assert np.array_equal(got, want)
         del piece, second, third
         # three score buffers, and the backwards' (T, S) scratch, freed after each
-        allocated = len(_runtime._SPARE)
+        allocated = len(buffers._SPARE)
         assert allocated == pooled + 4
         _, fourth = fast.attention_forward(*problems[0])  # now a free buffer is reused
-        assert len(_runtime._SPARE) == allocated
+        assert len(buffers._SPARE) == allocated
         for got, want in zip(fast.attention_backward(douts[0], fourth), expected[0]):
             assert np.array_equal(got, want)
         del fourth
     kernels.release_buffers()
-    assert len(_runtime._SPARE) == pooled
+    assert len(buffers._SPARE) == pooled
 
 
-def test_the_buffer_pool_keeps_at_most_recycle_bytes_of_free_buffers():
+class _Owner:
+    """Something a buffer may be kept for (a layer, in the library)."""
+
+
+@pytest.mark.parametrize("setting", ["recycle_bytes", "recycle_unowned_bytes"])
+def test_the_buffer_pool_keeps_at_most_recycle_bytes_of_free_buffers(setting):
     """Oracle: the setting. 100 buffers of distinct sizes (2 MiB + i * 8 bytes),
-    each dropped after its call, leave at most ``recycle_bytes`` = 16 MiB of free
-    buffers in the pool; a buffer whose array is alive is never dropped nor
-    handed out again; ``release_buffers`` drops every free one."""
+    each dropped after its call, leave at most 16 MiB of free buffers in the
+    pool: ``recycle_bytes`` for those taken for a live owner (a layer),
+    ``recycle_unowned_bytes`` for the others; a buffer whose array is alive
+    is never dropped nor handed out again; ``release_buffers`` drops every free one."""
     kernels.release_buffers()
-    pooled = list(_runtime._SPARE)  # buffers live arrays of other tests still use
+    pooled = list(buffers._SPARE)  # buffers live arrays of other tests still use
     kept = sum(b.nbytes for b in pooled)
     size = 2 << 20
-    with kernels.block_sizes(recycle_bytes=16 << 20, recycle_min_bytes=1 << 20):
-        alive = _runtime.recycled_empty((size // 8,), np.float64)
+    owner = _Owner()
+    scope = kernels.buffer_owner(owner) if setting == "recycle_bytes" else contextlib.nullcontext()
+    with kernels.block_sizes(recycle_min_bytes=1 << 20, **{setting: 16 << 20}), scope:
+        alive = buffers.recycled_empty((size // 8,), np.float64)
         alive[:] = 7.0
         for i in range(100):
-            buffer = _runtime.recycled_empty((size // 8 + i,), np.float64)
+            buffer = buffers.recycled_empty((size // 8 + i,), np.float64)
             assert not np.shares_memory(buffer, alive)
             del buffer
-            free = sum(b.nbytes for b in _runtime._SPARE) - kept - alive.nbytes
+            free = sum(b.nbytes for b in buffers._SPARE) - kept - alive.nbytes
             assert free <= 16 << 20, f"{free / 2**20:.1f} MiB of free buffers after {i + 1}"
-        again = _runtime.recycled_empty((size // 8,), np.float64)  # alive's size: a new one
+        again = buffers.recycled_empty((size // 8,), np.float64)  # alive's size: a new one
         assert not np.shares_memory(again, alive) and (alive == 7.0).all()
-        assert any(b is alive.base for b in _runtime._SPARE)  # in use: kept
+        assert any(b is alive.base for b in buffers._SPARE)  # in use: kept
         del again
         kernels.release_buffers()
-        others = [id(b) for b in _runtime._SPARE if b is not alive.base]
+        others = [id(b) for b in buffers._SPARE if b is not alive.base]
         assert others == [id(b) for b in pooled]
     del alive
     kernels.release_buffers()
-    assert [id(b) for b in _runtime._SPARE] == [id(b) for b in pooled]
+    assert [id(b) for b in buffers._SPARE] == [id(b) for b in pooled]
+
+
+def test_a_deleted_layer_leaves_at_most_the_unowned_bound_in_the_buffer_pool():
+    """Oracle: the bytes of the pool's buffers (counted on the pool itself) and
+    tracemalloc's current traced memory, before the layer and after it is deleted:
+    16 causal calls at T = 1536-1551 (a score buffer of a new size each, about
+    300 MiB in all while the layer lives) leave at most ``recycle_unowned_bytes``
+    (8 MiB) in the pool, on the fast and the auto paths, and at most that plus the
+    causal masks' own cache (``CAUSAL_CACHE_BYTES``) traced; before, the pool kept
+    them (up to ``recycle_bytes``, 512 MiB) and an idle worker the last one."""
+    import gc
+    import tracemalloc
+
+    from qkvnp.masks import CAUSAL_CACHE_BYTES
+
+    bound = kernels.get_block_sizes()["recycle_unowned_bytes"]
+    assert bound <= 8 << 20
+    rng = np.random.default_rng(9)
+    for impl in ("fast", "auto"):
+        gc.collect()
+        kernels.release_buffers()
+        held_before = sum(b.nbytes for b in buffers._SPARE)
+        tracemalloc.start()
+        try:
+            traced_before = tracemalloc.get_traced_memory()[0]
+            layer = qkvnp.MultiHeadAttention(32, 2, rng=0, dtype=np.float32, impl=impl)
+            for T in range(1536, 1552):
+                out = layer.forward(rng.normal(size=(1, T, 32)).astype(np.float32),
+                                    is_causal=True)
+            assert sum(b.nbytes for b in buffers._SPARE) - held_before > 100 << 20  # used
+            del layer, out
+            gc.collect()
+            held = sum(b.nbytes for b in buffers._SPARE) - held_before
+            traced = tracemalloc.get_traced_memory()[0] - traced_before
+        finally:
+            tracemalloc.stop()
+        assert held <= bound, f"{impl}: the pool holds {held / 2**20:.1f} MiB"
+        limit = bound + CAUSAL_CACHE_BYTES + (1 << 20)  # 1 MiB: small objects made meanwhile
+        assert traced <= limit, f"{impl}: {traced / 2**20:.1f} MiB still traced"
 
 
 def test_blas_thread_count_is_restored_even_on_error():
