@@ -45,6 +45,9 @@ def check_sample(sample):
     """``sample`` as ``"auto"``, None or an int >= 1 (``ValueError``/``TypeError`` otherwise)."""
     if sample is None or (isinstance(sample, str) and sample == "auto"):
         return sample
+    if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)):
+        raise TypeError(f'sample must be "auto", None or an int >= 1, got '
+                        f'{type(sample).__name__} {sample!r}')
     return check_int(sample, "sample", 1, None, expected='"auto", None or an int >= 1')
 
 

@@ -243,8 +243,10 @@ def _joint_directions(grads, rng, num_directions):
         def direction():
             draw = np.random.default_rng(int(seed))
             u = {name: draw.standard_normal(np.shape(g)) for name, g in grads.items()}
-            norm = np.sqrt(sum(float(np.sum(part * part)) for part in u.values()))
-            return {name: part / norm for name, part in u.items()} if norm > 0 else u
+            norm = np.sqrt(sum(float(np.vdot(part, part)) for part in u.values()))
+            for part in u.values():
+                part /= norm if norm > 0 else 1.0
+            return u
         return direction
 
     return [maker(seed) for seed in seeds]

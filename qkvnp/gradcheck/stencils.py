@@ -251,7 +251,12 @@ def numeric_directions(slot, analytic, evaluate, dout, method, h, directions):
 def _move_all(slots, saved, direction, t):
     """Every checked array to ``saved + t u`` (in its own dtype), in place."""
     for name, (container, key) in slots.items():
-        np.copyto(container[key], saved[name] + t * direction[name], casting="unsafe")
+        array = container[key]
+        if array.dtype == np.float64:  # NOTE: no temporary: a model's arrays are large
+            np.multiply(direction[name], t, out=array)
+            array += saved[name]
+        else:
+            np.copyto(array, saved[name] + t * direction[name], casting="unsafe")
 
 
 def numeric_joint(slots, analytic, evaluate, dout, method, h, directions):
@@ -306,14 +311,22 @@ def numeric_joint(slots, analytic, evaluate, dout, method, h, directions):
 
             numeric_values[k] = _STENCILS[method](at, dout, h)[0]
         if method == "central":
-            analytic_values[k] = sum(float(np.sum(analytic[name] * _stored_step(saved[name], u[name], h)))
-                                     for name in slots) / (2 * h)
+            analytic_values[k] = sum(
+                float(np.vdot(analytic[name], _stored_step(saved[name], u[name], h)))
+                for name in slots) / (2 * h)
         else:
-            analytic_values[k] = sum(float(np.sum(analytic[name] * u[name])) for name in slots)
+            analytic_values[k] = sum(float(np.vdot(analytic[name], u[name])) for name in slots)
     return analytic_values, numeric_values
 
 
 def _stored_step(saved, u, h):
     """``fl(x + h u) - fl(x - h u)`` in ``x``'s dtype, as float64."""
+    if saved.dtype == np.float64:
+        high = h * u
+        high += saved
+        low = np.multiply(u, -h)
+        low += saved
+        high -= low
+        return high
     high = (saved + h * u).astype(saved.dtype).astype(np.float64)
     return high - (saved - h * u).astype(saved.dtype).astype(np.float64)
