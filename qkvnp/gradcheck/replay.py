@@ -26,6 +26,8 @@ Fixed masks given as forward arguments (``dropout_masks=`` of
 :class:`qkvnp.Dropout`) or an int ``rng`` (a fresh Generator per forward)
 draw nothing from the layer and pass the guard as they are.
 """
+import time
+
 import numpy as np
 
 from .._checks import is_real_number
@@ -103,8 +105,9 @@ def guarded_evaluate(layer, forward, forward_kwargs, replay_dropout):
     Returns
     -------
     callable
-        ``evaluate() -> output``; its attribute ``last`` holds the output of
-        its latest call (for :func:`check_repeat`).
+        ``evaluate() -> output``; its attributes ``last`` and ``seconds``
+        hold the output and the time of its latest call (for
+        :func:`check_repeat` and the estimate).
 
     Raises
     ------
@@ -116,6 +119,12 @@ def guarded_evaluate(layer, forward, forward_kwargs, replay_dropout):
     saved = [generator.bit_generator.state for generator in generators]
     calls = [0]
 
+    def timed():
+        start = time.perf_counter()
+        out = forward()
+        evaluate.seconds = time.perf_counter() - start
+        return out
+
     def replay():
         for generator, state in zip(generators, saved):
             generator.bit_generator.state = state
@@ -124,12 +133,12 @@ def guarded_evaluate(layer, forward, forward_kwargs, replay_dropout):
         if replay_dropout:
             replay()
             try:
-                out = forward()
+                out = timed()
             finally:  # NOTE: between forwards too, so that a copy of the layer replays them
                 replay()
             evaluate.last = out
             return out
-        out = forward()
+        out = timed()
         calls[0] += 1
         if calls[0] == 1 and not replay_dropout and any(
                 generator.bit_generator.state != state
@@ -138,7 +147,7 @@ def guarded_evaluate(layer, forward, forward_kwargs, replay_dropout):
         evaluate.last = out
         return out
 
-    evaluate.last = None
+    evaluate.last, evaluate.seconds = None, 0.0
     return evaluate
 
 
