@@ -58,11 +58,11 @@ import numpy as np
 
 from .._checks import check_int, is_real_number, make_rng
 from .budget import check_sample, choose_entries, count_forwards, make_meter
-from .diagnosis import diagnose
 from .oracle import oracle_report
 from .replay import check_repeat, guarded_evaluate
-from .report import TOLERANCES, GradcheckReport, GradcheckRow, Tolerance, relative_error
-from .stencils import METHODS, ORDERS, numeric_directions, numeric_elementwise, numeric_joint
+from .report import TOLERANCES, GradcheckReport, Tolerance
+from .sides import check_rows, check_sides, counted
+from .stencils import METHODS, ORDERS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -169,49 +169,6 @@ def _check_grad_shape(grad, name, shape):
     return grad.astype(np.float64)
 
 
-def _numeric(problem, name, analytic, dout64, method, mode, tol, chosen):
-    """``(analytic side, numeric side, estimate)`` of tensor ``name``, by mode.
-
-    ``chosen``: the sampled entries (elementwise; None for all), the
-    directions (direction), or the direction makers (joint, where ``name``
-    stands for every tensor of ``analytic``, a dict).
-    """
-    if mode == "joint":
-        slots = {tensor: problem.slots[tensor] for tensor in analytic}
-        a, n = numeric_joint(slots, analytic, problem.evaluate, dout64, method, tol.eps, chosen)
-        return a, n, None
-    slot = problem.slots[name]
-    if mode == "elementwise":
-        numeric, estimate = numeric_elementwise(slot, problem.evaluate, dout64, method, tol.eps,
-                                                chosen)
-        if chosen is not None:
-            analytic = analytic[tuple(np.array(chosen).T)]  # the sampled entries, (k,)
-        return analytic, numeric, estimate
-    a, n = numeric_directions(slot, analytic, problem.evaluate, dout64, method, tol.eps, chosen)
-    return a, n, None
-
-
-def _directions(shape, rng, num_directions):
-    units = []
-    for _ in range(num_directions):
-        u = rng.standard_normal(shape)
-        norm = np.linalg.norm(u)
-        units.append(u / norm if norm > 0 else u)
-    return units
-
-
-def _row(name, shape, a, n, atol, rtol):
-    rel, abs_err = relative_error(a, n, atol)
-    if rel.size == 0:
-        return GradcheckRow(name, tuple(shape), 0.0, 0.0, (), 0.0, 0.0, True)
-    worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
-    max_rel = float(rel.max())
-    return GradcheckRow(name=name, shape=tuple(shape), max_abs_err=float(abs_err.max()),
-                        max_rel_err=max_rel, worst_index=tuple(int(i) for i in worst),
-                        analytic=float(np.asarray(a)[worst]),
-                        numeric=float(np.asarray(n)[worst]), ok=bool(max_rel <= rtol))
-
-
 #: Round-off of a difference quotient in units of ``noise(L) / h``: central
 #: ``(d+ + d-) / 2h``, the five-point stencil ``(8 + 8 + 1 + 1) / 12h``.
 ROUND_OFF_GAIN = {"central": 1.0, "central4": 1.5}
@@ -232,51 +189,6 @@ def round_off_noise(out, dout64, method, dtype, h):
     return ROUND_OFF_GAIN[method] * unit * float(np.sum(np.abs(dout64 * out))) / h
 
 
-def _joint_directions(grads, rng, num_directions):
-    """Makers of unit directions over every tensor of ``grads`` together, one seed each.
-
-    NOTE: made when used, not kept: a model's direction is the model's size.
-    """
-    seeds = rng.integers(0, 2 ** 63, size=num_directions)
-
-    def maker(seed):
-        def direction():
-            draw = np.random.default_rng(int(seed))
-            u = {name: draw.standard_normal(np.shape(g)) for name, g in grads.items()}
-            norm = np.sqrt(sum(float(np.vdot(part, part)) for part in u.values()))
-            for part in u.values():
-                part /= norm if norm > 0 else 1.0
-            return u
-        return direction
-
-    return [maker(seed) for seed in seeds]
-
-
-def _sides(problem, grads, dout64, method, mode, tol, rng, num_directions, entries):
-    """``{row name: (analytic side, numeric side, chosen)}`` and Ridders' estimates."""
-    if mode == "joint":
-        chosen = _joint_directions(grads, rng, num_directions)
-        a, n, _ = _numeric(problem, None, grads, dout64, method, mode, tol, chosen)
-        return {_joint_name(grads): (a, n, chosen)}, {}
-    sides, estimates = {}, {}
-    for name, analytic in grads.items():
-        shape = problem.slots[name][0][problem.slots[name][1]].shape
-        if mode == "direction":
-            chosen = _directions(shape, rng, num_directions)
-        else:
-            chosen = None if entries is None else entries.get(name)
-        a, n, estimate = _numeric(problem, name, analytic, dout64, method, mode, tol, chosen)
-        sides[name] = (a, n, chosen)
-        if estimate is not None:
-            estimates[name] = float(estimate.max(initial=0.0))
-    return sides, estimates
-
-
-def _joint_name(grads):
-    """The row name of a ``"joint"`` check: ``"all (N tensors)"``."""
-    return f"all ({len(grads)} tensors)"
-
-
 def _run(problem, out, grads, dout64, method, mode, dtype, tol, rng, num_directions,
          model_floor=False, entries=None, sampled="", meter=None):
     """Numerical side, rows, diagnoses (and the all-ones ``dout`` re-run) of a check.
@@ -295,71 +207,19 @@ def _run(problem, out, grads, dout64, method, mode, dtype, tol, rng, num_directi
                 "(express a -inf mask as a mask argument, not as a checked input)"
             )
     if meter is not None:
-        problem = problem._replace(evaluate=_counted(problem.evaluate, meter))
+        problem = problem._replace(evaluate=counted(problem.evaluate, meter))
     try:
-        sides, estimates = _sides(problem, grads, dout64, method, mode, tol, rng,
+        sides, estimates = check_sides(problem, grads, dout64, method, mode, tol, rng,
                                   num_directions, entries)
-        report = _rows(problem, out, grads, sides, dout64, method, mode, dtype, tol, model_floor)
+        noise = round_off_noise(np.asarray(out, dtype=np.float64), dout64, method, dtype, tol.eps)
+        report = check_rows(problem, noise, grads, sides, dout64, method, mode, dtype, tol,
+                            model_floor)
     finally:
         if meter is not None:
             meter.close()
     report.error_estimates = estimates
     report.sampled = sampled
     return report
-
-
-def _counted(evaluate, meter):
-    def counted():
-        out = evaluate()
-        meter.tick()
-        return out
-    return counted
-
-
-def _rows(problem, out, grads, sides, dout64, method, mode, dtype, tol, model_floor):
-    """The report's rows from the two sides of each tensor, with diagnoses."""
-    scale = max((float(np.abs(n).max(initial=0.0)) for _, n, _ in sides.values()), default=0.0)
-    noise = round_off_noise(np.asarray(out, dtype=np.float64), dout64, method, dtype, tol.eps)
-    atol = max(tol.atol, tol.floor * scale)
-    if model_floor and tol.rtol > 0:
-        # NOTE: derived, not loosened: an entry is held to the accuracy the
-        # differences can have, noise / h, relative to rtol (E = 128: 5e-3).
-        atol = max(atol, noise / tol.rtol)
-    tol = tol._replace(atol=atol)
-    rows = []
-    for name, (a, n, chosen) in sides.items():
-        shape = (sum(int(np.size(g)) for g in grads.values()),) if mode == "joint" \
-            else grads[name].shape
-        row = _row(name, shape, a, n, atol, tol.rtol)
-        vector = mode != "elementwise" or chosen is not None  # compared as a list of values
-        if mode != "elementwise":
-            row = row._replace(worst_index=row.worst_index[0] if row.worst_index else 0)
-        elif chosen is not None and row.worst_index:
-            row = row._replace(worst_index=chosen[row.worst_index[0]])  # the tensor's entry
-        if not row.ok:
-            code, words = diagnose(a, n, tol.rtol, "direction" if vector else mode, noise)
-            if code == "unknown" and _matches_for_ones(problem, name, grads, dout64, method, mode,
-                                                       tol, chosen, atol):
-                code, words = "ones_dout", (
-                    "matches only for an all-ones dout: the backward ignores dout's values "
-                    "(errors that cancel along a row)")
-            row = row._replace(diagnosis=code, detail=words)
-        rows.append(row)
-    report = GradcheckReport(rows, mode, dtype, tol.eps, tol.rtol, atol, method=method,
-                             order=ORDERS[method], floor=tol.floor)
-    report.round_off = noise
-    return report
-
-
-def _matches_for_ones(problem, name, grads, dout64, method, mode, tol, chosen, atol):
-    """Re-run tensor ``name``'s check with ``dout`` all ones: does it pass then?"""
-    ones = np.ones_like(dout64)
-    analytic = problem.analytic(ones)
-    analytic = {tensor: analytic[tensor] for tensor in grads} if mode == "joint" \
-        else analytic[name]
-    a, n, _ = _numeric(problem, name, analytic, ones, method, mode, tol, chosen)
-    rel, _ = relative_error(a, n, atol)
-    return bool(rel.max(initial=0.0) <= tol.rtol)
 
 
 def _check_complex_support(owner, what):
@@ -793,7 +653,8 @@ def check_layer(layer: Any, *inputs: Any, forward_kwargs: Mapping[str, Any] | No
     shapes = {name: np.shape(grad) for name, grad in grads.items()}
     entries, sampled = choose_entries(shapes, sample if mode == "elementwise" else None, rng)
     if mode == "joint":
-        sampled = (f"{num_directions} random unit directions over all {sum(map(np.size, grads.values())):,} "
+        total = sum(int(np.size(grad)) for grad in grads.values())
+        sampled = (f"{num_directions} random unit directions over all {total:,} "
                    f"entries of the {len(grads)} tensors at once")
     meter = make_meter(progress, count_forwards(shapes, entries, method, mode, num_directions),
                        seconds)
