@@ -225,7 +225,7 @@ def test_check_layer_leaves_the_layer_as_it_found_it(path):
         state = layer.dropout_rng.bit_generator.state
         if with_check:
             check_layer(layer, rng.normal(size=(2, 3, 4)), forward_kwargs={"rng": 5})
-            check_layer(layer, rng.normal(size=(2, 3, 4)))  # draws from the copy's Generator
+            check_layer(layer, rng.normal(size=(2, 3, 4)), replay_dropout=True)  # the copy's Generator
             assert layer.training
             assert layer.dropout_rng.bit_generator.state == state
         results.append((layer.backward(d2), _grads(layer)))

@@ -21,6 +21,15 @@ Two modes:
     For a few random unit directions ``u`` per tensor, compare
     ``<u, vjp(dout)>`` with the derivative of ``L`` along ``u``: a few
     forwards per direction whatever the tensor's size.
+``"joint"``
+    The same along unit directions over every checked tensor at once: one
+    row, a few forwards per direction whatever the model's size (a whole
+    GPT; :mod:`qkvnp.gradcheck.budget`).
+
+An elementwise check of a whole model samples entries (``sample=``) and a
+long check shows its progress (``progress=``): :mod:`qkvnp.gradcheck.budget`.
+A layer with dropout in training mode is refused unless its masks are fixed
+or replayed (``replay_dropout=True``): :mod:`qkvnp.gradcheck.replay`.
 
 Relative errors are ``|a - n| / max(|a|, |n|, atol, floor * max|n|)``: the
 absolute floor ``atol`` lets a gradient that is zero pass, where the
@@ -42,15 +51,18 @@ instead (:mod:`qkvnp.gradcheck.oracle`).
 from __future__ import annotations
 
 import copy
+import time
 from collections import namedtuple
 
 import numpy as np
 
 from .._checks import check_int, is_real_number, make_rng
-from .diagnosis import diagnose
+from .budget import check_sample, choose_entries, count_forwards, make_meter
 from .oracle import oracle_report
-from .report import TOLERANCES, GradcheckReport, GradcheckRow, Tolerance, relative_error
-from .stencils import METHODS, ORDERS, numeric_directions, numeric_elementwise
+from .replay import check_repeat, guarded_evaluate
+from .report import TOLERANCES, GradcheckReport, Tolerance
+from .sides import check_rows, check_sides, counted
+from .stencils import METHODS, ORDERS
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -73,7 +85,7 @@ __all__ = [
     "ROUND_OFF_GAIN",
 ]
 
-MODES = ("elementwise", "direction")
+MODES = ("elementwise", "direction", "joint")
 
 #: The most directions per tensor a ``"direction"`` check takes. Each costs
 #: two or more forwards; beyond this many, an elementwise check of any tensor
@@ -157,38 +169,6 @@ def _check_grad_shape(grad, name, shape):
     return grad.astype(np.float64)
 
 
-def _numeric(problem, name, analytic, dout64, method, mode, tol, directions):
-    """``(analytic side, numeric side, estimate)`` of tensor ``name``, by mode."""
-    slot = problem.slots[name]
-    if mode == "elementwise":
-        numeric, estimate = numeric_elementwise(slot, problem.evaluate, dout64, method, tol.eps)
-        return analytic, numeric, estimate
-    a, n = numeric_directions(slot, analytic, problem.evaluate, dout64, method, tol.eps,
-                              directions)
-    return a, n, None
-
-
-def _directions(shape, rng, num_directions):
-    units = []
-    for _ in range(num_directions):
-        u = rng.standard_normal(shape)
-        norm = np.linalg.norm(u)
-        units.append(u / norm if norm > 0 else u)
-    return units
-
-
-def _row(name, shape, a, n, atol, rtol):
-    rel, abs_err = relative_error(a, n, atol)
-    if rel.size == 0:
-        return GradcheckRow(name, tuple(shape), 0.0, 0.0, (), 0.0, 0.0, True)
-    worst = np.unravel_index(int(np.argmax(rel)), rel.shape)
-    max_rel = float(rel.max())
-    return GradcheckRow(name=name, shape=tuple(shape), max_abs_err=float(abs_err.max()),
-                        max_rel_err=max_rel, worst_index=tuple(int(i) for i in worst),
-                        analytic=float(np.asarray(a)[worst]),
-                        numeric=float(np.asarray(n)[worst]), ok=bool(max_rel <= rtol))
-
-
 #: Round-off of a difference quotient in units of ``noise(L) / h``: central
 #: ``(d+ + d-) / 2h``, the five-point stencil ``(8 + 8 + 1 + 1) / 12h``.
 ROUND_OFF_GAIN = {"central": 1.0, "central4": 1.5}
@@ -210,12 +190,14 @@ def round_off_noise(out, dout64, method, dtype, h):
 
 
 def _run(problem, out, grads, dout64, method, mode, dtype, tol, rng, num_directions,
-         model_floor=False):
+         model_floor=False, entries=None, sampled="", meter=None):
     """Numerical side, rows, diagnoses (and the all-ones ``dout`` re-run) of a check.
 
     ``out`` is the forward at the unperturbed point. ``model_floor``: raise
     ``atol`` to the round-off model's floor ``round_off_noise / rtol`` (when
-    the caller left ``atol`` to its default).
+    the caller left ``atol`` to its default). ``entries``: the sampled
+    entries per tensor (:func:`qkvnp.gradcheck.budget.choose_entries`),
+    described by ``sampled``; ``meter`` counts the forwards.
     """
     for name in grads:
         container, key = problem.slots[name]
@@ -224,50 +206,20 @@ def _run(problem, out, grads, dout64, method, mode, dtype, tol, rng, num_directi
                 f"{name!r} contains NaN or inf: numerical derivatives need finite inputs "
                 "(express a -inf mask as a mask argument, not as a checked input)"
             )
-    sides, estimates = {}, {}
-    for name, analytic in grads.items():
-        shape = problem.slots[name][0][problem.slots[name][1]].shape
-        directions = _directions(shape, rng, num_directions) if mode == "direction" else None
-        a, n, estimate = _numeric(problem, name, analytic, dout64, method, mode, tol, directions)
-        sides[name] = (a, n, directions)
-        if estimate is not None:
-            estimates[name] = float(estimate.max(initial=0.0))
-    scale = max((float(np.abs(n).max(initial=0.0)) for _, n, _ in sides.values()), default=0.0)
-    noise = round_off_noise(np.asarray(out, dtype=np.float64), dout64, method, dtype, tol.eps)
-    atol = max(tol.atol, tol.floor * scale)
-    if model_floor and tol.rtol > 0:
-        # NOTE: derived, not loosened: an entry is held to the accuracy the
-        # differences can have, noise / h, relative to rtol (E = 128: 5e-3).
-        atol = max(atol, noise / tol.rtol)
-    tol = tol._replace(atol=atol)
-    rows = []
-    for name, (a, n, directions) in sides.items():
-        row = _row(name, grads[name].shape, a, n, atol, tol.rtol)
-        if mode == "direction":
-            row = row._replace(worst_index=row.worst_index[0] if row.worst_index else 0)
-        if not row.ok:
-            code, words = diagnose(a, n, tol.rtol, mode, noise)
-            if code == "unknown" and _matches_for_ones(problem, name, dout64, method, mode, tol,
-                                                       directions, atol):
-                code, words = "ones_dout", (
-                    "matches only for an all-ones dout: the backward ignores dout's values "
-                    "(errors that cancel along a row)")
-            row = row._replace(diagnosis=code, detail=words)
-        rows.append(row)
-    report = GradcheckReport(rows, mode, dtype, tol.eps, tol.rtol, atol, method=method,
-                             order=ORDERS[method], floor=tol.floor)
-    report.round_off = noise
+    if meter is not None:
+        problem = problem._replace(evaluate=counted(problem.evaluate, meter))
+    try:
+        sides, estimates = check_sides(problem, grads, dout64, method, mode, tol, rng,
+                                  num_directions, entries)
+        noise = round_off_noise(np.asarray(out, dtype=np.float64), dout64, method, dtype, tol.eps)
+        report = check_rows(problem, noise, grads, sides, dout64, method, mode, dtype, tol,
+                            model_floor)
+    finally:
+        if meter is not None:
+            meter.close()
     report.error_estimates = estimates
+    report.sampled = sampled
     return report
-
-
-def _matches_for_ones(problem, name, dout64, method, mode, tol, directions, atol):
-    """Re-run tensor ``name``'s check with ``dout`` all ones: does it pass then?"""
-    ones = np.ones_like(dout64)
-    analytic = problem.analytic(ones)[name]
-    a, n, _ = _numeric(problem, name, analytic, ones, method, mode, tol, directions)
-    rel, _ = relative_error(a, n, atol)
-    return bool(rel.max(initial=0.0) <= tol.rtol)
 
 
 def _check_complex_support(owner, what):
@@ -536,10 +488,13 @@ def _layer_copy(layer, dtype, reference):
     return layer
 
 
-def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=False):
+def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=False,
+                  replay_dropout=False):
     """The :class:`Problem` of a layer: its params and inputs, a forward, the gradients.
 
-    ``reference=True`` checks a copy on the reference path (complex step, oracles).
+    ``reference=True`` checks a copy on the reference path (complex step,
+    oracles). A forward that draws random numbers is refused unless
+    ``replay_dropout`` (:func:`qkvnp.gradcheck.replay.guarded_evaluate`).
     """
     for attribute in ("params", "grads", "forward", "backward", "zero_grad"):
         if not hasattr(layer, attribute):
@@ -554,8 +509,8 @@ def layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, reference=Fa
     arrays = [np.array(x) if np.asarray(x).dtype.kind in "iub" else np.array(x, dtype=dtype)
               for x in inputs]
 
-    def evaluate():
-        return layer.forward(*arrays, **forward_kwargs)
+    evaluate = guarded_evaluate(layer, lambda: layer.forward(*arrays, **forward_kwargs),
+                                forward_kwargs, replay_dropout)
 
     def analytic(dout):
         layer.zero_grad()
@@ -583,7 +538,9 @@ def check_layer(layer: Any, *inputs: Any, forward_kwargs: Mapping[str, Any] | No
                 wrt_inputs: bool = True, method: str = "central", mode: str = "elementwise",
                 dtype: DTypeLike = np.float64, eps: float | None = None, rtol: float | None = None,
                 atol: float | None = None, rng: np.random.Generator | int | None = None,
-                num_directions: int = 5, oracle_dtype: DTypeLike | None = None) -> GradcheckReport:
+                num_directions: int = 5, oracle_dtype: DTypeLike | None = None,
+                replay_dropout: bool = False, sample: int | str | None = "auto",
+                progress: Any = None) -> GradcheckReport:
     """Check every parameter gradient and input gradient of a layer.
 
     Parameters
@@ -611,6 +568,28 @@ def check_layer(layer: Any, *inputs: Any, forward_kwargs: Mapping[str, Any] | No
         arithmetic with the float32 tolerances. ``method="complex_step"``
         checks a float64 copy on the reference path (the layer must declare
         ``supports_complex_step``), whatever the layer's ``impl``.
+        ``mode="joint"`` checks ``num_directions`` random unit directions
+        over every parameter and input at once, in one row: the check of a
+        whole large model (a few forwards per direction).
+    replay_dropout : bool
+        Check a layer with dropout in training mode with the same masks at
+        every forward: each of the layer's Generators (``generators()``, its
+        sub-layers' included) is put back to its state before the check's
+        first forward before each forward. Works on every layer and model
+        of qkvnp with dropout. Default False: such a layer is **refused**.
+    sample : "auto", int or None
+        Elementwise mode: check this many random entries of each tensor (all
+        of a smaller one); None checks every entry; ``"auto"`` (default)
+        checks every entry of a check of up to
+        ``qkvnp.gradcheck.budget.SAMPLE_ABOVE`` (20,000) entries and 32
+        (``AUTO_SAMPLE``) of each tensor beyond. ``report.sampled`` (and
+        the table) say what was sampled.
+    progress : None, bool or file
+        None (default): progress lines and an estimate on ``sys.stderr``
+        when the check is estimated to take more than
+        ``qkvnp.gradcheck.budget.PROGRESS_AFTER`` (5) seconds (forwards
+        times the first forward's time); False: quiet; True: always on
+        ``sys.stderr``; a stream (``write``): always there.
     oracle_dtype : dtype, optional
         Instead of a numerical derivative, compare the layer's backward in
         ``dtype`` (its own path: fast, tiled...) with the float64 backward
@@ -620,7 +599,20 @@ def check_layer(layer: Any, *inputs: Any, forward_kwargs: Mapping[str, Any] | No
     Returns
     -------
     GradcheckReport
-        Rows ``"param W_query"``, ..., ``"input 0"``, ...
+        Rows ``"param W_query"``, ..., ``"input 0"``, ... (``"joint"``: one
+        row ``"all (N tensors)"``).
+
+    Raises
+    ------
+    ValueError
+        ``qkvnp.gradcheck.replay.DropoutActiveError`` when the forward
+        draws new dropout masks (training mode, dropout > 0, no fixed mask)
+        and ``replay_dropout`` is False: it names the sub-layers,
+        ``model.eval()`` and ``replay_dropout=True``. Refused rather than
+        warned: every row of such a check would fail with numerical
+        gradients that measure the change of mask, and the diagnoses would
+        blame the backward. Also on the options' errors of
+        :func:`check_function`.
 
     Examples
     --------
@@ -637,33 +629,52 @@ def check_layer(layer: Any, *inputs: Any, forward_kwargs: Mapping[str, Any] | No
     """
     if not inputs:
         raise ValueError("check_layer needs at least one input array for layer.forward")
+    if not isinstance(replay_dropout, (bool, np.bool_)):
+        raise TypeError(f"replay_dropout must be a bool, got {type(replay_dropout).__name__}")
+    sample = check_sample(sample)
     if oracle_dtype is not None:
         return _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype,
-                             rtol, rng)
+                             rtol, rng, replay_dropout)
     dtype, tol, num_directions = resolve(method, mode, dtype, eps, rtol, atol, num_directions)
     complex_step = method == "complex_step"
     if complex_step:
         _check_complex_support(layer, "layer")
     rng = make_rng(0 if rng is None else rng)
-    problem = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, complex_step)
+    problem = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs, complex_step,
+                            replay_dropout)
+    start = time.perf_counter()
     out = problem.evaluate()
+    seconds = time.perf_counter() - start
     dout = draw_dout(out, dtype, rng)
     out = np.array(out, dtype=np.float64)  # a copy: it may be a view of a perturbed input
     grads = problem.analytic(dout)
+    check_repeat(problem.layer, out, problem.evaluate.last)
+    seconds = min(seconds, problem.evaluate.seconds)  # NOTE: the first call may warm up caches
+    shapes = {name: np.shape(grad) for name, grad in grads.items()}
+    entries, sampled = choose_entries(shapes, sample if mode == "elementwise" else None, rng)
+    if mode == "joint":
+        total = sum(int(np.size(grad)) for grad in grads.values())
+        sampled = (f"{num_directions} random unit directions over all {total:,} "
+                   f"entries of the {len(grads)} tensors at once")
+    meter = make_meter(progress, count_forwards(shapes, entries, method, mode, num_directions),
+                       seconds)
     return _run(problem, out, grads, dout.astype(np.float64), method, mode, dtype, tol, rng,
-                num_directions, model_floor=atol is None)
+                num_directions, model_floor=atol is None, entries=entries, sampled=sampled,
+                meter=meter)
 
 
-def _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype, rtol, rng):
+def _oracle_layer(layer, inputs, forward_kwargs, wrt_inputs, dtype, oracle_dtype, rtol, rng,
+                  replay_dropout):
     """:func:`check_layer` with ``oracle_dtype``: the layer's path against the reference."""
     dtype = np.dtype(dtype)
     rng = make_rng(0 if rng is None else rng)
-    test = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs)
+    test = layer_problem(layer, inputs, forward_kwargs, dtype, wrt_inputs,
+                         replay_dropout=replay_dropout)
     dout = draw_dout(test.evaluate(), dtype, rng)
     grads = test.analytic(dout)
     point = [test.slots[f"input {i}"][0][i] for i in range(len(inputs))]
     oracle = layer_problem(test.layer, point, forward_kwargs, np.dtype(oracle_dtype), wrt_inputs,
-                           reference=True)
+                           reference=True, replay_dropout=replay_dropout)
     reference = oracle.analytic(dout.astype(oracle_dtype))
     report = oracle_report(grads, reference, dtype, oracle_dtype, rtol)
     report.dispatch = getattr(test.layer, "last_dispatch", None)  # the path that was checked

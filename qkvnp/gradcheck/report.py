@@ -132,6 +132,9 @@ class GradcheckReport:
         (``u sum|dout f| / h``, central methods; 0 otherwise).
     error_estimates : dict
         ``"richardson"``: Ridders' error estimate per tensor (largest entry).
+    sampled : str
+        What a check of part of the entries checked (sampled entries, or
+        ``"joint"`` directions), in words; empty when every entry was.
 
     Examples
     --------
@@ -156,6 +159,7 @@ class GradcheckReport:
         self.floor = floor
         self.round_off = 0.0
         self.error_estimates: dict[str, float] = {}
+        self.sampled = ""
         self.ok = bool(self.rows) and all(row.ok for row in self.rows)
 
     def row(self, name: str) -> GradcheckRow:
@@ -203,6 +207,8 @@ class GradcheckReport:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         body = [fmt.format(*columns).rstrip(), fmt.format(*("-" * w for w in widths)).rstrip()]
         body += [fmt.format(*line).rstrip() for line in lines]
+        if self.sampled:
+            body.append(f"sampled: {self.sampled}")
         if self.error_estimates:
             body.append("Ridders' error estimates: " + ", ".join(
                 f"{name} {value:.1e}" for name, value in self.error_estimates.items()))

@@ -29,7 +29,7 @@ import numpy as np
 from .._checks import complex_step_mode
 
 __all__ = ["METHODS", "ORDERS", "snapshot", "numeric_elementwise", "numeric_directions",
-           "RIDDERS_STEPS", "RIDDERS_SHRINK"]
+           "numeric_joint", "RIDDERS_STEPS", "RIDDERS_SHRINK"]
 
 METHODS = ("central", "central4", "richardson", "complex_step")
 
@@ -106,15 +106,15 @@ def _ridders(at, dout, h):
 _STENCILS = {"central": _central, "central4": _central4, "richardson": _ridders}
 
 
-def _central_elementwise(array, evaluate, dout, eps):
+def _central_elementwise(array, evaluate, dout, eps, indices=None):
     """Central differences entry by entry, divided by the step actually taken.
 
     The divisor is ``(x + h) - (x - h)`` as rounded in ``array``'s dtype,
     not ``2h``: in float32 the two differ by up to 1e-4 relative, which
     would otherwise show up as gradient error.
     """
-    numeric = np.empty(array.shape, dtype=np.float64)
-    for index in np.ndindex(array.shape):
+    numeric = np.empty(array.shape if indices is None else len(indices), dtype=np.float64)
+    for at, index in _positions(array.shape, indices):
         original = array[index].copy()
         array[index] = original + eps
         high = float(array[index])
@@ -125,11 +125,18 @@ def _central_elementwise(array, evaluate, dout, eps):
         array[index] = original
         step = high - low
         # NOTE: a step below the spacing of floats at x rounds to 0: no derivative.
-        numeric[index] = float(np.sum(dout * (plus - minus))) / step if step else np.nan
+        numeric[at] = float(np.sum(dout * (plus - minus))) / step if step else np.nan
     return numeric
 
 
-def numeric_elementwise(slot, evaluate, dout, method, h):
+def _positions(shape, indices):
+    """``(where to store, entry of the array)`` for every entry, or for the given ones."""
+    if indices is None:
+        return ((index, index) for index in np.ndindex(shape))
+    return enumerate(indices)
+
+
+def numeric_elementwise(slot, evaluate, dout, method, h, indices=None):
     """Numerical gradient of ``<dout, evaluate()>`` w.r.t. the array in ``slot``.
 
     Parameters
@@ -145,35 +152,37 @@ def numeric_elementwise(slot, evaluate, dout, method, h):
         One of :data:`METHODS`.
     h : float
         The step (the first step of Ridders' tableau).
+    indices : list of index tuples, optional
+        Only these entries (a sampled check); default every entry.
 
     Returns
     -------
-    numeric : ndarray, float64, the array's shape
+    numeric : ndarray, float64, the array's shape (``(len(indices),)`` if given)
     estimate : ndarray or None
         Ridders' error estimate per entry (``"richardson"`` only).
     """
     container, key = slot
     array = container[key]
     if method == "central":
-        return _central_elementwise(array, evaluate, dout, h), None
-    numeric = np.empty(array.shape, dtype=np.float64)
+        return _central_elementwise(array, evaluate, dout, h, indices), None
+    numeric = np.empty(array.shape if indices is None else len(indices), dtype=np.float64)
     if method == "complex_step":
         work = array.astype(np.complex128)
         container[key] = work
         try:
             with complex_step_mode():
-                for index in np.ndindex(array.shape):
+                for at, index in _positions(array.shape, indices):
                     original = work[index]
                     work[index] = original + 1j * h
                     # a copy before the restore: the output may be a view of ``work``
                     out = _checked_output(np.array(evaluate(), dtype=np.complex128), dout)
                     work[index] = original
-                    numeric[index] = float(np.sum(dout * out.imag)) / h
+                    numeric[at] = float(np.sum(dout * out.imag)) / h
         finally:
             container[key] = array
         return numeric, None
-    estimate = np.empty(array.shape, dtype=np.float64)
-    for index in np.ndindex(array.shape):
+    estimate = np.empty(numeric.shape, dtype=np.float64)
+    for where, index in _positions(array.shape, indices):
         original = array[index].copy()
 
         def at(t):
@@ -183,7 +192,7 @@ def numeric_elementwise(slot, evaluate, dout, method, h):
             finally:
                 array[index] = original
 
-        numeric[index], estimate[index] = _STENCILS[method](at, dout, h)
+        numeric[where], estimate[where] = _STENCILS[method](at, dout, h)
     return numeric, (estimate if method == "richardson" else None)
 
 
@@ -237,3 +246,87 @@ def numeric_directions(slot, analytic, evaluate, dout, method, h, directions):
         analytic_values[k] = float(np.sum(analytic * u))
         numeric_values[k] = _STENCILS[method](at, dout, h)[0]
     return analytic_values, numeric_values
+
+
+def _move_all(slots, saved, direction, t):
+    """Every checked array to ``saved + t u`` (in its own dtype), in place."""
+    for name, (container, key) in slots.items():
+        array = container[key]
+        if array.dtype == np.float64:  # NOTE: no temporary: a model's arrays are large
+            np.multiply(direction[name], t, out=array)
+            array += saved[name]
+        else:
+            np.copyto(array, saved[name] + t * direction[name], casting="unsafe")
+
+
+def numeric_joint(slots, analytic, evaluate, dout, method, h, directions):
+    """``<u, analytic>`` and the numeric ``phi'(0)`` along directions over all tensors at once.
+
+    Parameters
+    ----------
+    slots : dict of str -> (container, key)
+        Every checked array; each is moved by its part of ``u`` together.
+    analytic : dict of str -> ndarray
+        The analytic gradient of each array.
+    evaluate, dout, method, h
+        As in :func:`numeric_elementwise`.
+    directions : sequence of callables
+        ``direction() -> dict name -> ndarray``: one unit direction over all
+        arrays, made when it is used (a model's direction is the model's size).
+
+    Returns
+    -------
+    analytic_values, numeric_values : ndarray, shape (len(directions),)
+
+    Notes
+    -----
+    For ``"central"`` the analytic side uses the displacement stored in each
+    array's dtype, ``fl(x + h u) - fl(x - h u)``, as
+    :func:`numeric_directions` does.
+    """
+    saved = {name: container[key].copy() for name, (container, key) in slots.items()}
+    analytic_values = np.empty(len(directions))
+    numeric_values = np.empty(len(directions))
+    for k, make in enumerate(directions):
+        u = make()
+        if method == "complex_step":
+            originals = {name: container[key] for name, (container, key) in slots.items()}
+            try:
+                for name, (container, key) in slots.items():
+                    container[key] = saved[name] + 1j * h * u[name]
+                with complex_step_mode():
+                    out = _checked_output(np.array(evaluate(), dtype=np.complex128), dout)
+            finally:
+                for name, (container, key) in slots.items():
+                    container[key] = originals[name]
+            numeric_values[k] = float(np.sum(dout * out.imag)) / h
+        else:
+            def at(t):
+                _move_all(slots, saved, u, t)
+                try:
+                    return _checked_output(snapshot(evaluate()), dout)
+                finally:
+                    for name, (container, key) in slots.items():
+                        np.copyto(container[key], saved[name])
+
+            numeric_values[k] = _STENCILS[method](at, dout, h)[0]
+        if method == "central":
+            analytic_values[k] = sum(
+                float(np.vdot(analytic[name], _stored_step(saved[name], u[name], h)))
+                for name in slots) / (2 * h)
+        else:
+            analytic_values[k] = sum(float(np.vdot(analytic[name], u[name])) for name in slots)
+    return analytic_values, numeric_values
+
+
+def _stored_step(saved, u, h):
+    """``fl(x + h u) - fl(x - h u)`` in ``x``'s dtype, as float64."""
+    if saved.dtype == np.float64:
+        high = h * u
+        high += saved
+        low = np.multiply(u, -h)
+        low += saved
+        high -= low
+        return high
+    high = (saved + h * u).astype(saved.dtype).astype(np.float64)
+    return high - (saved - h * u).astype(saved.dtype).astype(np.float64)
