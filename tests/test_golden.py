@@ -44,7 +44,7 @@ def test_golden_files_are_present_and_small():
             "mha_self_causal", "mha_cross_padding", "mha_cross_float_mask"} <= names
     assert sum(p.stat().st_size for p in SDPA_FILES + MHA_FILES) < 300_000
     # the reference grid (tests/reference_grid.py) is the other file here
-    assert (GOLDEN_DIR / "reference_grid.npz").stat().st_size < 400_000
+    assert (GOLDEN_DIR / "reference_grid.npz").stat().st_size < 600_000
 
 
 @pytest.mark.parametrize("path", SDPA_FILES, ids=lambda p: p.stem)
