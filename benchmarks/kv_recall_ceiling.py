@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from qkvnp.embedding import BINCOUNT_MAX_ENTRIES
+from qkvnp.ops.embedding import BINCOUNT_MAX_ENTRIES
 from qkvnp.kernels import blas_threads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_bench

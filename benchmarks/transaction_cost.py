@@ -11,7 +11,7 @@ moves both alike:
 
 - ``transaction``: as the library runs it: the model's forward and backward
   journal what they change and add the gradients when the call returns
-  (``qkvnp._transaction``);
+  (``qkvnp.layers.transaction``);
 - ``pass-through``: every call made inside an open transaction that journals
   nothing and adds each gradient at once, as the calls did before there was
   a transaction.
@@ -61,7 +61,7 @@ def _step(model, optimizer, inputs, targets):
 def measure(config, rounds):
     """``(median seconds with transactions, median pass-through)`` of one config."""
     from qkvnp import GPTModel
-    from qkvnp import _transaction
+    from qkvnp.layers import _transaction
     from qkvnp.kernels import blas_threads, num_threads
     from qkvnp.optim import AdamW
 

@@ -7,7 +7,7 @@ the paper's geometric sequence, instead of adding position embeddings.
 """
 import numpy as np
 
-from qkvnp.positions import alibi_bias, alibi_slopes
+from qkvnp.ops.positions import alibi_bias, alibi_slopes
 
 H, T = 8, 16
 slopes = alibi_slopes(H)  # the paper's geometric sequence 2^(-8h/H)

@@ -10,7 +10,7 @@ weights is how token ``i`` mixes the values of every token; each row sums to 1.
 import numpy as np
 
 import qkvnp
-from qkvnp.demo import INPUTS, W_KEY, W_QUERY, W_VALUE, WORDS
+from qkvnp.apps.demo import INPUTS, W_KEY, W_QUERY, W_VALUE, WORDS
 
 layer = qkvnp.SelfAttention(3, 2)
 layer.load_state_dict({"W_query": W_QUERY, "W_key": W_KEY, "W_value": W_VALUE})

@@ -7,12 +7,12 @@ layer, and :func:`qkvnp.interop.to_torch` gives the arrays back under
 PyTorch's names. First the multi-head layer of chapter 3 of Sebastian
 Raschka's *Build a Large Language Model (From Scratch)* (Manning 2024),
 with the weights ``torch.manual_seed(123)`` gives it, stored as numpy arrays
-in ``qkvnp.demo`` so that this part runs without PyTorch.
+in ``qkvnp.apps.demo`` so that this part runs without PyTorch.
 """
 import numpy as np
 
 import qkvnp
-from qkvnp.demo import BOOK_MHA_STATE, INPUTS
+from qkvnp.apps.demo import BOOK_MHA_STATE, INPUTS
 from qkvnp.interop import from_torch, to_torch
 
 mha = qkvnp.MultiHeadAttention(embed_dim=2, num_heads=2, qdim=3, kdim=3, vdim=3,

@@ -6,12 +6,13 @@ D head dim.
 ``import qkvnp`` imports numpy and nothing else; scipy is imported the first
 time a softmax runs, and PyTorch never.
 """
-from . import functional, interop, positions, variants
+from . import functional, interop
+from .ops import positions, variants
 from .functional import scaled_dot_product_attention, softmax
 from .kernels import get_num_threads, num_threads, set_num_threads
-from .kv_cache import KVCache
-from .generation import generate
-from .gpt import GPTModel
+from .layers.kv_cache import KVCache
+from .models.generation import generate
+from .models.gpt import GPTModel
 from .layers import (GELU, Dropout, Embedding, FeedForward, LayerNorm, Linear, Model,
                      MultiHeadAttention, SelfAttention, Sequential, TransformerBlock)
 

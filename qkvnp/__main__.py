@@ -1,7 +1,7 @@
-"""``python -m qkvnp``: see :mod:`qkvnp.cli`."""
+"""``python -m qkvnp``: see :mod:`qkvnp.apps.cli`."""
 import sys
 
-from .cli import main
+from .apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

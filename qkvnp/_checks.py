@@ -617,7 +617,7 @@ def values_may_overflow(value):
     The fast and tiled cores sum unnormalised weighted values (up to ``S
     max|v|``) and multiply ``dO v^T`` in their backward, where the reference
     sums normalised weights and recomputes an overflowed gradient exactly
-    (:mod:`qkvnp.overflow`); they defer to it from there on. One reduction.
+    (:mod:`qkvnp.ops.overflow`); they defer to it from there on. One reduction.
 
     >>> values_may_overflow(np.array([1e300, 1.0])), values_may_overflow(np.ones(2))
     (True, False)

@@ -14,7 +14,7 @@ Every public backward checks its upstream gradient once
 (:func:`qkvnp._checks.as_upstream_grad`: exact shape, real dtype, cast to the
 compute dtype, finite) and then runs the math in a private
 ``_name_backward``. Composite backwards (attention's softmax, the reference
-layers of :mod:`qkvnp.kernels.reference`) pass ``check=False`` for the
+layers of :mod:`qkvnp.layers.reference`) pass ``check=False`` for the
 gradients they computed themselves, so that ``dout`` is checked once;
 ``linear_forward`` and ``attention_forward`` take ``check=False`` too, for
 the arrays a model computed itself (:class:`qkvnp.training.KVRecallModel`).
@@ -30,18 +30,18 @@ import numpy as np
 
 from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_ndim, check_scale, compute_dtype, declare_complex_step, owned)
-from .dropout import dense_keep, keep_scale, prepare_dropout
-from .embedding import (EmbeddingCache, embedding_backward, embedding_backward_factored,
+from .ops.dropout import dense_keep, keep_scale, prepare_dropout
+from .ops.embedding import (EmbeddingCache, embedding_backward, embedding_backward_factored,
                         embedding_forward)
-from .gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
-from .heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split_heads_backward,
+from .ops.gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
+from .ops.heads import (HeadsCache, merge_heads_backward, merge_heads_forward, split_heads_backward,
                     split_heads_forward)
-from .masks import prepare_mask
-from .overflow import product
-from .reductions import column_sums, sum_to_shape
-from .variants import (VariantCache, VariantGroupedCache, has_variants, rope_backward, rope_forward,
+from .ops.masks import prepare_mask
+from .ops.overflow import product
+from .ops.reductions import column_sums, sum_to_shape
+from .ops.variants import (VariantCache, VariantGroupedCache, has_variants, rope_backward, rope_forward,
                        variant_attention_backward, variant_attention_forward)
-from .transformer_ops import (ActivationDropoutCache, GeluCache, LayerNormCache, ResidualCache,
+from .ops.transformer import (ActivationDropoutCache, GeluCache, LayerNormCache, ResidualCache,
                               activation_dropout_backward, activation_dropout_forward,
                               gelu_backward, gelu_forward, layer_norm_backward,
                               layer_norm_forward, residual_add_backward, residual_add_forward)
@@ -358,14 +358,14 @@ def attention_forward(query: FloatArray, key: FloatArray, value: FloatArray,
         scaled by ``1 / (1 - dropout_p)`` (PyTorch's ``dropout_p``). 0: no
         dropout, bitwise the forward without it.
     rng : numpy.random.Generator or int, optional
-        Draws the dropout mask (one 64-bit draw; see ``qkvnp/dropout.py``).
+        Draws the dropout mask (one 64-bit draw; see ``qkvnp/ops/dropout.py``).
         Unused when ``dropout_p == 0`` or ``dropout_mask`` is given.
     dropout_mask : ndarray of bool, optional
         Broadcastable to ``(..., T, S)``, True = keep: replays a mask (from
         ``cache.dropout_mask``, or one applied in PyTorch by hand). Needs
         ``0 < dropout_p < 1``.
     enable_gqa : bool, keyword-only
-        ``key``/``value`` may have ``K`` heads dividing the query's ``H`` (``qkvnp/gqa.py``).
+        ``key``/``value`` may have ``K`` heads dividing the query's ``H`` (``qkvnp/ops/gqa.py``).
     check : bool, keyword-only
         False: ``query``, ``key`` and ``value`` are a composite's own arrays
         (float, one dtype, valid shapes, finite), which it does not edit
@@ -375,17 +375,17 @@ def attention_forward(query: FloatArray, key: FloatArray, value: FloatArray,
         model's shapes the checks and copies took 10-12% of a training step.
         Masks and dropout arguments are checked either way.
     score_bias, softcap, sinks, window : keyword-only, optional
-        The variants of :mod:`qkvnp.variants` (a learnable bias added to the
+        The variants of :mod:`qkvnp.ops.variants` (a learnable bias added to the
         scaled scores, ``softcap * tanh(s / softcap)``, one extra logit per
         head in the softmax's denominator, a sliding ``(left, right)``
         window); given any, the forward is
-        :func:`qkvnp.variants.variant_attention_forward` and the backward
+        :func:`qkvnp.ops.variants.variant_attention_forward` and the backward
         returns ``(dquery, dkey, dvalue, dscore_bias, dsinks)``.
 
     Returns
     -------
     out : ndarray, shape (..., T, Dv)
-    cache : AttentionCache (or ``qkvnp.gqa.GroupedCache`` around one)
+    cache : AttentionCache (or ``qkvnp.ops.gqa.GroupedCache`` around one)
         Holds the inputs, the softmax weights ``(..., T, S)`` (before
         dropout), the scale, and ``dropout_mask`` (bool, True = keep, or
         None) with ``dropout_p``.
@@ -424,7 +424,7 @@ def attention_forward(query: FloatArray, key: FloatArray, value: FloatArray,
     Near the float maximum: a score whose exact value fits the dtype is
     computed as such, even when partial products of ``q . k`` overflow
     (``[1e308, 1e308] . [10, -9]``), and so are the gradients
-    (:mod:`qkvnp.overflow`). A score whose exact value is beyond the range
+    (:mod:`qkvnp.ops.overflow`). A score whose exact value is beyond the range
     is clipped to the dtype's largest finite value of its sign, so the
     output stays finite; its gradient is taken as if unclipped. NaN is never
     turned into a finite score (NaN and inf inputs are refused).
@@ -459,7 +459,7 @@ def attention_forward(query: FloatArray, key: FloatArray, value: FloatArray,
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
 
     # NOTE: exact where the exact score fits the dtype, even when partial
-    # products overflow; beyond the range, +-inf is clipped to +-max (qkvnp.overflow)
+    # products overflow; beyond the range, +-inf is clipped to +-max (qkvnp.ops.overflow)
     scores = product(query, np.swapaxes(key, -1, -2), scale, clip=True)  # (..., T, D) @ (..., D, S) -> (..., T, S)
     if bias is not None:
         scores = np.minimum(scores + bias, np.finfo(scores.dtype).max)  # -inf stays -inf
@@ -524,7 +524,7 @@ def attention_backward(dout: FloatArray, cache: Any, check: bool = True, *,
         ``"factors"``: the pair ``(left, right)`` of that sum.
     dvalue : ndarray, shape of ``value``, or None with ``key_is_value`` set
     dscore_bias, dsinks : ndarray or None
-        Only after a forward with a variant (:mod:`qkvnp.variants`): the
+        Only after a forward with a variant (:mod:`qkvnp.ops.variants`): the
         gradients of ``score_bias`` and ``sinks`` (None for one not given).
 
     Raises
@@ -584,7 +584,7 @@ def attention_backward(dout: FloatArray, cache: Any, check: bool = True, *,
         return grads
     # NOTE: an inf or NaN gradient of finite inputs means that a product
     # overflowed: once more with products that overflow only where the
-    # exact result does (qkvnp.overflow); what is still inf is so exactly
+    # exact result does (qkvnp.ops.overflow); what is still inf is so exactly
     with np.errstate(over="ignore", invalid="ignore"):
         return _attention_backward(dout, cache, key_is_value, careful=True)
 
@@ -592,7 +592,7 @@ def attention_backward(dout: FloatArray, cache: Any, check: bool = True, *,
 def _attention_backward(dout, cache, key_is_value=False, careful=False):
     """:func:`attention_backward` of a ``dout`` already checked and cast.
 
-    ``careful``: every product through :func:`qkvnp.overflow.product`, and the
+    ``careful``: every product through :func:`qkvnp.ops.overflow.product`, and the
     softmax backward as ``P dP - P delta`` (no ``inf * 0`` where ``P = 0``).
     """
     query, key, value, weights, scale = cache[:5]

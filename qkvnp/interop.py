@@ -68,7 +68,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import check_state_value
-from .gpt import GPTModel
+from .models.gpt import GPTModel
 from .layers import MultiHeadAttention, SelfAttention
 
 TYPE_CHECKING = False

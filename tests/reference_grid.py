@@ -97,7 +97,7 @@ def attention_ops(rng):
 
 @case
 def variant_ops(rng):
-    from qkvnp.positions import alibi_bias, alibi_slopes, relative_position_bucket
+    from qkvnp.ops.positions import alibi_bias, alibi_slopes, relative_position_bucket
 
     out = {}
     q, k, v = (_normal(rng, s) for s in [(2, 4, 5, 4), (2, 2, 5, 4), (2, 2, 5, 4)])

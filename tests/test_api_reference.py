@@ -21,15 +21,15 @@ API = Path(__file__).resolve().parents[1] / "docs" / "api"
 MODULES = {
     "qkvnp": {"__version__": "a string, stated in the page's introduction"},
     "qkvnp.functional": {},
-    "qkvnp.positions": {},
-    "qkvnp.variants": {},
-    "qkvnp.overflow": {},
+    "qkvnp.ops.positions": {},
+    "qkvnp.ops.variants": {},
+    "qkvnp.ops.overflow": {},
     "qkvnp.layers": {},
     "qkvnp.gradcheck": {},
     "qkvnp.interop": {},
     "qkvnp.kernels": {
         # the layers' own machinery, not a setting a user changes
-        "check_impl": "internal", "layer_forward": "internal", "layer_backward": "internal",
+        "check_impl": "internal",
     },
     "qkvnp.training": {},
     "qkvnp.losses": {},

@@ -237,8 +237,9 @@ def test_check_false_holds_for_grouped_query_attention(monkeypatch):
     H = 4 query heads (enable_gqa=True): the same outputs and gradients,
     bitwise; the unchecked cache holds views of the caller's arrays where the
     checked one holds copies; and the unchecked backward does not check dout
-    (a count of as_upstream_grad's calls in qkvnp.gqa), as without groups."""
-    from qkvnp import _checks, gqa
+    (a count of as_upstream_grad's calls in qkvnp.ops.gqa), as without groups."""
+    from qkvnp import _checks
+    from qkvnp.ops import gqa
 
     rng = np.random.default_rng(7)
     q, k, v = _normal(rng, 2, 4, 3, 5), _normal(rng, 2, 2, 6, 5), _normal(rng, 2, 2, 6, 5)

@@ -94,7 +94,7 @@ def test_a_refused_forward_leaves_the_previous_cache_whole(path, name):
 
 
 @pytest.mark.parametrize("variants", [
-    {},  # plain attention: qkvnp.kv_cache.cached_forward
+    {},  # plain attention: qkvnp.layers.kv_cache.cached_forward
     {"rope": True, "window": (3, 0)},  # the variants' decoding step, a rolling buffer
     {"window": (3, 0), "softcap": 30.0},  # the same, without RoPE's own input check
 ], ids=["plain", "rope-window", "window-softcap"])

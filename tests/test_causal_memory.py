@@ -3,7 +3,7 @@
 Oracles: the peak and the retained bytes that ``tracemalloc`` (which numpy
 reports its arrays to) measures, against the same layer without a mask (the
 tiled path's memory is linear in length) and against the documented budget
-:data:`qkvnp.masks.CAUSAL_CACHE_BYTES`; the reference path for the values.
+:data:`qkvnp.ops.masks.CAUSAL_CACHE_BYTES`; the reference path for the values.
 """
 import gc
 import tracemalloc
@@ -13,7 +13,7 @@ import pytest
 
 import qkvnp
 from qkvnp import kernels
-from qkvnp.masks import (CAUSAL_CACHE_BYTES, additive_mask, causal_factors, causal_mask,
+from qkvnp.ops.masks import (CAUSAL_CACHE_BYTES, additive_mask, causal_factors, causal_mask,
                          causal_mask_offset)
 
 

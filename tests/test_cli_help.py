@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from qkvnp.cli import COMMANDS, build_parser, main
+from qkvnp.apps.cli import COMMANDS, build_parser, main
 
 
 def _sub_parser(command):

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-import qkvnp.cli
-from qkvnp.cli import main
+import qkvnp.apps.cli
+from qkvnp.apps.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_LOOKUP = ["--num-keys", "8", "--num-values", "8", "--num-pairs", "4", "--eval-size", "16"]
@@ -144,7 +144,7 @@ def test_an_interrupted_check_exits_with_the_signal_status_and_one_line(monkeypa
     import qkvnp.gradcheck.command as command
 
     # Ctrl-C raises KeyboardInterrupt; main's SIGTERM handler, an Interrupted
-    interrupt = KeyboardInterrupt() if signum == signal.SIGINT else qkvnp.cli.Interrupted(signum)
+    interrupt = KeyboardInterrupt() if signum == signal.SIGINT else qkvnp.apps.cli.Interrupted(signum)
 
     calls = []
     original = command.check_layer

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-import qkvnp.demo as demo
-from qkvnp import cli
+import qkvnp.apps.demo as demo
+from qkvnp.apps import cli
 
 import book_layers as seeds_book
 import test_seeds as seeds

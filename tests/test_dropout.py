@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import qkvnp
 from qkvnp import functional as F
-from qkvnp.dropout import Dropout, block_keep, dense_keep
+from qkvnp.ops.dropout import Dropout, block_keep, dense_keep
 from qkvnp.gradcheck import check_layer, check_op
 from qkvnp.kernels import fast, num_threads, tiled
 

@@ -107,7 +107,7 @@ def test_complex_step_perturbs_a_models_parameters():
     # Before Model.params wrote through, the complex step replaced entries of a
     # throw-away dict and saw a derivative of 0; a wrong gradient must be caught.
     # NOTE: a composite's gradients are added when its outermost call returns
-    # (qkvnp._transaction), so the bug is planted in what the norm adds
+    # (qkvnp.layers.transaction), so the bug is planted in what the norm adds
     class DoubledScale(qkvnp.LayerNorm):
         def _accumulate(self, name, grad):
             super()._accumulate(name, 2.0 * grad if name == "scale" else grad)  # planted bug

@@ -159,7 +159,7 @@ def test_bad_options_are_refused_naming_the_option():
 
 
 def test_train_help_lists_the_text_task(capsys):
-    from qkvnp.cli import main
+    from qkvnp.apps.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(["train", "--help"])

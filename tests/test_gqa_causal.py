@@ -64,7 +64,7 @@ def test_bottom_right_is_the_mask_j_le_i_plus_s_minus_t(T, S):
     rng = np.random.default_rng(0)
     q, k, v = rng.normal(size=(2, T, 3)), rng.normal(size=(2, S, 3)), rng.normal(size=(2, S, 2))
     allowed = np.arange(S)[None, :] <= np.arange(T)[:, None] + S - T
-    np.testing.assert_array_equal(qkvnp.masks.causal_mask(T, S, bottom_right=True), allowed)
+    np.testing.assert_array_equal(qkvnp.ops.masks.causal_mask(T, S, bottom_right=True), allowed)
     expected, _ = F.attention_forward(q, k, v, allowed)
     for path in CORES:
         out, _ = core_call(path)(q, k, v, is_causal="bottom_right")
@@ -123,7 +123,7 @@ def test_gqa_gradients(path, case):
 @pytest.mark.parametrize("path", CORES)
 @pytest.mark.parametrize("is_causal", CAUSAL)
 def test_gqa_is_attention_on_repeated_keys_and_values(path, is_causal):
-    # Oracle: the closed form, without qkvnp.gqa: plain attention on K, V repeated G
+    # Oracle: the closed form, without qkvnp.ops.gqa: plain attention on K, V repeated G
     # times (np.repeat = torch.repeat_interleave: query head h uses kv head h // G),
     # whose K/V gradients summed over each group are the GQA gradients.
     rng = np.random.default_rng(2)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-import qkvnp.cli
+import qkvnp.apps.cli
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp.gradcheck import (
@@ -432,15 +432,15 @@ def test_import_pulls_in_numpy_only():
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    """Run ``qkvnp.cli.main(["gradcheck", ...])``; return (exit code, stdout + stderr).
+    """Run ``qkvnp.apps.cli.main(["gradcheck", ...])``; return (exit code, stdout + stderr).
 
     Only the gradcheck command is registered, so that this test does not
     depend on the other commands' modules. Errors go to stderr, as argparse's do.
     """
-    monkeypatch.setattr(qkvnp.cli, "COMMANDS", {"gradcheck": qkvnp.cli.COMMANDS["gradcheck"]})
+    monkeypatch.setattr(qkvnp.apps.cli, "COMMANDS", {"gradcheck": qkvnp.apps.cli.COMMANDS["gradcheck"]})
 
     def run(*argv):
-        code = qkvnp.cli.main(["gradcheck", *argv])
+        code = qkvnp.apps.cli.main(["gradcheck", *argv])
         captured = capsys.readouterr()
         return code, captured.out + captured.err
 
@@ -520,7 +520,7 @@ def test_cli_refuses_bad_options_under_its_usage_before_any_work(monkeypatch, ca
 
     monkeypatch.setattr(command, "check_layer", lambda *a, **k: pytest.fail("work started"))
     monkeypatch.setattr(command, "sweep_steps", lambda *a, **k: pytest.fail("work started"))
-    assert qkvnp.cli.main(["gradcheck", *argv]) == 2
+    assert qkvnp.apps.cli.main(["gradcheck", *argv]) == 2
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
     assert captured.out == "" and "Traceback" not in captured.err
@@ -536,7 +536,7 @@ def test_cli_sweep_eps_plot_without_matplotlib_is_refused_before_the_sweep(monke
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setattr(command, "sweep_steps", lambda *a, **k: pytest.fail("work started"))
-    assert qkvnp.cli.main(["gradcheck", "--sweep-eps", "--plot", str(tmp_path / "s.png")]) == 2
+    assert qkvnp.apps.cli.main(["gradcheck", "--sweep-eps", "--plot", str(tmp_path / "s.png")]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()
@@ -623,5 +623,5 @@ def test_cli_refuses_bad_study_combinations(capsys, monkeypatch, argv, message):
     import qkvnp.gradcheck.command as command
 
     monkeypatch.setattr(command, "check_layer", lambda *a, **k: pytest.fail("work started"))
-    assert qkvnp.cli.main(["gradcheck", *argv]) == 2
+    assert qkvnp.apps.cli.main(["gradcheck", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The package's architecture, read from its source with ``ast`` (nothing guessed).
 
-Data flows one way: CLI, then the training app, then layers, then kernels,
-then the reference ops, then the checks. Oracles: the import graph of every
+Data flows one way, down the tiers of :data:`TIERS`: the apps, interop,
+the models, the layers, the kernels, the reference ops, the helpers. Oracles: the import graph of every
 module (imports inside functions count), which must have no cycle, no
 ``_private`` name taken from another module except from the three shared
 helpers, and no module over 700 lines; each module's ``__all__`` must name
@@ -120,15 +120,39 @@ def test_no_private_name_is_used_through_a_module():
     assert crossings == []
 
 
-def test_the_library_never_imports_the_app_or_the_commands():
-    """Layers, kernels, ops and checks import neither training nor the CLI
-    (the direction of the data flow)."""
-    library = [n for n in MODULES if not n.startswith(("qkvnp.training", "qkvnp.cli",
-                                                        "qkvnp.demo", "qkvnp.__main__",
-                                                        "qkvnp.gradcheck"))]
-    upward = [(n, m) for n in library for m in GRAPH[n]
-              if m.startswith(("qkvnp.training", "qkvnp.cli", "qkvnp.demo", "qkvnp.gradcheck"))]
+#: The tiers, bottom up: a module imports only from its own tier or below.
+TIERS = [
+    ("helpers", ("qkvnp._checks", "qkvnp._io", "qkvnp._typing")),
+    ("ops", ("qkvnp.ops", "qkvnp.functional")),
+    ("kernels", ("qkvnp.kernels",)),
+    ("layers", ("qkvnp.layers", "qkvnp.losses", "qkvnp.optim")),
+    ("models", ("qkvnp.models",)),
+    ("interop", ("qkvnp.interop",)),
+    ("apps", ("qkvnp.training", "qkvnp.gradcheck", "qkvnp.apps")),
+    ("entry points", ("qkvnp.__main__", "qkvnp")),
+]
+
+
+def _tier(name):
+    for rank, (_, prefixes) in enumerate(TIERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes if p != "qkvnp"):
+            return rank
+    assert name == "qkvnp", f"{name} belongs to no tier of TIERS"
+    return len(TIERS) - 1
+
+
+def test_every_import_runs_down_the_tiers():
+    """Ops import no kernel, kernels no layer, layers no model, nothing the apps
+    (the direction of the data flow, and what docs/layout.md draws)."""
+    upward = [(n, m) for n in MODULES for m, imported in _imports(n)
+              if _tier(m) > _tier(n) and (m, imported) != ("qkvnp", "__version__")]
     assert upward == []
+
+
+def test_the_package_root_keeps_the_entry_points_and_little_else():
+    root = [n for n in MODULES if n.count(".") == 1 and MODULES[n].name != "__init__.py"
+            and n != "qkvnp.__main__"]
+    assert len(root) <= 8, root
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import qkvnp
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,7 +210,7 @@ def test_wheel_ships_the_library_only(setup_cfg):
 
 def test_console_script_entry_point(setup_cfg):
     scripts = cfg_list(setup_cfg["options.entry_points"]["console_scripts"])
-    assert scripts == ["qkvnp = qkvnp.cli:main"]
+    assert scripts == ["qkvnp = qkvnp.apps.cli:main"]
 
 
 @pytest.mark.parametrize("argv0, prog", [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qkvnp
-from qkvnp.positions import alibi_bias, alibi_slopes, relative_position_bucket
+from qkvnp.ops.positions import alibi_bias, alibi_slopes, relative_position_bucket
 
 
 def paper_get_slopes(n):

@@ -20,7 +20,7 @@ import qkvnp
 from qkvnp import functional as F
 from qkvnp import kernels
 from qkvnp.kernels import fast, tiled
-from qkvnp.overflow import clip_overflow, product
+from qkvnp.ops.overflow import clip_overflow, product
 
 CORES = {"reference": F, "fast": fast, "tiled": tiled}
 

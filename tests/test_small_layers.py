@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qkvnp.gradcheck import check_layer, check_op
-from qkvnp.embedding import BINCOUNT_MAX_ENTRIES
+from qkvnp.ops.embedding import BINCOUNT_MAX_ENTRIES
 from qkvnp.functional import embedding_backward, embedding_backward_factored, embedding_forward
 from qkvnp.layers import Embedding, Linear
 

@@ -14,7 +14,7 @@ import pytest
 import qkvnp
 from qkvnp import KVCache, MultiHeadAttention
 from qkvnp.gradcheck import check_layer
-from qkvnp.positions import relative_position_bucket
+from qkvnp.ops.positions import relative_position_bucket
 
 
 def make_layer(seed=0, **options):
@@ -293,8 +293,8 @@ def test_self_attention_with_variants(options, method):
 
 
 def test_public_names():
-    assert qkvnp.functional.rope_forward is qkvnp.variants.rope_forward
-    assert callable(qkvnp.positions.alibi_slopes)
+    assert qkvnp.functional.rope_forward is qkvnp.ops.variants.rope_forward
+    assert callable(qkvnp.ops.positions.alibi_slopes)
 
 
 @pytest.mark.parametrize("impl", ["reference", "tiled"])

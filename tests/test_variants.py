@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from qkvnp import functional as F
 from qkvnp.gradcheck import check_op
-from qkvnp.variants import check_window, window_keep
+from qkvnp.ops.variants import check_window, window_keep
 
 from strategies import finite_arrays
 
@@ -253,7 +253,7 @@ TILED_OPTIONS = [
 def test_tiled_variants_equal_the_reference(options, block_size):
     # oracle: the reference ops; ALiBi against alibi_bias added as a score bias
     from qkvnp.kernels import tiled_variants
-    from qkvnp.positions import alibi_bias, alibi_slopes
+    from qkvnp.ops.positions import alibi_bias, alibi_slopes
 
     rng = np.random.default_rng(10)
     B, H, T, S = 2, 3, 13, 17
@@ -291,7 +291,7 @@ def test_tiled_window_visits_only_the_band():
 def test_tiled_variants_defer_huge_scores_to_the_reference():
     # oracle: the reference ops, which clip overflowing scores exactly
     from qkvnp.kernels import tiled_variants
-    from qkvnp.variants import VariantCache
+    from qkvnp.ops.variants import VariantCache
 
     rng = np.random.default_rng(11)
     q, k, v = rng.standard_normal((5, 4)) * 1e154, rng.standard_normal((6, 4)), rng.standard_normal((6, 2))

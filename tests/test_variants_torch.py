@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from qkvnp import functional as F
-from qkvnp.positions import alibi_bias, alibi_slopes, relative_position_bucket
+from qkvnp.ops.positions import alibi_bias, alibi_slopes, relative_position_bucket
 
 torch = None  # PyTorch, set for each test by the fixture below
 

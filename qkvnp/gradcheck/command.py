@@ -317,7 +317,7 @@ def run(args):
     Raises
     ------
     argparse.ArgumentError
-        For a bad option, before any work; ``qkvnp.cli.main`` prints it under
+        For a bad option, before any work; ``qkvnp.apps.cli.main`` prints it under
         the command's usage and returns 2.
     """
     _check_options(args)
@@ -325,7 +325,7 @@ def run(args):
     try:
         return _run_checked(args, written)
     except KeyboardInterrupt as exc:
-        from ..cli import report_interrupt
+        from ..apps.cli import report_interrupt
 
         files = [f"--{name} {getattr(args, name)}" for name in ("json", "plot")
                  if getattr(args, name) is not None]

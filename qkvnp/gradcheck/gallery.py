@@ -20,7 +20,7 @@ from collections import namedtuple
 import numpy as np
 
 from .. import functional as F
-from .. import variants
+from ..ops import variants
 from .._checks import declare_complex_step
 from .checker import check_op
 

@@ -67,9 +67,9 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
                        core_scores_may_overflow, owned, values_may_overflow)
 from ..functional import sum_to_shape
-from ..dropout import dense_keep, keep_scale, prepare_dropout
-from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
-from ..masks import additive_mask, causal_factors, causal_mask_offset, prepare_mask
+from ..ops.dropout import dense_keep, keep_scale, prepare_dropout
+from ..ops.gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
+from ..ops.masks import additive_mask, causal_factors, causal_mask_offset, prepare_mask
 from ._runtime import blocks, get_block_sizes, run, threads_for
 from .buffers import recycled_empty
 from .fast_small import LARGE_SCORES, mask_row_max, masked_exp, small_backward, small_forward
@@ -114,7 +114,7 @@ shapes : the original shapes of query, key and value (for broadcast inputs).
 dropout_mask : bool, broadcastable to (..., T, S), True = keep; None without dropout.
 dropout_p : float, the drop probability (kept weights are scaled by 1 / (1 - p)).
 causal : None, or the offset of the diagonal of a shared causal mask (query
-    ``i`` sees keys ``j <= i + causal``: :func:`qkvnp.masks.causal_mask_offset`).
+    ``i`` sees keys ``j <= i + causal``: :func:`qkvnp.ops.masks.causal_mask_offset`).
 chunk_rows : None when ``exp_scores`` is the plain ``(..., T, S)`` array. Else
     the forward went by causal row chunks of this many rows, and stored each
     chunk's numerators of the keys its rows see (:func:`_live_keys`)
@@ -338,7 +338,7 @@ def _forward_rows(scores, q, k, key_aug_t, key_norm, value_aug, mask, mask_max, 
     with ``mask / log2(e)``), i.e. with the exact row max. With ``drop =
     (dropout_mask, 1 / (1 - p))`` the output is recomputed from the kept
     numerators (one more matmul: the row sums need them all). ``factors``:
-    None, or a causal ``mask`` as 0 / 1 (:func:`qkvnp.masks.causal_factors`),
+    None, or a causal ``mask`` as 0 / 1 (:func:`qkvnp.ops.masks.causal_factors`),
     multiplied after ``exp2`` instead of adding the mask before it.
 
     ``live`` (a causal chunk's, :func:`_live_keys`): only the first ``live``
@@ -518,7 +518,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
 
     Same arguments, semantics and errors as
     :func:`qkvnp.functional.attention_forward`, dropout included (the same
-    ``rng`` draws the same mask, :mod:`qkvnp.dropout`).
+    ``rng`` draws the same mask, :mod:`qkvnp.ops.dropout`).
 
     Parameters
     ----------
@@ -536,7 +536,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         Defaults to ``1 / sqrt(D)``.
     enable_gqa : bool, keyword-only
         Grouped-query attention, as in the reference: K/V are broadcast over
-        each group of query heads, never repeated (:mod:`qkvnp.gqa`).
+        each group of query heads, never repeated (:mod:`qkvnp.ops.gqa`).
     inference : bool, keyword-only
         True: no backward will read the cache (a KV-cache decoding step): nothing is copied for one.
 

@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from ..masks import is_causal_additive
+from ..ops.masks import is_causal_additive
 from .buffers import recycled_empty
 
 __all__ = ["small_forward", "small_backward", "masked_exp", "mask_row_max", "LARGE_SCORES"]
@@ -115,7 +115,7 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     10 ms step (cProfile). ``drop``: None or ``(dropout_mask, 1 / (1 - p))``,
     applied to the output only. ``normalize``: leave the weights ``P = E r``
     in ``exp_scores``. ``factors``: None, or a causal ``mask`` as 0 / 1
-    (:func:`qkvnp.masks.causal_factors`), multiplied after the exponential
+    (:func:`qkvnp.ops.masks.causal_factors`), multiplied after the exponential
     instead of adding the mask before it (``exp(-inf)`` is numpy's slow path).
     """
     dtype = exp_scores.dtype

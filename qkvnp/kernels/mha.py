@@ -6,7 +6,7 @@ S key length, E embedding, D = E // H head dim, N = B*T (or B*S) rows,
 ``in`` the features of an input.
 
 :func:`forward` / :func:`backward` compute what the reference layers of
-:mod:`qkvnp.kernels.reference` compute, with the same calling convention:
+:mod:`qkvnp.layers.reference` compute, with the same calling convention:
 ``forward(params, inputs, kind, num_heads, mask, is_causal, ...) ->
 (out, weights, cache)`` and ``backward(dout, cache) -> (grads, dinputs)``.
 What they do differently: one fused ``(N, in) @ (in, 3E)`` projection for
@@ -45,10 +45,10 @@ import numpy as np
 
 from .._checks import (abs_max, as_upstream_grad, owned, projected_score_bound,
                        scores_may_overflow)
-from ..dropout import dense_keep, no_dropout, prepare_dropout
+from ..ops.dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
-from ..gqa import split_head_axis
-from ..masks import additive_mask, causal_mask_offset, prepare_mask
+from ..ops.gqa import split_head_axis
+from ..ops.masks import additive_mask, causal_mask_offset, prepare_mask
 from . import fast, mha_small, tiled
 from ._runtime import matmul, run, threads_for
 from .buffers import recycled_empty
@@ -89,7 +89,7 @@ out_shape : shape of the forward output ``(..., T, out_dim)``.
 has_out_bias : bool, the output projection has ``b_out`` (the book's layer
     has it without input biases).
 H_kv : key/value heads (``H`` but for grouped-query attention, where the
-    core ran on ``(..., H_kv, G, T, D)`` queries; see :mod:`qkvnp.gqa`).
+    core ran on ``(..., H_kv, G, T, D)`` queries; see :mod:`qkvnp.ops.gqa`).
 blas_threads : bool, the projections may run on BLAS's own threads (the core
     runs serially both ways; :func:`qkvnp.kernels._runtime.matmul`).
 """
@@ -117,7 +117,7 @@ class ScoresMayOverflow(Exception):
     """Raised by :func:`forward` before its core runs: the projections bound the
     scores at or beyond ``sqrt(finfo.max)`` (:func:`qkvnp._checks.scores_may_overflow`).
 
-    :func:`qkvnp.kernels.layer_forward` then runs the reference path, the only
+    :func:`qkvnp.layers.dispatch.layer_forward` then runs the reference path, the only
     one that clips overflowing scores exactly (:func:`qkvnp.kernels.choose_path`
     says so in the dispatch). Nothing has been drawn from the dropout ``rng``
     unless ``dropout_mask`` is set: the mask the batch split drew, which the
@@ -259,7 +259,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     ScoresMayOverflow
         After the projections, before the core and before any draw from
         ``rng``, when they bound the scores at or beyond ``sqrt(finfo.max)``:
-        the caller runs the reference path (:func:`qkvnp.kernels.layer_forward`).
+        the caller runs the reference path (:func:`qkvnp.layers.dispatch.layer_forward`).
 
     Notes
     -----
@@ -364,7 +364,7 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     k = _heads(projected[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     v = _heads(projected[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     merged = np.empty((projected[0].shape[0], E), dtype)  # (N, E)
-    if H_kv != H:  # grouped-query attention: K/V broadcast over each group (qkvnp.gqa)
+    if H_kv != H:  # grouped-query attention: K/V broadcast over each group (qkvnp.ops.gqa)
         G = H // H_kv
         lead = batch + (H_kv, G)
         q = _group_heads(projected[0], batch, T, H_kv, G)  # (N, E) -> (..., H_kv, G, T, D)

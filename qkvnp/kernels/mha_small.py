@@ -28,7 +28,7 @@ import numpy as np
 
 from .._checks import as_upstream_grad
 from ..functional import column_sums
-from ..masks import additive_mask, causal_factors, prepare_mask
+from ..ops.masks import additive_mask, causal_factors, prepare_mask
 from ._runtime import get_block_sizes, threads_for
 from .fast_small import LARGE_SCORES, mask_row_max, small_backward, small_forward
 

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..transformer_ops import GeluCache, LayerNormCache
+from ..ops.transformer import GeluCache, LayerNormCache
 
 __all__ = ["layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]

@@ -30,9 +30,9 @@ from .. import functional as F
 from .._checks import (as_upstream_grad, check_attention_inputs, check_scale,
                        core_scores_may_overflow, owned, values_may_overflow)
 from ..functional import sum_to_shape
-from ..dropout import dense_keep, prepare_dropout
-from ..gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
-from ..masks import causal_offset, check_is_causal, prepare_mask
+from ..ops.dropout import dense_keep, prepare_dropout
+from ..ops.gqa import GroupedCache, grouped_backward, grouped_forward, split_groups
+from ..ops.masks import causal_offset, check_is_causal, prepare_mask
 from ._runtime import check_block_pair, get_block_sizes, get_num_threads, run
 from .tiled_blocks import (Problem, at_least_2d, backward_columns, forward_rows, live_blocks,
                            no_overflow, row_bounds)
@@ -70,7 +70,7 @@ block_q, block_k : block sizes
 live : ndarray of bool, shape (ceil(T/bq), ceil(S/bk)), False for block
     pairs that are entirely masked (skipped in both passes)
 safe : bool, True when no score can overflow (no clipping check needed)
-dropout : :class:`qkvnp.dropout.Dropout` or None: a drawn mask is kept as its
+dropout : :class:`qkvnp.ops.dropout.Dropout` or None: a drawn mask is kept as its
     key, and each block's mask is recomputed from it (never ``(T, S)``)
 """
 
@@ -153,7 +153,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
         mask on request. A given mask is referenced, sliced per block.
     enable_gqa : bool, keyword-only
         Grouped-query attention, as in the reference: K/V are broadcast over
-        each group of query heads, never repeated (:mod:`qkvnp.gqa`).
+        each group of query heads, never repeated (:mod:`qkvnp.ops.gqa`).
 
     Returns
     -------

@@ -15,7 +15,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..dropout import block_keep, keep_scale
+from ..ops.dropout import block_keep, keep_scale
 from ..functional import sum_to_shape
 
 __all__ = ["Problem", "at_least_2d", "live_blocks", "causal_blocks", "no_overflow", "row_bounds",
@@ -43,7 +43,7 @@ def _mask_block(mask, i0, i1, j0, j1):
 def live_blocks(bias, keep, causal, T, S, block_q, block_k):
     """Table of the block pairs that have at least one position not masked.
 
-    ``causal`` is None or the causal offset (:func:`qkvnp.masks.causal_offset`:
+    ``causal`` is None or the causal offset (:func:`qkvnp.ops.masks.causal_offset`:
     query ``i`` may attend key ``j`` iff ``j <= i + causal``): a whole-block
     test (:func:`causal_blocks`), so that no ``(T, S)`` mask is ever made.
     """

@@ -5,7 +5,7 @@ head dim of values, ``...`` any leading (batch, head) dims, H heads; ``bq``
 and ``bk`` the query and key block sizes.
 
 The FlashAttention-style core of :mod:`qkvnp.kernels.tiled` for the
-variants of :mod:`qkvnp.variants`, kept apart from it so that each reads in
+variants of :mod:`qkvnp.ops.variants`, kept apart from it so that each reads in
 one sitting: an online softmax over key blocks in the forward, the weights
 recomputed block by block in the backward, never a ``(T, S)`` array (unless
 the caller passes a ``score_bias`` or mask of that size, which is sliced).
@@ -42,10 +42,10 @@ import numpy as np
 from .. import functional as F
 from .._checks import (as_float_array, as_upstream_grad, check_attention_inputs, check_scale,
                        core_scores_may_overflow, owned)
-from ..dropout import block_keep, keep_scale, prepare_dropout
-from ..gqa import split_groups, split_head_axis, split_per_head
-from ..masks import causal_offset, check_is_causal, prepare_mask
-from ..variants import VariantCache, VariantGroupedCache, check_softcap, check_window
+from ..ops.dropout import block_keep, keep_scale, prepare_dropout
+from ..ops.gqa import split_groups, split_head_axis, split_per_head
+from ..ops.masks import causal_offset, check_is_causal, prepare_mask
+from ..ops.variants import VariantCache, VariantGroupedCache, check_softcap, check_window
 from ._runtime import check_block_pair, get_block_sizes, run, single_threaded_blas
 
 __all__ = ["TiledVariantCache", "TiledVariantGroupedCache", "TILED_CACHES", "attention_forward",
@@ -61,7 +61,7 @@ bias, keep : the user mask's additive and boolean parts, as given (or None).
 score_bias : as given (or None); alibi : slopes broadcastable to the leading dims (or None).
 softcap, window, causal : the options; offset : query ``i`` stands at ``i + offset``.
 sinks : as given (or None). row_max, row_sum : (..., T).
-dropout : :class:`qkvnp.dropout.Dropout` or None (each block's mask recomputed from it).
+dropout : :class:`qkvnp.ops.dropout.Dropout` or None (each block's mask recomputed from it).
 score_bias_shape : the caller's shape of ``score_bias`` (its gradient's shape), or None.
 """
 
@@ -69,7 +69,7 @@ _Grouped = namedtuple("_Grouped", "inner shapes out_shape grouped_out_shape dtyp
 
 
 class TiledVariantGroupedCache(_Grouped):
-    """The grouped-query form: the inner cache and the callers' shapes (``shapes`` as in :mod:`qkvnp.variants`)."""
+    """The grouped-query form: the inner cache and the callers' shapes (``shapes`` as in :mod:`qkvnp.ops.variants`)."""
 
     __slots__ = ()
 
@@ -217,7 +217,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     ----------
     alibi_slopes : array_like, shape (H,) or broadcastable to the leading dims, optional
         ALiBi's bias ``-slope * |i + offset - j|`` computed per block (no
-        gradient: fixed slopes). Use :func:`qkvnp.positions.alibi_slopes`.
+        gradient: fixed slopes). Use :func:`qkvnp.ops.positions.alibi_slopes`.
     block_size : int or (int, int), optional
         Defaults to the ``tiled_block`` setting.
 
@@ -225,7 +225,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     -------
     out : ndarray, shape (..., T, Dv)
     cache : TiledVariantCache (TiledVariantGroupedCache with grouped-query
-        attention; the reference's :class:`qkvnp.variants.VariantCache` when
+        attention; the reference's :class:`qkvnp.ops.variants.VariantCache` when
         scores may overflow, whose exact clipping only the reference has)
     """
     softcap = check_softcap(softcap)
@@ -240,7 +240,7 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if core_scores_may_overflow(query, key, scale):  # NOTE: only the reference clips exactly
         bias = None
         if alibi_slopes is not None:
-            from ..positions import alibi_bias
+            from ..ops.positions import alibi_bias
 
             offset = causal_offset(is_causal, T, S) or 0
             slopes = np.asarray(alibi_slopes, dtype=np.float64)

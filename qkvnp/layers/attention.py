@@ -15,8 +15,8 @@ import numpy as np
 from .. import kernels
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng)
-from ..kv_cache import KVCache
-from ..masks import fold_key_padding_mask
+from .kv_cache import KVCache
+from ..ops.masks import fold_key_padding_mask
 from .attention_base import AttentionLayer
 from .base import xavier_uniform
 
@@ -258,9 +258,9 @@ class MultiHeadAttention(AttentionLayer):
         ``i`` (``i + S - T`` bottom-right), key ``j`` at ``j``. With a
         ``KVCache``, keys are cached rotated and positions continue.
     position_bias : {None, "alibi", "relative"}, keyword-only
-        ``"alibi"``: ALiBi's fixed bias :func:`qkvnp.positions.alibi_bias`;
+        ``"alibi"``: ALiBi's fixed bias :func:`qkvnp.ops.positions.alibi_bias`;
         ``"relative"``: T5's learned ``rel_bias`` ``(num_buckets, H)``
-        (zeros), looked up by :func:`qkvnp.positions.relative_position_bucket`
+        (zeros), looked up by :func:`qkvnp.ops.positions.relative_position_bucket`
         (``num_buckets``, ``max_distance`` keyword-only; bidirectional unless
         the forward is causal).
     sinks : bool, keyword-only

@@ -2,7 +2,7 @@
 
 Shape key: B batch, H heads, T query length, S key length, E embedding.
 
-A layer holds its parameters and asks :func:`qkvnp.kernels.layer_forward`
+A layer holds its parameters and asks :func:`qkvnp.layers.dispatch.layer_forward`
 for a path (:func:`qkvnp.kernels.choose_path` decides, ``last_dispatch``
 says which ran and why); its cache is the calling thread's (:class:`Layer`).
 """
@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from .._transaction import journal_generator
-from ..dropout import check_dropout_p, spawn_generator
-from ..kv_cache import KVCache, cached_forward
-from ..masks import check_is_causal
+from .transaction import journal_generator
+from ..ops.dropout import check_dropout_p, spawn_generator
+from .kv_cache import KVCache, cached_forward
+from ..ops.masks import check_is_causal
 from .base import Layer
+from .dispatch import layer_backward, layer_forward
 
 __all__ = ["AttentionLayer"]
 
@@ -26,7 +27,7 @@ class AttentionLayer(Layer):
     supports_complex_step = True  # on the reference path (qkvnp.gradcheck, method="complex_step")
     dropout = 0.0
     dropout_rng = None
-    variants = None  # qkvnp.kernels.variant_layer.VariantOptions of a layer built with variants
+    variants = None  # qkvnp.layers.variant_layer.VariantOptions of a layer built with variants
 
     def _init_dropout(self, dropout, rng):
         """``dropout`` checked, and the layer's own Generator, spawned from ``rng``.
@@ -39,10 +40,10 @@ class AttentionLayer(Layer):
         self.dropout_rng = spawn_generator(rng)
 
     def _init_variants(self, num_heads, head_dim, **options):
-        """The variant options checked (:func:`qkvnp.kernels.variant_layer.check_options`) and
+        """The variant options checked (:func:`qkvnp.layers.variant_layer.check_options`) and
         their parameters: ``rel_bias`` ``(num_buckets, H)`` and ``sinks`` ``(H,)``, zeros (no
         draw from ``rng``: the weights of a seed do not depend on the options)."""
-        from ..kernels.variant_layer import check_options
+        from .variant_layer import check_options
 
         self.variants = check_options(num_heads, head_dim, **options)
         if self.variants is not None and self.variants.position_bias == "relative":
@@ -84,7 +85,7 @@ class AttentionLayer(Layer):
 
     def _kernel_forward(self, inputs, kind, num_heads, mask, is_causal, need_weights, out_proj,
                         originals, dropout=None):
-        """Run :func:`qkvnp.kernels.layer_forward`, keep its cache and its dispatch.
+        """Run :func:`qkvnp.layers.dispatch.layer_forward`, keep its cache and its dispatch.
 
         NOTE: the kernels write only into fresh memory, so a refused call
         (``ValueError``, ``TypeError``, however late) leaves the thread's
@@ -93,7 +94,7 @@ class AttentionLayer(Layer):
         state = self._state_to_write()
         state.used_cache = None  # a used-up cache is dead: free it before the new one
         with kernels.buffer_owner(self):  # the pool lets this layer's buffers go with it
-            out, weights, cache, dispatch = kernels.layer_forward(
+            out, weights, cache, dispatch = layer_forward(
                 self.params, inputs, kind, num_heads, mask, is_causal, impl=self.impl,
                 need_weights=need_weights, out_proj=out_proj, originals=originals,
                 variants=self.variants, **(dropout or {}))
@@ -121,7 +122,7 @@ class AttentionLayer(Layer):
         query = self._check_tokens(query)
         with kernels.buffer_owner(self):  # the pool lets this layer's buffers go with it
             if self.variants is not None:
-                from ..variant_decoding import decode
+                from .variant_decoding import decode
 
                 out, weights, dispatch = decode(self, query, kv_cache, attn_mask,
                                                 key_padding_mask, return_weights)
@@ -144,11 +145,11 @@ class AttentionLayer(Layer):
         return super()._need_cache()
 
     def _kernel_backward(self, dout, retain_cache, cache=None):
-        """Run :func:`qkvnp.kernels.layer_backward` on ``cache`` (default the calling
+        """Run :func:`qkvnp.layers.dispatch.layer_backward` on ``cache`` (default the calling
         thread's, :meth:`_need_cache`); accumulate; return the input gradients."""
         cache = self._need_cache() if cache is None else cache
         with kernels.buffer_owner(self):  # scratch buffers too: let go with the layer
-            grads, dinputs = kernels.layer_backward(dout, cache)  # checks dout
+            grads, dinputs = layer_backward(dout, cache)  # checks dout
         self._accumulate_all(grads)  # one lock for the 8 additions
         self._release_cache(retain_cache)
         return dinputs

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_state_value
-from .._transaction import add_grad, add_grads, journal, transactional
+from .transaction import add_grad, add_grads, journal, transactional
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -246,7 +246,7 @@ class Layer(ABC):
 
     def _accumulate(self, name, grad):
         """Add ``grad`` into ``self.grads[name]``: locked, or kept until a composite's
-        call commits (:mod:`qkvnp._transaction`)."""
+        call commits (:mod:`qkvnp.layers.transaction`)."""
         add_grad(self, "grads", name, grad)
 
     def _accumulate_all(self, grads):
@@ -268,7 +268,7 @@ class Layer(ABC):
             return self.__dict__.setdefault("_thread_state", _ThreadState())
 
     def _save_state(self):
-        """The calling thread's state of the layer, for :mod:`qkvnp._transaction`'s journal."""
+        """The calling thread's state of the layer, for :mod:`qkvnp.layers.transaction`'s journal."""
         state = self._thread
         return state.cache, state.used_cache, state.used, state.decoded, state.dispatch
 
@@ -352,7 +352,7 @@ class Model(Layer):
     ``self._accumulate_own``); it calls ``self.zero_grad()`` at the end of
     ``__init__``.
 
-    **A subclass's calls are transactions** (:mod:`qkvnp._transaction`):
+    **A subclass's calls are transactions** (:mod:`qkvnp.layers.transaction`):
     its ``forward``, ``backward`` and ``decode`` either succeed whole or
     change nothing. If one raises, however late and whatever it raises
     (``KeyboardInterrupt`` included), every sub-layer's per-thread cache,
@@ -391,7 +391,7 @@ class Model(Layer):
         NOTE: the guarantee of a refused call is the base class's mechanism,
         not each model's habit: a subclass's call that raises restores its
         sub-layers' caches, KV caches and Generators, and adds no gradient
-        (:mod:`qkvnp._transaction`).
+        (:mod:`qkvnp.layers.transaction`).
         """
         super().__init_subclass__(**kwargs)
         for name in ("forward", "backward", "decode"):

@@ -4,7 +4,7 @@ Shape key: B batch (any leading dims), T tokens, E embedding (the book's
 ``emb_dim``), F the feed-forward's hidden width (``4 E`` by default), H heads.
 
 Each layer calls its ops of :mod:`qkvnp.functional` (the math is in
-:mod:`qkvnp.transformer_ops`); the composites (:class:`FeedForward`,
+:mod:`qkvnp.ops.transformer`); the composites (:class:`FeedForward`,
 :class:`TransformerBlock`, :class:`Sequential`) are :class:`Model` s whose
 ``backward`` calls their sub-layers' backwards in the reverse order of the
 forward, line for line.
@@ -17,13 +17,13 @@ import numpy as np
 from .. import functional as F
 from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim,
                        is_real_number, layer_dtype, make_rng)
-from .._transaction import journal_generator
-from ..dropout import check_dropout_p, spawn_generator
+from .transaction import journal_generator
+from ..ops.dropout import check_dropout_p, spawn_generator
 from ..kernels import num_threads
 from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
                                  gelu_tanh_reference_cache, layer_norm_backward_fused,
                                  layer_norm_forward_fused)
-from ..transformer_ops import GELU_APPROXIMATIONS
+from ..ops.transformer import GELU_APPROXIMATIONS
 from .attention import MultiHeadAttention
 from .base import Layer, Model
 from .basic import Linear

@@ -313,7 +313,7 @@ def _error(message):
 
 def _interrupted(exc, rows, total, steps, args):
     """Keep the finished ``rows`` (``--json``), drop the stopped run, say so in one line."""
-    from ..cli import report_interrupt
+    from ..apps.cli import report_interrupt
 
     stopped = exc.stopped
     if stopped is None:

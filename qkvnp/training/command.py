@@ -20,7 +20,7 @@ import re
 import sys
 
 from .._io import check_writable
-from ..cli import interrupt_status, program_name
+from ..apps.cli import interrupt_status, program_name
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import LOOKUP_TASKS, TASK_DEFAULTS, TrainConfig
 from .loop import (SaveError, build_model, check_resume, check_save_options, checkpoint_layout,
@@ -41,7 +41,7 @@ def add_arguments(parser):
     from .models import VARIANTS
 
     # NOTE: "text" is listed for --help; `train --task text` never reaches this
-    # parser (qkvnp.cli sends it to qkvnp.training.text_command, which has its own options)
+    # parser (qkvnp.apps.cli sends it to qkvnp.training.text_command, which has its own options)
     parser.add_argument("--task", choices=tuple(TASK_DEFAULTS) + ("text",), default=None,
                         help="kv-recall (default): recall the value stored under a key; "
                              "partner: recall the value stored under the key's partner "
@@ -122,7 +122,7 @@ def _option(name):
 
 
 def _usage_error(message):
-    """What ``qkvnp.cli.main`` prints as ``<prog> train: error: <message>`` under the usage."""
+    """What ``qkvnp.apps.cli.main`` prints as ``<prog> train: error: <message>`` under the usage."""
     return argparse.ArgumentError(None, message)
 
 
@@ -194,7 +194,7 @@ def run(args):
     Raises
     ------
     argparse.ArgumentError
-        For a bad option, before anything is trained; ``qkvnp.cli.main``
+        For a bad option, before anything is trained; ``qkvnp.apps.cli.main``
         prints it under the command's usage and returns 2.
     """
     from .report import Progress, describe, plot_run, summary

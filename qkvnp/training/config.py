@@ -174,7 +174,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
             setattr(config, name, float(value))
-        from ..dropout import check_dropout_p
+        from ..ops.dropout import check_dropout_p
 
         config.dropout = check_dropout_p(config.dropout, "dropout")
         if config.lr <= 0:

@@ -222,7 +222,7 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         if self.requested:
-            from ..cli import Interrupted
+            from ..apps.cli import Interrupted
 
             raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
         self.signal = signal.Signals(signum)

@@ -17,8 +17,8 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
-from .._transaction import journal_generator
-from ..dropout import check_dropout_p, spawn_generator
+from ..layers.transaction import journal_generator
+from ..ops.dropout import check_dropout_p, spawn_generator
 from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
 
 TYPE_CHECKING = False

@@ -36,8 +36,8 @@ import sys
 import numpy as np
 
 from .._checks import check_int
-from ..generation import generate
-from ..gpt import GPTModel
+from ..models.generation import generate
+from ..models.gpt import GPTModel
 from ..losses import cross_entropy_backward, cross_entropy_forward
 from ..optim import AdamW
 from .checkpoint import HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint
@@ -573,7 +573,7 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
     SaveError
         If a checkpoint cannot be written.
     """
-    from ..cli import program_name
+    from ..apps.cli import program_name
     from ..kernels import blas_threads, num_threads
 
     stream = sys.stdout if stream is None else stream

@@ -155,7 +155,7 @@ def run(args):
         *_, code = text.train_text(config, resume=checkpoint, save=args.save,
                               save_every=args.save_every)
     except KeyboardInterrupt as exc:
-        from ..cli import interrupt_status
+        from ..apps.cli import interrupt_status
 
         return _error("aborted by a second Ctrl-C or SIGTERM: nothing was saved",
                       interrupt_status(exc))

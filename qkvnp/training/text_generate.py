@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from ..generation import generate
+from ..models.generation import generate
 from .checkpoint import CheckpointError
 from .text import load_text_checkpoint
 

@@ -324,7 +324,7 @@ def test_causal_factors_are_the_shared_causal_mask_as_0_and_1():
     """Oracle: the boolean causal mask. Only the shared causal masks (either
     alignment) have factors and a diagonal offset (query i sees keys j <= i +
     offset); any other additive mask is added as before."""
-    from qkvnp.masks import additive_mask, causal_factors, causal_mask, causal_mask_offset
+    from qkvnp.ops.masks import additive_mask, causal_factors, causal_mask, causal_mask_offset
 
     for T, S in ((3, 5), (5, 3), (4, 4)):
         for bottom_right in (False, True):
@@ -536,7 +536,7 @@ def test_a_deleted_layer_leaves_at_most_the_unowned_bound_in_the_buffer_pool():
     import gc
     import tracemalloc
 
-    from qkvnp.masks import CAUSAL_CACHE_BYTES
+    from qkvnp.ops.masks import CAUSAL_CACHE_BYTES
 
     bound = kernels.get_block_sizes()["recycle_unowned_bytes"]
     assert bound <= 8 << 20

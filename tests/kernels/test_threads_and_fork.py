@@ -270,8 +270,8 @@ _FORK_SCRIPT = textwrap.dedent("""
     for impl in ("fast", "tiled"):
         fwd_bwd(layers[impl])  # the parent's workers exist and are idle
     locks = qkvnp_locks()
-    assert {"qkvnp.kernels._runtime._SECTION_LOCK", "qkvnp._transaction._GRADS_LOCK",
-            "qkvnp.masks._SHARED.lock"} <= set(locks), sorted(locks)
+    assert {"qkvnp.kernels._runtime._SECTION_LOCK", "qkvnp.layers.transaction._GRADS_LOCK",
+            "qkvnp.ops.masks._SHARED.lock"} <= set(locks), sorted(locks)
 
     def child():
         faulthandler.dump_traceback_later(TIMEOUT - 5)  # where it hangs, if it does

@@ -8,7 +8,7 @@ import pytest
 
 from qkvnp.training.ablation import run_ablation, summarize
 from qkvnp.training.ablation_report import format_table
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.loop import TrainConfig, train
 
 TINY = dict(num_keys=8, num_values=8, num_pairs=4, eval_size=16)

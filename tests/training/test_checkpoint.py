@@ -16,7 +16,7 @@ import pytest
 
 from qkvnp.training.checkpoint import (FORMAT_VERSION, CheckpointError, load_checkpoint,
                               save_checkpoint, write_npz_atomic)
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.loop import TrainConfig, train
 
 TINY = dict(num_keys=8, num_values=8, num_pairs=4, dim=8, batch_size=16, eval_size=32)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import qkvnp
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.checkpoint import load_checkpoint
 from qkvnp.training.loop import TrainConfig, train
 

@@ -18,7 +18,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.checkpoint import CheckpointError, load_checkpoint, write_npz_atomic
 from qkvnp.training.loop import TrainConfig, checkpoint_layout, train
 

@@ -16,7 +16,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.ablation import partner_attention, run_ablation, summarize
 from qkvnp.training.ablation_report import (format_attention, pair_example,
                                             plot_ablation, takeaway, to_json)
@@ -282,7 +282,7 @@ def test_plot_ablation_draws_one_panel_per_task_and_the_pair_heat_maps(tmp_path,
 
 def test_demo_ends_with_the_pointer_to_the_ablation(capsys):
     # oracle: the issue asks the walkthrough to end with the question and where it is answered
-    from qkvnp.demo import walkthrough
+    from qkvnp.apps.demo import walkthrough
 
     assert walkthrough() == 0
     out = capsys.readouterr().out

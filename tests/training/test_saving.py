@@ -17,7 +17,7 @@ import pytest
 
 import qkvnp._io as io_module
 from qkvnp._io import atomic_write, check_writable
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.checkpoint import load_checkpoint
 from qkvnp.training.loop import SaveError, TrainConfig, train
 

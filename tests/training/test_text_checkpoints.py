@@ -20,7 +20,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training import text as text_task
 from qkvnp.training.checkpoint import CheckpointError, write_npz_atomic
 

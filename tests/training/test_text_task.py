@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training import text as text_task
 
 TEXT = ("the cat sat on the mat. the dog sat on the log. " * 40).encode()

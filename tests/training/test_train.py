@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from qkvnp.cli import main
+from qkvnp.apps.cli import main
 from qkvnp.training.loop import TrainConfig, scheduled_lr, train
 from qkvnp.training.report import Progress, attention_example, plot_run, summary
 

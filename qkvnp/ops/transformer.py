@@ -16,14 +16,14 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, compute_dtype, declare_complex_step,
+from .._checks import (as_float_array, as_upstream_grad, compute_dtype, declare_complex_step,
                       is_real_number, make_rng)
 from .dropout import check_dropout_p
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Any
-    from ._typing import BoolArray, FloatArray
+    from .._typing import BoolArray, FloatArray
 
 __all__ = [
     "layer_norm_forward",

@@ -26,7 +26,7 @@ __all__ = ["main", "COMMANDS", "Interrupted", "interrupt_status", "interrupt_nam
 # NOTE: plain text here, not the modules' docstrings: those are reST (double
 # backticks), and None under ``python -OO``.
 COMMANDS = {
-    "demo": ("qkvnp.demo", "walk through a small attention example step by step",
+    "demo": ("qkvnp.apps.demo", "walk through a small attention example step by step",
              "Walk through attention step by step, printing every number, on the six-token "
              "sentence 'Your journey starts with one step' of Sebastian Raschka's Build a "
              "Large Language Model (From Scratch), chapter 3."),
@@ -116,7 +116,7 @@ def build_parser(command=None, module_name_override=None):
     the selected one imports its module and adds its options: a command's
     heavy or broken imports never slow down or break another command.
     """
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog=program_name(),

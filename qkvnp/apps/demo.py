@@ -48,11 +48,11 @@ import argparse
 
 import numpy as np
 
-from . import functional as F
-from ._checks import check_int
-from .functional import scaled_dot_product_attention, softmax
-from .interop import from_torch
-from .layers import MultiHeadAttention, SelfAttention
+from .. import functional as F
+from .._checks import check_int
+from ..functional import scaled_dot_product_attention, softmax
+from ..interop import from_torch
+from ..layers import MultiHeadAttention, SelfAttention
 
 __all__ = [
     "WORDS",

@@ -3,28 +3,28 @@
 Shape key: B batch (any leading dims), H query heads, K key/value heads, T
 new tokens, S = cached + T keys, E embedding, D = E // H head dim.
 
-As :func:`qkvnp.kv_cache.cached_forward`, plus the variants of
-:mod:`qkvnp.kernels.variant_layer`: RoPE at the tokens' positions in the
+As :func:`qkvnp.layers.kv_cache.cached_forward`, plus the variants of
+:mod:`qkvnp.layers.variant_layer`: RoPE at the tokens' positions in the
 whole sequence, the position bias in the bottom-right alignment, the sinks,
 the soft-cap, and a sliding window whose cache is a rolling buffer.
 """
 import numpy as np
 
-from . import functional as F
-from .overflow import check_projection
-from . import kernels
-from .kernels import tiled_variants
-from .kernels._runtime import single_threaded_blas
-from .kernels.variant_layer import active_variants, position_score_bias
-from .positions import alibi_slopes
-from .masks import fold_key_padding_mask, prepare_mask
-from .variants import check_window
+from .. import functional as F
+from ..ops.overflow import check_projection
+from .. import kernels
+from ..kernels import tiled_variants
+from ..kernels._runtime import single_threaded_blas
+from .variant_layer import active_variants, position_score_bias
+from ..ops.positions import alibi_slopes
+from ..ops.masks import fold_key_padding_mask, prepare_mask
+from ..ops.variants import check_window
 
 __all__ = ["decode"]
 
 
 def decode(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
-    """One decoding step of a variant layer (as :func:`qkvnp.kv_cache.cached_forward`).
+    """One decoding step of a variant layer (as :func:`qkvnp.layers.kv_cache.cached_forward`).
 
     RoPE turns the new tokens by their positions in the whole sequence
     (``kv_cache.start + len(kv_cache) + arange(T)``), so keys are stored
@@ -51,7 +51,7 @@ def decode(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights):
         mask = fold_key_padding_mask(attn_mask, key_padding_mask, batch, H, T, S, layer.dtype)
         prepare_mask(mask, "bottom_right", batch + (H, T, S), layer.dtype)
     kv_cache.check(layer, np.empty(batch + (K, T, D), layer.dtype))
-    with single_threaded_blas():  # as the layer's forward (qkvnp.kernels.layer_forward)
+    with single_threaded_blas():  # as the layer's forward (qkvnp.layers.dispatch.layer_forward)
         return _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch)
 
 

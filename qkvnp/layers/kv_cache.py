@@ -18,16 +18,16 @@ from collections import namedtuple
 
 import numpy as np
 
-from . import functional as F
-from ._transaction import journal
-from .overflow import check_projection
-from . import kernels
-from .masks import fold_key_padding_mask, prepare_mask
+from .. import functional as F
+from .transaction import journal
+from ..ops.overflow import check_projection
+from .. import kernels
+from ..ops.masks import fold_key_padding_mask, prepare_mask
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Any
-    from ._typing import FloatArray
+    from .._typing import FloatArray
 
 __all__ = ["KVCache", "cached_forward"]
 
@@ -75,7 +75,7 @@ class KVCache:
         self.start = 0  # tokens dropped from the front (keep_last): the position of key 0
 
     def _save_state(self):
-        """What the cache holds, for :mod:`qkvnp._transaction`'s journal.
+        """What the cache holds, for :mod:`qkvnp.layers.transaction`'s journal.
 
         NOTE: the buffers need no copy: a step writes new tokens past the
         cached ones (:meth:`stage`) or into new buffers (growing,
@@ -242,7 +242,7 @@ def cached_forward(layer, x, kv_cache, attn_mask, key_padding_mask, need_weights
     weights : ndarray, shape (..., H, T, S) (SelfAttention: (..., T, S)), or None
     dispatch : qkvnp.kernels.Dispatch
     """
-    from .kernels import fast, tiled  # as kernels does: only when a layer runs
+    from ..kernels import fast, tiled  # as kernels does: only when a layer runs
 
     params = layer.params
     one_head = "W_out" not in params  # SelfAttention

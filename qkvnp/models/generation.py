@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_int, is_real_number, make_rng
-from .kv_cache import KVCache
+from .._checks import check_int, is_real_number, make_rng
+from ..layers.kv_cache import KVCache
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Any
-    from ._typing import FloatArray, IntArray
+    from .._typing import FloatArray, IntArray
 
 __all__ = ["generate"]
 

@@ -19,7 +19,7 @@ no output projection.
 from collections import namedtuple
 
 from .._checks import as_upstream_grad
-from ..overflow import check_projection
+from ..ops.overflow import check_projection
 from .. import functional as F
 
 __all__ = ["forward", "backward", "ReferenceLayerCache", "inputs_by_role"]

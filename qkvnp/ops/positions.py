@@ -14,12 +14,12 @@ import math
 
 import numpy as np
 
-from ._checks import check_int
+from .._checks import check_int
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Any
-    from ._typing import ArrayLike, FloatArray, IntArray
+    from .._typing import ArrayLike, FloatArray, IntArray
 
 __all__ = ["alibi_slopes", "alibi_bias", "relative_position_bucket", "relative_positions",
            "check_max_distance"]

@@ -13,11 +13,11 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_upstream_grad, check_int, check_ndim, compute_dtype, declare_complex_step
+from .._checks import as_upstream_grad, check_int, check_ndim, compute_dtype, declare_complex_step
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
-    from ._typing import FloatArray
+    from .._typing import FloatArray
 
 __all__ = ["split_heads_forward", "split_heads_backward", "merge_heads_forward",
            "merge_heads_backward", "HeadsCache"]

@@ -4,7 +4,7 @@ Shape key: B batch (any leading dims), T tokens (at most ``context_length``),
 E embedding (``emb_dim``), V vocabulary (``vocab_size``), H heads, L layers.
 
 Every backward is hand-derived (the blocks' in
-:mod:`qkvnp.layers.transformer`, the ops' in :mod:`qkvnp.transformer_ops`);
+:mod:`qkvnp.layers.transformer`, the ops' in :mod:`qkvnp.ops.transformer`);
 the derivations are in ``docs/derivations_gpt.md``.
 """
 from __future__ import annotations
@@ -13,19 +13,19 @@ import contextlib
 
 import numpy as np
 
-from ._checks import (as_upstream_grad, check_bool, check_int, check_indices, layer_dtype,
+from .._checks import (as_upstream_grad, check_bool, check_int, check_indices, layer_dtype,
                       make_rng)
-from .dropout import check_dropout_p
-from .kernels._runtime import get_block_sizes, single_threaded_blas
-from .kv_cache import KVCache
-from .layers.base import Model
-from .layers.basic import Embedding, Linear
-from .layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
+from ..ops.dropout import check_dropout_p
+from ..kernels._runtime import get_block_sizes, single_threaded_blas
+from ..layers.kv_cache import KVCache
+from ..layers.base import Model
+from ..layers.basic import Embedding, Linear
+from ..layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Any, Mapping
-    from ._typing import DTypeLike, FloatArray, IntArray
+    from .._typing import DTypeLike, FloatArray, IntArray
 
 __all__ = ["GPTModel", "BOOK_CONFIG_KEYS"]
 
@@ -166,7 +166,7 @@ class GPTModel(Model):
         ----------
         cfg : mapping
             ``vocab_size``, ``context_length``, ``emb_dim``, ``n_heads``,
-            ``n_layers``, ``drop_rate``, ``qkv_bias`` (``qkvnp.gpt.BOOK_CONFIG_KEYS``);
+            ``n_layers``, ``drop_rate``, ``qkv_bias`` (``qkvnp.models.gpt.BOOK_CONFIG_KEYS``);
             other keys are refused, so that a typo does not pass silently.
         rng, dtype, impl : keyword-only
             As the constructor's.
@@ -389,8 +389,8 @@ class GPTModel(Model):
         x = tok[idx] + pos[past:past + idx.shape[-1]]  # (..., T, E)
         for block, cache in zip(self.trf_blocks, kv_caches):
             x = block.decode(x, cache)
-        from .kernels.pointwise import layer_norm_forward_fused
-        from .transformer_ops import layer_norm_forward
+        from ..kernels.pointwise import layer_norm_forward_fused
+        from ..ops.transformer import layer_norm_forward
 
         scale, shift = self.final_norm.params["scale"], self.final_norm.params["shift"]
         norm = layer_norm_forward_fused if x.dtype.kind == "f" else layer_norm_forward

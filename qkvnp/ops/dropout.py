@@ -33,7 +33,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import is_real_number, make_rng
+from .._checks import is_real_number, make_rng
 
 __all__ = [
     "Dropout",

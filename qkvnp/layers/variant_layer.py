@@ -1,15 +1,15 @@
-"""A multi-head attention layer with the variants of :mod:`qkvnp.variants`, on the reference ops.
+"""A multi-head attention layer with the variants of :mod:`qkvnp.ops.variants`, on the reference ops.
 
 Shape key: B batch (any leading dims), H heads, K key/value heads, T query
 length, S key length, E embedding, D = E // H head dim, NB relative buckets.
 
-The layer of :mod:`qkvnp.kernels.reference` with four more steps, each one
-op of :mod:`qkvnp.functional` / :mod:`qkvnp.variants`: RoPE on each head's
+The layer of :mod:`qkvnp.layers.reference` with four more steps, each one
+op of :mod:`qkvnp.functional` / :mod:`qkvnp.ops.variants`: RoPE on each head's
 queries and keys after the projections, a position bias (ALiBi's fixed
 slopes, or T5's learned ``rel_bias`` looked up by relative bucket) as the
 attention's ``score_bias``, the learned ``sinks`` and the soft-cap and window
 passed through. :func:`backward` runs the backwards in exact reverse order.
-:mod:`qkvnp.variant_decoding` runs such a layer's KV-cache decoding steps.
+:mod:`qkvnp.layers.variant_decoding` runs such a layer's KV-cache decoding steps.
 :func:`split_forward` runs a large batch as the fused layer does, one share
 of the first batch dim per worker thread.
 """
@@ -19,12 +19,12 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad
-from ..overflow import check_projection
-from ..masks import causal_offset, check_is_causal, prepare_mask
-from ..positions import alibi_bias, alibi_slopes, check_max_distance, relative_position_bucket
-from ..variants import check_window
-from . import tiled_variants
-from ._runtime import run, threads_for
+from ..ops.overflow import check_projection
+from ..ops.masks import causal_offset, check_is_causal, prepare_mask
+from ..ops.positions import alibi_bias, alibi_slopes, check_max_distance, relative_position_bucket
+from ..ops.variants import check_window
+from ..kernels import tiled_variants
+from ..kernels._runtime import run, threads_for
 from .reference import inputs_by_role
 
 __all__ = ["VariantOptions", "VariantLayerCache", "SplitVariantCache", "active_variants",
@@ -48,9 +48,9 @@ VariantLayerCache = namedtuple(
     "VariantLayerCache",
     "kind query_cache key_cache value_cache query_split key_split value_split query_rope "
     "key_rope buckets num_buckets attention_cache merge_cache out_cache out_shape")
-VariantLayerCache.__doc__ = """What :func:`backward` reads, as :class:`qkvnp.kernels.reference.ReferenceLayerCache`.
+VariantLayerCache.__doc__ = """What :func:`backward` reads, as :class:`qkvnp.layers.reference.ReferenceLayerCache`.
 
-query_rope, key_rope : :class:`qkvnp.variants.RopeCache`, or None without RoPE.
+query_rope, key_rope : :class:`qkvnp.ops.variants.RopeCache`, or None without RoPE.
 buckets : int ndarray (T, S) of the relative buckets, or None without ``rel_bias``.
 num_buckets : int, the rows of ``rel_bias`` (or None).
 """
@@ -99,7 +99,7 @@ def position_score_bias(params, options, num_heads, T, S, offset, causal, dtype)
 
 def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weights=False, *,
             dropout_p=0.0, rng=None, dropout_mask=None, path="reference", out_proj=True):
-    """The layer's forward (same arguments as :func:`qkvnp.kernels.reference.forward`, plus ``options``).
+    """The layer's forward (same arguments as :func:`qkvnp.layers.reference.forward`, plus ``options``).
 
     ``path="tiled"`` runs the attention core of :mod:`qkvnp.kernels.tiled_variants`
     (ALiBi from its slopes, never a ``(H, T, S)`` bias); the rest is the same ops.
@@ -234,7 +234,7 @@ def backward(dout, cache):
     grads : dict
         Every parameter the forward used, ``sinks`` and ``rel_bias`` included.
     dinputs : tuple of ndarray
-        As :func:`qkvnp.kernels.reference.backward`.
+        As :func:`qkvnp.layers.reference.backward`.
     """
     if isinstance(cache, SplitVariantCache):
         return _split_backward(dout, cache)
@@ -302,7 +302,7 @@ def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_la
     with ``position_bias="relative"`` (its log-spaced buckets need more).
     """
     from .._checks import check_int, is_real_number
-    from ..variants import ROPE_LAYOUTS, check_softcap
+    from ..ops.variants import ROPE_LAYOUTS, check_softcap
 
     for name, flag in (("rope", rope), ("sinks", sinks)):
         if not isinstance(flag, (bool, np.bool_)):

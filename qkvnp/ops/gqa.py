@@ -25,7 +25,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_upstream_grad
+from .._checks import as_upstream_grad
 
 __all__ = ["GroupedCache", "split_groups", "split_head_axis", "split_per_head", "grouped_forward",
            "grouped_backward", "ungroup_weights"]

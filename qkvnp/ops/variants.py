@@ -31,7 +31,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
+from .._checks import (as_float_array, as_upstream_grad, broadcast_shapes, check_attention_inputs,
                       check_scale, declare_complex_step, is_real_number, owned)
 from .dropout import dense_keep, keep_scale, prepare_dropout
 from .gqa import GroupedCache, split_groups, split_head_axis, split_per_head
@@ -41,7 +41,7 @@ from .reductions import sum_to_shape
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
-    from ._typing import ArrayLike, FloatArray
+    from .._typing import ArrayLike, FloatArray
 
 __all__ = ["RopeCache", "VariantCache", "VariantGroupedCache", "ROPE_LAYOUTS", "rope_angles",
            "rope_forward", "rope_backward", "check_window", "check_softcap", "window_keep",
@@ -77,7 +77,7 @@ VariantCache.__doc__ = """What :func:`variant_attention_backward` reads.
 
 
 class VariantGroupedCache(GroupedCache):
-    """A ``qkvnp.gqa.GroupedCache`` whose ``shapes`` also hold ``score_bias``'s and ``sinks``'."""
+    """A ``qkvnp.ops.gqa.GroupedCache`` whose ``shapes`` also hold ``score_bias``'s and ``sinks``'."""
 
     __slots__ = ()
 
@@ -371,7 +371,7 @@ def variant_attention_forward(query, key, value, attn_mask=None, is_causal=False
         keep = band if keep is None else keep & band
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, scores_shape)
 
-    # NOTE: the plain path's numerics (qkvnp.overflow): exact where the exact
+    # NOTE: the plain path's numerics (qkvnp.ops.overflow): exact where the exact
     # score fits the dtype, even when partial products overflow; beyond it,
     # clipped to +-max. A sum with score_bias or the float mask that overflows
     # is clipped to +max as well (-inf stays -inf): score_bias is a float mask
@@ -488,7 +488,7 @@ def variant_attention_backward(dout, cache, check=True):
         return grads
     # NOTE: as the plain path's backward: an inf or NaN gradient of finite
     # inputs means that a product overflowed; once more with products that
-    # overflow only where the exact result does (qkvnp.overflow)
+    # overflow only where the exact result does (qkvnp.ops.overflow)
     with np.errstate(over="ignore", invalid="ignore"):
         return _variant_backward(dout, cache, careful=True)
 
@@ -496,7 +496,7 @@ def variant_attention_backward(dout, cache, check=True):
 def _variant_backward(dout, cache, careful=False):
     """:func:`variant_attention_backward` of a checked ``dout``.
 
-    ``careful``: every product through :func:`qkvnp.overflow.product`, and the
+    ``careful``: every product through :func:`qkvnp.ops.overflow.product`, and the
     softmax backward as ``P dP - P delta`` (no ``inf * 0`` where ``P = 0``).
     """
     query, key, value, weights, scale = cache[:5]

@@ -9,7 +9,7 @@ import numpy as np
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
-    from ._typing import FloatArray
+    from .._typing import FloatArray
 
 
 __all__ = ["sum_to_shape", "column_sums"]

@@ -12,11 +12,11 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._checks import as_float_array, as_upstream_grad, check_indices, declare_complex_step, owned
+from .._checks import as_float_array, as_upstream_grad, check_indices, declare_complex_step, owned
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
-    from ._typing import FloatArray, IntArray
+    from .._typing import FloatArray, IntArray
 
 __all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factored",
            "EmbeddingCache"]

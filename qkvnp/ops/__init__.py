@@ -1,0 +1,24 @@
+"""The reference ops: the textbook, one concept a module, each a pure forward and its backward.
+
+Every differentiable op is a pair of functions, a forward returning
+``(out, cache)`` and a backward taking ``(dout, cache)``, written as the math
+reads (the derivations are in ``docs/derivations.md``). They import nothing
+from the kernels, the layers, the models or the apps: they are the oracle
+the faster paths are tested against. Users reach them through
+:mod:`qkvnp.functional`.
+
+==================  ===========================================================
+``masks``           mask checks, the causal masks, fill values from the dtype
+``overflow``        products near the float maximum, exact or clipped
+``dropout``         dropout on the attention weights: arguments and masks
+``gqa``             grouped-query attention as broadcasting
+``heads``           splitting the embedding into heads and merging them back
+``embedding``       the row lookup and its scatter-add backward
+``reductions``      the adjoints of broadcasting
+``positions``       ALiBi's and T5's position biases
+``variants``        RoPE, score biases, soft-caps, sinks and windows
+``transformer``     LayerNorm, GELU, dropout on activations, the residual add
+==================  ===========================================================
+"""
+
+__all__: list = []
