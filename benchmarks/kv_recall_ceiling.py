@@ -11,8 +11,8 @@ the (B, E) x (E, E) projections of the query and of the attention's output,
 the readout's, and the one-row attention's batched (1, E) x (E, P) and
 (1, P) x (P, E) products, forward and backward, and the embedding tables'
 folded (K, 2B) x (2B, E) products. Whatever the model's Python
-costs, a step cannot be faster than these products; RESULTS.md compares that
-floor with the whole step and with PyTorch's.
+costs, a step cannot be faster than these products; the command prints that
+floor beside the whole step.
 
 The second floor is the whole step written as straight numpy: the model's
 math on the benchmark's initial weights and batches (``benchmarks/workloads/training.py``), with

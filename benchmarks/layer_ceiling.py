@@ -24,7 +24,7 @@ two threads, and PyTorch's ``nn.MultiheadAttention`` (if installed), all in
 this process, best of ``--rounds``. Whatever qkvnp does besides the products
 (softmax passes, masks, Python) comes on top of the floor; when the floor
 alone is near or above a target's time, numpy's BLAS is what stops the
-target, not the rest. RESULTS.md quotes the output.
+target, not the rest.
 """
 import argparse
 import math

@@ -42,7 +42,7 @@ __all__ = ["ROUND_SECONDS", "calls_per_round", "format_ms", "time_interleaved",
 #: A round of the one-library-per-process protocol lasts at least this long (s).
 #: NOTE: each round follows a pause, and the first calls after it run slow on
 #: some hosts; shorter rounds measured the smallest shapes slower for both
-#: libraries, with wider spreads (benchmarks/RESULTS.md).
+#: libraries, with wider spreads (benchmarks/NOTES.md).
 ROUND_SECONDS = 0.25
 
 
@@ -88,7 +88,7 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
     OpenBLAS's own threads (the reference path; the fast and tiled paths
     too when a call has a single block of work, e.g. the tiled core with one
     query block) spin for a while after a call, and the next call measured
-    slower without a pause (benchmarks/RESULTS.md).
+    slower without a pause (benchmarks/NOTES.md).
     progress : callable, optional
         Told which round is running, at most every 10 seconds.
 

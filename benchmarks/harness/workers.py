@@ -5,9 +5,9 @@ Shape key: B batch, L sequence length, E embedding, H heads (as in :mod:`workloa
 At small sizes, a call takes tens of microseconds to a few milliseconds, and
 threads that one library leaves behind slow the other: PyTorch's OpenMP pool
 and numpy's OpenBLAS threads, idle but resident in one process, made the
-other library's calls several times slower on a 2-core machine. So each
-implementation runs in a process of its own (the qkvnp ones never import
-PyTorch), and the parent asks them in turn for one timed round each:
+other library's calls several times slower on a 2-core machine
+(benchmarks/NOTES.md). So each implementation runs in a process of its own
+(the qkvnp ones never import PyTorch), and the parent asks them in turn for one timed round each:
 qkvnp, PyTorch, qkvnp, ... (:func:`time_alternating`).
 
 This module is the parent's side: :class:`Worker` starts a fresh Python

@@ -836,7 +836,7 @@ def test_layer_ceiling_uses_the_tiled_cores_blocks_and_runs():
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_kv_recall_floor_is_the_same_step(dtype):
-    """Oracle: qkvnp's own training step (train_bench) on the same initial
+    """Oracle: qkvnp's own training step (workloads/training.py) on the same initial
     weights and batches; the floor's losses over the check steps must agree
     within the benchmark's tolerances, or its time would be the floor of
     another computation. Its products, run on the same arrays, must give the
