@@ -1,32 +1,32 @@
 """The book's GPT, qkvnp against PyTorch: ``python benchmarks/gpt_compare.py [--json out.json]``.
 
 Shape key: V vocabulary, C context length, E embedding, H heads, L layers,
-B batch (:class:`gpt_runners.GPTConfig`, written ``(V, C, E, H, L, B)``).
+B batch (:class:`workloads.gpt.GPTConfig`, written ``(V, C, E, H, L, B)``).
 
-Measures the targets of issue 34 on this host, each library in a process
-of its own (the harness's protocol of ``workers.py``: the parent asks the
+Measures the GPT's speed and memory targets on this host, each library in a process
+of its own (the harness's protocol of ``harness/workers.py``: the parent asks the
 two workers in turn for one timed round each, qkvnp, PyTorch, qkvnp, ...,
 pausing between them, the first of a round rotating; a round is as many
 calls as last at least ``--round-time`` seconds; reported is the median
 over the rounds of the time per call):
 
 - **training**: steps per second of one AdamW step of :class:`qkvnp.GPTModel`
-  against the book's ``GPTModel`` written in torch (:mod:`gpt_torch`),
+  against the book's ``GPTModel`` written in torch (:mod:`rivals.gpt_torch`),
   float32, dropout 0, PyTorch at 2 threads, qkvnp with its default threads,
   at ``tiny`` (256, 64, 64, 4, 2, 8), target 1.5x PyTorch's, and ``small``
   (256, 128, 128, 4, 4, 8), target 1.0x. The losses of the first steps from
   the same weights must agree first (relative 1e-5), or nothing is timed;
-- **the matrix products** of the step (:func:`gpt_runners.step_products`) on
+- **the matrix products** of the step (:func:`workloads.gpt.step_products`) on
   random arrays of the same shapes, timed in qkvnp's worker: their share of
   qkvnp's step, and the speedup qkvnp would have over PyTorch if nothing but
   them cost time. Where that is below a missed target, the BLAS holds the
   target. A missed target also gets a cProfile of qkvnp's step;
 - **peak memory of a step**: fresh processes, peak RSS (the method of the
-  harness's ``memory.py``; :func:`gpt_runners.memory_child`), target at most
+  harness's ``harness/memory.py``; :func:`workloads.gpt.memory_child`), target at most
   1.25x PyTorch's;
 - **generation**: greedy tokens per second at batch 1 of
   :func:`qkvnp.generate` (its KV cache) against the book's model decoding
-  with a KV cache (:func:`gpt_torch.generate_cached`), small configuration,
+  with a KV cache (:func:`rivals.gpt_torch.generate_cached`), small configuration,
   target 1.0x. Both must produce the same tokens first.
 
 Without PyTorch, qkvnp's side is still measured and the ratios are left
@@ -39,21 +39,17 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKOUT = os.path.dirname(HERE)
-if os.path.isfile(os.path.join(CHECKOUT, "qkvnp", "__init__.py")) and CHECKOUT not in sys.path:
-    sys.path.insert(0, CHECKOUT)  # measure this checkout's qkvnp, installed or not
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
 
 import numpy as np  # noqa: E402
 
-from gpt_runners import (  # noqa: E402
+from benchmarks.harness.machine import CHILD_PATH, environment_info, run_json_child  # noqa: E402
+from benchmarks.harness.workers import Worker, WorkerError, time_alternating  # noqa: E402
+from benchmarks.workloads.gpt import (  # noqa: E402
     CHECK_STEPS, CONFIGS, LOSS_TOLERANCE, TORCH_THREADS, GPTConfig, make_data, products_flops,
     step_products)
-from machine import CHILD_PATH, environment_info, run_json_child  # noqa: E402
 from qkvnp._io import atomic_write  # noqa: E402  (the package's one atomic write)
-from workers import Worker, WorkerError, time_alternating  # noqa: E402
 
 __all__ = ["TARGETS", "check_losses", "run_training", "run_generation",
            "measure_step_memory", "run", "format_report", "main"]
@@ -109,7 +105,7 @@ def _time(record, running, mode, args, per_call=1):
         record[library] = _stats(seconds[library], calls[library], per_call)
     if "torch" in running and "qkvnp" in running:
         record["ratio"] = record["qkvnp"]["per_s"] / record["torch"]["per_s"]
-        if record["target"] is not None:  # the issue's configurations have one
+        if record["target"] is not None:  # the named configurations have one
             record["met"] = record["ratio"] >= record["target"]
 
 
@@ -205,7 +201,7 @@ def run_generation(name, config, workers, args, directory):
 
 def measure_step_memory(library, config, threads=None, torch_threads=TORCH_THREADS,
                         timeout=600):
-    """Peak memory of one training step in a fresh process (:func:`gpt_runners.memory_child`).
+    """Peak memory of one training step in a fresh process (:func:`workloads.gpt.memory_child`).
 
     Returns
     -------
@@ -215,7 +211,7 @@ def measure_step_memory(library, config, threads=None, torch_threads=TORCH_THREA
     """
     spec = json.dumps({"library": library, "config": list(config), "threads": threads,
                        "torch_threads": torch_threads})
-    return run_json_child("gpt_runners", "memory_child", spec, timeout)
+    return run_json_child("benchmarks.workloads.gpt", "memory_child", spec, timeout)
 
 
 def run(args, progress=None):
@@ -225,7 +221,7 @@ def run(args, progress=None):
                                   torch_threads=args.torch_threads),
               "threads": "at 1 thread" if args.threads == 1 else "with its default threads",
               "train": [], "generate": [], "memory": []}
-    workers = {name: Worker(name, CHILD_PATH, module="gpt_runners") for name in ("qkvnp", "torch")}
+    workers = {name: Worker(name, CHILD_PATH, module="benchmarks.workloads.gpt") for name in ("qkvnp", "torch")}
     try:
         with tempfile.TemporaryDirectory(prefix="qkvnp-gpt-bench-") as directory:
             for name, config in args.configs:
@@ -423,7 +419,7 @@ def main(argv=None):
                         help="qkvnp at one thread (BLAS and its pool), as "
                         "`python -m qkvnp train --task text` runs; default its own")
     parser.add_argument("--torch-threads", type=_at_least(1), default=TORCH_THREADS,
-                        help=f"PyTorch's threads ({TORCH_THREADS}, the issue's)")
+                        help=f"PyTorch's threads ({TORCH_THREADS}, the targets')")
     parser.add_argument("--repeats", type=_at_least(1), default=7, help="timed rounds (7)")
     parser.add_argument("--warmup", type=_at_least(0), default=1, help="untimed rounds (1)")
     parser.add_argument("--pause", type=_at_least(0.0, float), default=0.3,

@@ -11,11 +11,11 @@ the (B, E) x (E, E) projections of the query and of the attention's output,
 the readout's, and the one-row attention's batched (1, E) x (E, P) and
 (1, P) x (P, E) products, forward and backward, and the embedding tables'
 folded (K, 2B) x (2B, E) products. Whatever the model's Python
-costs, a step cannot be faster than these products; RESULTS.md compares that
-floor with the whole step and with PyTorch's.
+costs, a step cannot be faster than these products; the command prints that
+floor beside the whole step.
 
 The second floor is the whole step written as straight numpy: the model's
-math on the benchmark's initial weights and batches (``train_bench``), with
+math on the benchmark's initial weights and batches (``benchmarks/workloads/training.py``), with
 the same ops where they cost (scipy's ``softmax`` and ``log_softmax``, the
 embedding tables' backward folded onto the attention's gradient factors as
 the model's, Adam on one flat array) and
@@ -24,6 +24,7 @@ qkvnp's own step before it is timed. What the library's step takes beyond it
 is the price of the checks and the layers; a target below it cannot be met by
 the readable model, whatever those cost.
 """
+import argparse
 import math
 import os
 import sys
@@ -31,10 +32,11 @@ import time
 
 import numpy as np
 
-from qkvnp.ops.embedding import BINCOUNT_MAX_ENTRIES
-from qkvnp.kernels import blas_threads
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_bench
+from qkvnp.ops.embedding import BINCOUNT_MAX_ENTRIES  # noqa: E402
+from qkvnp.kernels import blas_threads  # noqa: E402
 
 
 def step_products(X, q, Wq, Wk, Wv, Wr, dlogits, num_keys):
@@ -64,14 +66,14 @@ class StepFloor:
     """The kv-recall step as straight numpy: forward, loss, backward, Adam (see the module)."""
 
     def __init__(self, dtype):
-        import train_bench
+        from benchmarks.workloads import training
 
         self.dtype = np.dtype(dtype)
-        config = train_bench.training_config("kv-recall", self.dtype)
+        config = training.training_config("kv-recall", self.dtype)
         if (config.variant, config.optimizer, config.weight_decay) != ("separate", "adam", 0):
             raise ValueError("the floor is written for the default kv-recall configuration")
-        data = train_bench.make_training_data("kv-recall", self.dtype)
-        self.batches = train_bench.training_batches("kv-recall", data)
+        data = training.make_training_data("kv-recall", self.dtype)
+        self.batches = training.training_batches("kv-recall", data)
         names = [key[len("param/"):] for key in data if key.startswith("param/")]
         sizes = [data["param/" + name].size for name in names]
         ends = np.cumsum(sizes)
@@ -148,16 +150,16 @@ def check_floor(dtype):
     """The floor's first losses against qkvnp's own step on the same weights and batches.
 
     Returns the largest relative difference; raises ``RuntimeError`` beyond
-    the benchmark's tolerance (``train_bench.LOSS_TOLERANCES``).
+    the benchmark's tolerance (``training.LOSS_TOLERANCES``).
     """
-    import train_bench
+    from benchmarks.workloads import training
 
-    data = train_bench.make_training_data("kv-recall", dtype)
-    expected = train_bench.make_training_runner("qkvnp", "kv-recall", dtype, data).result()["loss"]
+    data = training.make_training_data("kv-recall", dtype)
+    expected = training.make_training_runner("qkvnp", "kv-recall", dtype, data).result()["loss"]
     floor = StepFloor(dtype)
     with blas_threads(1):
-        got = np.array([floor.step() for _ in range(train_bench.CHECK_STEPS)])
-    error, ok = train_bench.check_losses(got, expected, dtype)
+        got = np.array([floor.step() for _ in range(training.CHECK_STEPS)])
+    error, ok = training.check_losses(got, expected, dtype)
     if not ok:
         raise RuntimeError(f"the floor's losses {got} differ from qkvnp's {expected} "
                            f"(relative error {error:.2g}): it is not the same step")
@@ -177,8 +179,9 @@ def time_steps(step, rounds, calls):
     return float(np.median(times))
 
 
-def main(dtype="float64", B=64, P=16, E=64, K=64, V=64, rounds=7, calls=200):
-    import train_bench
+def run(dtype="float64", B=64, P=16, E=64, K=64, V=64, rounds=7, calls=200):
+    """Print the two floors and qkvnp's step of the default kv-recall task in ``dtype``."""
+    from benchmarks.workloads import training
 
     rng = np.random.default_rng(0)
     dtype = np.dtype(dtype)
@@ -192,16 +195,25 @@ def main(dtype="float64", B=64, P=16, E=64, K=64, V=64, rounds=7, calls=200):
     print(f"{dtype.name}: the products of one kv-recall step at one BLAS thread: "
           f"{1e3 * seconds:.3f} ms (median of {rounds} rounds of {calls})")
     check_floor(dtype)
-    data = train_bench.make_training_data("kv-recall", dtype)
-    library = train_bench.make_training_runner("qkvnp", "kv-recall", dtype, data)
+    data = training.make_training_data("kv-recall", dtype)
+    library = training.make_training_runner("qkvnp", "kv-recall", dtype, data)
     with blas_threads(1):
         for name, step in (("the whole step as straight numpy, one BLAS thread",
                             StepFloor(dtype).step),
-                           ("qkvnp's step (train_bench), one BLAS thread", library.step)):
+                           ("qkvnp's step (workloads/training.py), one BLAS thread", library.step)):
             seconds = time_steps(step, rounds, calls * 2)
             print(f"{dtype.name}: {name}: {1e3 * seconds:.3f} ms (median of {rounds} rounds "
                   f"of {calls * 2})")
 
 
+def main(argv=None):
+    """``python benchmarks/kv_recall_ceiling.py [float64|float32]``; return the exit status."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/kv_recall_ceiling.py",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("dtype", nargs="?", default="float64", choices=("float64", "float32"))
+    run(parser.parse_args(argv).dtype)
+    return 0
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    sys.exit(main())

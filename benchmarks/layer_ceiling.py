@@ -18,13 +18,13 @@ live (bq, bk) block pair forward, and Q K^T, dV, dP, dQ, dK again backward
 (a causal mask skips the pairs above the diagonal). This script issues
 exactly those products on random arrays of the same shapes and layouts, on
 one BLAS thread, and reports their time, half of it (the floor on two cores
-if the two threads shared the products perfectly, which they do not quite:
-88% efficiency measured at L = 4096), the whole layer's time on the default
+if the two threads shared the products perfectly, which they do not quite),
+the whole layer's time on the default
 two threads, and PyTorch's ``nn.MultiheadAttention`` (if installed), all in
 this process, best of ``--rounds``. Whatever qkvnp does besides the products
 (softmax passes, masks, Python) comes on top of the floor; when the floor
 alone is near or above a target's time, numpy's BLAS is what stops the
-target, not the rest. RESULTS.md quotes the output.
+target, not the rest.
 """
 import argparse
 import math
@@ -34,7 +34,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
 
 import qkvnp  # noqa: E402
 from qkvnp.kernels import blas_threads, choose_path, get_block_sizes, get_num_threads  # noqa: E402

@@ -7,16 +7,16 @@ PATH``. For every ratio a user compares, this takes the median over the runs
 and lists each run's value, so that the spread shows:
 
 - MultiHeadAttention forward+backward, qkvnp's default path time / PyTorch's,
-  per configuration, dtype and mask (:func:`summary.default_path_ratios`);
+  per configuration, dtype and mask (:func:`reports.summary.default_path_ratios`);
 - training steps per second, qkvnp's / PyTorch's, per task and dtype;
 - peak memory (RSS) of one forward+backward at the longest L measured,
-  qkvnp's default path / PyTorch's (:func:`summary.peak_memory`);
+  qkvnp's default path / PyTorch's (:func:`reports.summary.peak_memory`);
 - ``import qkvnp`` / ``import numpy`` in fresh interpreters.
 
-It then builds a report in the schema :mod:`summary` reads, every number in
-it the median over the runs, and prints :func:`summary.ratio_table` and
-:func:`summary.summarize` of it: the command's own sentences, from the medians
-(``--json`` writes that report, ``--plot`` draws :func:`summary.plot_ratios`).
+It then builds a report in the schema :mod:`reports.summary` reads, every number in
+it the median over the runs, and prints :func:`reports.summary.ratio_table` and
+:func:`reports.summary.summarize` of it: the command's own sentences, from the medians
+(``--json`` writes that report, ``--plot`` draws :func:`reports.summary.plot_ratios`).
 A ratio there is the median of the runs' ratios, and each absolute number
 (steps/s, MiB) the median of its own values: they need not divide exactly.
 
@@ -39,12 +39,12 @@ import os
 import sys
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(CHECKOUT, "qkvnp", "__init__.py")):  # as run.py: this checkout's
-    sys.path.insert(0, CHECKOUT)                                     # qkvnp writes the JSON file
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
 
-from report import read_json, write_json  # noqa: E402  (after the checkout is on sys.path)
-from summary import (default_path_ratios, peak_memory, plot_ratios, ratio_table,  # noqa: E402
-                     summarize)
+# after the checkout is on sys.path: its qkvnp writes the JSON file
+from benchmarks.reports.report import read_json, write_json  # noqa: E402
+from benchmarks.reports.summary import (default_path_ratios, peak_memory,  # noqa: E402
+                                        plot_ratios, ratio_table, summarize)
 
 __all__ = ["median", "load_report", "measurements", "combine", "median_report", "format_medians",
            "main"]
@@ -140,7 +140,7 @@ def combine(reports, paths):
 
 
 def median_report(reports, paths, runs):
-    """A report in the schema :mod:`summary` reads, each number the median of ``runs``."""
+    """A report in the schema :mod:`reports.summary` reads, each number the median of ``runs``."""
     flops = {row[:3]: row[4] for row in default_path_ratios(reports[0])}
     records, training, medians = {}, {}, []
 

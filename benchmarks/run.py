@@ -7,26 +7,26 @@ package. The qkvnp measured is the one of this checkout, installed or not:
 its root goes first on ``sys.path``.
 
 This module is the command line only: :func:`main` parses the options and
-:func:`run` turns them into one :func:`bench.run_benchmark` call, prints
-:func:`report.format_report` and writes the JSON file and the plots.
+:func:`run` turns them into one :func:`harness.bench.run_benchmark` call, prints
+:func:`reports.report.format_report` and writes the JSON file and the plots.
 """
 import argparse
 import os
 import sys
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(CHECKOUT, "qkvnp", "__init__.py")):
-    sys.path.insert(0, CHECKOUT)
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
 
 # after the checkout is on sys.path: these import its qkvnp
-from bench import print_progress, run_benchmark  # noqa: E402
-from grid import (DEFAULT_CONFIGS, IMPLEMENTATIONS, KINDS, MASKS, OFF_GRID_CONFIGS,  # noqa: E402
-                  PROCESS_MAX_LENGTH, QUICK_CONFIGS, check_config, up_to_length)
-from machine import GEMM_SIZE  # noqa: E402
-from memory import TILED_MEMORY_SHAPE  # noqa: E402
-from report import format_report, plot_results, write_json  # noqa: E402
-from summary import plot_ratios  # noqa: E402
-from timing import ROUND_SECONDS  # noqa: E402
+from benchmarks.harness.bench import print_progress, run_benchmark  # noqa: E402
+from benchmarks.harness.machine import GEMM_SIZE  # noqa: E402
+from benchmarks.harness.memory import TILED_MEMORY_SHAPE  # noqa: E402
+from benchmarks.harness.timing import ROUND_SECONDS  # noqa: E402
+from benchmarks.reports.report import format_report, plot_results, write_json  # noqa: E402
+from benchmarks.reports.summary import plot_ratios  # noqa: E402
+from benchmarks.workloads.grid import (DEFAULT_CONFIGS, IMPLEMENTATIONS, KINDS,  # noqa: E402
+                                       MASKS, OFF_GRID_CONFIGS, PROCESS_MAX_LENGTH,
+                                       QUICK_CONFIGS, check_config, up_to_length)
 
 __all__ = ["add_arguments", "run", "main"]
 

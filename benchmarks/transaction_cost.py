@@ -5,7 +5,7 @@ Usage::
     python benchmarks/transaction_cost.py [--rounds 200] [--configs tiny small]
 
 One AdamW step (float32, the book's GPT at the ``tiny`` and ``small``
-configurations of ``gpt_runners.py``, BLAS and the kernels at one thread) is
+configurations of ``workloads/gpt.py``, BLAS and the kernels at one thread) is
 timed two ways, alternated in one process so that a host whose speed drifts
 moves both alike:
 
@@ -19,13 +19,17 @@ moves both alike:
 It prints the median of each and their ratio (the cost, in percent).
 """
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from gpt_runners import CONFIGS
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
+
+from benchmarks.workloads.gpt import CONFIGS  # noqa: E402
 
 
 class _PassThrough:

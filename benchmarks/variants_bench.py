@@ -24,7 +24,8 @@ import tracemalloc
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, installed or not
 
 import qkvnp  # noqa: E402
 from qkvnp.kernels import tiled, tiled_variants  # noqa: E402

@@ -18,25 +18,21 @@ import pytest
 from qkvnp.kernels.openblas import openblas_thread_functions
 
 # The harness lives beside the package (the wheel does not ship it): import
-# its modules from the checkout's benchmarks/ as top-level modules, as
-# benchmarks/run.py does. (Not in a tests/benchmarks/conftest.py: two
-# conftest.py files outside packages clash under --doctest-modules.)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                os.pardir, "benchmarks"))
-import bench  # noqa: E402  (benchmarks/bench.py: one run)
-import crosscheck  # noqa: E402
-import grid  # noqa: E402
-import import_cost  # noqa: E402
-import machine  # noqa: E402
-import memory  # noqa: E402
-import run  # noqa: E402  (benchmarks/run.py: the command line)
-import timing  # noqa: E402
-import workloads  # noqa: E402
-from grid import Config  # noqa: E402
-from report import (format_report, plot_results, read_json, target_lines,  # noqa: E402
-                    target_requirements, write_json)
+# the checkout's benchmarks package, as benchmarks/run.py does. (Not in a
+# tests/benchmarks/conftest.py: two conftest.py files outside packages clash
+# under --doctest-modules.)
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                os.pardir, os.pardir)))
+from benchmarks import run  # noqa: E402  (benchmarks/run.py: the command line)
+from benchmarks.harness import (bench, crosscheck, import_cost, machine, memory,  # noqa: E402
+                                timing)
+from benchmarks.reports.report import (format_report, plot_results, read_json,  # noqa: E402
+                                       target_lines, target_requirements, write_json)
+from benchmarks.workloads import attention, grid  # noqa: E402
+from benchmarks.workloads.grid import Config  # noqa: E402
 
-BENCHMARKS_DIR = os.path.dirname(os.path.abspath(bench.__file__))
+BENCHMARKS_DIR = os.path.dirname(os.path.abspath(run.__file__))
+CHECKOUT = os.path.dirname(BENCHMARKS_DIR)
 
 TINY = Config(1, 16, 16, 2)
 TINY_ARGS = ["--configs", "1,16,16,2", "--repeats", "1", "--no-memory",
@@ -103,8 +99,8 @@ class Perturbed:
 @pytest.mark.parametrize("kind", ["layer", "core"])
 def test_reference_agrees_with_itself(kind):
     # oracle: the same code on the same inputs gives identical arrays
-    problem = workloads.make_problem(kind, TINY, "float64")
-    runner = workloads.make_runner("reference", problem)
+    problem = attention.make_problem(kind, TINY, "float64")
+    runner = attention.make_runner("reference", problem)
     check = crosscheck.cross_check(runner.result(), runner.result(), "float64")
     assert check.ok and check.error == 0.0
 
@@ -116,8 +112,8 @@ def test_reference_agrees_with_itself(kind):
     ("float32", 1e-3, False),   # a real error in float32
 ])
 def test_cross_check_tolerance_by_dtype(dtype, relative, accepted):
-    problem = workloads.make_problem("core", TINY, dtype)
-    runner = workloads.make_runner("reference", problem)
+    problem = attention.make_problem("core", TINY, dtype)
+    runner = attention.make_runner("reference", problem)
     expected = runner.result()
     results = dict(expected)
     results["dkey"] = expected["dkey"] * (1 + relative)
@@ -132,8 +128,8 @@ def test_cross_check_tolerance_by_dtype(dtype, relative, accepted):
     (lambda a: -a, "wrong sign"),
 ])
 def test_cross_check_refuses_broken_arrays(change, why):
-    problem = workloads.make_problem("core", TINY, "float64")
-    expected = workloads.make_runner("reference", problem).result()
+    problem = attention.make_problem("core", TINY, "float64")
+    expected = attention.make_runner("reference", problem).result()
     results = dict(expected, dvalue=change(expected["dvalue"]))
     assert not crosscheck.cross_check(results, expected, "float64").ok, why
     del results["dvalue"]
@@ -143,7 +139,7 @@ def test_cross_check_refuses_broken_arrays(change, why):
 def test_wrong_implementation_is_refused_and_not_timed(monkeypatch, tmp_path):
     # a "fast" path whose dquery is 0.1% off and a "tiled" one that returns
     # NaN must get no timing, and their records must still be valid JSON
-    make_runner = workloads.make_runner
+    make_runner = attention.make_runner
     wrong = {"fast": lambda a: a * 1.001, "tiled": lambda a: a * np.nan}
 
     def with_wrong_paths(impl, problem):
@@ -165,14 +161,14 @@ def test_wrong_implementation_is_refused_and_not_timed(monkeypatch, tmp_path):
 
 
 def test_missing_implementation_is_reported_not_raised(monkeypatch):
-    monkeypatch.setitem(workloads.CORE_MODULES, "fast", "qkvnp._no_such_module")
+    monkeypatch.setitem(attention.CORE_MODULES, "fast", "qkvnp._no_such_module")
     records = bench.run_case("core", TINY, np.dtype("float32"), ("reference", "fast"),
                               repeats=1, warmup=0, pause=0.0)
     fast = next(r for r in records if r["impl"] == "fast")
     assert fast["status"] == "missing" and "qkvnp._no_such_module" in fast["reason"]
-    problem = workloads.make_problem("layer", TINY, "float32")
-    with pytest.raises(workloads.ImplementationMissing):
-        workloads._QkvnpLayer("no-such-impl", problem)
+    problem = attention.make_problem("layer", TINY, "float32")
+    with pytest.raises(attention.ImplementationMissing):
+        attention._QkvnpLayer("no-such-impl", problem)
 
 
 @pytest.mark.parametrize("kind", ["layer", "core"])
@@ -181,9 +177,9 @@ def test_pytorch_computes_the_same_function(torch, kind, dtype):
     # oracle: the reference path; checks that the weights are copied across
     # with the right transposes and that db_key (zero in exact arithmetic) is
     # judged on the bias gradients' scale
-    problem = workloads.make_problem(kind, TINY, dtype)
-    expected = workloads.make_runner("reference", problem).result()
-    check = crosscheck.cross_check(workloads.make_runner("torch", problem).result(), expected, dtype)
+    problem = attention.make_problem(kind, TINY, dtype)
+    expected = attention.make_runner("reference", problem).result()
+    check = crosscheck.cross_check(attention.make_runner("torch", problem).result(), expected, dtype)
     assert check.ok, check
 
 
@@ -253,7 +249,7 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
     # one row per record; without PyTorch its rows give way to one line
     shown = [r for r in report["records"] if r["impl"] != "torch" or r["status"] != "missing"]
     assert out.count("(1,16,16,2)") == len(shown)
-    assert (len(shown) < len(report["records"])) == (workloads.TORCH_MISSING in out)
+    assert (len(shown) < len(report["records"])) == (attention.TORCH_MISSING in out)
 
 
 def test_command_through_run_py(capsys):
@@ -401,9 +397,10 @@ def test_memory_child_sees_the_weights_matrix():
 def test_importing_qkvnp_and_the_harness_stays_light():
     # oracle: sys.modules of a fresh interpreter (issue 4 item 4): the command
     # line imports every module of the run, the worker processes worker_child
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import qkvnp, run, worker_child, median; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import qkvnp, benchmarks.run, "
+            "benchmarks.harness.worker_child, benchmarks.median; "
             "print(' '.join(m for m in ('scipy', 'torch', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code, BENCHMARKS_DIR], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code, CHECKOUT], capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == ""
     cost = import_cost.measure_import_time(repeats=1)
@@ -412,7 +409,18 @@ def test_importing_qkvnp_and_the_harness_stays_light():
 
 
 def harness_modules():
-    return sorted(name for name in os.listdir(BENCHMARKS_DIR) if name.endswith(".py"))
+    """``{dotted module name: path}`` of every module of benchmarks/, its parts' folders too."""
+    modules = {}
+    for directory, subdirs, names in os.walk(BENCHMARKS_DIR):
+        subdirs[:] = [name for name in subdirs if name != "__pycache__"]
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                parts = os.path.relpath(path, CHECKOUT)[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts.pop()
+                modules[".".join(parts)] = path
+    return dict(sorted(modules.items()))
 
 
 def test_doctests_of_the_harness():
@@ -427,13 +435,13 @@ def test_doctests_of_the_harness():
                   for member in node.body if isinstance(member, ast.FunctionDef)]
         return sum(">>>" in (ast.get_docstring(node) or "") for node in nodes)
 
-    paths = [os.path.join(BENCHMARKS_DIR, name) for name in harness_modules()]
+    paths = list(harness_modules().values())
     expected = 0
     for path in paths:
         with open(path, encoding="utf-8") as source:
             expected += with_examples(ast.parse(source.read()))
-    assert expected >= 5  # grid, timing, crosscheck, summary, train_bench
-    checkout = os.path.dirname(BENCHMARKS_DIR)
+    assert expected >= 5  # grid, timing, crosscheck, summary, training
+    checkout = CHECKOUT
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "--doctest-modules", *paths],
                           cwd=checkout, capture_output=True, text=True)
@@ -442,24 +450,33 @@ def test_doctests_of_the_harness():
 
 
 def test_harness_imports_one_way_in_modules_of_readable_size():
-    # oracle: the import graph of benchmarks/*.py read with ast (imports inside
+    # oracle: the import graph of benchmarks/ read with ast (imports inside
     # functions count), as tests/test_layout.py reads the package's
-    names = {name[:-3] for name in harness_modules()}
+    modules = harness_modules()
+    names = set(modules)
     graph = {}
-    for name in names:
-        with open(os.path.join(BENCHMARKS_DIR, name + ".py"), encoding="utf-8") as source:
+    for name, path in modules.items():
+        with open(path, encoding="utf-8") as source:
             text = source.read()
         lines = text.count("\n")
-        assert lines <= 700, f"{name}.py: {lines} lines"
+        assert lines <= 700, f"{path}: {lines} lines"
         tree = ast.parse(text)
         graph[name] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 graph[name] |= {alias.name for alias in node.names if alias.name in names}
-            elif isinstance(node, ast.ImportFrom) and node.module in names:
-                graph[name].add(node.module)
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                assert not private, f"{name} imports private {node.module}.{private}"
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                assert node.module == "benchmarks" or not node.module.startswith("benchmarks") \
+                    or node.module in names, f"{name} imports {node.module}, not a module here"
+                for alias in node.names:
+                    # from benchmarks.workloads import training: the module is the name
+                    submodule = f"{node.module}.{alias.name}"
+                    if submodule in names and submodule != name:
+                        graph[name].add(submodule)
+                    elif node.module in names and node.module not in ("benchmarks",):
+                        graph[name].add(node.module)
+                        assert not alias.name.startswith("_"), \
+                            f"{name} imports private {node.module}.{alias.name}"
 
     def reaches(start, goal, seen=()):
         return any(after == goal or (after not in seen and reaches(after, goal, seen + (after,)))
@@ -468,8 +485,11 @@ def test_harness_imports_one_way_in_modules_of_readable_size():
     cycles = sorted(name for name in names if reaches(name, name))
     assert not cycles, f"modules on an import cycle: {cycles}"
     # the command line sits on top, the grid at the bottom
-    assert not any("run" in after for name, after in graph.items() if name != "run")
-    assert graph["grid"] == set()
+    assert not any("benchmarks.run" in after for name, after in graph.items())
+    assert graph["benchmarks.workloads.grid"] == set()
+    # every module is in one of the parts, or a command at the top
+    parts = ("harness", "workloads", "rivals", "reports")
+    assert all(len(name.split(".")) <= 2 or name.split(".")[1] in parts for name in names)
 
 
 def test_benchmarks_run_py_is_the_same_command():
@@ -588,7 +608,7 @@ def test_missing_pytorch_is_said_once(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(BENCHMARKS_DIR, "run.py"), *argv],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    hint = workloads.TORCH_MISSING
+    hint = attention.TORCH_MISSING
     assert done.stderr.count(hint) == 1, done.stderr
     assert done.stderr.index(hint) < done.stderr.index("[1/"), done.stderr  # up front
     assert done.stdout.count(hint) == 1 and "MISSING" not in done.stdout, done.stdout
@@ -603,14 +623,14 @@ def test_missing_pytorch_is_said_once(tmp_path):
 def test_causal_problem_changes_the_output(kind):
     # oracle: a behavioural property; under the causal mask, changing the last
     # position's input does not change the first position's output
-    problem = workloads.make_problem(kind, TINY, "float64", causal=True)
-    out = workloads.make_runner("reference", problem).result()["out"]
-    plain = workloads.make_runner("reference", workloads.make_problem(kind, TINY, "float64")).result()["out"]
+    problem = attention.make_problem(kind, TINY, "float64", causal=True)
+    out = attention.make_runner("reference", problem).result()["out"]
+    plain = attention.make_runner("reference", attention.make_problem(kind, TINY, "float64")).result()["out"]
     assert out.shape == plain.shape
     assert not np.allclose(out, plain)
     name = "x" if kind == "layer" else "key"
     problem.arrays[name][..., -1, :] += 1.0
-    changed = workloads.make_runner("reference", problem).result()["out"]
+    changed = attention.make_runner("reference", problem).result()["out"]
     np.testing.assert_array_equal(changed[..., 0, :], out[..., 0, :])
 
 
@@ -618,7 +638,7 @@ def test_worker_process_checks_and_times_one_library(tmp_path):
     # oracle: this process's runner on the same inputs, within the paths'
     # tolerance (not bitwise: the two processes may split the work over
     # threads differently); the round protocol returns one time per round
-    import workers
+    from benchmarks.harness import workers
 
     with workers.WorkerPool(machine.CHILD_PATH) as pool:
         worker = pool.get("fast")
@@ -629,7 +649,7 @@ def test_worker_process_checks_and_times_one_library(tmp_path):
         assert reply["dispatch"]["path"] == "fast"
         with np.load(tmp_path / "r.npz") as stored:
             results = dict(stored)
-        expected = workloads.make_runner("fast", workloads.make_problem("layer", TINY, "float64",
+        expected = attention.make_runner("fast", attention.make_problem("layer", TINY, "float64",
                                                                  causal=True)).result()
         assert sorted(results) == sorted(expected)
         check = crosscheck.cross_check(results, expected, "float64")
@@ -648,7 +668,7 @@ def test_worker_process_checks_and_times_one_library(tmp_path):
 def test_process_case_refuses_a_wrong_result(monkeypatch):
     # oracle: a worker whose results are off by 0.1% must be refused and not
     # timed; the other implementation is still timed
-    import workers
+    from benchmarks.harness import workers
 
     class FakeWorker:
         def __init__(self, impl, scale):
@@ -658,8 +678,8 @@ def test_process_case_refuses_a_wrong_result(monkeypatch):
             if op == "setup":
                 return {"library": "qkvnp"}
             if op == "result":
-                problem = workloads.make_problem("layer", TINY, "float64")
-                results = workloads.make_runner("reference", problem).result()
+                problem = attention.make_problem("layer", TINY, "float64")
+                results = attention.make_runner("reference", problem).result()
                 results["dx"] = results["dx"] * self.scale
                 np.savez(fields["path"], **results)
                 return {"saved": fields["path"]}
@@ -689,25 +709,25 @@ def test_process_case_refuses_a_wrong_result(monkeypatch):
 def test_training_steps_agree_with_pytorch(torch, task, dtype):
     # oracle: PyTorch autograd and torch.optim.Adam on the same model, weights
     # and batches (the benchmark's own check, run here in one process)
-    import train_bench
+    from benchmarks.workloads import training
 
-    data = train_bench.make_training_data(task, dtype, batches=3)
-    ours = train_bench.make_training_runner("qkvnp", task, dtype, data).result()["loss"]
-    theirs = train_bench.make_training_runner("torch", task, dtype, data).result()["loss"]
-    assert ours.shape == theirs.shape == (train_bench.CHECK_STEPS,)
-    error, ok = train_bench.check_losses(ours, theirs, dtype)
+    data = training.make_training_data(task, dtype, batches=3)
+    ours = training.make_training_runner("qkvnp", task, dtype, data).result()["loss"]
+    theirs = training.make_training_runner("torch", task, dtype, data).result()["loss"]
+    assert ours.shape == theirs.shape == (training.CHECK_STEPS,)
+    error, ok = training.check_losses(ours, theirs, dtype)
     assert ok, (ours, theirs, error)
     assert theirs[-1] < theirs[0] or task == "kv-recall"  # the teacher's loss falls at once
 
 
 def test_training_check_refuses_a_different_trajectory():
-    import train_bench
+    from benchmarks.workloads import training
 
     losses = np.array([2.0, 1.5, 1.2])
-    assert train_bench.check_losses(losses, losses * (1 + 1e-10), "float64")[1]
-    assert not train_bench.check_losses(losses, losses * (1 + 1e-7), "float64")[1]
-    assert not train_bench.check_losses(losses[:2], losses, "float32")[1]
-    assert not train_bench.check_losses(losses * np.nan, losses, "float32")[1]
+    assert training.check_losses(losses, losses * (1 + 1e-10), "float64")[1]
+    assert not training.check_losses(losses, losses * (1 + 1e-7), "float64")[1]
+    assert not training.check_losses(losses[:2], losses, "float32")[1]
+    assert not training.check_losses(losses * np.nan, losses, "float32")[1]
 
 
 # ---------------------------------------------------------------- what users read
@@ -722,7 +742,7 @@ def ratio_record(config, dtype, mask, impl, ratio, flops=1000):
 def test_summary_states_each_result_plainly():
     # oracle: hand-made ratios; small shapes at 0.5x and 0.4x are 2.0x and 2.5x
     # faster (geometric mean 0.447 -> 2.2x faster), L = 2048 at 1.1x is slower
-    import summary
+    from benchmarks.reports import summary
 
     report = {"records": [ratio_record((1, 6, 3, 1), "float32", "none", "auto", 0.5),
                           ratio_record((1, 6, 3, 1), "float64", "causal", "auto", 0.4),
@@ -768,7 +788,7 @@ def test_ratio_plot_has_one_series_per_dtype_and_mask(monkeypatch, tmp_path):
     import types
     from unittest import mock
 
-    import summary
+    from benchmarks.reports import summary
 
     axis, figure = mock.MagicMock(), mock.MagicMock()
     figure.savefig.side_effect = lambda stream, format: stream.write(b"PNG")
@@ -793,7 +813,7 @@ def test_layer_ceiling_uses_the_tiled_cores_blocks_and_runs():
     """Oracle: the tiled core's own choice of blocks (its cache records them),
     for the layer's leading dims at long lengths, with and without threads; and
     the ceiling script's products run for a dense and a tiled causal layer."""
-    import layer_ceiling  # benchmarks/layer_ceiling.py
+    from benchmarks import layer_ceiling
     from qkvnp.kernels import num_threads, tiled
 
     rng = np.random.default_rng(0)
@@ -816,12 +836,12 @@ def test_layer_ceiling_uses_the_tiled_cores_blocks_and_runs():
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_kv_recall_floor_is_the_same_step(dtype):
-    """Oracle: qkvnp's own training step (train_bench) on the same initial
+    """Oracle: qkvnp's own training step (workloads/training.py) on the same initial
     weights and batches; the floor's losses over the check steps must agree
     within the benchmark's tolerances, or its time would be the floor of
     another computation. Its products, run on the same arrays, must give the
     attention scores of the floor's formula."""
-    import kv_recall_ceiling  # benchmarks/kv_recall_ceiling.py
+    from benchmarks import kv_recall_ceiling
 
     error = kv_recall_ceiling.check_floor(dtype)
     assert error <= (1e-5 if dtype == np.float32 else 1e-12)

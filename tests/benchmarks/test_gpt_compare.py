@@ -15,15 +15,15 @@ import sys
 import numpy as np
 import pytest
 
-# The harness lives beside the package (the wheel does not ship it): import it
-# from the checkout's benchmarks/ as top-level modules, as test_bench.py does.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                os.pardir, "benchmarks"))
-import gpt_compare  # noqa: E402  (benchmarks/gpt_compare.py)
-from gpt_runners import (LOSS_TOLERANCE, GPTConfig, book_config, make_data,  # noqa: E402
-                         products_flops, step_products)
-from gpt_torch import book_gpt, generate_cached  # noqa: E402
-import workers  # noqa: E402  (benchmarks/workers.py)
+# The harness lives beside the package (the wheel does not ship it): import
+# the checkout's benchmarks package, as test_bench.py does.
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                os.pardir, os.pardir)))
+from benchmarks import gpt_compare  # noqa: E402  (benchmarks/gpt_compare.py)
+from benchmarks.harness import workers  # noqa: E402
+from benchmarks.rivals.gpt_torch import book_gpt, generate_cached  # noqa: E402
+from benchmarks.workloads.gpt import (LOSS_TOLERANCE, GPTConfig, book_config,  # noqa: E402
+                                      make_data, products_flops, step_products)
 
 import qkvnp  # noqa: E402
 from qkvnp.interop import to_torch  # noqa: E402
@@ -179,7 +179,7 @@ def test_step_memory_of_qkvnp_in_a_fresh_process():
 def test_profile_of_a_qkvnp_step_gives_shares_of_its_time(tmp_path):
     # oracle: each function's own time is part of the profiled total, so the
     # shares lie in [0, 1], come largest first and sum to at most 1
-    worker = workers.Worker("qkvnp", gpt_compare.CHILD_PATH, module="gpt_runners")
+    worker = workers.Worker("qkvnp", gpt_compare.CHILD_PATH, module="benchmarks.workloads.gpt")
     try:
         path = str(tmp_path / "data.npz")
         np.savez(path, **make_data(TINY))
@@ -203,8 +203,8 @@ def test_doctests_of_the_gpt_benchmark_modules():
     benchmarks = os.path.dirname(os.path.abspath(gpt_compare.__file__))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "--doctest-modules", os.path.join(benchmarks, "gpt_compare.py"),
-                           os.path.join(benchmarks, "gpt_runners.py"),
-                           os.path.join(benchmarks, "gpt_torch.py")],
+                           os.path.join(benchmarks, "workloads", "gpt.py"),
+                           os.path.join(benchmarks, "rivals", "gpt_torch.py")],
                           cwd=os.path.dirname(benchmarks), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout, done.stdout

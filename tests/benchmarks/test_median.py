@@ -1,7 +1,7 @@
 """Tests of the median of several benchmark runs (benchmarks/median.py); no benchmark runs.
 
 Oracles: medians worked out by hand from small hand-made reports in the
-schema of ``bench.run_benchmark`` (benchmarks/bench.py); the summary of a single hand-made report
+schema of ``bench.run_benchmark`` (benchmarks/harness/bench.py); the summary of a single hand-made report
 holding those medians (what the median report must read as); the file names
 and measurements each refusal must name.
 """
@@ -15,12 +15,12 @@ import sys
 import pytest
 
 # as test_bench.py: the harness is imported from the checkout's benchmarks/
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                os.pardir, "benchmarks"))
-import machine  # noqa: E402  (benchmarks/machine.py)
-import median  # noqa: E402  (benchmarks/median.py)
-import summary  # noqa: E402  (benchmarks/summary.py)
-from report import read_json  # noqa: E402  (benchmarks/report.py)
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                os.pardir, os.pardir)))
+from benchmarks import median  # noqa: E402  (benchmarks/median.py)
+from benchmarks.harness import machine  # noqa: E402
+from benchmarks.reports import summary  # noqa: E402
+from benchmarks.reports.report import read_json  # noqa: E402
 
 SMALL, SMALL2, LONG = (1, 6, 3, 1), (8, 16, 32, 4), (1, 2048, 512, 8)
 

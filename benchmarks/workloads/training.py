@@ -34,8 +34,8 @@ import tempfile
 
 import numpy as np
 
-from workers import WorkerError, time_alternating
-from workloads import import_torch
+from benchmarks.harness.workers import WorkerError, time_alternating
+from benchmarks.workloads.attention import import_torch
 
 __all__ = [
     "TRAINING_TASKS",
@@ -154,9 +154,8 @@ class _QkvnpTraining:
 
 def _torch_kv_recall_logits(torch, weights, roles, keys, values, query, dim):
     """The forward of :class:`qkvnp.training.KVRecallModel`, in torch ops."""
-    # the query's key looked up apart from the items', as the model does (one
-    # lookup of the concatenated ids took PyTorch's float64 step 1.30-1.37 ms
-    # against 1.25-1.27 for two)
+    # the query's key looked up apart from the items', as the model does
+    # (PyTorch's step is faster that way too than with one lookup of both)
     items = weights["embed_key.weight"][keys] + weights["embed_value.weight"][values]  # (B, P, E)
     query_token = weights["embed_key.weight"][query][:, None] + weights["query_marker"]  # (B, 1, E)
     role_q, role_k, role_v = roles
@@ -293,7 +292,7 @@ def run_training_case(task, dtype, pool, repeats, warmup=1, pause=0.3, round_sec
     pool : workers.WorkerPool
         Its workers ``"qkvnp"`` and ``"torch"`` run the steps.
     repeats, warmup, pause, round_seconds, progress
-        As :func:`workers.time_alternating`.
+        As :func:`harness.workers.time_alternating`.
     torch_threads : int, optional
         PyTorch's thread count; default PyTorch's own.
 

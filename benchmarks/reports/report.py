@@ -2,10 +2,10 @@
 
 Shape key: B batch, L sequence length, E embedding, H heads.
 
-:func:`format_report` turns the report of :func:`bench.run_benchmark` into
+:func:`format_report` turns the report of :func:`harness.bench.run_benchmark` into
 the text the command prints: the machine, the peaks, the import cost, one
 table per protocol and workload, the training steps, then the ratio table
-and the plain sentences of :mod:`summary`. With ``--targets``, the check of
+and the plain sentences of :mod:`reports.summary`. With ``--targets``, the check of
 the project's earlier speed and memory targets (:func:`target_lines`) and
 what each speed target asks of the GEMM peak (:func:`target_requirements`).
 :func:`write_json` writes the report atomically and reads it back;
@@ -17,13 +17,14 @@ import os
 
 import numpy as np
 
-from grid import DEFAULT_CONFIGS, FLOPS, KINDS, ORACLE, PROCESS_MAX_LENGTH, Config
-from machine import CEILING_HEAD_DIM, CEILING_LENGTH
-from memory import TILED_MEMORY_SHAPE
+from benchmarks.harness.machine import CEILING_HEAD_DIM, CEILING_LENGTH
+from benchmarks.harness.memory import TILED_MEMORY_SHAPE
+from benchmarks.harness.timing import ROUND_SECONDS, format_ms
+from benchmarks.reports.summary import import_pyplot, ratio_table, save_figure, summarize
+from benchmarks.workloads.attention import TORCH_MISSING
+from benchmarks.workloads.grid import (DEFAULT_CONFIGS, FLOPS, KINDS, ORACLE, PROCESS_MAX_LENGTH,
+                                       Config)
 from qkvnp._io import atomic_write  # the package's one atomic write (shared helper module)
-from summary import import_pyplot, ratio_table, save_figure, summarize
-from timing import ROUND_SECONDS, format_ms
-from workloads import TORCH_MISSING
 
 __all__ = ["target_lines", "target_requirements", "format_report", "write_json", "read_json",
            "plot_results"]
@@ -54,7 +55,7 @@ def _ceiling_note(report, dtype):
 
 
 def target_lines(report):
-    """Lines comparing the measured ratios with the issue's targets."""
+    """Lines comparing the measured ratios with the project's targets."""
     lines = []
     records = [r for r in report["records"] if r["status"] == "ok"]
     qkvnp_impls = [i for i in report["settings"]["impls"] if i not in ("torch", ORACLE)]

@@ -1,12 +1,12 @@
 """The worker process's side of the one-library-per-process protocol: build a runner, answer.
 
-Shape key: B batch, L sequence length, E embedding, H heads (as in :mod:`grid`).
+Shape key: B batch, L sequence length, E embedding, H heads (as in :mod:`workloads.grid`).
 
-:class:`workers.Worker` starts ``python -c "from worker_child import serve;
-serve()"`` and talks to it over stdin and stdout, one JSON object a line
-each way. :func:`serve` holds one runner at a time (``setup``): an
-attention runner of :mod:`workloads` or a training step of
-:mod:`train_bench`. It writes the runner's results to an ``.npz`` file for
+:class:`harness.workers.Worker` starts ``python -c "from
+benchmarks.harness.worker_child import serve; serve()"`` and talks to it
+over stdin and stdout, one JSON object a line each way. :func:`serve` holds one runner at a time (``setup``): an
+attention runner of :mod:`workloads.attention` or a training step of
+:mod:`workloads.training`. It writes the runner's results to an ``.npz`` file for
 the parent's cross-check (``result``), picks how many calls make a round
 last at least a given time (``calibrate``) and times that many calls
 (``time``).
@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from timing import calls_per_round
-from train_bench import make_training_runner
-from workloads import ImplementationMissing, make_problem, make_runner
+from benchmarks.harness.timing import calls_per_round
+from benchmarks.workloads.attention import ImplementationMissing, make_problem, make_runner
+from benchmarks.workloads.training import make_training_runner
 
 __all__ = ["serve"]
 

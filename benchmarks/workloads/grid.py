@@ -9,8 +9,8 @@ sentence's (1, 6, 3, 1) to (32, 64, 128, 8)) and four large ones
 mask and causal. :func:`plan_cases` turns configurations, dtypes and masks
 into the cases of a run: those with L <= :data:`PROCESS_MAX_LENGTH` time the
 layer's default path against PyTorch's layer, each library in a process of
-its own (:mod:`workers`); the longer ones run every workload and
-implementation in one process (:mod:`timing`).
+its own (:mod:`harness.workers`); the longer ones run every workload and
+implementation in one process (:mod:`harness.timing`).
 
 FLOPs
 -----
@@ -26,7 +26,7 @@ copies are not counted, and no causal mask is used.
 These are the nominal FLOPs of the dense algorithm: the tiled path's
 recomputation of ``Q K^T`` in its backward is not counted (as FlashAttention
 papers report it). Achieved GFLOP/s = counted FLOPs / median time; "% peak"
-divides it by the GEMM peak measured in the same run (:mod:`machine`).
+divides it by the GEMM peak measured in the same run (:mod:`harness.machine`).
 
 Examples
 --------
@@ -107,7 +107,7 @@ OFF_GRID_CONFIGS = (
     Config(1, 1024, 768, 12),
 )
 #: Configurations up to this L are timed with one library per process
-#: (:mod:`workers`); longer ones in one process, with pauses (:mod:`timing`).
+#: (:mod:`harness.workers`); longer ones in one process, with pauses (:mod:`harness.timing`).
 PROCESS_MAX_LENGTH = 128
 PROTOCOLS = ("processes", "same process")
 MASKS = ("none", "causal")

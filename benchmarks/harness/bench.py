@@ -10,23 +10,24 @@ of qkvnp, plus the shared helpers of :mod:`qkvnp.kernels._runtime` (worker
 threads, the OpenBLAS probe) and ``qkvnp._io.atomic_write``. Dated results:
 ``benchmarks/RESULTS.md``.
 
-:func:`run_benchmark` runs the cases that :func:`grid.plan_cases` plans.
+:func:`run_benchmark` runs the cases that :func:`workloads.grid.plan_cases` plans.
 Those with L <= 128 run :func:`run_case_in_processes`: the reference path
 here as the oracle, each implementation in a worker process of its own
-(:mod:`workers`), timed in alternating rounds. The longer ones run
+(:mod:`harness.workers`), timed in alternating rounds. The longer ones run
 :func:`run_case`: every implementation in this process, cross-checked
-(:mod:`crosscheck`) then timed round by round (:mod:`timing`). Around them:
-the GEMM peak and the environment (:mod:`machine`), the import cost
-(:mod:`import_cost`), the training steps (:mod:`train_bench`), the peak
-memory in fresh processes (:mod:`memory`). The report that comes out is a
-JSON-ready dict, which :mod:`report` prints and writes and :mod:`summary`
+(:mod:`harness.crosscheck`) then timed round by round (:mod:`harness.timing`). Around them:
+the GEMM peak and the environment (:mod:`harness.machine`), the import cost
+(:mod:`harness.import_cost`), the training steps (:mod:`workloads.training`), the peak
+memory in fresh processes (:mod:`harness.memory`). The report that comes out is a
+JSON-ready dict, which :mod:`reports.report` prints and writes and :mod:`reports.summary`
 puts in plain sentences.
 
-The modules import one way: ``run`` (the command line) -> ``bench`` ->
-``report`` -> ``summary``; ``bench`` -> ``train_bench`` -> ``workers``;
-everything -> ``workloads`` -> ``grid``. The worker processes run
-``worker_child``, which builds the runners of ``workloads`` and
-``train_bench``.
+The modules import one way: ``run`` (the command line) -> ``harness.bench``
+-> ``reports.report`` -> ``reports.summary``; ``harness.bench`` ->
+``workloads.training`` -> ``harness.workers``; everything ->
+``workloads.attention`` -> ``workloads.grid``. The worker processes run
+``harness.worker_child``, which builds the runners of ``workloads.attention``
+and ``workloads.training``.
 """
 import gc
 import os
@@ -36,20 +37,22 @@ import time
 
 import numpy as np
 
-from crosscheck import cross_check
-from grid import (FLOPS, IMPLEMENTATIONS, KIND_IMPLEMENTATIONS, KINDS, MASKS, MODE_LABELS, MODES,
-                  ORACLE, PROCESS_MAX_LENGTH, DEFAULT_CONFIGS, check_config, check_dtype,
-                  plan_cases)
-from import_cost import measure_import_time
-from machine import (CHILD_PATH, GEMM_SIZE, environment_info, measure_attention_gemm_ceiling,
-                     measure_gemm_peak)
-from memory import TILED_MEMORY_SHAPE, measure_memory, measure_tiled_memory
-from report import target_requirements
-from summary import summarize
-from timing import ROUND_SECONDS, format_ms, time_interleaved, timing_stats
-from train_bench import TRAINING_TASKS, run_training_case
-from workers import WorkerError, WorkerPool, time_alternating
-from workloads import TORCH_MISSING, ImplementationMissing, import_torch, make_problem, make_runner
+from benchmarks.harness.crosscheck import cross_check
+from benchmarks.harness.import_cost import measure_import_time
+from benchmarks.harness.machine import (CHILD_PATH, GEMM_SIZE, environment_info,
+                                        measure_attention_gemm_ceiling, measure_gemm_peak)
+from benchmarks.harness.memory import TILED_MEMORY_SHAPE, measure_memory, measure_tiled_memory
+from benchmarks.harness.timing import ROUND_SECONDS, format_ms, time_interleaved, timing_stats
+from benchmarks.harness.workers import WorkerError, WorkerPool, time_alternating
+from benchmarks.reports.report import target_requirements
+from benchmarks.reports.summary import summarize
+from benchmarks.workloads.attention import (TORCH_MISSING, ImplementationMissing, import_torch,
+                                            make_problem, make_runner)
+from benchmarks.workloads.grid import (DEFAULT_CONFIGS, FLOPS, IMPLEMENTATIONS,
+                                       KIND_IMPLEMENTATIONS, KINDS, MASKS, MODE_LABELS, MODES,
+                                       ORACLE, PROCESS_MAX_LENGTH, check_config, check_dtype,
+                                       plan_cases)
+from benchmarks.workloads.training import TRAINING_TASKS, run_training_case
 
 __all__ = ["print_progress", "run_case", "run_case_in_processes", "run_benchmark"]
 
@@ -155,7 +158,7 @@ def run_case_in_processes(kind, config, dtype, impls, repeats, warmup, pause, po
     implementation of ``impls`` runs in ``pool``'s worker of its name, which
     writes its results to a file for the cross-check, then times
     forward+backward in rounds alternating with the others'
-    (:func:`workers.time_alternating`). One record per implementation.
+    (:func:`harness.workers.time_alternating`). One record per implementation.
     """
     impls = [impl for impl in impls if impl in KIND_IMPLEMENTATIONS[kind]]
     records = {impl: _new_record(kind, config, dtype, impl, mask, "processes") for impl in impls}
@@ -266,7 +269,7 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
     tiled_memory : bool
         Also measure the tiled core at :data:`TILED_MEMORY_SHAPE` (with ``memory``).
     training : bool
-        Time the training steps (:mod:`train_bench`), in ``training_dtypes``
+        Time the training steps (:mod:`workloads.training`), in ``training_dtypes``
         (default ``dtypes``).
     gemm_size : int
         Size of the square matrices whose product measures the GEMM peak.
@@ -289,7 +292,7 @@ def run_benchmark(configs=DEFAULT_CONFIGS, dtypes=("float32", "float64"), kinds=
         ``gemm_one_thread_gflops`` (per dtype, the GEMM peak's product on
         one BLAS thread; empty when its count cannot be set),
         ``target_requirements`` (see :func:`target_requirements`),
-        ``summary`` (the plain-language lines of :func:`summary.summarize`).
+        ``summary`` (the plain-language lines of :func:`reports.summary.summarize`).
     """
     progress = progress or (lambda message: None)
     configs = [check_config(c) for c in configs]

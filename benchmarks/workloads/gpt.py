@@ -11,24 +11,24 @@ Two workloads, each in qkvnp and in torch, from the same weights:
     dropout 0: zero the gradients, forward, cross-entropy over every
     position, backward, optimizer step, the loss read as a float. qkvnp:
     :class:`qkvnp.GPTModel`, :mod:`qkvnp.losses`, :class:`qkvnp.optim.AdamW`.
-    torch: :func:`gpt_torch.book_gpt`, ``F.cross_entropy``,
+    torch: :func:`rivals.gpt_torch.book_gpt`, ``F.cross_entropy``,
     ``torch.optim.AdamW``. The batches are drawn beforehand and cycled.
 ``generate``
     Greedy decoding of batch 1 with a KV cache: a prompt of
     :data:`PROMPT_TOKENS` tokens, then new tokens up to the context.
-    qkvnp: :func:`qkvnp.generate`; torch: :func:`gpt_torch.generate_cached`.
+    qkvnp: :func:`qkvnp.generate`; torch: :func:`rivals.gpt_torch.generate_cached`.
 
 The weights are drawn by :class:`qkvnp.GPTModel` and written in the book's
 state-dict names (:func:`qkvnp.interop.to_torch`, layout ``"book.GPTModel"``);
 each library loads them from there.
 
 The worker side (:func:`serve`) speaks the protocol of the harness's
-``workers.py`` (one JSON command a line: ``setup``, ``result``,
-``calibrate``, ``time``), so that ``workers.time_alternating`` times it,
+``harness/workers.py`` (one JSON command a line: ``setup``, ``result``,
+``calibrate``, ``time``), so that ``harness.workers.time_alternating`` times it,
 and adds ``products`` (the step's matrix products on random arrays) and
 ``profile`` (cProfile of qkvnp's steps). :func:`memory_child` is the body of
 the fresh process that measures a step's peak RSS, as the harness's
-``memory.py`` measures a layer's.
+``harness/memory.py`` measures a layer's.
 """
 import gc
 import json
@@ -38,8 +38,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from rss import proc_status_kib, reset_peak_rss
-from timing import calls_per_round
+from benchmarks.harness.rss import proc_status_kib, reset_peak_rss
+from benchmarks.harness.timing import calls_per_round
 
 __all__ = ["GPTConfig", "CONFIGS", "LR", "WEIGHT_DECAY", "CHECK_STEPS", "LOSS_TOLERANCE",
            "PROMPT_TOKENS", "TORCH_THREADS", "LIBRARIES", "book_config", "make_data",
@@ -50,7 +50,7 @@ __all__ = ["GPTConfig", "CONFIGS", "LR", "WEIGHT_DECAY", "CHECK_STEPS", "LOSS_TO
 GPTConfig = namedtuple("GPTConfig", "vocab context width heads layers batch")
 GPTConfig.__doc__ = "V vocabulary, C context, E width, H heads, L layers, B batch."
 
-#: The issue's two training configurations; generation uses ``small`` with B = 1.
+#: The two training configurations that have targets; generation uses ``small`` with B = 1.
 CONFIGS = {"tiny": GPTConfig(256, 64, 64, 4, 2, 8), "small": GPTConfig(256, 128, 128, 4, 4, 8)}
 LR, WEIGHT_DECAY = 4e-4, 0.1
 #: Batches drawn beforehand and cycled through.
@@ -61,7 +61,7 @@ CHECK_STEPS = 5
 #: harness's training benchmark).
 LOSS_TOLERANCE = 1e-5
 PROMPT_TOKENS = 8
-#: PyTorch's threads (the issue's "2 threads"); qkvnp runs with its defaults.
+#: PyTorch's threads; qkvnp runs with its defaults.
 TORCH_THREADS = 2
 LIBRARIES = ("qkvnp", "torch")
 DTYPE = np.float32
@@ -158,7 +158,7 @@ class _Torch:
     def __init__(self, task, config, data, threads):
         import torch
 
-        from gpt_torch import book_gpt, generate_cached
+        from benchmarks.rivals.gpt_torch import book_gpt, generate_cached
 
         self.torch, self.task, self.index = torch, task, 0
         self.model = book_gpt(torch)(book_config(config))

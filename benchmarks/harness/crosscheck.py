@@ -14,7 +14,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from grid import check_dtype
+from benchmarks.workloads.grid import check_dtype
 from qkvnp.kernels import PATH_TOLERANCES
 
 __all__ = ["Check", "relative_error", "cross_check"]

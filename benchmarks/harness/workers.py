@@ -1,21 +1,21 @@
 """One library per process: the worker processes of the benchmark's small-shape protocol.
 
-Shape key: B batch, L sequence length, E embedding, H heads (as in :mod:`grid`).
+Shape key: B batch, L sequence length, E embedding, H heads (as in :mod:`workloads.grid`).
 
 At small sizes, a call takes tens of microseconds to a few milliseconds, and
 threads that one library leaves behind slow the other: PyTorch's OpenMP pool
 and numpy's OpenBLAS threads, idle but resident in one process, made the
-other library's calls up to 4x slower on the 2-core machine. So each
-implementation runs in a process of its own (the qkvnp ones never import
-PyTorch), and the parent asks them in turn for one timed round each:
+other library's calls several times slower on a 2-core machine
+(benchmarks/NOTES.md). So each implementation runs in a process of its own
+(the qkvnp ones never import PyTorch), and the parent asks them in turn for one timed round each:
 qkvnp, PyTorch, qkvnp, ... (:func:`time_alternating`).
 
 This module is the parent's side: :class:`Worker` starts a fresh Python
-process running :func:`worker_child.serve` and sends it one JSON command a
+process running :func:`harness.worker_child.serve` and sends it one JSON command a
 line (``setup`` a runner, write its ``result``, ``calibrate`` the calls of a
 round, ``time`` them); it knows nothing of what the runners compute. The
-child's side, which builds the runners of :mod:`workloads` and
-:mod:`train_bench`, is :mod:`worker_child`.
+child's side, which builds the runners of :mod:`workloads.attention` and
+:mod:`workloads.training`, is :mod:`harness.worker_child`.
 """
 import json
 import subprocess
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from timing import ROUND_SECONDS
+from benchmarks.harness.timing import ROUND_SECONDS
 
 __all__ = ["WorkerError", "Worker", "WorkerPool", "time_alternating"]
 
@@ -42,14 +42,15 @@ class Worker:
     name : str
         For messages.
     path : list of str
-        Put first on the child's ``sys.path``: the directory of this module
-        and that of the qkvnp the parent imported.
+        Put first on the child's ``sys.path``: the directory holding the
+        ``benchmarks`` package and that of the qkvnp the parent imported.
     module : str
-        The harness module whose ``serve()`` the child runs: ``worker_child``
-        (the attention workloads) or ``gpt_runners`` (the GPT's).
+        The module whose ``serve()`` the child runs:
+        ``benchmarks.harness.worker_child`` (the attention workloads) or
+        ``benchmarks.workloads.gpt`` (the GPT's).
     """
 
-    def __init__(self, name, path, module="worker_child"):
+    def __init__(self, name, path, module="benchmarks.harness.worker_child"):
         self.name = name
         self._stderr = tempfile.TemporaryFile(mode="w+")
         code = f"import sys; sys.path[:0] = sys.argv[1:]; from {module} import serve; serve()"
@@ -149,7 +150,7 @@ def time_alternating(workers, mode, repeats, warmup=1, pause=0.3, round_seconds=
 
     Notes
     -----
-    The first worker of a round rotates, as in :func:`timing.time_interleaved`.
+    The first worker of a round rotates, as in :func:`harness.timing.time_interleaved`.
     """
     method = METHODS[mode]
     names = list(workers)

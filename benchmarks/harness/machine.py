@@ -23,11 +23,11 @@ import time
 import numpy as np
 
 import qkvnp
-from grid import check_dtype
+from benchmarks.workloads.attention import ImplementationMissing, import_torch
+from benchmarks.workloads.grid import check_dtype
 from qkvnp.kernels import blas_threads
 from qkvnp.kernels._runtime import get_num_threads, openblas_info
 from qkvnp.kernels._runtime import run as run_in_workers
-from workloads import ImplementationMissing, import_torch
 
 __all__ = [
     "CHILD_PATH",
@@ -46,8 +46,9 @@ GEMM_SIZE = 2048
 CEILING_LENGTH = 512
 CEILING_HEAD_DIM = 64
 #: What a child process (memory, import cost, workers) puts first on
-#: ``sys.path``: this harness's directory, and the directory of the qkvnp this process imported.
-CHILD_PATH = [os.path.dirname(os.path.abspath(__file__)),
+#: ``sys.path``: the directory holding the ``benchmarks`` package, and the directory of the
+#: qkvnp this process imported.
+CHILD_PATH = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
               os.path.dirname(os.path.dirname(os.path.abspath(qkvnp.__file__)))]
 
 

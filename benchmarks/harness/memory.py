@@ -18,16 +18,16 @@ import json
 
 import numpy as np
 
-from grid import Config
-from machine import run_json_child
-from rss import proc_status_kib, reset_peak_rss
-from workloads import make_problem, make_runner
+from benchmarks.harness.machine import run_json_child
+from benchmarks.harness.rss import proc_status_kib, reset_peak_rss
+from benchmarks.workloads.attention import make_problem, make_runner
+from benchmarks.workloads.grid import Config
 
 __all__ = ["MIB", "TILED_MEMORY_SHAPE", "TILED_MEMORY_LIMIT_MIB", "measure_memory",
            "measure_tiled_memory", "memory_child"]
 
 MIB = 2.0 ** 20
-# the issue's memory target for the tiled core: (B, H, L, D), float32, MiB
+# the memory target of the tiled core: (B, H, L, D), float32, MiB
 TILED_MEMORY_SHAPE = (1, 1, 16384, 64)
 TILED_MEMORY_LIMIT_MIB = 64
 
@@ -82,7 +82,7 @@ def measure_memory(kind, impl, config, dtype, timeout=900):
     """
     spec = json.dumps({"kind": kind, "impl": impl, "config": list(config),
                        "dtype": np.dtype(dtype).name})
-    return run_json_child("memory", "memory_child", spec, timeout)
+    return run_json_child("benchmarks.harness.memory", "memory_child", spec, timeout)
 
 
 

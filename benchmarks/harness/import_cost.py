@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from machine import CHILD_PATH
+from benchmarks.harness.machine import CHILD_PATH
 
 __all__ = ["measure_import_time"]
 
@@ -32,8 +32,7 @@ def _import_in_fresh_process(module):
     # NOTE: without PYTHONDONTWRITEBYTECODE (set on some machines, this one
     # included): the warm-up import writes qkvnp's .pyc files, as `pip install`
     # does, where numpy's were written at its install. With it, every import
-    # compiled qkvnp's source, which was most of the difference measured (+20
-    # against +8 ms beyond numpy, after issue 11 added six modules).
+    # compiled qkvnp's source, which was most of the difference measured.
     env = {name: value for name, value in os.environ.items()
            if name != "PYTHONDONTWRITEBYTECODE"}
     child = subprocess.run([sys.executable, "-c", _IMPORT_SNIPPET.format(module=module),

@@ -1,13 +1,13 @@
 """The timing protocols: which calls run in which order, and what is reported of them.
 
-L <= 128 (:data:`grid.PROCESS_MAX_LENGTH`): each implementation in a worker
+L <= 128 (:data:`workloads.grid.PROCESS_MAX_LENGTH`): each implementation in a worker
 process of its own (the qkvnp ones never import PyTorch); the parent asks
 them in turn for one timed round each, qkvnp, PyTorch, qkvnp, ..., pausing
 between rounds; a round is as many calls as last at least ``--round-time``
 seconds (:data:`ROUND_SECONDS`); reported: the median over rounds of the
-time per call. Idle threads of one library's pool slowed the other by up to
-4x at these sizes when both lived in one process. The processes and their
-rounds are :mod:`workers`.
+time per call. Idle threads of one library's pool slow the other's calls
+at these sizes when both live in one process. The processes and their
+rounds are :mod:`harness.workers`.
 
 Longer: one process (:func:`time_interleaved`); within a configuration,
 dtype and mode the implementations run interleaved round by round (the
@@ -15,11 +15,11 @@ starting one rotating), after a warm-up round, so that a change in the
 machine's load hits them alike. The process sleeps ``--pause`` seconds
 before each call that follows another implementation's. Idle
 OpenBLAS/OpenMP threads spin for a while after a call and slow whatever
-runs next on the 2 cores: without the pause after the reference path
-(multi-threaded OpenBLAS), the fast core measured up to 1.7x slower, and
-the fast layer 1.6x slower right after the tiled layer (whose calls with a
-single block of work also run on OpenBLAS's threads). PyTorch runs with its
-default thread count (2 on the 2-core machine), as users get it; numpy's
+runs next on a machine with few cores: the fast core right after the
+reference path (multi-threaded OpenBLAS), and the fast layer right after
+the tiled layer (whose calls with a single block of work also run on
+OpenBLAS's threads), ran slower without the pause. PyTorch runs with its
+default thread count, as users get it; numpy's
 BLAS with its own default. Reported (:func:`timing_stats`): median, minimum
 and interquartile range of ``--repeats`` timed calls (7 by default), and
 the ratio ``median(qkvnp) / median(PyTorch)`` of the same workload
@@ -34,19 +34,15 @@ import time
 
 import numpy as np
 
-from grid import MODE_LABELS
+from benchmarks.workloads.grid import MODE_LABELS
 
 __all__ = ["ROUND_SECONDS", "calls_per_round", "format_ms", "time_interleaved",
            "timing_stats"]
 
 #: A round of the one-library-per-process protocol lasts at least this long (s).
-#: 0.25 (was 0.05): each round follows a pause, and the first calls after it
-#: run slow on some hosts. On an AMD EPYC host (2026-11-24 23:40 UTC, one run
-#: of 7 rounds each) 0.05 s rounds took 0.95-1.64x as long a call as 0.25 s
-#: rounds at (8, 16, 32, 4) and (64, 8, 16, 2), both libraries alike (qkvnp's
-#: (8, 16, 32, 4) float32 331 against 221 us, PyTorch's 769 against 508), and
-#: 0.78-1.28x at (16, 32, 64, 4). At (1, 6, 3, 1) float64 causal a hot loop
-#: took 115 us, 0.25 s rounds 137, 0.05 s rounds 175-209.
+#: NOTE: each round follows a pause, and the first calls after it run slow on
+#: some hosts; shorter rounds measured the smallest shapes slower for both
+#: libraries, with wider spreads (benchmarks/NOTES.md).
 ROUND_SECONDS = 0.25
 
 
@@ -91,9 +87,8 @@ def time_interleaved(runners, mode, repeats, warmup=1, pause=0.3, progress=None)
     libraries: threads that one leaves spinning slow the next on 2 cores.
     OpenBLAS's own threads (the reference path; the fast and tiled paths
     too when a call has a single block of work, e.g. the tiled core with one
-    query block) spin for about 0.05-0.1 s after a call: the fast layer at
-    (8, 128, 256, 8) float64 measured 29 ms alone, 46-50 ms right after the
-    tiled layer, 31 ms after a 0.1 s pause.
+    query block) spin for a while after a call, and the next call measured
+    slower without a pause (benchmarks/NOTES.md).
     progress : callable, optional
         Told which round is running, at most every 10 seconds.
 
@@ -130,7 +125,7 @@ def timing_stats(seconds, flops):
     """What the report keeps of one implementation's times: median, minimum, quartiles, rate.
 
     ``seconds``: one time per call (or per call of a round); ``flops``: the
-    matmul FLOPs of one call (:data:`grid.FLOPS`). Times in milliseconds;
+    matmul FLOPs of one call (:data:`workloads.grid.FLOPS`). Times in milliseconds;
     ``gflops`` at the median.
     """
     ms = np.asarray(seconds) * 1e3

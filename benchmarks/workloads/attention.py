@@ -34,7 +34,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from grid import KIND_IMPLEMENTATIONS, KINDS, check_config, check_dtype
+from benchmarks.workloads.grid import KIND_IMPLEMENTATIONS, KINDS, check_config, check_dtype
 from qkvnp import MultiHeadAttention
 
 __all__ = [
