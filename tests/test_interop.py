@@ -165,7 +165,7 @@ def test_torch_round_trips_give_identical_arrays(torch, E, H, kdim, vdim, bias):
         assert np.array_equal(value, module.state_dict()[name].numpy()), name
 
 
-# the attention layouts; book.GPTModel's round trip is in tests/test_gpt_torch.py
+# the attention layouts; book.GPTModel's round trip is in tests/models/test_gpt_torch.py
 @pytest.mark.parametrize("layout", [layout for layout in LAYOUTS[1:] if layout != "book.GPTModel"])
 def test_book_round_trips_and_loads_into_torch(torch, layout):
     """Oracle: exact equality; to_torch's names and shapes load into the book's module."""

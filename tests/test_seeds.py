@@ -3,7 +3,7 @@
 Oracle for every test here: the numbers printed by the seeds' tutorials, as
 restated in issue 2 ("Reproduce the seeds' numbers"). The data below is copied
 from the issue on purpose, not imported from ``qkvnp.apps.demo``, so that a typo in
-the demo's constants cannot hide here (``tests/test_demo.py`` checks that the
+the demo's constants cannot hide here (``tests/apps/test_demo.py`` checks that the
 demo uses this same data). Values printed to 4 decimals are compared with
 ``atol=5e-5`` (half a unit of the last printed digit), the 8-decimal ones with
 ``atol=5e-9``.

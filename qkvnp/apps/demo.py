@@ -111,7 +111,7 @@ NUMPY_W_V = np.array([[1, 1, 0], [0, 1, 1], [0, 0, 0]])
 # context_length=6, dropout=0.0, num_heads=2) built after torch.manual_seed(123),
 # its state_dict (float32, written here exactly as float64, in torch's layout:
 # nn.Linear weights are (out_features, in_features); the mask buffer left out).
-# tests/test_demo.py rebuilds it in torch and checks these values bit for bit.
+# tests/apps/test_demo.py rebuilds it in torch and checks these values bit for bit.
 BOOK_MHA_STATE = {
     "W_query.weight": np.array([[-0.23542964458465576, 0.019124476239085197, -0.28674593567848206],
                                 [0.21772661805152893, -0.491934210062027, 0.423223078250885]]),

@@ -1,7 +1,7 @@
 """Tests of the GPT benchmark (benchmarks/gpt_compare.py, its modules): fast, no timing asserted.
 
 Oracles: the FLOPs of a GPT step in closed form; qkvnp's GPTModel (itself
-checked against autograd in tests/test_gpt_torch.py) for the benchmark's
+checked against autograd in tests/models/test_gpt_torch.py) for the benchmark's
 torch model, in float64; the torch model's full recompute for its KV-cache
 decoding; the loss check against known perturbations; the command's exit
 status and JSON report on a tiny configuration (the libraries' losses and

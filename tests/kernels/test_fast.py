@@ -1,7 +1,7 @@
 """The fast path (qkvnp.kernels.fast, qkvnp.kernels.mha) against the reference path (qkvnp.functional).
 
 Oracle, unless a test says otherwise: the reference path, which writes every
-formula line for line (tests/test_gradients.py checks it against central
+formula line for line (tests/ops/test_gradients.py checks it against central
 differences). Every output and gradient of the fast path must match it within
 ``qkvnp.kernels.PATH_TOLERANCES[dtype]`` times ``max(1, max|reference array|)`` (the convention of
 tests/kernels/test_tiled.py): relative for arrays of magnitude 1 and more, absolute

@@ -3,7 +3,7 @@
 Oracles, per test: central differences and the complex step (the gradient
 checker), closed forms (a window equals a band mask built by a loop; a huge
 soft-cap is no cap; a fully masked row is zero), and PyTorch autograd in
-float64 on the same math written in torch ops (``tests/test_variants_torch.py``).
+float64 on the same math written in torch ops (``tests/ops/test_variants_torch.py``).
 """
 import numpy as np
 import pytest

@@ -19,7 +19,7 @@ with ``need_weights=False``, which calls it) returns 0 there, while its
 ``need_weights=True`` path returns NaN; we compare only entries that torch
 defines (finite), and assert separately that ours are exactly 0 there.
 
-Run ``pytest tests/test_torch_oracle.py -s`` to print the largest errors seen.
+Run ``pytest tests/ops/test_torch_oracle.py -s`` to print the largest errors seen.
 PyTorch is never imported at module level: tests take the ``torch`` fixture.
 """
 import numpy as np

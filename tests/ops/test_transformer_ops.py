@@ -61,7 +61,7 @@ def test_layer_norm_gradients_on_drawn_rows(case):
     # r = 1/sqrt(eps) magnifies past the complex step's 1e-12.
     assume(np.ptp(x, axis=-1).min() > 1e-3)
     inputs = {"x": x, "scale": scale, "shift": shift}
-    # atol: the suite's absolute floor of 1e-3 (tests/test_gradients.py): dx is a
+    # atol: the suite's absolute floor of 1e-3 (tests/ops/test_gradients.py): dx is a
     # cancelling sum r (g - <g> - x_hat <g x_hat>) of terms of order |g|, which
     # for E = 2 is O(eps) exactly; its entries below the floor are compared to
     # 1e-15 absolute (round-off of the terms), not relative to themselves.

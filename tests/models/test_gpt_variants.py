@@ -5,7 +5,7 @@ Shape key: B batch, T tokens, E embedding, V vocabulary, H heads.
 Oracles: central differences and complex step (:mod:`qkvnp.gradcheck`,
 float64, random upstream gradients) under the cross-entropy loss; the
 book's generation loop, recomputing the cropped context at every step
-without a cache (``tests/test_generation.py``'s ``book_generate``): tokens
+without a cache (``tests/models/test_generation.py``'s ``book_generate``): tokens
 identical, logits to 1e-12; the blocks built one by one with the same
 options (the model passes them on, nothing else); the interop layouts,
 which must refuse what the book's and PyTorch's layers do not compute.

@@ -20,7 +20,7 @@ import pytest
 import qkvnp.apps.cli
 from qkvnp.apps.cli import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_LOOKUP = ["--num-keys", "8", "--num-values", "8", "--num-pairs", "4", "--eval-size", "16"]
 
 

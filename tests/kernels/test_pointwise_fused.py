@@ -3,7 +3,7 @@
 Shape key: B batch, T tokens, E embedding, F hidden width.
 
 Oracles: the reference ops of :mod:`qkvnp.functional` (whose gradients
-``tests/test_transformer_ops.py`` checks by central differences and complex
+``tests/ops/test_transformer_ops.py`` checks by central differences and complex
 step), float64, with random upstream gradients: the fused passes compute
 the same formulas, so they agree to rounding (1e-12 relative). Refusals: a
 NaN or inf placed in a parameter must raise, whatever check the layers skip

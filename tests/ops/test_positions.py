@@ -3,7 +3,7 @@
 Oracles: the ALiBi paper's ``get_slopes`` (Press et al., its repository's
 code, written out here), the closed form ``2**(-8h/n)`` for powers of two,
 and ``-slope * |i - j|`` evaluated by a loop. T5's buckets are checked
-against the ``transformers`` formula in ``tests/test_variants_torch.py``.
+against the ``transformers`` formula in ``tests/ops/test_variants_torch.py``.
 """
 import math
 

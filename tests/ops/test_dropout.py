@@ -308,7 +308,7 @@ def test_the_docs_dropout_example_runs():
     import re
     from pathlib import Path
 
-    page = Path(__file__).resolve().parent.parent / "docs" / "masks.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "masks.md"
     section = page.read_text(encoding="utf-8").split("## Dropout\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     namespace = {}

@@ -20,7 +20,7 @@ from qkvnp.layers import Model
 from qkvnp.training.models import AttentionRegressor, KVRecallModel
 from qkvnp.training.tasks import KVRecallTask
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "gpt_guide.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "gpt_guide.md"
 
 
 class KVRecallBatch(Model):
