@@ -82,7 +82,7 @@ def attention_forward(query: FloatArray, key: FloatArray, value: FloatArray,
         before the backward: they are neither checked again nor copied into
         the cache. Inputs are then checked once, where the data entered, as
         gradients are with the backwards' ``check=False``: at the kv-recall
-        model's shapes the checks and copies took 10-12% of a training step.
+        model's shapes the checks and copies were a tenth of a training step.
         Masks and dropout arguments are checked either way.
     score_bias, softcap, sinks, window : keyword-only, optional
         The variants of :mod:`qkvnp.ops.variants` (a learnable bias added to the

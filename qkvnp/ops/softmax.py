@@ -59,7 +59,7 @@ def softmax(x: ArrayLike, axis: int = -1) -> FloatArray:
     # NOTE: scipy >= 1.9 (our minimum) computes exp(x - max) / sum: the shift
     # that keeps scores at the float max finite (scipy 1.8's exp(x - logsumexp(x))
     # gave three scores tied at finfo.max weights summing to 3). Shifting here
-    # as well took 25 against 15 us on kv-recall's (64, 1, 16) scores.
+    # as well would cost a pass more (measured in benchmarks/NOTES.md).
     with np.errstate(over="ignore", invalid="ignore"):  # -big - big -> -inf; dead rows below
         weights = scipy_softmax(x, axis=axis)
     # NOTE: a fully masked row (every entry -inf) has no defined softmax (0/0,
