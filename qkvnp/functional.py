@@ -21,22 +21,21 @@ pass ``check=False`` for the gradients they computed themselves, so that
 
 This is the *reference* path: every formula is written line for line, with
 scipy's softmax, so that it reads like the math and serves as the oracle.
-Each op lives in its own module of :mod:`qkvnp.ops`, forward beside backward:
+Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 
-=====================================================  ==========================
-``linear_*``                                           :mod:`qkvnp.ops.linear`
-``softmax``, ``softmax_*``                             :mod:`qkvnp.ops.softmax`
-``attention_*``, ``dropped_weights``,                  :mod:`qkvnp.ops.attention`
-``scaled_dot_product_attention``
-``sum_to_shape``, ``column_sums``                      :mod:`qkvnp.ops.reductions`
-``split_heads_*``, ``merge_heads_*``                   :mod:`qkvnp.ops.heads`
-``embedding_*``                                        :mod:`qkvnp.ops.embedding`
-``rope_*``                                             :mod:`qkvnp.ops.variants`
-``layer_norm_*``                                       :mod:`qkvnp.ops.layer_norm`
-``gelu_*``                                             :mod:`qkvnp.ops.gelu`
-``activation_dropout_*``                               :mod:`qkvnp.ops.dropout`
-``residual_add_*``                                     :mod:`qkvnp.ops.residual`
-=====================================================  ==========================
+======================================================================  ========================
+``linear_*``                                                            ``qkvnp.ops.linear``
+``softmax``, ``softmax_*``                                              ``qkvnp.ops.softmax``
+``attention_*``, ``dropped_weights``, ``scaled_dot_product_attention``  ``qkvnp.ops.attention``
+``sum_to_shape``, ``column_sums``                                       ``qkvnp.ops.reductions``
+``split_heads_*``, ``merge_heads_*``                                    ``qkvnp.ops.heads``
+``embedding_*``                                                         ``qkvnp.ops.embedding``
+``rope_*``                                                              ``qkvnp.ops.variants``
+``layer_norm_*``                                                        ``qkvnp.ops.layer_norm``
+``gelu_*``                                                              ``qkvnp.ops.gelu``
+``activation_dropout_*``                                                ``qkvnp.ops.dropout``
+``residual_add_*``                                                      ``qkvnp.ops.residual``
+======================================================================  ========================
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ Each loss ``name`` has ``name_forward(inputs) -> (loss, cache)``, where
 upstream value ``dloss * loss`` with respect to the prediction. Targets are
 constants: they get no gradient.
 
-The reference ops are in :mod:`qkvnp.ops.losses`; this module is their
-public entry, and picks the fused passes of :mod:`qkvnp.kernels.loss` for
+The reference ops are in ``qkvnp.ops.losses``; this module is their
+public entry, and picks the fused passes of ``qkvnp.kernels.loss`` for
 the cross-entropy of real floating logits.
 """
 from __future__ import annotations

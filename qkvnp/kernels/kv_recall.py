@@ -6,7 +6,7 @@ values, ``S`` of attention), E embedding.
 Replaces :func:`qkvnp.functional.attention_backward` with
 ``key_is_value=True`` (one array ``X`` as both key and value) where the
 caller only multiplies ``dX`` further: it returns the two factors of
-``dX = left^T right`` (:func:`qkvnp.ops.attention.key_value_factors`)
+``dX = left^T right`` (``qkvnp.ops.attention.key_value_factors``)
 instead of their product. The kv-recall model's two embedding tables each
 fold their one-hot lookup onto ``left``
 (:func:`qkvnp.functional.embedding_backward_factored`), so the ``(B, P, E)``

@@ -3,7 +3,7 @@
 Shape key: ``...`` any leading dims (batch, positions), N their product, C
 classes.
 
-Replaces :func:`qkvnp.ops.losses.cross_entropy_probs`, the reference
+Replaces ``qkvnp.ops.losses.cross_entropy_probs``, the reference
 (``scipy.special.log_softmax``, then the target's entry): the same value up
 to rounding, in fewer passes: the row maximum, one shift, ``exp2`` with
 ``log2(e)`` folded in, row sums as a product with a column of ones, and

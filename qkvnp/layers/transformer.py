@@ -4,8 +4,8 @@ Shape key: B batch (any leading dims), T tokens, E embedding (the book's
 ``emb_dim``), F the feed-forward's hidden width (``4 E`` by default), H heads.
 
 Each layer calls its ops of :mod:`qkvnp.functional` (the math is in
-:mod:`qkvnp.ops.layer_norm`, :mod:`qkvnp.ops.gelu`, :mod:`qkvnp.ops.dropout` and
-:mod:`qkvnp.ops.residual`); the composites (:class:`FeedForward`,
+``qkvnp.ops.layer_norm``, ``qkvnp.ops.gelu``, ``qkvnp.ops.dropout`` and
+``qkvnp.ops.residual``); the composites (:class:`FeedForward`,
 :class:`TransformerBlock`, :class:`Sequential`) are :class:`Model` s whose
 ``backward`` calls their sub-layers' backwards in the reverse order of the
 forward, line for line.

@@ -4,8 +4,8 @@ Shape key: B batch (any leading dims), T tokens (at most ``context_length``),
 E embedding (``emb_dim``), V vocabulary (``vocab_size``), H heads, L layers.
 
 Every backward is hand-derived (the blocks' in
-:mod:`qkvnp.layers.transformer`, the ops' in :mod:`qkvnp.ops.layer_norm`,
-:mod:`qkvnp.ops.gelu`, :mod:`qkvnp.ops.dropout` and :mod:`qkvnp.ops.residual`);
+:mod:`qkvnp.layers.transformer`, the ops' in ``qkvnp.ops.layer_norm``,
+``qkvnp.ops.gelu``, ``qkvnp.ops.dropout`` and ``qkvnp.ops.residual``);
 the derivations are in ``docs/derivations_gpt.md``.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ dims (possibly none), which broadcast between query, key and value.
 
 The backward is the derivation of ``docs/derivations.md`` line for line,
 with each special case in one named place: variant and grouped caches are
-dispatched before it (:mod:`qkvnp.ops.variants`, :mod:`qkvnp.ops.gqa`),
+dispatched before it (:mod:`qkvnp.ops.variants`, ``qkvnp.ops.gqa``),
 an overflowing product is retried by a wrapper (:mod:`qkvnp.ops.overflow`),
 and one array as both key and value has its own backward. Users reach it
 through :mod:`qkvnp.functional`.
@@ -219,7 +219,7 @@ def attention_backward(dout: FloatArray, cache: Any, check: bool = True, *,
         True: the forward got one array ``X`` as both ``key`` and ``value``
         (attention over raw items); its gradient, the sum of the two, is
         returned in the ``dkey`` slot and ``dvalue`` is None
-        (:func:`key_value_factors`).
+        (``qkvnp.ops.attention.key_value_factors``).
 
     Returns
     -------
@@ -255,8 +255,8 @@ def attention_backward(dout: FloatArray, cache: Any, check: bool = True, *,
     each summed back to its input's shape where the leading dims broadcast.
     The special cases each have one place: a variant cache goes to
     :func:`qkvnp.ops.variants.variant_attention_backward`, a grouped one to
-    :func:`qkvnp.ops.gqa.grouped_backward`, ``key_is_value`` to
-    :func:`key_value_factors`; a gradient that overflowed to inf or NaN
+    ``qkvnp.ops.gqa.grouped_backward``, ``key_is_value`` to
+    ``key_value_factors``; a gradient that overflowed to inf or NaN
     (the inputs are finite) is computed again with products that overflow
     only where the exact result does (:mod:`qkvnp.ops.overflow`).
     """
@@ -361,7 +361,7 @@ def key_value_factors(dout: FloatArray, cache: Any,
     right : ndarray, shape (..., 2T, D)
         ``dX = sum_to_shape(swapaxes(left, -1, -2) @ right, X.shape)``. A
         caller that multiplies ``dX`` further may multiply a factor first
-        (:func:`qkvnp.ops.embedding.embedding_backward_factored`).
+        (``qkvnp.ops.embedding.embedding_backward_factored``).
 
     Raises
     ------

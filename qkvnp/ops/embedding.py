@@ -143,7 +143,7 @@ def embedding_backward_factored(left: FloatArray, right: FloatArray,
     right : ndarray, shape (..., M, dim)
         ``dout = swapaxes(left, -1, -2) @ right``, shape ``(..., P, dim)``:
         the lookup's output shape, for indices of shape ``(..., P)``.
-        :func:`qkvnp.kernels.kv_recall.items_backward_factors` returns its
+        ``qkvnp.kernels.kv_recall.items_backward_factors`` returns its
         items' gradient so (``M = 2T``). Both are
         a composite's own gradient factors: their values are not checked.
     cache : EmbeddingCache

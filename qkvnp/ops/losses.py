@@ -3,7 +3,7 @@
 Shape key: ``...`` any leading dims (batch, positions), C classes.
 
 Users reach them through :mod:`qkvnp.losses`, which runs a real floating
-cross-entropy through the fused passes of :mod:`qkvnp.kernels.loss`
+cross-entropy through the fused passes of ``qkvnp.kernels.loss``
 instead of :func:`cross_entropy_probs`.
 
 Each loss ``name`` has ``name_forward(inputs) -> (loss, cache)``, where
@@ -283,7 +283,7 @@ def cross_entropy_probs(logits: FloatArray, targets: IntArray, counted: BoolArra
 
     The inputs are those of :func:`cross_entropy_inputs`. The loss is
     ``-mean(log_softmax(logits)[target])`` through ``scipy.special.log_softmax``
-    (any float or complex logits); :func:`qkvnp.kernels.loss.cross_entropy_probs_fused`
+    (any float or complex logits); ``qkvnp.kernels.loss.cross_entropy_probs_fused``
     is the same for real floating logits in fewer passes.
 
     Returns

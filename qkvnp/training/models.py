@@ -109,7 +109,7 @@ class KVRecallModel(Model):
     Backward, in reverse: readout backward gives :math:`\\bar a`; the value
     map gives :math:`\\bar W_v` and the attention output's gradient; attention
     backward gives the query's gradient and the items' (as keys plus as
-    values: :func:`qkvnp.kernels.kv_recall.items_backward_factors` gives
+    values: ``qkvnp.kernels.kv_recall.items_backward_factors`` gives
     their sum as a product :math:`\\bar X = L^T R`, left unmultiplied); the query
     map :math:`q' = q W_k^T` gives :math:`\\bar W_k = \\bar{q}'^T q` and
     :math:`\\bar q`; the query projection gives :math:`\\bar W_q = x_q^T \\bar q`
