@@ -7,14 +7,17 @@ Each loss ``name`` has ``name_forward(inputs) -> (loss, cache)``, where
 ``name_backward(dloss, cache) -> dinput``, the gradient of the (scalar)
 upstream value ``dloss * loss`` with respect to the prediction. Targets are
 constants: they get no gradient.
+
+The reference ops are in ``qkvnp.ops.losses``; this module is their
+public entry, and picks the fused passes of ``qkvnp.kernels.loss`` for
+the cross-entropy of real floating logits.
 """
 from __future__ import annotations
 
-from collections import namedtuple
+import numpy as np  # noqa: F401 (the doctests' np)
 
-import numpy as np
-
-from ._checks import as_float_array, as_upstream_grad, check_ndim
+from .ops.losses import (CrossEntropyCache, MSECache, accuracy, cross_entropy_backward,
+                         cross_entropy_inputs, cross_entropy_probs, mse_backward, mse_forward)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -29,158 +32,6 @@ __all__ = [
     "MSECache",
     "CrossEntropyCache",
 ]
-
-MSECache = namedtuple("MSECache", "diff")
-# probs: softmax(logits), (..., C); targets with 0 at the uncounted positions
-CrossEntropyCache = namedtuple("CrossEntropyCache", "probs targets counted count")
-
-
-def _check_dloss(dloss, dtype):
-    """``dloss`` as a 0-d array of ``dtype``: a finite real scalar (a number, 0-d or size-1 array)."""
-    arr = np.asarray(dloss)
-    if arr.shape != () and arr.shape != (1,):
-        raise ValueError(
-            f"dloss must be a scalar (shape () like the loss), got shape {arr.shape}"
-        )
-    return as_upstream_grad(arr.reshape(()), "dloss", (), dtype)  # real, cast, finite
-
-
-# ---------------------------------------------------------------- mse
-
-
-def mse_forward(pred: FloatArray, target: FloatArray) -> tuple[FloatArray, MSECache]:
-    """Mean squared error over all entries, ``mean((pred - target)**2)``.
-
-    Parameters
-    ----------
-    pred : ndarray, shape (...)
-        At least one entry.
-    target : ndarray, same shape as ``pred``
-        Not broadcast: a shape mismatch is an error, not a silent outer
-        difference (the classic ``(N, 1)`` vs ``(N,)`` trap).
-
-    Returns
-    -------
-    loss : ndarray, shape ()
-        In the compute dtype of ``pred`` and ``target`` (float32 or float64).
-    cache : MSECache
-
-    Raises
-    ------
-    TypeError
-        If an input is not real-valued.
-    ValueError
-        If the shapes differ, ``pred`` is empty, or an entry is NaN or inf.
-
-    Notes
-    -----
-    Forward, with :math:`N` entries: :math:`L = \\frac1N \\sum_i (p_i - t_i)^2`.
-    Backward: :math:`\\bar p = \\bar L \\cdot \\frac2N (p - t)`.
-    Same value as ``torch.nn.functional.mse_loss`` (``reduction="mean"``).
-
-    Examples
-    --------
-    >>> loss, cache = mse_forward(np.array([1.0, 2.0]), np.array([0.0, 0.0]))
-    >>> loss
-    array(2.5)
-    >>> mse_backward(1.0, cache)
-    array([1., 2.])
-    """
-    pred = as_float_array(pred, "pred")
-    target = as_float_array(target, "target")
-    if target.shape != pred.shape:
-        raise ValueError(
-            f"target must have the shape of pred {pred.shape} (it is not broadcast), "
-            f"got shape {target.shape}"
-        )
-    if pred.size == 0:
-        raise ValueError(f"pred must have at least one entry, got shape {pred.shape}")
-    dtype = np.result_type(pred.dtype, target.dtype)
-    diff = pred.astype(dtype, copy=False) - target.astype(dtype, copy=False)
-    loss = np.mean(diff * diff)  # (...) -> ()
-    return np.asarray(loss, dtype=dtype), MSECache(diff)
-
-
-def mse_backward(dloss: float | FloatArray, cache: MSECache) -> FloatArray:
-    """Backward of :func:`mse_forward`.
-
-    Parameters
-    ----------
-    dloss : float or ndarray, shape ()
-        Upstream gradient of the scalar loss (1.0 when the loss is the objective).
-    cache : MSECache
-
-    Returns
-    -------
-    dpred : ndarray, shape of ``pred``
-        In the compute dtype.
-
-    Raises
-    ------
-    TypeError
-        If ``dloss`` is not a real number (complex, object...).
-    ValueError
-        If ``dloss`` is not a scalar, or is NaN or inf.
-    """
-    diff = cache.diff
-    dloss = _check_dloss(dloss, diff.dtype)
-    return dloss * (2.0 / diff.size) * diff
-
-
-# ---------------------------------------------------------------- cross-entropy
-
-
-def _check_classification(logits, targets, ignore_index, mask):
-    """Validate the inputs of a classification loss or metric.
-
-    Returns the float logits, the integer targets (counted entries checked to
-    be in range) and the boolean ``counted`` array of the targets' shape.
-    """
-    logits = as_float_array(logits, "logits")
-    check_ndim(logits, "logits", 1, "(..., C)")
-    num_classes = logits.shape[-1]
-    if num_classes < 1:
-        raise ValueError(f"logits must have shape (..., C) with C >= 1, got shape {logits.shape}")
-    if targets is None:
-        raise TypeError("targets must be an integer array of class indices, got None")
-    targets = np.asarray(targets)
-    if targets.dtype.kind not in "iu":
-        raise TypeError(
-            "targets must hold integer class indices (e.g. int64), got dtype "
-            f"{targets.dtype}; for float labels use targets.astype(np.int64) after checking them"
-        )
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"targets must have shape {logits.shape[:-1]} (logits' shape without the "
-            f"class axis C={num_classes}), got shape {targets.shape}"
-        )
-    counted = np.ones(targets.shape, dtype=bool)
-    if ignore_index is not None:
-        if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
-            ignore_index, (int, np.integer)
-        ):
-            raise TypeError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
-        counted &= targets != ignore_index
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_:
-            raise TypeError(
-                f"mask must be bool (True = position counted), got dtype {mask.dtype}"
-            )
-        if mask.shape != targets.shape:
-            raise ValueError(
-                f"mask must have the shape of targets {targets.shape}, got shape {mask.shape}"
-            )
-        counted &= mask
-    # NOTE: uncounted positions may hold any integer (padding, -100, ...).
-    bad = counted & ((targets < 0) | (targets >= num_classes))
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"targets must be class indices in [0, {num_classes}) (C={num_classes}) at "
-            f"counted positions, got {int(targets[where])} at index {where}"
-        )
-    return logits, targets, counted
 
 
 def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: int | None = None,
@@ -248,94 +99,15 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
            [ 0.125,  0.125,  0.125, -0.375],
            [ 0.   ,  0.   ,  0.   ,  0.   ]])
     """
-    logits, targets, counted = _check_classification(logits, targets, ignore_index, mask)
-    safe_targets = np.where(counted, targets, 0)  # uncounted rows may hold -100 etc.
-    count = int(counted.sum())
+    logits, safe_targets, counted, count = cross_entropy_inputs(logits, targets, ignore_index,
+                                                                mask)
+    probs_of = cross_entropy_probs
     if logits.dtype.kind == "f":
         # NOTE: real floating logits take the fused passes of qkvnp.kernels.loss
-        # (the same loss up to rounding, and the softmax for the backward)
+        # (the same loss up to rounding, and the softmax for the backward);
+        # others (the gradient checker's complex step) the reference's
         from .kernels.loss import cross_entropy_probs_fused
 
-        loss, probs = cross_entropy_probs_fused(logits, safe_targets, counted, count)
-        return loss, CrossEntropyCache(probs, safe_targets, counted, count)
-    from scipy.special import log_softmax
-
-    log_probs = log_softmax(logits, axis=-1)  # (..., C), every entry <= 0
-    # NOTE: each position's row indexed directly, not np.take_along_axis,
-    # whose index building took 20 of the loss's 110 us in a kv-recall step
-    rows = log_probs.reshape(-1, log_probs.shape[-1])  # (..., C) -> (n, C)
-    picked = rows[np.arange(rows.shape[0]), safe_targets.reshape(-1)]  # (n,)
-    picked = picked.reshape(targets.shape)  # (...)
-    # NOTE: no counted position -> loss 0 by definition (torch returns NaN = 0/0).
-    loss = -np.sum(picked, where=counted) / count if count else 0.0  # (...) -> ()
-    probs = np.exp(log_probs, order="C")  # softmax, (..., C), read by the backward
-    return (
-        np.asarray(loss, dtype=logits.dtype),
-        CrossEntropyCache(probs, safe_targets, counted, count),
-    )
-
-
-def cross_entropy_backward(dloss: float | FloatArray, cache: CrossEntropyCache) -> FloatArray:
-    """Backward of :func:`cross_entropy_forward`.
-
-    Parameters
-    ----------
-    dloss : float or ndarray, shape ()
-    cache : CrossEntropyCache
-
-    Returns
-    -------
-    dlogits : ndarray, shape (..., C)
-        ``dloss * (softmax(logits) - onehot(targets)) / n`` on counted rows,
-        0 on the others (all zeros when no position is counted).
-
-    Raises
-    ------
-    TypeError
-        If ``dloss`` is not a real number (complex, object...).
-    ValueError
-        If ``dloss`` is not a scalar, or is NaN or inf.
-    """
-    probs, targets, counted, count = cache
-    dloss = _check_dloss(dloss, probs.dtype)
-    if count == 0:
-        return np.zeros_like(probs)
-    dlogits = probs.copy(order="C")  # softmax, (..., C), C order: rows below is a view
-    rows = dlogits.reshape(-1, dlogits.shape[-1])  # (..., C) -> (n, C), a view
-    rows[np.arange(rows.shape[0]), targets.reshape(-1)] -= 1  # softmax - onehot
-    dlogits *= (dloss / count).astype(dlogits.dtype)
-    if count < counted.size:
-        dlogits[~counted] = 0  # uncounted rows: 0
-    return dlogits
-
-
-def accuracy(logits: FloatArray, targets: IntArray, ignore_index: int | None = None,
-             mask: BoolArray | None = None) -> float:
-    """Fraction of counted positions whose largest logit is the target class.
-
-    Parameters
-    ----------
-    logits : ndarray, shape (..., C)
-    targets : ndarray of int, shape (...)
-    ignore_index : int, optional
-    mask : ndarray of bool, shape (...), optional
-        Same meaning as in :func:`cross_entropy_forward`.
-
-    Returns
-    -------
-    float
-        In ``[0, 1]``; ``nan`` when no position is counted (an accuracy over
-        nothing is undefined; unlike the loss, it is never a gradient source).
-        Ties in the logits go to the lowest class index (``np.argmax``).
-
-    Examples
-    --------
-    >>> accuracy(np.array([[2.0, 1.0], [0.0, 3.0], [5.0, 0.0]]), np.array([0, 0, 1]), mask=np.array([True, True, False]))
-    0.5
-    """
-    logits, targets, counted = _check_classification(logits, targets, ignore_index, mask)
-    count = int(counted.sum())
-    if count == 0:
-        return float("nan")
-    hits = (np.argmax(logits, axis=-1) == targets) & counted  # (..., C) -> (...)
-    return float(hits.sum()) / count
+        probs_of = cross_entropy_probs_fused
+    loss, probs = probs_of(logits, safe_targets, counted, count)
+    return loss, CrossEntropyCache(probs, safe_targets, counted, count)

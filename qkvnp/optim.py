@@ -403,8 +403,8 @@ class Adam(Optimizer):
 
         NOTE: the update then runs its formula lines once over all the
         parameters of a dtype instead of once per parameter (eleven numpy
-        calls each): the kv-recall model's step, eight parameters, took 88 us
-        float32 and 140 float64 parameter by parameter, 55 and 118 flat. Elementwise ``+ - * /`` and
+        calls each), faster for models of a few small parameters such as
+        kv-recall's (measured in benchmarks/NOTES.md). Elementwise ``+ - * /`` and
         ``sqrt`` round each entry the same whatever the array, so the
         trajectory is the same to the bit.
         """

@@ -397,7 +397,7 @@ def upstream_checks(monkeypatch):
     users = [module for name, module in sorted(sys.modules.items())
              if name.startswith("qkvnp.") and module is not _checks
              and getattr(module, "as_upstream_grad", None) is _checks.as_upstream_grad]
-    assert {"qkvnp.kernels.mha", "qkvnp.kernels.mha_small", "qkvnp.losses"} <= {
+    assert {"qkvnp.kernels.mha", "qkvnp.kernels.mha_small", "qkvnp.ops.losses"} <= {
         module.__name__ for module in users}
     for module in users:
         monkeypatch.setattr(module, "as_upstream_grad", counting)
@@ -543,8 +543,9 @@ def test_linear_layer_checks_each_input_once(monkeypatch):
     and the op behind it: x, W and b once each (the op used to check x again
     and copy W on every call); and the parameters' contract: NaN in W or b is
     a ValueError naming it, as before."""
-    from qkvnp import _checks, functional
+    from qkvnp import _checks
     from qkvnp.layers import basic
+    from qkvnp.ops import linear
 
     calls = []
 
@@ -552,7 +553,7 @@ def test_linear_layer_checks_each_input_once(monkeypatch):
         calls.append(name)
         return _checks.as_float_array(x, name, *args, **kwargs)
 
-    for module in (basic, functional):
+    for module in (basic, linear):
         monkeypatch.setattr(module, "as_float_array", counting)
     layer = qkvnp.Linear(4, 3, rng=0)
     x = normal(2, 4)

@@ -3,9 +3,9 @@
 Shape key: ``...`` any leading dims (batch, positions), N their product, C
 classes.
 
-The same value as :func:`qkvnp.losses.cross_entropy_forward`'s reference
-path (``scipy.special.log_softmax``, then the target's entry), up to
-rounding, in fewer passes: the row maximum, one shift, ``exp2`` with
+Replaces ``qkvnp.ops.losses.cross_entropy_probs``, the reference
+(``scipy.special.log_softmax``, then the target's entry): the same value up
+to rounding, in fewer passes: the row maximum, one shift, ``exp2`` with
 ``log2(e)`` folded in, row sums as a product with a column of ones, and
 the logarithm of the ``N`` sums only, never of the ``(N, C)`` entries. It
 returns the softmax itself, which the backward reads instead of taking

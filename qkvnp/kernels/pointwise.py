@@ -24,7 +24,8 @@ import math
 
 import numpy as np
 
-from ..ops.transformer import GeluCache, LayerNormCache
+from ..ops.gelu import GeluCache
+from ..ops.layer_norm import LayerNormCache
 
 __all__ = ["layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]

@@ -4,7 +4,8 @@ Shape key: B batch (any leading dims), T tokens, E embedding (the book's
 ``emb_dim``), F the feed-forward's hidden width (``4 E`` by default), H heads.
 
 Each layer calls its ops of :mod:`qkvnp.functional` (the math is in
-:mod:`qkvnp.ops.transformer`); the composites (:class:`FeedForward`,
+``qkvnp.ops.layer_norm``, ``qkvnp.ops.gelu``, ``qkvnp.ops.dropout`` and
+``qkvnp.ops.residual``); the composites (:class:`FeedForward`,
 :class:`TransformerBlock`, :class:`Sequential`) are :class:`Model` s whose
 ``backward`` calls their sub-layers' backwards in the reverse order of the
 forward, line for line.
@@ -23,7 +24,7 @@ from ..kernels import num_threads
 from ..kernels.pointwise import (gelu_tanh_backward_fused, gelu_tanh_forward_fused,
                                  gelu_tanh_reference_cache, layer_norm_backward_fused,
                                  layer_norm_forward_fused)
-from ..ops.transformer import GELU_APPROXIMATIONS
+from ..ops.gelu import GELU_APPROXIMATIONS
 from .attention import MultiHeadAttention
 from .base import Layer, Model
 from .basic import Linear

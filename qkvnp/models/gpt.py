@@ -4,7 +4,8 @@ Shape key: B batch (any leading dims), T tokens (at most ``context_length``),
 E embedding (``emb_dim``), V vocabulary (``vocab_size``), H heads, L layers.
 
 Every backward is hand-derived (the blocks' in
-:mod:`qkvnp.layers.transformer`, the ops' in :mod:`qkvnp.ops.transformer`);
+:mod:`qkvnp.layers.transformer`, the ops' in ``qkvnp.ops.layer_norm``,
+``qkvnp.ops.gelu``, ``qkvnp.ops.dropout`` and ``qkvnp.ops.residual``);
 the derivations are in ``docs/derivations_gpt.md``.
 """
 from __future__ import annotations
@@ -390,7 +391,7 @@ class GPTModel(Model):
         for block, cache in zip(self.trf_blocks, kv_caches):
             x = block.decode(x, cache)
         from ..kernels.pointwise import layer_norm_forward_fused
-        from ..ops.transformer import layer_norm_forward
+        from ..ops.layer_norm import layer_norm_forward
 
         scale, shift = self.final_norm.params["scale"], self.final_norm.params["shift"]
         norm = layer_norm_forward_fused if x.dtype.kind == "f" else layer_norm_forward

@@ -1,4 +1,4 @@
-"""Dropout on the attention weights: arguments, and the masks every path shares.
+"""Dropout: on the attention weights (arguments, and the masks every path shares) and on activations.
 
 Shape key: T query length, S key length, ``...`` any leading (batch, head)
 dims; ``R`` the flat rows ``prod(...) * T`` of the scores.
@@ -22,18 +22,28 @@ any entry is computed from its position alone). So:
   Generator state: a layer gives the same result whichever path
   :func:`qkvnp.kernels.choose_path` picks.
 
-NOTE: not numpy's Philox keyed by block, which the issue suggests: the
-tiled block sizes depend on the thread count, so a mask keyed by block
+NOTE: not numpy's Philox keyed by block: the tiled block sizes depend on the thread count, so a mask keyed by block
 would change with it; Philox keyed by row would need one Generator object
 per row of each block. SplitMix64's three multiply/xor-shift rounds are
 vectorised numpy ``uint64`` passes over the block.
+
+Dropout on activations (``nn.Dropout``, :func:`activation_dropout_forward`)
+draws its mask entry by entry from the Generator (``rng.random(x.shape) >=
+p``): no path recomputes it.
 """
+from __future__ import annotations
+
 import math
 from collections import namedtuple
 
 import numpy as np
 
-from .._checks import is_real_number, make_rng
+from .._checks import (as_float_array, as_upstream_grad, declare_complex_step, is_real_number,
+                       make_rng)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from .._typing import BoolArray, FloatArray
 
 __all__ = [
     "Dropout",
@@ -46,6 +56,9 @@ __all__ = [
     "dense_keep",
     "block_keep",
     "spawn_generator",
+    "activation_dropout_forward",
+    "activation_dropout_backward",
+    "ActivationDropoutCache",
 ]
 
 Dropout = namedtuple("Dropout", "p key mask shape")
@@ -256,3 +269,103 @@ def spawn_generator(rng):
     bit_generator = rng.bit_generator
     seed_seq = getattr(bit_generator, "seed_seq", None) or getattr(bit_generator, "_seed_seq")
     return np.random.Generator(type(bit_generator)(seed_seq.spawn(1)[0]))
+
+
+# ---------------------------------------------------------------- on activations
+
+ActivationDropoutCache = namedtuple("ActivationDropoutCache", "mask scale shape dtype")
+
+
+def activation_dropout_forward(x: FloatArray, p: float, *,
+                               rng: np.random.Generator | int | None = None,
+                               mask: BoolArray | None = None,
+                               check: bool = True) -> tuple[FloatArray, ActivationDropoutCache]:
+    """Dropout on activations (``nn.Dropout``): zero entries, scale the rest by ``1/(1-p)``.
+
+    Parameters
+    ----------
+    x : ndarray, shape (...)
+    p : float
+        Drop probability in ``[0, 1)``. 0: the identity (nothing is drawn).
+    rng : numpy.random.Generator or int, keyword-only, optional
+        Draws the mask (``rng.random(x.shape) >= p``) when none is given.
+    mask : ndarray of bool, keyword-only, optional
+        True = keep, broadcastable to ``x.shape``: replays a mask (needs
+        ``0 < p < 1``).
+    check : bool, keyword-only
+        False: ``x`` is a composite's own finite array, already checked.
+
+    Returns
+    -------
+    out : ndarray, shape (...)
+    cache : ActivationDropoutCache
+
+    Raises
+    ------
+    TypeError
+        If ``mask`` is not boolean or ``p`` not a number.
+    ValueError
+        If ``p`` is outside ``[0, 1)``, a mask comes with ``p = 0``, or the
+        mask does not broadcast to ``x``.
+
+    Notes
+    -----
+    Forward :math:`y = x \\odot m / (1 - p)`, backward
+    :math:`\\bar x = \\bar y \\odot m / (1 - p)`.
+
+    Examples
+    --------
+    >>> out, cache = activation_dropout_forward(np.ones(4), 0.5, mask=np.array([1, 0, 1, 0], bool))
+    >>> out
+    array([2., 0., 2., 0.])
+    """
+    p = check_dropout_p(p, "p")
+    if check:
+        x = as_float_array(x, "x")
+    if mask is None and p == 0.0:
+        return x, ActivationDropoutCache(None, None, x.shape, x.dtype)
+    if mask is None:
+        mask = make_rng(rng).random(x.shape) >= p  # (...)
+    else:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask must be a bool array (True = keep), got dtype {mask.dtype}")
+        if p == 0.0:
+            raise ValueError("mask needs 0 < p < 1 (kept entries are scaled by 1 / (1 - p)), "
+                             "got p=0.0")
+        try:
+            broadcast = np.broadcast_shapes(mask.shape, x.shape)
+        except ValueError:
+            broadcast = None
+        if broadcast != x.shape:
+            raise ValueError(f"mask must broadcast to x's shape {x.shape}, got shape {mask.shape}")
+        mask = mask.copy()
+    scale = x.real.dtype.type(1.0 / (1.0 - p))
+    out = x * mask * scale  # (...)
+    return out, ActivationDropoutCache(mask, scale, x.shape, x.dtype)
+
+
+def activation_dropout_backward(dout: FloatArray, cache: ActivationDropoutCache,
+                                check: bool = True) -> FloatArray:
+    """Backward of :func:`activation_dropout_forward`: ``dout * mask / (1 - p)``.
+
+    Parameters
+    ----------
+    dout : ndarray, shape (...)
+    cache : ActivationDropoutCache
+    check : bool
+        False: ``dout`` is a composite's own gradient, already checked.
+
+    Returns
+    -------
+    dx : ndarray, shape (...)
+    """
+    mask, scale, shape, dtype = cache
+    if check:
+        dout = as_upstream_grad(dout, "dout", shape, dtype)
+    if mask is None:
+        return dout
+    return dout * mask * scale
+
+
+declare_complex_step(activation_dropout_forward)  # see qkvnp._checks.complex_step_mode

@@ -24,8 +24,8 @@ __all__ = ["embedding_forward", "embedding_backward", "embedding_backward_factor
 EmbeddingCache = namedtuple("EmbeddingCache", "indices weight_shape dtype")
 
 #: Up to this many entries of a float64 ``dout``, :func:`embedding_backward`
-#: sums with ``np.bincount``, beyond it with a sparse product (measured: at
-#: 4096 entries 9 against 14 us, at 8192 equal, at 16384 29 against 17).
+#: sums with ``np.bincount``, beyond it with a sparse product (the two cross
+#: near 8192 entries; measured in benchmarks/NOTES.md).
 BINCOUNT_MAX_ENTRIES = 4096
 
 
@@ -75,7 +75,7 @@ def embedding_forward(indices: IntArray, weight: FloatArray) -> tuple[FloatArray
         raise ValueError(f"weight must have shape (num, dim), got shape {weight.shape}")
     (indices,) = owned((check_indices(indices, weight.shape[0]),), (indices,))
     # NOTE: take, not weight[indices]: the same rows (the indices are checked),
-    # 6.5 against 11.5 us for kv-recall's (64, 17) ids of a (64, 64) float32 table
+    # in about half the time at kv-recall's shapes
     out = weight.take(indices, axis=0)  # (...) -> (..., dim)
     return out, EmbeddingCache(indices, weight.shape, weight.dtype)
 
@@ -117,17 +117,16 @@ def embedding_backward(dout: FloatArray, cache: EmbeddingCache, check: bool = Tr
     if dout.dtype == np.float64 and dout.size <= BINCOUNT_MAX_ENTRIES:
         # np.bincount of each entry's (row, column) slot: the same sums in input
         # order, in float64 as bincount's own (so only for float64 douts), without
-        # scipy.sparse's construction. NOTE: kv-recall's query lookup, (64,) ids
-        # of width 64: 25 us in a training step against 14 (9 against 14 hot;
-        # cold, scipy's Python pays most); from 8192 entries the sparse product wins
+        # scipy.sparse's construction. NOTE: faster for small lookups (kv-recall's
+        # query), where scipy's Python pays most; the sparse product wins beyond
         slots = (ids[:, None] * dim + np.arange(dim)).reshape(-1)  # (R dim,)
         dweight = np.bincount(slots, weights=dout.reshape(-1), minlength=num * dim)
         return dweight.reshape(num, dim).astype(dtype, copy=False)  # no entry: int zeros
     # The forward's one-hot matrix, transposed and stored sparse: column j
     # holds a single 1, in row ids[j]. Its product sums each row's positions
     # in input order, the sums of np.add.at(dW, indices, dout) to the bit.
-    # NOTE: measured for the kv-recall task's (64, 17) ids of width 64: 27-36 us
-    # alone, against 490 for np.add.at and 130-160 for a bincount of (row, column) slots
+    # NOTE: several times faster than np.add.at and than a bincount of (row,
+    # column) slots at the kv-recall task's shapes
     onehot_T = csc_array((np.ones(ids.size, dout.dtype), ids, np.arange(ids.size + 1)),
                          shape=(num, ids.size))  # (num, R)
     dweight = onehot_T @ dout.reshape(-1, dim)  # (num, R) @ (R, dim) -> (num, dim)
@@ -144,8 +143,8 @@ def embedding_backward_factored(left: FloatArray, right: FloatArray,
     right : ndarray, shape (..., M, dim)
         ``dout = swapaxes(left, -1, -2) @ right``, shape ``(..., P, dim)``:
         the lookup's output shape, for indices of shape ``(..., P)``.
-        :func:`qkvnp.functional.attention_backward` returns its items'
-        gradient so with ``key_is_value="factors"`` (``M = 2T``). Both are
+        ``qkvnp.kernels.kv_recall.items_backward_factors`` returns its
+        items' gradient so (``M = 2T``). Both are
         a composite's own gradient factors: their values are not checked.
     cache : EmbeddingCache
 
@@ -175,7 +174,7 @@ def embedding_backward_factored(left: FloatArray, right: FloatArray,
     product takes ``N M num dim`` multiply-adds in one BLAS call: it is used
     where that is at most ``dim`` of them for each entry of ``dout`` it
     avoids, ``M num <= P dim`` (kv-recall: M = 2, num = 64 against P = 16,
-    dim = 64; its float64 training step 0.94 -> 0.80-0.86 ms); otherwise
+    dim = 64); otherwise
     ``dout`` is formed and :func:`embedding_backward` takes it (a vocabulary
     of thousands).
 

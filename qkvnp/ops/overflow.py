@@ -75,7 +75,7 @@ def product(a, b, factor=1.0, clip=False):
     >>> exact, clipped
     (array([[1.e+308]]), array([[1.79769313e+308]]))
     """
-    # NOTE: no np.errstate here (3 us a call, against a 40 us forward at
+    # NOTE: no np.errstate here (its cost is a sizeable share of a forward at
     # small shapes): numpy warns of an overflow, as it did before the rescue
     out = a @ b  # (..., M, K) @ (..., K, N) -> (..., M, N)
     if factor != 1.0:

@@ -36,9 +36,9 @@ def sum_to_shape(grad: FloatArray, shape: tuple[int, ...]) -> FloatArray:
 def column_sums(rows: FloatArray) -> FloatArray:
     """``rows.sum(axis=0)`` of a 2-D array, as the product ``ones @ rows``.
 
-    A bias gradient: BLAS's matrix-vector product measured 3-8x faster than
-    numpy's reduction down the rows ((512, 16) float32: 1.4 against 11.5 us;
-    (4096, 768) float64: 0.34 against 1.1 ms), and closer in float32.
+    A bias gradient: BLAS's matrix-vector product measured several times
+    faster than numpy's reduction down the rows (benchmarks/NOTES.md),
+    and closer in float32.
 
     >>> column_sums(np.arange(6.0).reshape(3, 2))
     array([6., 9.])

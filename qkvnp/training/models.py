@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_upstream_grad, layer_dtype, make_rng
+from ..kernels.kv_recall import items_backward_factors
 from ..layers.transaction import journal_generator
 from ..ops.dropout import check_dropout_p, spawn_generator
 from ..layers import Embedding, Linear, Model, MultiHeadAttention, xavier_uniform
@@ -108,8 +109,8 @@ class KVRecallModel(Model):
     Backward, in reverse: readout backward gives :math:`\\bar a`; the value
     map gives :math:`\\bar W_v` and the attention output's gradient; attention
     backward gives the query's gradient and the items' (as keys plus as
-    values: ``attention_backward``'s ``key_is_value="factors"`` gives their
-    sum as a product :math:`\\bar X = L^T R`, left unmultiplied); the query
+    values: ``qkvnp.kernels.kv_recall.items_backward_factors`` gives
+    their sum as a product :math:`\\bar X = L^T R`, left unmultiplied); the query
     map :math:`q' = q W_k^T` gives :math:`\\bar W_k = \\bar{q}'^T q` and
     :math:`\\bar q`; the query projection gives :math:`\\bar W_q = x_q^T \\bar q`
     and :math:`\\bar x_q`. A tied matrix receives
@@ -271,13 +272,12 @@ class KVRecallModel(Model):
             dmixed, dW_value, _ = F.linear_backward(dattended, v_cache, check=False)
             self._accumulate_own(role_v, dW_value)
         # the items are the attention's keys and its values: they get the sum of
-        # both gradients, dX = left^T right (attention_backward's Notes), left
+        # both gradients, dX = left^T right (key_value_factors' Notes), left
         # as factors: only the two tables need dX, and each folds its one-hot
         # product onto left (embedding_backward_factored), so the (B, P, E)
-        # gradient is never formed (float64 step 0.94 -> 0.80-0.86 ms)
-        dq_items, (left, right), _ = F.attention_backward(
-            dmixed[:, None], attention_cache, check=False,
-            key_is_value="factors")  # (B, 1, E) -> (B, 1, E), (B, 2, P), (B, 2, E)
+        # gradient is never formed
+        dq_items, left, right = items_backward_factors(
+            dmixed[:, None], attention_cache)  # (B, 1, E) -> (B, 1, E), (B, 2, P), (B, 2, E)
         # dW_key_t: the gradient of W_k^T, the matrix the query map multiplied by
         dq, dW_key_t, _ = F.linear_backward(dq_items[:, 0], qk_cache, check=False)  # (B, E)
         self._accumulate_own(role_k, dW_key_t.T)  # a tied matrix sums the gradients of its uses

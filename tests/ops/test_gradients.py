@@ -144,7 +144,7 @@ def test_attention_gradients_when_only_value_has_leading_dims():
 @pytest.mark.parametrize("dropout_p", [0.0, 0.5])
 def test_attention_backward_of_one_query_row_is_the_outer_products(dropout_p):
     # With T = 1 the backward's dV = P^T dO and dK = c dS^T Q contract an axis of
-    # length 1 (computed as einsum, not matmul, for speed: qkvnp.functional._product).
+    # length 1 (computed as einsum, not matmul, for speed: qkvnp.ops.attention._product).
     # Oracle: the closed form, each entry ONE product (so equal to the bit), for
     # key and value broadcast from leading dims (1,) against the query's (3,);
     # then central differences.
@@ -200,12 +200,6 @@ def test_attention_backward_key_is_value_sums_the_key_and_value_gradients(case, 
     assert none is None
     np.testing.assert_array_equal(dquery, dquery_apart)
     np.testing.assert_allclose(ditems, dkey + dvalue, rtol=1e-12, atol=1e-12)
-    # "factors": the same product, left to the caller (summed over broadcast dims)
-    dquery_factors, (left, right), none = F.attention_backward(dout, cache, key_is_value="factors")
-    assert none is None
-    np.testing.assert_array_equal(dquery_factors, dquery)
-    np.testing.assert_array_equal(F.sum_to_shape(np.swapaxes(left, -1, -2) @ right, items.shape),
-                                  ditems)
 
     def forward(query, items):
         return F.attention_forward(query, items, items, **options)[0]
@@ -227,11 +221,11 @@ def test_attention_backward_key_is_value_refuses_two_arrays_and_keeps_one_throug
     out, cache = F.attention_forward(query, items, items.copy())
     with pytest.raises(ValueError, match="key_is_value=True needs the forward's key and value"):
         F.attention_backward(np.ones(out.shape), cache, key_is_value=True)
-    with pytest.raises(ValueError, match="key_is_value='factors' needs the forward's key and"):
+    with pytest.raises(ValueError, match="key_is_value='factors' is no mode of the reference op"):
         F.attention_backward(np.ones(out.shape), cache, key_is_value="factors")
-    with pytest.raises(ValueError, match="key_is_value must be a bool or 'factors', got 'sum'"):
+    with pytest.raises(TypeError, match="key_is_value must be a bool, got str"):
         F.attention_backward(np.ones(out.shape), cache, key_is_value="sum")
-    with pytest.raises(TypeError, match="key_is_value must be a bool or 'factors', got float"):
+    with pytest.raises(TypeError, match="key_is_value must be a bool, got float"):
         F.attention_backward(np.ones(out.shape), cache, key_is_value=1.0)
     items32 = items.astype(np.float32)
     out, cache = F.attention_forward(query, items32, items32)
