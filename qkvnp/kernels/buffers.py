@@ -2,7 +2,7 @@
 
 Shape key: T query length, S key length, ``...`` the leading (batch, head) dims.
 
-The fast cores take their score buffers from :func:`recycled_empty`. A
+The fast cores take their score buffers from ``recycled_empty``. A
 buffer is free when no array refers to it any more; the next forward of the
 same size takes it again. What the pool holds is bounded by two settings of
 :func:`qkvnp.kernels.set_block_sizes` (:data:`qkvnp.kernels.BLOCK_SIZE_DEFAULTS`):
@@ -75,7 +75,7 @@ def buffer_owner(owner: Any) -> OwnerScope:
     in all, for their next forward of the same size, and forgets a layer's
     buffers when the layer is garbage-collected. Buffers taken outside any
     owner (a kernel called directly) are kept up to ``recycle_unowned_bytes``.
-    Thread-local; :func:`run` hands the caller's owner to its worker threads.
+    Thread-local; ``run`` (``qkvnp/kernels/_runtime.py``) hands the caller's owner to its worker threads.
 
     >>> class Owner: pass
     >>> with buffer_owner(Owner()):
@@ -172,7 +172,7 @@ def release_buffers() -> None:
 
 
 def held_buffer_bytes() -> int:
-    """Bytes of the score buffers the pool holds, in use or free (:func:`recycled_empty`).
+    """Bytes of the score buffers the pool holds, in use or free (``recycled_empty``).
 
     >>> held_buffer_bytes() >= 0
     True

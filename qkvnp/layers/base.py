@@ -96,7 +96,7 @@ class Layer(ABC):
 
     **Refused calls.** A forward or backward that raises leaves the layer
     as it was: its cache, its gradients and its parameters. A
-    :class:`Model`'s calls are transactions, so the same holds for a
+    :class:`~qkvnp.Model`'s calls are transactions, so the same holds for a
     composite however late its refusal comes.
 
     ``copy.deepcopy`` (and pickling) copies the parameters, gradients and
@@ -246,7 +246,7 @@ class Layer(ABC):
 
     def _accumulate(self, name, grad):
         """Add ``grad`` into ``self.grads[name]``: locked, or kept until a composite's
-        call commits (:mod:`qkvnp.layers.transaction`)."""
+        call commits (``qkvnp/layers/transaction.py``)."""
         add_grad(self, "grads", name, grad)
 
     def _accumulate_all(self, grads):
@@ -268,7 +268,7 @@ class Layer(ABC):
             return self.__dict__.setdefault("_thread_state", _ThreadState())
 
     def _save_state(self):
-        """The calling thread's state of the layer, for :mod:`qkvnp.layers.transaction`'s journal."""
+        """The calling thread's state of the layer, for ``qkvnp/layers/transaction.py``'s journal."""
         state = self._thread
         return state.cache, state.used_cache, state.used, state.decoded, state.dispatch
 
@@ -352,7 +352,7 @@ class Model(Layer):
     ``self._accumulate_own``); it calls ``self.zero_grad()`` at the end of
     ``__init__``.
 
-    **A subclass's calls are transactions** (:mod:`qkvnp.layers.transaction`):
+    **A subclass's calls are transactions** (``qkvnp/layers/transaction.py``):
     its ``forward``, ``backward`` and ``decode`` either succeed whole or
     change nothing. If one raises, however late and whatever it raises
     (``KeyboardInterrupt`` included), every sub-layer's per-thread cache,
@@ -391,7 +391,7 @@ class Model(Layer):
         NOTE: the guarantee of a refused call is the base class's mechanism,
         not each model's habit: a subclass's call that raises restores its
         sub-layers' caches, KV caches and Generators, and adds no gradient
-        (:mod:`qkvnp.layers.transaction`).
+        (``qkvnp/layers/transaction.py``).
         """
         super().__init_subclass__(**kwargs)
         for name in ("forward", "backward", "decode"):
