@@ -188,7 +188,8 @@ def _where_tied_attends(widest):
 
 
 def _cost_of_no_value(separate, no_value):
-    """What dropping W_value costs on partner, at the width where it costs most ("" if none shared)."""
+    """What dropping W_value costs on partner, at the width where it costs most ("" if no
+    width has both)."""
     gaps = [(s["mean"] - n["mean"], s["dim"], s["mean"], n["mean"])
             for s, n in zip(separate, no_value) if s["dim"] == n["dim"]]
     if not gaps:
