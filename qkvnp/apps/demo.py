@@ -266,6 +266,23 @@ def walkthrough(precision=4):
 
 def _journey_one_query(p):
     """Part 1a: one query, "journey", matched against every key."""
+    _journey_introduction(p)
+    word = WORDS[QUERY_TOKEN - 1]
+    query_2, keys, values, scores_2 = _journey_scores(p, word)
+    weights_2 = _journey_softmax(p, scores_2, keys.shape[-1])
+
+    p.heading(f"Step 5. The context vector of {word!r}: the weights mix the values")
+    context_2, weights_check = scaled_dot_product_attention(
+        query_2[None, :], keys, values, return_weights=True
+    )  # (1, D), (T, D), (T, D) -> (1, D), (1, T)
+    p.show(f"context z^{QUERY_TOKEN} = weights_{QUERY_TOKEN} @ values", context_2[0])
+    return _cross_check(
+        "weights (softmax vs scaled_dot_product_attention)", weights_2, weights_check[0]
+    )
+
+
+def _journey_introduction(p):
+    """Attention as a lookup, the book's sentence and its three matrices."""
     p.say(
         "Attention as a soft database lookup: a token's QUERY is matched against",
         "the KEY of every token; the match weights (a softmax of the scores, summing",
@@ -286,7 +303,9 @@ def _journey_one_query(p):
     p.show("W_key (E, D)", W_KEY)
     p.show("W_value (E, D)", W_VALUE)
 
-    word = WORDS[QUERY_TOKEN - 1]
+
+def _journey_scores(p, word):
+    """Steps 1 to 3: the query of ``word``, every key and value, the query's scores."""
     x_2 = INPUTS[QUERY_TOKEN - 1]
     p.heading(f"Step 1. The query of token {QUERY_TOKEN}, {word!r} (inputs[{QUERY_TOKEN - 1}])")
     query_2, _ = F.linear_forward(x_2, W_QUERY)  # (E,) -> (D,)
@@ -303,8 +322,11 @@ def _journey_one_query(p):
     p.say(f"score_{QUERY_TOKEN}j = q^{QUERY_TOKEN} . k^j, i.e. a linear map with keys^T as its matrix:")
     scores_2, _ = F.linear_forward(query_2, keys.T)  # (D,) @ (D, T) -> (T,)
     p.show(f"scores_{QUERY_TOKEN} = q^{QUERY_TOKEN} @ keys^T (T,)", scores_2)
+    return query_2, keys, values, scores_2
 
-    d_k = keys.shape[-1]
+
+def _journey_softmax(p, scores_2, d_k):
+    """Step 4: the scaled softmax of the scores, and two pitfalls: one score, the wrong scale."""
     scale = 1.0 / np.sqrt(d_k)
     p.heading("Step 4. Scaled softmax: scores -> weights that sum to 1")
     p.say(
@@ -333,15 +355,7 @@ def _journey_one_query(p):
         f"weights_{QUERY_TOKEN} with the buggy scale 1/sqrt(E) = 1/sqrt({INPUTS.shape[-1]})",
         softmax(scores_2 * wrong_scale),
     )
-
-    p.heading(f"Step 5. The context vector of {word!r}: the weights mix the values")
-    context_2, weights_check = scaled_dot_product_attention(
-        query_2[None, :], keys, values, return_weights=True
-    )  # (1, D), (T, D), (T, D) -> (1, D), (1, T)
-    p.show(f"context z^{QUERY_TOKEN} = weights_{QUERY_TOKEN} @ values", context_2[0])
-    return _cross_check(
-        "weights (softmax vs scaled_dot_product_attention)", weights_2, weights_check[0]
-    )
+    return weights_2
 
 
 def _journey_all_tokens(p):

@@ -87,7 +87,7 @@ def add_arguments(parser):
 # NOTE: an elementwise check costs two forwards per scalar: far beyond these
 # sizes it would run for hours (and the inputs alone would not fit in memory)
 MAX_SIZE = 4096  # each of --batch, --seq, --kv-seq, --embed, --heads, --d-out
-MAX_ELEMENTS = 2**16  # the largest input or weight matrix (E = 128 took 3.5 min on 2 cores)
+MAX_ELEMENTS = 2**16  # the largest input or weight matrix (E = 128 already takes minutes)
 
 
 def _positive(args, name):

@@ -353,18 +353,56 @@ def _plan(args):
 
 def run(args):
     """Run ``python -m qkvnp ablation``; return the exit code."""
-    from .config import TrainConfig
-    from .models import VARIANTS
-
     plan, seeds, steps = _plan(args)
-    if seeds < 1:
-        return _error(f"--seeds must be >= 1, got {seeds}")
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        return _error(f"--variants: unknown {unknown}; choose among {','.join(VARIANTS)}")
     base = {name: getattr(args, name) for name in ("num_pairs", "num_keys", "num_values",
                                                    "eval_size")
             if getattr(args, name) is not None}
+    refused = _preflight(args, plan, seeds, steps, base)
+    if refused is not None:
+        return _error(refused)
+    total = sum(len(dims) for _, dims in plan) * len(args.variants) * seeds
+    started = time.perf_counter()
+    report = _progress(args, total, started)
+    rows = []
+    try:
+        for task, dims in plan:
+            rows += run_ablation(args.variants, seeds, dims, steps, base, report, task=task,
+                                 keep_models=args.plot is not None)
+    except AblationInterrupted as exc:
+        return _interrupted(exc, rows + exc.rows, total, steps, args)
+    table = summarize(rows)
+    _print_results(table, plan, seeds, steps, args)
+    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f}s")
+    if args.json is not None:
+        try:
+            with atomic_write(args.json, "w") as f:
+                json.dump(to_json(table, steps), f, indent=1)
+                f.write("\n")
+        except OSError as exc:
+            print(f"error: --json: could not write {args.json!r} ({exc.strerror or exc}); the "
+                  "results above are unaffected", file=sys.stderr)
+            return 1
+        print(f"summary written to {args.json}")
+    if args.plot is not None:
+        try:
+            plot_ablation(table, args.plot, _partner_example(rows, base))
+        except OSError as exc:
+            print(f"error: --plot: could not write {args.plot!r} ({exc.strerror or exc}); the "
+                  "results above are unaffected", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _preflight(args, plan, seeds, steps, base):
+    """What refuses the command before the first run trains: a message, or None."""
+    from .config import TrainConfig
+    from .models import VARIANTS
+
+    if seeds < 1:
+        return f"--seeds must be >= 1, got {seeds}"
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        return f"--variants: unknown {unknown}; choose among {','.join(VARIANTS)}"
     try:  # every run's configuration, before the first one trains
         for task, dims in plan:
             for dim in dims:
@@ -373,17 +411,19 @@ def run(args):
             if getattr(args, name) is not None:
                 check_writable(getattr(args, name), "--" + name)
     except (TypeError, ValueError, OSError) as exc:
-        return _error(exc)
-    plot = args.plot
-    if plot is not None:
+        return exc
+    if args.plot is not None:
         try:
             import matplotlib.figure  # noqa: F401
         except ImportError:
-            return _error(f"--plot {plot}: matplotlib is not installed; install it with pip "
-                          "install 'qkvnp[plot]' (or pip install matplotlib)")
-    total = sum(len(dims) for _, dims in plan) * len(args.variants) * seeds
+            return (f"--plot {args.plot}: matplotlib is not installed; install it with pip "
+                    "install 'qkvnp[plot]' (or pip install matplotlib)")
+    return None
+
+
+def _progress(args, total, started):
+    """The per-run callback: one line on stderr per finished run, with the time left."""
     done = []
-    started = time.perf_counter()
 
     def report(row):
         done.append(row)
@@ -395,14 +435,11 @@ def run(args):
               f"{row['variant']:<9} seed {row['seed']}: held-out {percent(row['accuracy']):>7} "
               f"({row['seconds']:.1f}s, about {left:.0f}s left)", file=sys.stderr, flush=True)
 
-    rows = []
-    try:
-        for task, dims in plan:
-            rows += run_ablation(args.variants, seeds, dims, steps, base, report, task=task,
-                                 keep_models=plot is not None)
-    except AblationInterrupted as exc:
-        return _interrupted(exc, rows + exc.rows, total, steps, args)
-    table = summarize(rows)
+    return report
+
+
+def _print_results(table, plan, seeds, steps, args):
+    """Each task's tables, the legend and the takeaway, on stdout."""
     chance = 100 / (args.num_values or 64)
     for task, _ in plan:
         print(f"{task} ablation: {steps} steps per run, "
@@ -426,31 +463,17 @@ def run(args):
     if paragraph:
         print()
         print(paragraph)
-    print(f"\n{len(rows)} runs in {time.perf_counter() - started:.0f}s")
-    if args.json is not None:
-        try:
-            with atomic_write(args.json, "w") as f:
-                json.dump(to_json(table, steps), f, indent=1)
-                f.write("\n")
-        except OSError as exc:
-            print(f"error: --json: could not write {args.json!r} ({exc.strerror or exc}); the "
-                  "results above are unaffected", file=sys.stderr)
-            return 1
-        print(f"summary written to {args.json}")
-    if plot is not None:
-        example = None
-        partner_rows = [row for row in rows if row["task"] == "partner" and row["seed"] == 0]
-        if partner_rows:
-            widest = max(row["dim"] for row in partner_rows)
-            models = {row["variant"]: row["model"] for row in partner_rows
-                      if row["dim"] == widest and row["variant"] in ("separate", "tied_qk")}
-            if models:
-                example = pair_example({f"{label}, width {widest}": model
-                                        for label, model in models.items()}, 0, base=base)
-        try:
-            plot_ablation(table, plot, example)
-        except OSError as exc:
-            print(f"error: --plot: could not write {plot!r} ({exc.strerror or exc}); the "
-                  "results above are unaffected", file=sys.stderr)
-            return 1
-    return 0
+
+
+def _partner_example(rows, base):
+    """:func:`pair_example` of seed 0's separate and tied models at the widest partner width."""
+    partner_rows = [row for row in rows if row["task"] == "partner" and row["seed"] == 0]
+    if not partner_rows:
+        return None
+    widest = max(row["dim"] for row in partner_rows)
+    models = {row["variant"]: row["model"] for row in partner_rows
+              if row["dim"] == widest and row["variant"] in ("separate", "tied_qk")}
+    if not models:
+        return None
+    return pair_example({f"{label}, width {widest}": model for label, model in models.items()},
+                        0, base=base)

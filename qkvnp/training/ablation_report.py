@@ -112,98 +112,114 @@ def takeaway(table):
     str
         Empty when the table holds neither ``separate`` nor a tied variant.
     """
-    sentences = []
     separate = _by_variant(table, "partner", "separate")
     tied = _by_variant(table, "partner", "tied_qk")
     shared = _by_variant(table, "partner", "shared")
     no_value = _by_variant(table, "partner", "no_value")
+    sentences = []
     if tied:
-        best = max(entry["max"] for entry in tied)
-        own = [entry["prefers_own"] for entry in tied if entry["prefers_own"] is not None]
-        plural = "s" if len(tied) > 1 else ""
-        sentence = (f"On partner, tied Q=K {'reaches at most' if best <= 0.6 else 'reaches up to'} "
-                    f"{percent(best)} in any run (width{plural} {_widths(tied)}; mean{plural} "
-                    f"{', '.join(percent(entry['mean']) for entry in tied)})")
-        if own:
-            share = (percent(own[0]) if min(own) == max(own)
-                     else f"{percent(min(own))} to {percent(max(own))}")
-            sentence += (f", and its query weighs its own entry above its partner's in "
-                         f"{share} of the held-out sequences")
-        top = separate[-1] if separate else None
-        if top is not None:
-            sentence += (f", while separate W_query and W_key reach {percent(top['mean'])} at "
-                         f"width {top['dim']} (min {percent(top['min'])})")
-        if best > 0.6:
-            sentence += (": above the pair bound's ceiling of about half (the values' embeddings "
-                         "in the stored tokens can shift it only by chance), so look at the runs")
-        elif top is not None and top["mean"] >= 0.9 and (not own or min(own) >= 0.48):
-            sentence += (": for every pair of partners one of the two queries prefers its own "
-                         "entry, as the pair bound says, so about half is tied Q=K's ceiling "
-                         "whatever the width")
-        elif top is not None and top["mean"] >= 0.9:
-            under = min(tied, key=lambda entry: entry["prefers_own"])
-            sentence += (f": a little under half prefer their own entry at width {under['dim']} "
-                         f"({percent(under['prefers_own'])}). The pair bound is exact for the "
-                         "keys' part of the scores; the value embeddings stored with the keys "
-                         "add a term that changes sign when the two values are swapped, which "
-                         "lets some more queries win (at most 3 of 4 in principle), and about "
-                         "half stays tied Q=K's ceiling")
-        else:
-            sentence += (": separate projections did not learn the task either, so these runs "
-                         "are too short or too narrow to tell the variants apart")
-        sentences.append(sentence + ".")
-        widest = tied[-1]
-        if widest["weight_own"] is not None:
-            gap = widest["weight_gap"]
-            weights = (f"mean weight {widest['weight_own']:.2f} on its own entry, "
-                       f"{widest['weight_partner']:.2f} on its partner's, {gap:.2f} apart per "
-                       "sequence")
-            if gap <= 0.2 and min(widest["weight_own"], widest["weight_partner"]) >= 0.25:
-                sentences.append(
-                    f"At width {widest['dim']} each query splits its attention between the two "
-                    f"entries ({weights}): training made partners alike under W W^T, so the "
-                    "readout gets half of each value and can only guess which one was asked for.")
-            elif gap >= 0.6:
-                sentences.append(
-                    f"At width {widest['dim']} each query puts its attention on one of the two "
-                    f"entries ({weights}): about half on the partner, the rest on their own "
-                    "entry, which is all the bound allows.")
-            else:
-                sentences.append(f"At width {widest['dim']}: {weights}.")
+        sentences.append(_tied_on_partner(tied, separate))
+        sentences.append(_where_tied_attends(tied[-1]))
     if shared:
         best = max(entry["max"] for entry in shared)
         sentences.append(f"One shared matrix for Q, K and V is tied too and stays at "
                          f"{percent(best)} at best.")
     if no_value and separate:
-        gaps = [(s["mean"] - n["mean"], s["dim"], s["mean"], n["mean"])
-                for s, n in zip(separate, no_value) if s["dim"] == n["dim"]]
-        if gaps:
-            gap, dim, with_value, without = max(gaps)
-            if gap > 0.01:
-                sentences.append(
-                    f"Dropping W_value (the attended tokens themselves are the values) costs up "
-                    f"to {100 * gap:.2f} points, at width {dim} ({percent(without)} against "
-                    f"{percent(with_value)}): without it the stored key's embedding reaches "
-                    "the readout mixed into every value, and the embeddings must keep the two "
-                    "apart in the dimensions they share.")
-            else:
-                sentences.append(
-                    f"Dropping W_value costs at most {100 * max(gap, 0.0):.2f} points here "
-                    f"(width {dim}: {percent(without)} against {percent(with_value)}).")
+        sentences.append(_cost_of_no_value(separate, no_value))
+    sentences.append(_tied_on_kv_recall(table))
+    return " ".join(sentence for sentence in sentences if sentence)
+
+
+def _tied_on_partner(tied, separate):
+    """Tied Q=K's best accuracy on partner against separate's, and what the pair bound says."""
+    best = max(entry["max"] for entry in tied)
+    own = [entry["prefers_own"] for entry in tied if entry["prefers_own"] is not None]
+    plural = "s" if len(tied) > 1 else ""
+    sentence = (f"On partner, tied Q=K {'reaches at most' if best <= 0.6 else 'reaches up to'} "
+                f"{percent(best)} in any run (width{plural} {_widths(tied)}; mean{plural} "
+                f"{', '.join(percent(entry['mean']) for entry in tied)})")
+    if own:
+        share = (percent(own[0]) if min(own) == max(own)
+                 else f"{percent(min(own))} to {percent(max(own))}")
+        sentence += (f", and its query weighs its own entry above its partner's in "
+                     f"{share} of the held-out sequences")
+    top = separate[-1] if separate else None
+    if top is not None:
+        sentence += (f", while separate W_query and W_key reach {percent(top['mean'])} at "
+                     f"width {top['dim']} (min {percent(top['min'])})")
+    if best > 0.6:
+        sentence += (": above the pair bound's ceiling of about half (the values' embeddings "
+                     "in the stored tokens can shift it only by chance), so look at the runs")
+    elif top is not None and top["mean"] >= 0.9 and (not own or min(own) >= 0.48):
+        sentence += (": for every pair of partners one of the two queries prefers its own "
+                     "entry, as the pair bound says, so about half is tied Q=K's ceiling "
+                     "whatever the width")
+    elif top is not None and top["mean"] >= 0.9:
+        under = min(tied, key=lambda entry: entry["prefers_own"])
+        sentence += (f": a little under half prefer their own entry at width {under['dim']} "
+                     f"({percent(under['prefers_own'])}). The pair bound is exact for the "
+                     "keys' part of the scores; the value embeddings stored with the keys "
+                     "add a term that changes sign when the two values are swapped, which "
+                     "lets some more queries win (at most 3 of 4 in principle), and about "
+                     "half stays tied Q=K's ceiling")
+    else:
+        sentence += (": separate projections did not learn the task either, so these runs "
+                     "are too short or too narrow to tell the variants apart")
+    return sentence + "."
+
+
+def _where_tied_attends(widest):
+    """Where tied Q=K's queries put their attention at its widest width ("" without weights)."""
+    if widest["weight_own"] is None:
+        return ""
+    gap = widest["weight_gap"]
+    weights = (f"mean weight {widest['weight_own']:.2f} on its own entry, "
+               f"{widest['weight_partner']:.2f} on its partner's, {gap:.2f} apart per "
+               "sequence")
+    if gap <= 0.2 and min(widest["weight_own"], widest["weight_partner"]) >= 0.25:
+        return (f"At width {widest['dim']} each query splits its attention between the two "
+                f"entries ({weights}): training made partners alike under W W^T, so the "
+                "readout gets half of each value and can only guess which one was asked for.")
+    if gap >= 0.6:
+        return (f"At width {widest['dim']} each query puts its attention on one of the two "
+                f"entries ({weights}): about half on the partner, the rest on their own "
+                "entry, which is all the bound allows.")
+    return f"At width {widest['dim']}: {weights}."
+
+
+def _cost_of_no_value(separate, no_value):
+    """What dropping W_value costs on partner, at the width where it costs most ("" if no
+    width has both)."""
+    gaps = [(s["mean"] - n["mean"], s["dim"], s["mean"], n["mean"])
+            for s, n in zip(separate, no_value) if s["dim"] == n["dim"]]
+    if not gaps:
+        return ""
+    gap, dim, with_value, without = max(gaps)
+    if gap > 0.01:
+        return (f"Dropping W_value (the attended tokens themselves are the values) costs up "
+                f"to {100 * gap:.2f} points, at width {dim} ({percent(without)} against "
+                f"{percent(with_value)}): without it the stored key's embedding reaches "
+                "the readout mixed into every value, and the embeddings must keep the two "
+                "apart in the dimensions they share.")
+    return (f"Dropping W_value costs at most {100 * max(gap, 0.0):.2f} points here "
+            f"(width {dim}: {percent(without)} against {percent(with_value)}).")
+
+
+def _tied_on_kv_recall(table):
+    """Tied Q=K against separate on kv-recall, the symmetric task ("" without both)."""
     kv_separate = _by_variant(table, "kv-recall", "separate")
     kv_tied = _by_variant(table, "kv-recall", "tied_qk")
-    if kv_separate and kv_tied:
-        top_s, top_t = kv_separate[-1], kv_tied[-1]
-        difference = top_t["mean"] - top_s["mean"]
-        relation = ("as well as" if abs(difference) <= 0.01
-                    else "better than" if difference > 0 else "less well than")
-        sentences.append(
-            f"On kv-recall, where the query asks for its own key (a symmetric relation), tied "
+    if not (kv_separate and kv_tied):
+        return ""
+    top_s, top_t = kv_separate[-1], kv_tied[-1]
+    difference = top_t["mean"] - top_s["mean"]
+    relation = ("as well as" if abs(difference) <= 0.01
+                else "better than" if difference > 0 else "less well than")
+    return (f"On kv-recall, where the query asks for its own key (a symmetric relation), tied "
             f"Q=K does {relation} separate projections ({percent(top_t['mean'])} against "
             f"{percent(top_s['mean'])} at width {top_s['dim']})"
             + (": that task alone cannot show why queries and keys need their own matrices."
                if difference >= -0.01 else "."))
-    return " ".join(sentences)
 
 
 def to_json(table, steps):

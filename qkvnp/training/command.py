@@ -38,8 +38,15 @@ _CONFIG_OPTIONS = [field.name for field in dataclasses.fields(TrainConfig)]
 
 def add_arguments(parser):
     """Add the ``train`` options to an ``argparse`` parser."""
-    from .models import VARIANTS
+    _add_run_options(parser)
+    _add_lookup_options(parser.add_argument_group("kv-recall and partner"))
+    _add_teacher_options(parser.add_argument_group("teacher"))
+    _add_file_options(parser.add_argument_group("files"))
+    parser.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
 
+
+def _add_run_options(parser):
+    """The task, the optimizer and its schedule, the batches, the evaluation."""
     # NOTE: "text" is listed for --help; `train --task text` never reaches this
     # parser (qkvnp.apps.cli sends it to qkvnp.training.text_command, which has its own options)
     parser.add_argument("--task", choices=tuple(TASK_DEFAULTS) + ("text",), default=None,
@@ -78,7 +85,12 @@ def add_arguments(parser):
     parser.add_argument("--dropout", type=float, default=None, metavar="P",
                         help="dropout on the attention weights while training, in [0, 1) "
                              "(default 0)")
-    kv = parser.add_argument_group("kv-recall and partner")
+
+
+def _add_lookup_options(kv):
+    """The options of kv-recall and partner: vocabularies, pairs, width, Q/K/V variant."""
+    from .models import VARIANTS
+
     kv.add_argument("--num-keys", type=int, default=None,
                     help="key vocabulary (default 64; even for partner)")
     kv.add_argument("--num-values", type=int, default=None, help="value vocabulary (default 64)")
@@ -87,12 +99,18 @@ def add_arguments(parser):
     kv.add_argument("--dim", type=int, default=None, help="model width (default 64)")
     kv.add_argument("--variant", choices=tuple(VARIANTS), default=None,
                     help="Q/K/V projections: separate (default), tied_qk, no_value, shared")
-    teacher = parser.add_argument_group("teacher")
+
+
+def _add_teacher_options(teacher):
+    """The options of teacher: the attention layer's shape and the sequence length."""
     teacher.add_argument("--embed-dim", type=int, default=None, help="default 16")
     teacher.add_argument("--num-heads", type=int, default=None,
                          help="must divide --embed-dim (default 2)")
     teacher.add_argument("--seq-len", type=int, default=None, help="default 8")
-    files = parser.add_argument_group("files")
+
+
+def _add_file_options(files):
+    """Checkpoints (save, save periodically, resume) and the plot."""
     files.add_argument("--save", metavar="CKPT.npz", default=None,
                        help="write a checkpoint at the end (and on Ctrl-C or SIGTERM); "
                             "checked before training")
@@ -104,7 +122,6 @@ def add_arguments(parser):
     files.add_argument("--plot", metavar="OUT.png", default=None,
                        help="save the loss curve and a held-out attention heat map "
                             "(needs pip install 'qkvnp[plot]')")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines, summary only")
 
 
 def config_from_args(args, base=None):

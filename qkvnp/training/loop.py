@@ -252,7 +252,7 @@ def _blas_single_thread():
 
     NOTE: the matrices of these small models are tiny; with several BLAS
     threads, each call pays for waking (and, on a busy machine, waiting for)
-    the others: measured 6x slower on a loaded 2-core machine.
+    the others, which measured several times slower than one thread.
     """
     from ..kernels import blas_threads
 
@@ -551,6 +551,24 @@ def check_finite(model, step, config, loss=0.0):
         )
 
 
+def _training_step(model, task, optimizer, config, step, data_rng, heldout_batch):
+    """Step ``step`` of :func:`train`: one optimizer step on a fresh batch, and the held-out
+    evaluation when it is due. Returns ``(loss, accuracy or None, heldout metrics or None)``."""
+    optimizer.lr = scheduled_lr(config, step)
+    batch = task.sample(data_rng, config.batch_size)
+    with divergence_guard(step, config):
+        model.zero_grad()
+        out = _forward(model, batch)
+        loss, acc, dout = _loss(task, out, batch)
+        model.backward(dout)
+        check_finite(model, step, config, loss)
+        optimizer.step(model.grads)
+        evaluated = None
+        if step % config.eval_every == 0 or step == config.steps:
+            evaluated = evaluate(model, task, heldout_batch)
+    return loss, acc, evaluated
+
+
 def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpoint | None = None,
           save: str | str | os.PathLike[str] | None = None, save_every: int | None = None,
           callback: Callable[..., Any] | None = None,
@@ -645,22 +663,13 @@ def train(config: TrainConfig, *, resume: str | str | os.PathLike[str] | Checkpo
             np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         while step < config.steps and not stop.requested:
             step += 1
-            optimizer.lr = scheduled_lr(config, step)
-            batch = task.sample(data_rng, config.batch_size)
-            with divergence_guard(step, config):
-                model.zero_grad()
-                out = _forward(model, batch)
-                loss, acc, dout = _loss(task, out, batch)
-                model.backward(dout)
-                check_finite(model, step, config, loss)
-                optimizer.step(model.grads)
-                evaluated = None
-                if step % config.eval_every == 0 or step == config.steps:
-                    heldout = evaluated = evaluate(model, task, heldout_batch)
+            loss, acc, evaluated = _training_step(model, task, optimizer, config, step, data_rng,
+                                                  heldout_batch)
             for key, value in (("step", step), ("loss", loss), ("accuracy", acc),
                                ("lr", optimizer.lr)):
                 history[key].append(value)
             if evaluated is not None:
+                heldout = evaluated
                 history["eval_step"].append(step)
                 history["eval_loss"].append(heldout["loss"])
                 history["eval_accuracy"].append(heldout["accuracy"])

@@ -197,13 +197,13 @@ class KVRecallModel(Model):
         # NOTE: the query's key is looked up apart, in the same table (whose
         # gradient then sums both uses): one lookup of the concatenated ids
         # needs the items' gradient copied into a (B, P+1, E) array in the
-        # backward (float64 step 0.97 -> 0.92 ms)
+        # backward, a slower step (measured in benchmarks/NOTES.md)
         query_token, query_cache = F.embedding_forward(
             query, self.embed_key.params["weight"])  # (B,) -> (B, E)
         query_token += own["query_marker"]  # in place: take's own new array
         # NOTE: check=False: no second check or copy of the model's own arrays
-        # (made from checked ids): 0.2-0.35 ms of a 1.9-2.9 ms step, measured
-        # before the fold below. The weights the caches keep are copies taken
+        # (made from checked ids), a share of each step worth saving (measured in
+        # benchmarks/NOTES.md). The weights the caches keep are copies taken
         # here: the backward differentiates this forward even if the
         # parameters are edited before it (qkvnp.layers.Layer)
         matrices = {role: own[role].copy() for role in (role_q, role_k, role_v) if role}
@@ -211,9 +211,9 @@ class KVRecallModel(Model):
         # NOTE: the projections are folded onto the one query (see Notes):
         # q K^T = (q W_k^T) X^T and softmax(.) V = (softmax(.) X) W_v, so the
         # P items are never projected: E^2 multiply-adds a sequence per
-        # matrix instead of P E^2 (a step 1.9 -> 0.85 ms float64, 1.0 -> 0.5 ms
-        # float32, written as straight numpy). The query side stays 2-D: numpy
-        # multiplies a (B, 1, E) stack as B products (15.6 against 6.6 us)
+        # matrix instead of P E^2 (about half the step, measured in
+        # benchmarks/NOTES.md). The query side stays 2-D: numpy multiplies a
+        # (B, 1, E) stack as B separate products, slower than one 2-D product
         q_items, qk_cache = F.linear_forward(q, matrices[role_k].T, check=False)  # (B, E) -> (B, E)
         drawn = self.training and self.dropout > 0
         if drawn:
