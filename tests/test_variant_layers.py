@@ -14,6 +14,7 @@ import pytest
 import qkvnp
 from qkvnp import KVCache, MultiHeadAttention
 from qkvnp.gradcheck import check_layer
+from qkvnp.layers import variant_layer
 from qkvnp.ops.positions import relative_position_bucket
 
 
@@ -321,7 +322,7 @@ def test_the_batch_split_equals_the_whole_batch(options, impl):
         layer = MultiHeadAttention(8, 2, rng=0, impl=impl, **options)
         with kernels.num_threads(threads), kernels.block_sizes(batch_split_flops=0):
             out = layer.forward(x, attn_mask=mask)
-            split = isinstance(layer._cache, kernels.variant_layer.SplitVariantCache)
+            split = isinstance(layer._cache, variant_layer.SplitVariantCache)
             dx = layer.backward(dout)
         assert split == (threads == 2)
         results.append((out, dx, dict(layer.grads)))
