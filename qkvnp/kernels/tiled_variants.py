@@ -238,39 +238,16 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
     if core_scores_may_overflow(query, key, scale):  # NOTE: only the reference clips exactly
-        bias = None
-        if alibi_slopes is not None:
-            from ..ops.positions import alibi_bias
-
-            offset = causal_offset(is_causal, T, S) or 0
-            slopes = np.asarray(alibi_slopes, dtype=np.float64)
-            bias = alibi_bias(T, S, slopes.reshape(-1), offset).reshape(
-                slopes.shape + (T, S)).astype(query.dtype)
-            bias = bias if score_bias is None else bias + score_bias
-        with np.errstate(over="ignore"):
-            return F.attention_forward(
-                query, key, value, attn_mask, is_causal, scale,
-                score_bias=score_bias if bias is None else bias, softcap=softcap, sinks=sinks,
-                window=window, dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
+        return _reference_forward(query, key, value, attn_mask, is_causal, scale, score_bias,
+                                  alibi_slopes, softcap, sinks, window, dropout_p, rng,
+                                  dropout_mask)
     dtype = query.dtype
     bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
     bias, keep = owned((bias, keep), (attn_mask, attn_mask))  # the backward re-reads them
     check_is_causal(is_causal)
-    score_bias_shape = None
-    if score_bias is not None:
-        score_bias = as_float_array(score_bias, "score_bias", dtype)
-        score_bias_shape = score_bias.shape
-        _check_broadcasts(score_bias.shape, lead + (T, S), "score_bias", "(..., T, S)")
-        score_bias = _at_least_2d(score_bias).copy()  # the cache owns it
-    alibi = None
-    if alibi_slopes is not None:
-        alibi = as_float_array(alibi_slopes, "alibi_slopes", dtype)[..., None, None]
-        _check_broadcasts(alibi.shape, lead + (T, S), "alibi_slopes", "(H,)")
-    sinks_column = None
-    if sinks is not None:
-        sinks = as_float_array(sinks, "sinks", dtype).copy()
-        sinks_column = sinks[..., None, None]  # (..., 1, 1)
-        _check_broadcasts(sinks_column.shape, lead + (T, 1), "sinks", "(H,)")
+    score_bias, score_bias_shape, alibi, sinks = _check_options(score_bias, alibi_slopes, sinks,
+                                                                 lead, T, S, dtype)
+    sinks_column = None if sinks is None else sinks[..., None, None]  # (..., 1, 1)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
     offset = causal_offset(is_causal, T, S) or 0
     causal = check_is_causal(is_causal) is not False
@@ -297,6 +274,50 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if dropout is not None:
         out *= keep_scale(dropout.p, dtype)
     return out, cache._replace(out=out.copy(), row_max=row_max, row_sum=row_sum)
+
+
+def _reference_forward(query, key, value, attn_mask, is_causal, scale, score_bias, alibi_slopes,
+                       softcap, sinks, window, dropout_p, rng, dropout_mask):
+    """The reference's forward, for scores that may overflow: ALiBi given to it as a
+    ``(..., T, S)`` score bias (added to ``score_bias``), since it takes no slopes."""
+    T, S = query.shape[-2], key.shape[-2]
+    bias = None
+    if alibi_slopes is not None:
+        from ..ops.positions import alibi_bias
+
+        offset = causal_offset(is_causal, T, S) or 0
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        bias = alibi_bias(T, S, slopes.reshape(-1), offset).reshape(
+            slopes.shape + (T, S)).astype(query.dtype)
+        bias = bias if score_bias is None else bias + score_bias
+    with np.errstate(over="ignore"):
+        return F.attention_forward(
+            query, key, value, attn_mask, is_causal, scale,
+            score_bias=score_bias if bias is None else bias, softcap=softcap, sinks=sinks,
+            window=window, dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
+
+
+def _check_options(score_bias, alibi_slopes, sinks, lead, T, S, dtype):
+    """Check the variants' arrays against the scores ``lead + (T, S)``; return what the
+    cache keeps: ``(score_bias, score_bias_shape, alibi, sinks)``.
+
+    ``score_bias`` an owned copy, at least 2-D, and its caller's shape (None, None
+    without one); ``alibi`` the slopes as ``(..., 1, 1)``; ``sinks`` an owned copy.
+    """
+    score_bias_shape = None
+    if score_bias is not None:
+        score_bias = as_float_array(score_bias, "score_bias", dtype)
+        score_bias_shape = score_bias.shape
+        _check_broadcasts(score_bias.shape, lead + (T, S), "score_bias", "(..., T, S)")
+        score_bias = _at_least_2d(score_bias).copy()  # the cache owns it
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = as_float_array(alibi_slopes, "alibi_slopes", dtype)[..., None, None]
+        _check_broadcasts(alibi.shape, lead + (T, S), "alibi_slopes", "(H,)")
+    if sinks is not None:
+        sinks = as_float_array(sinks, "sinks", dtype).copy()
+        _check_broadcasts(sinks[..., None, None].shape, lead + (T, 1), "sinks", "(H,)")
+    return score_bias, score_bias_shape, alibi, sinks
 
 
 def _flops(lead, work, D, Dv):
