@@ -41,12 +41,8 @@ __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
 
 # A (..., bq, bk) block of the default size holds at most about this many
 # scores: with many (batch, head) pairs the default blocks shrink so that the
-# per-block temporaries stay around a MiB. Measured, layer fwd+bwd, 2 threads,
-# 1 << 18 against 1 << 20 (blocks (256, 256) against (512, 512) over 4 heads):
-# (1, 4096, 256, 4) float64 1063 -> 981 ms and 174 -> 144 MiB peak, causal
-# 722 -> 644 ms; float32 causal 328 -> 308 ms, 107 -> 90 MiB; float32 without
-# a mask 491 -> 515 ms (the one loss, 5%), 84 -> 69 MiB; (1, 2048, 512, 8)
-# causal 272 -> 241 ms (float32), 536 -> 483 ms (float64).
+# per-block temporaries stay around a MiB. NOTE: 1 << 18 measured faster than
+# 1 << 20 and with a smaller peak but in one case (benchmarks/NOTES.md).
 _BLOCK_ELEMENTS = 1 << 18
 _MIN_DEFAULT_BLOCK = 32
 
@@ -102,8 +98,7 @@ def _check_block_size(block_size, T, S, lead_size):
         # blocks among the threads. A single block would run in the calling
         # thread on OpenBLAS's own threads, whose tiny matmuls are slow and
         # whose idle threads then spin and slow whatever runs next: give every
-        # thread a block. Measured at (B, H, L, D) = (8, 8, 128, 32), 2 threads:
-        # 23 -> 8.3 ms (float32) and 48 -> 12.5 ms (float64), forward+backward.
+        # thread a block (measured several times faster, benchmarks/NOTES.md).
         threads = get_num_threads()
         block_q = min(block_q, max(_MIN_DEFAULT_BLOCK, -(-T // threads)))
         block_k = min(block_k, max(_MIN_DEFAULT_BLOCK, -(-S // threads)))
