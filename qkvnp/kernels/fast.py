@@ -53,7 +53,8 @@ differently, each step measured:
   OpenBLAS found), run in the calling thread, BLAS still at one thread.
 
 :func:`dense_forward` / :func:`dense_backward` are the core on preallocated
-buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`.
+buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`. How their blocked
+passes differ from the whole-array ones: :mod:`qkvnp.kernels.fast_small`.
 
 Measurements (timings against PyTorch, the tuning sweeps, the recompute
 experiment): ``benchmarks/RESULTS.md``.

@@ -1,15 +1,32 @@
-"""The fast core on a problem that fits in cache, in a few whole-array calls.
+"""The fast core's whole-array passes: the alternative to its blocked passes for a problem that fits in cache.
 
 Shape key: T query length, S key length, D head dim (of queries and keys),
 Dv head dim of values, ``...`` any leading (batch, head) dims.
 
 :func:`small_forward` and :func:`small_backward` compute what
-:func:`qkvnp.kernels.fast.dense_forward` and ``dense_backward`` compute, for
-a whole problem run serially or for one worker's block whose scores fit in
-``row_block_bytes``: none of the machinery that pays off on large problems
-(row chunks, probe keys, augmented matmuls), which at (B, L, E, H) =
-(8, 16, 32, 4) cost more numpy calls than the math. The derivations are those
-of :mod:`qkvnp.kernels.fast` (``docs/derivations.md``).
+:func:`qkvnp.kernels.fast.dense_forward` and ``dense_backward`` compute (the
+math of :func:`qkvnp.functional.attention_forward` / ``attention_backward``),
+for a whole problem run serially or for one worker's block whose scores fit
+in ``row_block_bytes``. ``fast`` picks them (``_whole_array``, one row chunk);
+they are the alternative to its blocked passes, ``fast._forward_rows`` and
+``fast._backward_rows``, and differ from them in the algorithm, not only in
+thresholds:
+
+- the shift ``m = |q| max|k| + max(mask row)`` comes from einsum row norms,
+  with no probe keys; a loose bound is caught by the row sums
+  (:func:`_usable_sums`) and retried with the exact max;
+- below :data:`LARGE_SCORES` the forward keeps the normalised weights ``P``
+  (or skips the shift altogether), where the blocked passes always keep the
+  numerators and ``1 / rowsum``;
+- the backward takes ``delta = rowsum(P * dP)`` from the ``dP`` it has just
+  computed (the blocked passes: ``rowsum(dO * O)``, a ``(T, Dv)`` product, and
+  ``dP - delta`` from one augmented matmul), and ``dK = dS^T Q`` in one
+  product (the blocked passes accumulate ``dK^T = Q^T dS`` over row chunks);
+- no causal row chunks: the masked triangle is computed (and is 0).
+
+NOTE: the blocked passes on these problems measured 2-3.5x slower, and
+round differently (not bit for bit equal; benchmarks/NOTES.md).
+The derivations are those of :mod:`qkvnp.kernels.fast` (``docs/derivations.md``).
 """
 import functools
 

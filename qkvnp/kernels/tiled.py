@@ -14,6 +14,14 @@ the extra memory does not grow with the sequence length. This module checks
 the inputs, sizes the blocks and shares them among the threads; the passes
 over each block are in :mod:`qkvnp.kernels.tiled_blocks`.
 
+The alternative to the reference core (:func:`qkvnp.functional.attention_forward`)
+and to the dense fast core (:mod:`qkvnp.kernels.fast`) where the ``(T, S)``
+weights would not fit. The variants (window, soft-cap, ALiBi, sinks, score
+bias) have their own tiled core, :mod:`qkvnp.kernels.tiled_variants`, which
+differs in the algorithm: here, without a mask, a cheap bound of each row
+max lets the rows skip the online rescaling, masked blocks are skipped whole,
+and the backward shares key blocks among the threads.
+
 The ``(..., bq, bk)`` blocks are shared among the worker threads of
 :mod:`qkvnp.kernels._runtime` (``qkvnp.set_num_threads``): query blocks in
 the forward, key blocks in the backward. Its default block size is the

@@ -4,11 +4,21 @@ Shape key: T query length, S key length, D head dim of queries and keys, Dv
 head dim of values, ``...`` any leading (batch, head) dims, H heads; ``bq``
 and ``bk`` the query and key block sizes.
 
-The FlashAttention-style core of :mod:`qkvnp.kernels.tiled` for the
-variants of :mod:`qkvnp.ops.variants`, kept apart from it so that each reads in
-one sitting: an online softmax over key blocks in the forward, the weights
-recomputed block by block in the backward, never a ``(T, S)`` array (unless
-the caller passes a ``score_bias`` or mask of that size, which is sliced).
+The alternative to the reference variants' core (:func:`qkvnp.functional.attention_forward`
+with the options of :mod:`qkvnp.ops.variants`) for long sequences: an online
+softmax over key blocks in the forward, the weights recomputed block by block
+in the backward, never a ``(T, S)`` array (unless the caller passes a
+``score_bias`` or mask of that size, which is sliced).
+
+It differs from :mod:`qkvnp.kernels.tiled`, the plain tiled core, in the
+algorithm, not only in thresholds: scores here take a bias, a cap and a sink,
+so no bound of the row max is known before them, and every row runs the
+rescaling online softmax (``tiled``, without a mask, first tries a bound
+that needs no rescaling); key blocks are visited by band (:func:`band_key_range`, where
+``tiled`` skips whole masked blocks); the backward shares query blocks among
+the threads, each summing its own dK, dV (``tiled`` shares key blocks).
+NOTE: plain attention through this core measured up to 4x slower than
+``tiled``, and not bit for bit equal (benchmarks/NOTES.md).
 
 What makes windows pay: query block ``[i0, i1)`` can only see keys
 ``[i0 + o - left, i1 - 1 + o + right]`` (``o`` the alignment's offset), so
