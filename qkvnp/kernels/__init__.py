@@ -183,7 +183,7 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
     """:func:`choose_path` below the overflow test, cached: a layer asks the same on every call.
 
     A pure function of its arguments, the settings among them (its sentences
-    cost 1 us to format, more than the choice).
+    cost more to format than the choice).
     """
     if impl == "reference":
         return Dispatch(impl, "reference", "impl='reference' requested")

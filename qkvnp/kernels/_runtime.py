@@ -80,52 +80,40 @@ BLOCK_SIZE_DEFAULTS = {
     "fast_block_bytes": 4 << 20,
     # The fast core processes a block's rows in chunks of about this many score
     # bytes (at least ``min_row_block`` rows), so that the softmax's passes run
-    # in cache: 8 MiB measured 1-5% faster than 4 at L >= 2048, 1-2 10-13% slower.
+    # in cache (NOTE: 8 MiB measured best, benchmarks/NOTES.md).
     "row_block_bytes": 8 << 20,
     "min_row_block": 64,
     # ... and of at most this many rows under a causal mask, each chunk
     # skipping the keys none of its rows sees (the masked triangle, in steps).
-    # Layer fwd+bwd causal, fast path, 256 rows / one chunk as before (one
-    # process, median of 3-4 s): (4, 512, 512, 8) 78 / 81 ms float32, 161 /
-    # 174 float64; (1, 1024, 768, 12) 98 / 107, 199 / 219; (1, 2048, 512, 8)
-    # (two chunks before) 152 / 171, 293 / 297. 128 rows (1, 2048, 512, 8):
-    # 165, 301; at (8, 128, 256, 8) two chunks of 64 gained nothing.
+    # NOTE: 256 measured faster than one chunk and than 128 (benchmarks/NOTES.md).
     "causal_row_block": 256,
     # Fewest rows (or columns) per thread for which a projection matmul splits.
     "min_split": 64,
     # Fewest floating-point operations of a projection that runs on OpenBLAS's
-    # own threads, in a layer whose core is serial (see matmul): (256, 64) @
-    # (64, 64) float32 (2.1 MFLOP) took 18.5 us on one thread, 12.9 on two; at
-    # 0.8 MFLOP two were slower (6.0 -> 6.5 us).
+    # own threads, in a layer whose core is serial (see matmul). NOTE: below
+    # about 2 MFLOP two threads measured slower than one (benchmarks/NOTES.md).
     "blas_thread_flops": 1 << 21,
     # Fewest floating-point operations of one job (a matmul, a core's pass)
     # for which the worker threads are used; smaller jobs run serially in the
     # calling thread, where the hand-off would cost more than it saves. A
     # layer whose core's backward stays below it also runs its projections on
-    # OpenBLAS's threads (see matmul). 2**27 (134 MFLOP): layers that do not
-    # split their batch, fwd+bwd float32 at 2**24 / 2**27: (1, 128, 768, 12)
-    # 15.7 / 12.4 ms, (4, 100, 64, 4) 1.69 / 1.26, (1, 1000, 64, 1) 9.7 / 9.0
-    # (2**29 8.7, 2**31 8.6); (16, 32, 64, 4), (1, 16, 768, 12), (2, 256, 768,
-    # 12) and (1, 2048, 512, 8) unchanged (2026-11-24).
+    # OpenBLAS's threads (see matmul). NOTE: 2**27 measured faster than 2**24
+    # on layers that do not split their batch (benchmarks/NOTES.md).
     "min_parallel_flops": 1 << 27,
     # Fewest floating-point operations of a layer's fast forward (projections,
     # core, output projection) for which the layer splits its batch over the
     # worker threads, each running the whole layer on its share: one hand-off
-    # a forward and one a backward instead of one per matmul and core pass (a
-    # hand-off costs 40-60 us, a lock ping-pong alone 43 us); at numpy-call
-    # sizes the threads mostly wait on the GIL. Serial / split: (8, 16, 32, 4)
-    # 166 / 582 us; (16, 32, 64, 4) (21 MFLOP forward) 1.09 / 1.36 ms float32;
-    # (64, 33, 64, 1) (87 MFLOP) 3.5 / 2.6 float32, 6.9 / 3.9 float64. A float64
-    # operation counts 1.5 times: (16, 32, 64, 4) float64 gave 2.17 / 1.85 ms on
-    # the first host, 2.03 / 2.44 on the AVX-512 one, where (24, 32, 64, 4)
-    # float64 gave 2.96 / 2.89, (32, 32, 64, 4) float32 2.40 / 2.31.
+    # a forward and one a backward instead of one per matmul and core pass; at
+    # numpy-call sizes the threads mostly wait on the GIL. A float64 operation
+    # counts 1.5 times. NOTE: the split measured slower below about 2**25
+    # operations and faster above, on both hosts (benchmarks/NOTES.md).
     "batch_split_flops": 1 << 25,
     # The tiled core's default (block_q, block_k), shrunk as tiled.py says.
     "tiled_block": (512, 512),
     # Freed score buffers of at least recycle_min_bytes are kept, up to
     # recycle_bytes in all, for the next forward of the same size: fresh ones
-    # page-faulted (128 MiB: 24% of a fwd+bwd at (1, 8, 2048, 64); 8 MiB: 2 ms
-    # of 40 at (32, 64, 128, 8) float64). recycle_bytes = 0 disables. They are
+    # page-faulted (NOTE: measured up to a quarter of a fwd+bwd,
+    # benchmarks/NOTES.md). recycle_bytes = 0 disables. They are
     # kept for the layer that used them last, and let go when it is collected
     # (buffer_owner) ...
     "recycle_bytes": 512 << 20,
@@ -139,17 +127,15 @@ BLOCK_SIZE_DEFAULTS = {
     "tiled_min_length": 4096,
     # ... from this many keys on under a causal mask. Both cores skip the
     # masked triangle: the tiled one by block pairs, the dense one by chunks of
-    # causal_row_block rows (before those chunks, 2048 here: the dense core
-    # computed the triangle). Layer (1, 2048, 512, 8) causal fwd+bwd, one
-    # process each, two alternated rounds (2026-11-24): tiled 165 / 174 ms,
-    # fast 158 / 160 float32; 358 / 339 against 307 / 290 float64 ...
+    # causal_row_block rows. NOTE: at 2048 causal keys the dense core measured
+    # faster than the tiled one (benchmarks/NOTES.md) ...
     "causal_tiled_min_length": 4096,
     # ... or when the dense (..., H, T, S) weights would take more bytes than this.
     "dense_weights_budget": 256 << 20,
     # glibc's malloc serves blocks below this from its heap and keeps twice
     # this much freed memory, set at the first kernel section (what its own
-    # heuristic reaches after one freed 32 MiB block; without it (16, 32, 64, 4)
-    # float32 page-faulted 192 times a step, 1.89 ms against 1.42). 0: as is.
+    # heuristic reaches after one freed 32 MiB block; NOTE: without it small
+    # layers page-fault on every step, benchmarks/NOTES.md). 0: as is.
     "heap_mmap_threshold": 32 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "causal_row_block": 1,
@@ -233,8 +219,8 @@ def set_block_sizes(**sizes: Any) -> None:
 class block_sizes:
     """Context manager: :func:`set_block_sizes` inside, the previous values after.
 
-    (Classes rather than ``contextlib`` generators: ``import contextlib`` cost
-    2.5 ms of ``import qkvnp``.)
+    (Classes rather than ``contextlib`` generators: ``import contextlib`` was
+    a measurable share of ``import qkvnp``.)
 
     >>> with block_sizes(tiled_block=64):
     ...     get_block_sizes()["tiled_block"]
@@ -391,9 +377,8 @@ class single_threaded_blas:
     :func:`matmul` raises to OpenBLAS's threads for the product alone, and a
     large job of one block, which :func:`run` cannot share.
     NOTE: left to itself OpenBLAS spreads even small matmuls over its own
-    threads, which then spin after the call: measured at (B, L, E, H) =
-    (16, 32, 64, 4) float32, a fast-path layer's forward+backward took 5.3 ms
-    of CPU with them and 2.0 ms without. The count is process-wide, so the
+    threads, which then spin after the call and more than double a small
+    layer's CPU time (benchmarks/NOTES.md). The count is process-wide, so the
     first section to enter sets it to 1 and the last one to leave restores
     it (other threads' numpy calls run single-threaded meanwhile). A class,
     not a generator: it is entered on every kernel call.
@@ -484,9 +469,8 @@ def run(task, work, flops=None):
     a one-head layer on one sequence) cannot be shared: it runs in the
     calling thread with its products on OpenBLAS's own threads, as many as
     the kernels', capped by OpenBLAS's count before the section pinned it
-    (:func:`matmul`). Layer fwd+bwd at (1, 1000, 64, 1) float32, alternated
-    processes: 9.9-10.1 -> 6.6-6.9 ms; in the benchmark (``--off-grid``,
-    2026-11-24) 2.03 -> 1.51x PyTorch's time.
+    (:func:`matmul`). NOTE: measured a third faster on a one-head layer
+    (benchmarks/NOTES.md).
     """
     workers = get_num_threads()
     threads = min(workers, len(work))
@@ -541,11 +525,9 @@ def matmul(a, b, out=None, split="rows", blas_threads=False):
     pool: ``split="rows"`` splits the rows of ``a``, ``"cols"`` the columns of
     ``b`` (for ``x^T @ dy``, whose rows are few).
 
-    NOTE: OpenBLAS hands a product to its threads faster than the pool does:
-    (1024, 64) @ (64, 192) float32 took 200 us on one thread, 252 over the
-    pool's two, 108 on OpenBLAS's two (AVX-512 host). But its threads spin
-    after the call, and slowed a pooled core that followed by 1.2-1.45x
-    ((1, 2048, 512, 8)): hence only where no pool work follows.
+    NOTE: OpenBLAS hands a product to its threads faster than the pool does,
+    but its threads spin after the call and slow a pooled core that follows
+    (benchmarks/NOTES.md): hence only where no pool work follows.
     """
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     if _PIN["depth"] and flops < _SIZES["blas_thread_flops"]:  # the small ones: one thread

@@ -53,7 +53,8 @@ differently, each step measured:
   OpenBLAS found), run in the calling thread, BLAS still at one thread.
 
 :func:`dense_forward` / :func:`dense_backward` are the core on preallocated
-buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`.
+buffers, for the layer kernels of :mod:`qkvnp.kernels.mha`. How their blocked
+passes differ from the whole-array ones: :mod:`qkvnp.kernels.fast_small`.
 
 Measurements (timings against PyTorch, the tuning sweeps, the recompute
 experiment): ``benchmarks/RESULTS.md``.
@@ -189,8 +190,7 @@ def _packed(block, live):
     A causal chunk's numerators are stored this way, its ``R`` rows of
     ``live`` keys one after the other: numpy's ufuncs ran about 2x slower on
     the strided view ``block[..., :live]`` (rows ``S`` apart) than on
-    contiguous rows (float64 (256, 1152) of (256, 2048): ``exp2`` 304
-    against 140 us, a multiply 344 against 161). Rows that are not
+    contiguous rows (benchmarks/NOTES.md). Rows that are not
     contiguous in memory get that strided view (every reader of a buffer
     makes the same choice from its strides).
     """
@@ -246,8 +246,7 @@ def dense_forward(query, key, value, mask, exp_scores, inv_sum, out, dropout_mas
     ``exp_scores`` holds the weights ``P = E r`` themselves (a problem run
     serially with few scores, where normalising the contiguous ``(T, S)``
     scores costs less than scaling the strided ``(T, Dv)`` output and three
-    ``(T, D)`` operands of the backward: (64, 8, 16, 2) layer fwd+bwd 435 ->
-    372 us float32, 522 -> 449 float64); the cache then stores
+    ``(T, D)`` operands of the backward, measured); the cache then stores
     ``inv_sum=None``. False: numerators and ``inv_sum``. ``chunk_rows``: None,
     or the rows of the causal chunks whose unseen keys' numerators were left
     unwritten (:class:`FastAttentionCache`'s field of that name).

@@ -1,15 +1,32 @@
-"""The fast core on a problem that fits in cache, in a few whole-array calls.
+"""The fast core's whole-array passes: the alternative to its blocked passes for a problem that fits in cache.
 
 Shape key: T query length, S key length, D head dim (of queries and keys),
 Dv head dim of values, ``...`` any leading (batch, head) dims.
 
 :func:`small_forward` and :func:`small_backward` compute what
-:func:`qkvnp.kernels.fast.dense_forward` and ``dense_backward`` compute, for
-a whole problem run serially or for one worker's block whose scores fit in
-``row_block_bytes``: none of the machinery that pays off on large problems
-(row chunks, probe keys, augmented matmuls), which at (B, L, E, H) =
-(8, 16, 32, 4) cost more numpy calls than the math. The derivations are those
-of :mod:`qkvnp.kernels.fast` (``docs/derivations.md``).
+:func:`qkvnp.kernels.fast.dense_forward` and ``dense_backward`` compute (the
+math of :func:`qkvnp.functional.attention_forward` / ``attention_backward``),
+for a whole problem run serially or for one worker's block whose scores fit
+in ``row_block_bytes``. ``fast`` picks them (``_whole_array``, one row chunk);
+they are the alternative to its blocked passes, ``fast._forward_rows`` and
+``fast._backward_rows``, and differ from them in the algorithm, not only in
+thresholds:
+
+- the shift ``m = |q| max|k| + max(mask row)`` comes from einsum row norms,
+  with no probe keys; a loose bound is caught by the row sums
+  (:func:`_usable_sums`) and retried with the exact max;
+- below :data:`LARGE_SCORES` the forward keeps the normalised weights ``P``
+  (or skips the shift altogether), where the blocked passes always keep the
+  numerators and ``1 / rowsum``;
+- the backward takes ``delta = rowsum(P * dP)`` from the ``dP`` it has just
+  computed (the blocked passes: ``rowsum(dO * O)``, a ``(T, Dv)`` product, and
+  ``dP - delta`` from one augmented matmul), and ``dK = dS^T Q`` in one
+  product (the blocked passes accumulate ``dK^T = Q^T dS`` over row chunks);
+- no causal row chunks: the masked triangle is computed (and is 0).
+
+NOTE: the blocked passes on these problems measured 2-3.5x slower, and
+round differently (not bit for bit equal; benchmarks/NOTES.md).
+The derivations are those of :mod:`qkvnp.kernels.fast` (``docs/derivations.md``).
 """
 import functools
 
@@ -23,9 +40,8 @@ __all__ = ["small_forward", "small_backward", "masked_exp", "mask_row_max", "LAR
 #: Score blocks of at least this many entries take the variants that save passes
 #: over (T, S) (exp2, einsum) at the price of a few more numpy calls; below it a
 #: serial problem also keeps the normalised weights (``dense_forward``).
-#: 2**17 (was 2**15): the (16, 32, 64, 4) layer (65536 scores) fwd+bwd, causal,
-#: 1400 -> 1185 us float32, 2316 -> 2170 float64 (one process, median of 7
-#: rounds); 2**18 and 2**19 measured the same there.
+#: NOTE: 2**17 measured faster than 2**15, as fast as 2**18 and 2**19
+#: (benchmarks/NOTES.md).
 LARGE_SCORES = 1 << 17
 
 
@@ -33,7 +49,7 @@ LARGE_SCORES = 1 << 17
 #: float64 entries (2.5 MiB) stay in the process. NOTE: bounded by entries
 #: alone, decoding through the fast path (a new key length S at every step)
 #: kept a column per length, 64 x S x 8 bytes (51 MiB at S = 100,000); a
-#: longer column is made anew, 20 us against the attention over its S keys.
+#: longer column is made anew, little against the attention over its S keys.
 CACHED_COLUMN = 4096
 
 
@@ -86,18 +102,17 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     row's max instead of the max itself, and none of the machinery that pays
     off on large problems (blocks, row chunks in cache, probe keys): at
     (B, L, E, H) = (8, 16, 32, 4) that machinery cost more numpy calls than
-    the math. Row sums are matmuls with a column of ones (numpy's
-    ``max``/``sum`` along a 32-long axis measured 5-12x slower than
-    ``@ ones``; the exact row max of (8, 4, 16, 16) float32 scores took
-    48 us, the bound below 16).
+    the math. Row sums are matmuls with a column of ones (NOTE: numpy's
+    ``max``/``sum`` along a short last axis measured several times slower
+    than ``@ ones``, and the exact row max slower than the bound below;
+    benchmarks/NOTES.md).
 
     With ``normalize`` the first try takes ``m = 0``, no shift at all: the
     weights ``P = E / rowsum(E)`` do not depend on ``m``, and exponentials of
     unshifted scores are as exact as shifted ones as long as every row sum
     stays within :func:`_usable_sums`' range (a row sum below ``2**-24``, or
     one whose reciprocal leaves the normal floats, takes the shifted second
-    try). That saves the bound's two row-norm passes (16 us of a 263 us
-    layer fwd+bwd at (8, 16, 32, 4) float32). Without ``normalize`` the
+    try). That saves the bound's two row-norm passes. Without ``normalize`` the
     numerators are kept for the backward and must stay at most 1: the
     shift is always applied. The bound there, and in the second try, is
     ``m = |q| max|k| + max(mask row)``, the row norms from einsum's dot
@@ -111,8 +126,8 @@ def small_forward(query, key, value, mask, mask_max, exp_scores, inv_sum, out, d
     then decides. NOTE: the loose bound is common once the weights have
     trained: the book's GPT at (V, C, E, H, L, B) = (256, 64, 64, 4, 2, 8),
     AdamW lr 4e-4 on random tokens, hit it in 202 of 901 attention forwards
-    over 400 steps; the blocked path it fell back to cost about 0.9 ms of a
-    10 ms step (cProfile). ``drop``: None or ``(dropout_mask, 1 / (1 - p))``,
+    over 400 steps (the blocked path it fell back to cost about a tenth of a
+    step). ``drop``: None or ``(dropout_mask, 1 / (1 - p))``,
     applied to the output only. ``normalize``: leave the weights ``P = E r``
     in ``exp_scores``. ``factors``: None, or a causal ``mask`` as 0 / 1
     (:func:`qkvnp.ops.masks.causal_factors`), multiplied after the exponential
@@ -229,7 +244,7 @@ def _usable_sums(row_sums, mask, shifted):
     about 70 in float32, 690 in float64). NaN (a score that overflowed) is
     never usable. None: usable but for rows that the mask removes entirely
     (row sum 0, weights 0). The common case is two reductions (the extremes;
-    NaN fails them), 0.8 us less than the row-by-row test that follows them.
+    NaN fails them), cheaper than the row-by-row test that follows them.
     """
     tiny = 2.0 ** -24
     most = _MOST_SUMS.get(row_sums.dtype)
@@ -280,7 +295,7 @@ def small_backward(dout, query, key, value, exp_scores, inv_sum, out, dquery, dk
     # rounding (a float32 W_key gradient whose exact value is ~0: rowsum(dO * O)
     # gave 5.7e-6 error, this 1.2e-6; the reference 6.2e-6). Small rows make
     # the (T, S) pass cheap; the blocked path keeps rowsum(dO * O).
-    if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls (einsum's own cost is ~10 us)
+    if exp_scores.size < LARGE_SCORES:  # few scores: fewest calls (einsum has a fixed cost)
         dscores *= exp_scores  # E * dP
         delta = times_r(dscores @ _ones(dscores.shape[-1], dscores.dtype))  # rowsum(P * dP), (..., T, 1)
         dscores -= exp_scores * delta  # = rowsum * dS = E * (dP - delta)

@@ -4,11 +4,9 @@ Every forward and backward allocates and frees temporaries of the same sizes
 again and again. glibc serves blocks from 128 KiB on with ``mmap`` until a
 freed block teaches it a higher threshold, and gives the top of its heap back
 to the system whenever more than ``2 x`` that threshold is free. Each block
-that comes back from the system is page-faulted anew on its first write. On
-this 2-core VM a fault costs about 2.4 us, and the layer's forward+backward
-at (B, L, E, H) = (16, 32, 64, 4) took 192 faults a step in float32 (384 in
-float64): 1.89 ms a step instead of 1.42 (3.24 / 2.36 ms float64); a
-kv-recall float64 training step 332-369 faults, 3.6 ms instead of 3.0.
+that comes back from the system is page-faulted anew on its first write.
+NOTE: a small layer's forward+backward measured hundreds of faults a step,
+a third slower than without them (benchmarks/NOTES.md).
 How many faults a process takes depends on the sizes it happened to free
 first, so the same call is fast in one process and slow in the next.
 

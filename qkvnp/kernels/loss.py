@@ -53,13 +53,9 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     :math:`\\log \\mathrm{softmax}(z)_y = (z_y - m) - \\log s` (scipy's
     formula), and :math:`\\mathrm{softmax}(z) = 2^{(z - m)\\log_2 e} / s`.
 
-    NOTE: measured on (8, 64, 256) float32 (the book's tiny GPT, AMD EPYC
-    2-core VM, numpy 2.4), alternating A/B, medians of 300: the loss's
-    forward went from 370 to 280 us (``log_softmax`` alone 214 us, this
-    function 140 us, of which the row max 26 and the two row-broadcast
-    passes 30 each) and its backward, a copy instead of an ``exp``, from
-    119 to 59 us. ``np.exp2`` ran 28 us against ``np.exp``'s 59, a row sum
-    as ``@ ones`` 9 us against ``einsum``'s 10.5.
+    NOTE: measured faster than ``log_softmax`` then ``exp``, forward and
+    backward (a copy instead of an ``exp``); ``np.exp2`` faster than
+    ``np.exp``, a row sum as ``@ ones`` than ``einsum`` (benchmarks/NOTES.md).
 
     Examples
     --------
@@ -72,7 +68,7 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     C = logits.shape[-1]
     rows = logits.reshape(-1, C)  # (..., C) -> (N, C)
     positions = np.arange(rows.shape[0])  # (N,)
-    # NOTE: the row maximum read at argmax: 26 us against max's 44 on (512, 256) float32
+    # NOTE: the row maximum read at argmax: measured faster than max
     top = rows[positions, rows.argmax(axis=1)]  # m, (N, C) -> (N,)
     shifted = rows - top[:, None]  # z - m, (N, C), every entry <= 0
     picked = shifted[positions, targets.reshape(-1)]  # z_y - m, (N,)

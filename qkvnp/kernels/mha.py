@@ -24,18 +24,14 @@ this same forward, then this same backward, on its share of the batch, with
 the projections, the core and the output projection all in the worker; the
 caller joins the outputs and adds the shares' weight gradients. That is one
 hand-off to the threads a forward and one a backward, where splitting each
-matmul and core pass costs one each (a hand-off costs 40-60 us on the 2-core
-VM in a tight loop, 110-270 us inside a layer, whose arrays the caller's
-passes have just evicted): layer fwd+bwd at (64, 33, 64, 1) float32 went
-from 1.06-1.12x PyTorch's time to 0.88-0.89x (medians of three full runs,
-``benchmarks/RESULTS.md``).
+matmul and core pass costs one each. NOTE: a hand-off costs more than a small
+layer's matmul, inside a layer most of all (``benchmarks/NOTES.md``).
 
 At the other end, a self-attention forward whose every step runs on one
 thread in whole arrays (:func:`qkvnp.kernels.mha_small.applies`: the book's
 and learners' sizes, up to about (8, 16, 32, 4)) is handed to
 :mod:`qkvnp.kernels.mha_small` after the split test: the same math with a
-fifth of this module's bookkeeping (layer fwd+bwd at (1, 6, 3, 1) float64
-causal 121 -> 98 us). Its cache, a ``SmallLayerCache``, comes back to
+fifth of this module's bookkeeping. Its cache, a ``SmallLayerCache``, comes back to
 :func:`backward`, which hands it back there.
 """
 import math
@@ -49,9 +45,10 @@ from ..ops.dropout import dense_keep, no_dropout, prepare_dropout
 from ..functional import column_sums
 from ..ops.gqa import split_head_axis
 from ..ops.masks import additive_mask, causal_mask_offset, prepare_mask
-from . import fast, mha_small, tiled
+from . import fast, mha_small, projections, tiled
 from ._runtime import matmul, run, threads_for
 from .buffers import recycled_empty
+from .projections import weights_apart
 
 __all__ = ["forward", "backward", "split_forward", "FusedLayerCache", "SplitLayerCache", "CACHES",
            "PATHS", "ScoresMayOverflow", "projected_score_bound", "weights_apart"]
@@ -149,8 +146,8 @@ def check_score_bound(whole_query, whole_key, query, key, head_dim, dtype, value
     the queries (``whole_query``) and the keys (``whole_key``), values
     included: contiguous reductions, where the query and key columns are
     strided views. Only a screen at the limit pays for the exact bound from
-    ``query`` and ``key``, whose value the dispatch reports. (64, 8, 16, 2)
-    float32: 17 -> 4 us; (64, 33, 64, 1): 106 -> 44 us. The same screen
+    ``query`` and ``key``, whose value the dispatch reports (measured
+    several times faster: ``benchmarks/NOTES.md``). The same screen
     bounds ``max|value|`` (``D max|y|^2 < sqrt(max)`` gives ``max|y| <
     sqrt(max)``), except with ``values_apart`` (cross attention: the values
     have a projection of their own), which pays for one reduction of them.
@@ -305,67 +302,69 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
     widths = {"query": E, "key": E_kv, "value": E_kv}
     scale = 1.0 / math.sqrt(D)
     dtype = p["W_query"].dtype
-    c = dtype.type(scale)
-    has_bias = "b_query" in p
     lead = batch + (H,) if out_proj else batch  # SelfAttention: no head axis
     # NOTE: every check that can refuse the input runs here, before any work.
     # NOTE: the tiled core tests its blocks against the diagonal itself: no (T, S) causal mask
     bias, keep = prepare_mask(mask, is_causal if path != "tiled" else False, lead + (T, S), dtype)
     # only checked here: a drawn mask is drawn after the score bound below
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S), draw=False)
-
-    def fused(names):
-        W = np.concatenate([p["W_" + n] for n in names], axis=1)  # (in, sum of widths)
-        b = np.concatenate([p["b_" + n] for n in names]) if has_bias else None
-        if names[0] == "query":
-            W[:, :E] *= c
-            if b is not None:
-                b[:E] *= c
-        return W, b
-
     groups = _GROUPS[kind]
     # NOTE: the projections go to BLAS's own threads only where the core runs
     # serially, forward and backward (its backward, the larger pass, below the
-    # pool's threshold): their spinning threads slowed a pooled core 1.2-1.45x
+    # pool's threshold): their spinning threads slowed a pooled core
     blas = path == "fast" and threads_for(4 * math.prod(lead) * T * S * (2 * D + 1)) == 1
-    rows, W_in, projected, fused_outputs = [], [], [], []
-    for i, (x, names) in enumerate(zip(inputs, groups)):
-        x2d = x.reshape(-1, x.shape[-1])  # (..., L, in) -> (N, in)
-        width = sum(widths[name] for name in names)
-        y = np.empty((x2d.shape[0], width), dtype)  # (N, widths)
-        columns = _columns(y, names, widths)  # (N, E) or (N, E_kv) views
-        if weights_apart(*x2d.shape):
-            # fewer rows than input features: one product per matrix, each
-            # written into its columns of y, and the scale applied to the
-            # query's N rows, not to W_query's `in` rows (see weights_apart)
-            W = tuple(p["W_" + name].copy() for name in names)  # the cache's (_read_weights)
-            for W_name, y_name in zip(W, columns):
-                matmul(x2d, W_name, y_name, blas_threads=blas)  # (N, in) @ (in, width)
-            if has_bias:
-                for name, y_name in zip(names, columns):
-                    y_name += p["b_" + name]
-            if names[0] == "query":
-                columns[0] *= c  # (x W_q + b_q) c
-        else:
-            W, b = fused(names)
-            matmul(x2d, W, y, blas_threads=blas)  # (N, in) @ (in, widths) -> (N, widths)
-            if b is not None:
-                y += b
-        rows.append(x2d)
-        W_in.append(W)
-        fused_outputs.append(y)
-        projected.extend(columns)
+    rows, W_in, fused_outputs, projected = projections.project_inputs(
+        p, inputs, groups, widths, dtype.type(scale), blas)
     keys_output = next(y for y, names in zip(fused_outputs, groups) if "key" in names)
     check_score_bound(fused_outputs[0], keys_output, projected[0], projected[1], D, dtype,
                       projected[2], values_apart=kind == "cross")
     if path == "fast" and dropout is not None and dropout.mask is None:
         # the tiled core draws its own mask by blocks
         dropout = prepare_dropout(dropout_p, rng, None, lead + (T, S))
+    merged = np.empty((projected[0].shape[0], E), dtype)  # (N, E)
+    heads = _head_views(projected, merged, batch, T, S, H, H_kv, out_proj,
+                        (mask, dropout_mask, bias, keep))
+    if path == "tiled":
+        _, core_cache = tiled.attention_forward(heads.q, heads.k, heads.v, heads.mask, is_causal,
+                                                scale=1.0, block_size=block_size,
+                                                out=heads.out, dropout_p=dropout_p, rng=rng,
+                                                dropout_mask=heads.dropout_mask)
+        weights = None
+    else:
+        core_cache, weights = _dense_core(heads, dropout, need_weights, H, dtype)
+        if weights is not None and H_kv != H:
+            weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
+    out = mha_small.project_output(merged, p, out_proj, out, batch + (T,),
+                                   lambda a, b, y: matmul(a, b, y, blas_threads=blas))
+    cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
+                            tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
+                            p["W_out"] if out_proj else None, out_proj, "b_query" in p, out.shape,
+                            "b_out" in p, H_kv, blas)
+    return out, weights, cache
+
+
+_HeadViews = namedtuple("_HeadViews", "q k v out lead mask dropout_mask bias keep G")
+_HeadViews.__doc__ = """The core's operands as head views of the projections (:func:`_head_views`).
+
+q, k, v, out : views of the projected columns and of ``merged``.
+lead : the core's leading dims; mask, dropout_mask, bias, keep : split per group
+    under grouped-query attention; G : queries per key/value head (1 without it).
+"""
+
+
+def _head_views(projected, merged, batch, T, S, H, H_kv, out_proj, masks):
+    """View the projected ``(N, width)`` columns and ``merged`` as the core's heads, no copy.
+
+    ``(..., H, T, D)``; ``(..., H_kv, G, T, D)`` queries over ``(..., H_kv, 1, S, D)``
+    keys and values under grouped-query attention (:mod:`qkvnp.ops.gqa`, its
+    ``masks = (mask, dropout_mask, bias, keep)`` split alike); no head axis
+    without ``out_proj``.
+    """
+    mask, dropout_mask, bias, keep = masks
     k = _heads(projected[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     v = _heads(projected[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
-    merged = np.empty((projected[0].shape[0], E), dtype)  # (N, E)
+    G = H // H_kv
     if H_kv != H:  # grouped-query attention: K/V broadcast over each group (qkvnp.ops.gqa)
-        G = H // H_kv
         lead = batch + (H_kv, G)
         q = _group_heads(projected[0], batch, T, H_kv, G)  # (N, E) -> (..., H_kv, G, T, D)
         k, v = k[..., None, :, :], v[..., None, :, :]  # (..., H_kv, 1, S, D): broadcast over G
@@ -375,51 +374,42 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, path="fast",
             dropout_mask = split_head_axis(np.asarray(dropout_mask), H, H_kv, G)
         bias, keep = (None if m is None else split_head_axis(m, H, H_kv, G) for m in (bias, keep))
     else:
+        lead = batch + (H,) if out_proj else batch
         q = _heads(projected[0], batch, T, H)  # (N, E) -> (..., H, T, D)
         out_heads = _heads(merged, batch, T, H)  # (..., H, T, D) view of merged
     if not out_proj:  # SelfAttention: no head axis in the mask
         q, k, v, out_heads = _unheads(q), _unheads(k), _unheads(v), _unheads(out_heads)
-    if path == "tiled":
-        _, core_cache = tiled.attention_forward(q, k, v, mask, is_causal, scale=1.0,
-                                                block_size=block_size, out=out_heads,
-                                                dropout_p=dropout_p, rng=rng,
-                                                dropout_mask=dropout_mask)
-        weights = None
-    else:
-        add = additive_mask(bias, keep, dtype)
-        exp_scores = recycled_empty(lead + (T, S), dtype)  # a pool's buffer no array refers to
-        inv_sum = np.empty(lead + (T, 1), dtype)
-        drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
-        if drop_keep is not None:
-            (drop_keep,) = owned((drop_keep,), (dropout_mask,))  # the cache owns what backward reads
-        if H_kv != H:  # the dense core reads full leading dims: (..., H_kv, G, S, D) views
-            k, v = np.broadcast_to(k, lead + k.shape[-2:]), np.broadcast_to(v, lead + v.shape[-2:])
-            drop_keep = None if drop_keep is None else split_head_axis(drop_keep, H, H_kv, G)
-        normalized, chunk_rows = fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads,
-                                                    drop_keep, drop_p)
-        core_cache = fast.FastAttentionCache(q, k, v, exp_scores,
-                                             None if normalized else inv_sum, out_heads, 1.0,
-                                             (q.shape, k.shape, v.shape), drop_keep, drop_p,
-                                             causal_mask_offset(add, dtype), chunk_rows)
-        weights = fast.attention_weights(core_cache) if need_weights else None
-        if weights is not None and H_kv != H:
-            weights = weights.reshape(batch + (H, T, S))  # (..., H_kv, G, T, S) -> (..., H, T, S)
-    out = mha_small.project_output(merged, p, out_proj, out, batch + (T,),
-                                   lambda a, b, y: matmul(a, b, y, blas_threads=blas))
-    cache = FusedLayerCache(path, kind, tuple(rows), tuple(x.shape for x in inputs),
-                            tuple(W_in), groups, scale, core_cache, batch, T, S, H, merged,
-                            p["W_out"] if out_proj else None, out_proj, has_bias, out.shape,
-                            "b_out" in p, H_kv, blas)
-    return out, weights, cache
+    return _HeadViews(q, k, v, out_heads, lead, mask, dropout_mask, bias, keep, G)
 
 
-def _columns(y, names, widths):
-    """The ``(N, width)`` column views of a fused projection, one per name."""
-    views, start = [], 0
-    for name in names:
-        views.append(y[:, start:start + widths[name]])
-        start += widths[name]
-    return views
+def _dense_core(heads, dropout, need_weights, H, dtype):
+    """The fast core on the head views, its output written into ``heads.out``.
+
+    Returns ``(core_cache, weights)``: a :class:`qkvnp.kernels.fast.FastAttentionCache`
+    and the weights ``(..., T, S)`` (``(..., H_kv, G, T, S)`` under grouped-query
+    attention) or None.
+    """
+    q, k, v, out_heads, lead = heads.q, heads.k, heads.v, heads.out, heads.lead
+    T, S = q.shape[-2], k.shape[-2]
+    add = additive_mask(heads.bias, heads.keep, dtype)
+    exp_scores = recycled_empty(lead + (T, S), dtype)  # a pool's buffer no array refers to
+    inv_sum = np.empty(lead + (T, 1), dtype)
+    drop_keep, drop_p = (None, 0.0) if dropout is None else (dense_keep(dropout), dropout.p)
+    if drop_keep is not None:
+        # the cache owns what backward reads
+        (drop_keep,) = owned((drop_keep,), (heads.dropout_mask,))
+    if heads.G != 1:  # the dense core reads full leading dims: (..., H_kv, G, S, D) views
+        k, v = np.broadcast_to(k, lead + k.shape[-2:]), np.broadcast_to(v, lead + v.shape[-2:])
+        H_kv = H // heads.G
+        drop_keep = None if drop_keep is None else split_head_axis(drop_keep, H, H_kv, heads.G)
+    normalized, chunk_rows = fast.dense_forward(q, k, v, add, exp_scores, inv_sum, out_heads,
+                                                drop_keep, drop_p)
+    core_cache = fast.FastAttentionCache(q, k, v, exp_scores,
+                                         None if normalized else inv_sum, out_heads, 1.0,
+                                         (q.shape, k.shape, v.shape), drop_keep, drop_p,
+                                         causal_mask_offset(add, dtype), chunk_rows)
+    weights = fast.attention_weights(core_cache) if need_weights else None
+    return core_cache, weights
 
 
 def backward(dout, cache, dinputs_out=None, check=True):
@@ -460,26 +450,42 @@ def backward(dout, cache, dinputs_out=None, check=True):
     if isinstance(cache, mha_small.SmallLayerCache):
         return mha_small.backward(dout, cache, dinputs_out, check)
     c = cache
-    batch, T, S, H, merged = c.batch, c.T, c.S, c.H, c.merged
-    rows, groups, out_proj = c.rows, c.in_names, c.out_proj
-    dtype = merged.dtype
-    E = merged.shape[1]
+    dtype = c.merged.dtype
+    E = c.merged.shape[1]
     dy = as_upstream_grad(dout, "dout", c.out_shape, dtype) if check else dout
     dy = dy.reshape(-1, c.out_shape[-1])  # (..., T, out_dim) -> (N, out_dim)
     grads = {}
-    if out_proj:
+    if c.out_proj:
+        # in the forward this was: out = merged @ W_out + b_out
         # (E, N) @ (N, out_dim) -> (E, out_dim)
-        grads["W_out"] = matmul(merged.T, dy, split="cols", blas_threads=c.blas_threads)
+        grads["W_out"] = matmul(c.merged.T, dy, split="cols", blas_threads=c.blas_threads)
         if c.has_out_bias:
             grads["b_out"] = column_sums(dy)  # (N, out_dim) -> (out_dim,)
         dmerged = matmul(dy, c.W_out.T, blas_threads=c.blas_threads)  # (N, out_dim) @ (out_dim, E)
     else:
         dmerged = dy
-    H_kv = c.H_kv
-    widths = {"query": E, "key": H_kv * (E // H), "value": H_kv * (E // H)}
+    widths = {"query": E, "key": c.H_kv * (E // c.H), "value": c.H_kv * (E // c.H)}
     dprojected = [np.empty((x2d.shape[0], sum(widths[n] for n in names)), dtype)
-                  for x2d, names in zip(rows, groups)]  # (N, widths) per projection
-    dcols = [col for d, names in zip(dprojected, groups) for col in _columns(d, names, widths)]
+                  for x2d, names in zip(c.rows, c.in_names)]  # (N, widths) per projection
+    dcols = [col for d, names in zip(dprojected, c.in_names)
+             for col in projections.column_views(d, names, widths)]  # query, key, value
+    _core_backward(c, dmerged, dcols)
+    dinputs = []
+    for x2d, shape, W, names, d in zip(c.rows, c.in_shapes, c.W_in, c.in_names, dprojected):
+        dx = None if dinputs_out is None else dinputs_out[len(dinputs)].reshape(x2d.shape)
+        # the forward's weights apart (weights_apart) or fused
+        step = projections.backward_apart if isinstance(W, tuple) else projections.backward_fused
+        dx = step(x2d, W, names, d, widths, dtype.type(c.scale), c, grads, dx)
+        dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
+    return grads, tuple(dinputs)
+
+
+def _core_backward(c, dmerged, dcols):
+    """The core's backward from ``dmerged`` (N, E) into ``dcols``, the ``(N, width)``
+    query, key and value columns of the projections' gradients (the query's is the
+    gradient of the *scaled* query: the scale lives in the projection)."""
+    batch, T, S, H, H_kv = c.batch, c.T, c.S, c.H, c.H_kv
+    dtype = dmerged.dtype
     dk = _heads(dcols[1], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     dv = _heads(dcols[2], batch, S, H_kv)  # (N, E_kv) -> (..., H_kv, S, D)
     if H_kv != H:  # grouped-query attention: the core gives each query head's dK, dV
@@ -492,89 +498,17 @@ def backward(dout, cache, dinputs_out=None, check=True):
         dq = _heads(dcols[0], batch, T, H)  # (N, E) -> (..., H, T, D)
         dheads = _heads(dmerged, batch, T, H)  # (N, E) -> (..., H, T, D)
         dk_heads, dv_heads = dk, dv
-    if not out_proj:
+    if not c.out_proj:
         dq, dk_heads, dv_heads, dheads = (_unheads(dq), _unheads(dk_heads), _unheads(dv_heads),
                                           _unheads(dheads))
     if c.path == "tiled":
         tiled.attention_backward(dheads, c.core_cache, grads_out=(dq, dk_heads, dv_heads),
                                  check=False)
     else:
-        # gradient w.r.t. the *scaled* query: the scale lives in the fused W
         fast.dense_backward(dheads, c.core_cache, dq, dk_heads, dv_heads, dtype.type(1))
     if H_kv != H:  # a key/value head's gradient sums those of its G query heads
         np.sum(dk_heads, axis=-3, out=dk)  # (..., H_kv, G, S, D) -> (..., H_kv, S, D)
         np.sum(dv_heads, axis=-3, out=dv)
-    scale = dtype.type(c.scale)
-    dinputs = []
-    for x2d, shape, W, names, d in zip(rows, c.in_shapes, c.W_in, groups, dprojected):
-        dx = None if dinputs_out is None else dinputs_out[len(dinputs)].reshape(x2d.shape)
-        if isinstance(W, tuple):  # the forward's weights apart (weights_apart)
-            dinputs.append(_backward_apart(x2d, W, names, d, widths, scale, c, grads, dx)
-                           .reshape(shape))  # (N, in) -> (..., L, in)
-            continue
-        dW = matmul(x2d.T, d, split="cols", blas_threads=c.blas_threads)  # (in, N) @ (N, widths)
-        db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
-        if names[0] == "query":  # W' = scale * W_query: dW_query = scale dW'
-            dW[:, :E] *= scale
-            if db is not None:
-                db[:E] *= scale
-        start = 0
-        for name in names:
-            columns = slice(start, start + widths[name])
-            start += widths[name]
-            grads["W_" + name] = dW[:, columns]  # views of dW: the layer adds them into its grads
-            if db is not None:
-                grads["b_" + name] = db[columns]
-        dx = matmul(d, W.T, dx, blas_threads=c.blas_threads)  # (N, widths) @ (widths, in)
-        dinputs.append(dx.reshape(shape))  # (N, in) -> (..., L, in)
-    return grads, tuple(dinputs)
-
-
-def weights_apart(rows, features):
-    """Whether a projection of ``rows`` inputs of ``features`` each multiplies by its
-    matrices one at a time instead of by their concatenation.
-
-    The fused matrix ``[c W_q, W_k, W_v]`` costs a copy of ``features x widths``
-    entries and a pass scaling ``W_q`` on every call, where the product costs
-    ``rows x features x widths`` multiply-adds: the copy and the scaling weigh
-    as much as the product at about 70 rows (an entry copied cost 0.56 ns on
-    the 2-core VM, a multiply-add 0.008 ns on OpenBLAS's two threads). Apart,
-    each product writes its columns of the output and the scale multiplies the
-    query's ``rows x E`` outputs (forward) and gradients (backward) instead.
-    Measured (the self-attention projection, float32, OpenBLAS's two threads,
-    fused / apart): (16, 768) 1.53 / 0.52 ms, (128, 768) 2.65 / 1.87,
-    (512, 768) 6.2 / 5.8, (64, 256) 0.22 / 0.16; from ``rows >= features`` on
-    the fused product is as fast or faster: (256, 256) 0.45 / 0.49, (1000, 64)
-    0.11 / 0.18 (three calls and narrower products). float64 alike.
-    """
-    return rows < features
-
-
-def _backward_apart(x2d, W, names, d, widths, scale, c, grads, dx):
-    """The input projections' backward when the forward multiplied by ``W``, a tuple
-    of the unscaled matrices, one at a time (:func:`weights_apart`).
-
-    ``d`` is the gradient of the projection outputs, the query's scaled:
-    ``y_q = c (x W_q + b_q)``, so the query's columns are scaled by ``c`` first
-    (in place: ``d`` is this backward's own), then each matrix gets
-    ``dW = x^T d_name``, each bias the column sums, and ``dx`` the sum of the
-    ``d_name W^T``. Writes ``grads``; returns ``dx`` (N, in).
-    """
-    columns = _columns(d, names, widths)  # (N, width) views of d
-    if names[0] == "query":
-        columns[0] *= scale  # gradient of x W_q + b_q
-    db = column_sums(d) if c.has_bias else None  # (N, widths) -> (widths,)
-    start = 0
-    for name, d_name in zip(names, columns):
-        # (in, N) @ (N, width) -> (in, width)
-        grads["W_" + name] = matmul(x2d.T, d_name, split="cols", blas_threads=c.blas_threads)
-        if db is not None:
-            grads["b_" + name] = db[start:start + widths[name]]
-        start += widths[name]
-    dx = matmul(columns[0], W[0].T, dx, blas_threads=c.blas_threads)  # (N, width) @ (width, in)
-    for W_name, d_name in zip(W[1:], columns[1:]):
-        dx += matmul(d_name, W_name.T, blas_threads=c.blas_threads)
-    return dx
 
 
 def _batch_shares(params, inputs, num_heads, out_proj):

@@ -12,8 +12,8 @@ arrays (:func:`applies`): the book's (1, 6, 3, 1), tutorials' (8, 16, 32, 4), th
 teacher task's (64, 8, 16, 2). There the general kernel's bookkeeping (a
 loop over the fused projections, head views built one by one, the core's
 own dispatch between whole arrays, blocks and threads, the projections'
-thread choice) cost more than numpy's arithmetic: at (1, 6, 3, 1) the layer
-took about 120 us a forward+backward where the arithmetic takes 35. Here the
+thread choice) cost more than numpy's arithmetic (measured, benchmarks/NOTES.md).
+Here the
 three heads are one transposed view of the projection, the core is called
 directly, and the cache is flat.
 

@@ -14,6 +14,14 @@ the extra memory does not grow with the sequence length. This module checks
 the inputs, sizes the blocks and shares them among the threads; the passes
 over each block are in :mod:`qkvnp.kernels.tiled_blocks`.
 
+The alternative to the reference core (:func:`qkvnp.functional.attention_forward`)
+and to the dense fast core (:mod:`qkvnp.kernels.fast`) where the ``(T, S)``
+weights would not fit. The variants (window, soft-cap, ALiBi, sinks, score
+bias) have their own tiled core, :mod:`qkvnp.kernels.tiled_variants`, which
+differs in the algorithm: here, without a mask, a cheap bound of each row
+max lets the rows skip the online rescaling, masked blocks are skipped whole,
+and the backward shares key blocks among the threads.
+
 The ``(..., bq, bk)`` blocks are shared among the worker threads of
 :mod:`qkvnp.kernels._runtime` (``qkvnp.set_num_threads``): query blocks in
 the forward, key blocks in the backward. Its default block size is the
@@ -41,12 +49,8 @@ __all__ = ["attention_forward", "attention_backward", "TiledAttentionCache"]
 
 # A (..., bq, bk) block of the default size holds at most about this many
 # scores: with many (batch, head) pairs the default blocks shrink so that the
-# per-block temporaries stay around a MiB. Measured, layer fwd+bwd, 2 threads,
-# 1 << 18 against 1 << 20 (blocks (256, 256) against (512, 512) over 4 heads):
-# (1, 4096, 256, 4) float64 1063 -> 981 ms and 174 -> 144 MiB peak, causal
-# 722 -> 644 ms; float32 causal 328 -> 308 ms, 107 -> 90 MiB; float32 without
-# a mask 491 -> 515 ms (the one loss, 5%), 84 -> 69 MiB; (1, 2048, 512, 8)
-# causal 272 -> 241 ms (float32), 536 -> 483 ms (float64).
+# per-block temporaries stay around a MiB. NOTE: 1 << 18 measured faster than
+# 1 << 20 and with a smaller peak but in one case (benchmarks/NOTES.md).
 _BLOCK_ELEMENTS = 1 << 18
 _MIN_DEFAULT_BLOCK = 32
 
@@ -102,8 +106,7 @@ def _check_block_size(block_size, T, S, lead_size):
         # blocks among the threads. A single block would run in the calling
         # thread on OpenBLAS's own threads, whose tiny matmuls are slow and
         # whose idle threads then spin and slow whatever runs next: give every
-        # thread a block. Measured at (B, H, L, D) = (8, 8, 128, 32), 2 threads:
-        # 23 -> 8.3 ms (float32) and 48 -> 12.5 ms (float64), forward+backward.
+        # thread a block (measured several times faster, benchmarks/NOTES.md).
         threads = get_num_threads()
         block_q = min(block_q, max(_MIN_DEFAULT_BLOCK, -(-T // threads)))
         block_k = min(block_k, max(_MIN_DEFAULT_BLOCK, -(-S // threads)))

@@ -184,8 +184,7 @@ def _bounded_rows(problem, i0, i1, a, qs, acc, row_maxes, row_sums, buffers):
     :math:`\\tilde P = e^{S - b}` never exceeds 1 and needs no running max:
     each key block adds :math:`\\tilde P V_j` and :math:`\\mathrm{rowsum}\\,\\tilde P`,
     and nothing is rescaled. That saves the row max, the rescaling of the
-    accumulator and its exponentials ((1, 4096, 256, 4) float32 causal, the
-    whole forward on one thread: 163 -> 134 ms). The
+    accumulator and its exponentials (measured, benchmarks/NOTES.md). The
     cache then holds :math:`b` as ``row_max``: :math:`b + \\log \\ell` is the
     row's logsumexp as well. Returns False (the caller redoes the rows with
     the exact running max) when a row sum is below 2**-24: the bound was so
@@ -234,8 +233,7 @@ def forward_rows(problem, part, out, row_maxes, row_sums):
     block_sum = np.empty(lead + (block_q, 1), dtype)
     # NOTE: one failed bounded block means bounds far above the row maxes (sharp
     # attention), which the next blocks most likely share: they go straight to
-    # the running max. Trying every block cost (1, 4, 4096, 64) float32 causal
-    # inputs of scale 4 a forward of 348 ms against 256 for the running max alone.
+    # the running max (trying every block measured slower, benchmarks/NOTES.md).
     bounded = bound is not None
     for a, i0 in part:
         i1 = min(i0 + block_q, T)

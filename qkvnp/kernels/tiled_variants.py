@@ -4,11 +4,21 @@ Shape key: T query length, S key length, D head dim of queries and keys, Dv
 head dim of values, ``...`` any leading (batch, head) dims, H heads; ``bq``
 and ``bk`` the query and key block sizes.
 
-The FlashAttention-style core of :mod:`qkvnp.kernels.tiled` for the
-variants of :mod:`qkvnp.ops.variants`, kept apart from it so that each reads in
-one sitting: an online softmax over key blocks in the forward, the weights
-recomputed block by block in the backward, never a ``(T, S)`` array (unless
-the caller passes a ``score_bias`` or mask of that size, which is sliced).
+The alternative to the reference variants' core (:func:`qkvnp.functional.attention_forward`
+with the options of :mod:`qkvnp.ops.variants`) for long sequences: an online
+softmax over key blocks in the forward, the weights recomputed block by block
+in the backward, never a ``(T, S)`` array (unless the caller passes a
+``score_bias`` or mask of that size, which is sliced).
+
+It differs from :mod:`qkvnp.kernels.tiled`, the plain tiled core, in the
+algorithm, not only in thresholds: scores here take a bias, a cap and a sink,
+so no bound of the row max is known before them, and every row runs the
+rescaling online softmax (``tiled``, without a mask, first tries a bound
+that needs no rescaling); key blocks are visited by band (:func:`band_key_range`, where
+``tiled`` skips whole masked blocks); the backward shares query blocks among
+the threads, each summing its own dK, dV (``tiled`` shares key blocks).
+NOTE: plain attention through this core measured up to 4x slower than
+``tiled``, and not bit for bit equal (benchmarks/NOTES.md).
 
 What makes windows pay: query block ``[i0, i1)`` can only see keys
 ``[i0 + o - left, i1 - 1 + o + right]`` (``o`` the alignment's offset), so
@@ -238,39 +248,16 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     scale = check_scale(scale, query.shape[-1])
     T, S = query.shape[-2], key.shape[-2]
     if core_scores_may_overflow(query, key, scale):  # NOTE: only the reference clips exactly
-        bias = None
-        if alibi_slopes is not None:
-            from ..ops.positions import alibi_bias
-
-            offset = causal_offset(is_causal, T, S) or 0
-            slopes = np.asarray(alibi_slopes, dtype=np.float64)
-            bias = alibi_bias(T, S, slopes.reshape(-1), offset).reshape(
-                slopes.shape + (T, S)).astype(query.dtype)
-            bias = bias if score_bias is None else bias + score_bias
-        with np.errstate(over="ignore"):
-            return F.attention_forward(
-                query, key, value, attn_mask, is_causal, scale,
-                score_bias=score_bias if bias is None else bias, softcap=softcap, sinks=sinks,
-                window=window, dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
+        return _reference_forward(query, key, value, attn_mask, is_causal, scale, score_bias,
+                                  alibi_slopes, softcap, sinks, window, dropout_p, rng,
+                                  dropout_mask)
     dtype = query.dtype
     bias, keep = prepare_mask(attn_mask, False, lead + (T, S), dtype)
     bias, keep = owned((bias, keep), (attn_mask, attn_mask))  # the backward re-reads them
     check_is_causal(is_causal)
-    score_bias_shape = None
-    if score_bias is not None:
-        score_bias = as_float_array(score_bias, "score_bias", dtype)
-        score_bias_shape = score_bias.shape
-        _check_broadcasts(score_bias.shape, lead + (T, S), "score_bias", "(..., T, S)")
-        score_bias = _at_least_2d(score_bias).copy()  # the cache owns it
-    alibi = None
-    if alibi_slopes is not None:
-        alibi = as_float_array(alibi_slopes, "alibi_slopes", dtype)[..., None, None]
-        _check_broadcasts(alibi.shape, lead + (T, S), "alibi_slopes", "(H,)")
-    sinks_column = None
-    if sinks is not None:
-        sinks = as_float_array(sinks, "sinks", dtype).copy()
-        sinks_column = sinks[..., None, None]  # (..., 1, 1)
-        _check_broadcasts(sinks_column.shape, lead + (T, 1), "sinks", "(H,)")
+    score_bias, score_bias_shape, alibi, sinks = _check_options(score_bias, alibi_slopes, sinks,
+                                                                 lead, T, S, dtype)
+    sinks_column = None if sinks is None else sinks[..., None, None]  # (..., 1, 1)
     dropout = prepare_dropout(dropout_p, rng, dropout_mask, lead + (T, S))
     offset = causal_offset(is_causal, T, S) or 0
     causal = check_is_causal(is_causal) is not False
@@ -297,6 +284,50 @@ def attention_forward(query, key, value, attn_mask=None, is_causal=False, scale=
     if dropout is not None:
         out *= keep_scale(dropout.p, dtype)
     return out, cache._replace(out=out.copy(), row_max=row_max, row_sum=row_sum)
+
+
+def _reference_forward(query, key, value, attn_mask, is_causal, scale, score_bias, alibi_slopes,
+                       softcap, sinks, window, dropout_p, rng, dropout_mask):
+    """The reference's forward, for scores that may overflow: ALiBi given to it as a
+    ``(..., T, S)`` score bias (added to ``score_bias``), since it takes no slopes."""
+    T, S = query.shape[-2], key.shape[-2]
+    bias = None
+    if alibi_slopes is not None:
+        from ..ops.positions import alibi_bias
+
+        offset = causal_offset(is_causal, T, S) or 0
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        bias = alibi_bias(T, S, slopes.reshape(-1), offset).reshape(
+            slopes.shape + (T, S)).astype(query.dtype)
+        bias = bias if score_bias is None else bias + score_bias
+    with np.errstate(over="ignore"):
+        return F.attention_forward(
+            query, key, value, attn_mask, is_causal, scale,
+            score_bias=score_bias if bias is None else bias, softcap=softcap, sinks=sinks,
+            window=window, dropout_p=dropout_p, rng=rng, dropout_mask=dropout_mask)
+
+
+def _check_options(score_bias, alibi_slopes, sinks, lead, T, S, dtype):
+    """Check the variants' arrays against the scores ``lead + (T, S)``; return what the
+    cache keeps: ``(score_bias, score_bias_shape, alibi, sinks)``.
+
+    ``score_bias`` an owned copy, at least 2-D, and its caller's shape (None, None
+    without one); ``alibi`` the slopes as ``(..., 1, 1)``; ``sinks`` an owned copy.
+    """
+    score_bias_shape = None
+    if score_bias is not None:
+        score_bias = as_float_array(score_bias, "score_bias", dtype)
+        score_bias_shape = score_bias.shape
+        _check_broadcasts(score_bias.shape, lead + (T, S), "score_bias", "(..., T, S)")
+        score_bias = _at_least_2d(score_bias).copy()  # the cache owns it
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = as_float_array(alibi_slopes, "alibi_slopes", dtype)[..., None, None]
+        _check_broadcasts(alibi.shape, lead + (T, S), "alibi_slopes", "(H,)")
+    if sinks is not None:
+        sinks = as_float_array(sinks, "sinks", dtype).copy()
+        _check_broadcasts(sinks[..., None, None].shape, lead + (T, 1), "sinks", "(H,)")
+    return score_bias, score_bias_shape, alibi, sinks
 
 
 def _flops(lead, work, D, Dv):

@@ -160,7 +160,8 @@ class num_threads:
     process (:func:`set_num_threads`) is not changed, so that blocks entered
     and left in any order by several threads leave it as it was. Nested
     blocks in one thread: the innermost wins. (A class rather than a
-    ``contextlib`` generator: ``import contextlib`` cost 2.5 ms of ``import qkvnp``.)
+    ``contextlib`` generator: ``import contextlib`` was a measurable share of
+    ``import qkvnp``.)
 
     >>> with num_threads(1):
     ...     get_num_threads()
@@ -198,15 +199,10 @@ class Crew:
 
     NOTE: unpinned, a worker woken after an idle spell was often placed on the
     CPU of the thread that woke it (Linux's wake-affine) and the two halves of
-    the work ran on one core: measured 27 ms instead of 15 ms for a layer
-    called after a 50 ms pause. The caller is pinned for the same reason: an
-    unpinned caller running a share shared a core with a worker
-    ((8, 128, 256, 8) float32 13.9 -> 21.4 ms). Pinned, against the caller
-    only waiting on two workers, layer fwd+bwd, three alternated pairs of
-    processes (2026-11-24): (64, 33, 64, 1) float32 causal 2.42-2.47 ->
-    2.25-2.41 ms, (32, 64, 128, 8) float32 7.00-7.26 -> 6.78-7.18,
-    (8, 128, 256, 8) float64 20.7-22.3 -> 19.8-21.7; (4, 512, 512, 8) and
-    (1, 2048, 512, 8) causal unchanged within their spread.
+    the work ran on one core. The caller is pinned for the same reason: an
+    unpinned caller running a share shared a core with a worker. Pinned, the
+    caller running a share measured as fast or faster than a caller only
+    waiting on two workers (benchmarks/NOTES.md).
     """
 
     def __init__(self, workers):

@@ -147,7 +147,7 @@ class Layer(ABC):
 
     def zero_grad(self) -> None:
         """Reset every gradient to zeros of its parameter's shape and dtype."""
-        # NOTE: np.zeros, not zeros_like (a Python function): 0.36 against 1.37 us an array
+        # NOTE: np.zeros, not zeros_like (a Python function): measured faster
         self.grads = {name: np.zeros(p.shape, p.dtype) for name, p in self.params.items()}
 
     def state_dict(self) -> dict[str, FloatArray]:

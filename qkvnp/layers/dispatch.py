@@ -99,8 +99,8 @@ def layer_forward(params: dict[str, Any], inputs: Sequence[FloatArray], kind: st
         if names:
             dispatch = choose_path(*path_args, is_causal=causal, variants=names)
             # NOTE: BLAS on one thread, as the fused paths: OpenBLAS's threads
-            # made the (8, 128, 256, 8) float32 layer with rope=True 10x slower
-            # on a loaded 2-core host (1244 against 83 ms fwd+bwd)
+            # made a layer with rope=True an order of magnitude slower on a
+            # loaded host (benchmarks/NOTES.md)
             with single_threaded_blas():
                 out, weights, cache = variant_layer.split_forward(
                     params, inputs, kind, num_heads, mask, is_causal, variants,
@@ -139,7 +139,7 @@ def _layer_kernels():
     """The layer kernels' modules, imported at the first layer call.
 
     NOTE: ``import qkvnp`` stays light (numpy and little else): importing the
-    three kernels and their helpers cost 11 ms of a 21 ms ``import qkvnp``.
+    three kernels and their helpers cost half of ``import qkvnp``.
     """
     if not _LAYER_KERNELS:
         from . import reference

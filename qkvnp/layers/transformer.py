@@ -383,11 +383,8 @@ class FeedForward(Model):
 # the feed-forward's. NOTE: the kernels split a lone layer's batch over their
 # worker threads from ``batch_split_flops`` on, which pays for the layer alone;
 # in a block, the threads OpenBLAS spun up for the feed-forward's products are
-# still spinning, and the split lost: the book's GPT at (V, C, E, H, L, B) =
-# (256, 128, 128, 4, 4, 8) float32 (attention 201 MFLOP), 2 cores, an AdamW
-# step 121-135 ms split against 83-87 ms serial (PyTorch: 94-111 ms), tiny
-# (256, 64, 64, 4, 2, 8) unchanged (2026-11-27, load ~2). Above it: not
-# measured in a block; the kernels decide as for a lone layer.
+# still spinning, and the split lost on the book's GPT (benchmarks/NOTES.md).
+# Above it: not measured in a block; the kernels decide as for a lone layer.
 _SERIAL_ATTENTION_FLOPS = 1 << 29
 
 

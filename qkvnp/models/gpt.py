@@ -411,15 +411,10 @@ class GPTModel(Model):
         below the ``min_parallel_flops`` setting; else a no-op (BLAS's own count).
 
         NOTE: OpenBLAS spreads even these small products over its threads, which
-        then spin while the step's NumPy passes that follow want the cores. The
-        book's GPT at (V, C, E, H, L, B) = (256, 64, 64, 4, 2, 8) float32 (largest
-        product 2**24), 2 cores, an AdamW step, host loaded by other jobs (load
-        2.3-4.4), alternated: 10.3-19 ms at one thread against 8.7-172 at two
-        (``benchmarks/gpt_compare.py``: medians 18.1 and 14.8 ms against 176
-        and 167). On the idle host (2026-11-27, four processes, each alternating
-        both): 9.9-10.7 ms pinned against 8.2-9.0 in two processes and
-        11.1-11.7 in the other two, unpinned. At (256, 128, 128, 4, 4, 8)
-        (2**27) nothing changes. The thread count is process-wide while the
+        then spin while the step's NumPy passes that follow want the cores: on a
+        loaded host two threads measured up to ten times slower than one, on an
+        idle one about the same (``benchmarks/gpt_compare.py``;
+        benchmarks/NOTES.md). The thread count is process-wide while the
         section is open (as in the kernels' sections); other threads' NumPy
         products run at one thread meanwhile.
         """

@@ -33,7 +33,7 @@ import qkvnp
 from qkvnp import MultiHeadAttention, SelfAttention
 from qkvnp import functional as F
 from qkvnp import kernels
-from qkvnp.kernels import _runtime, buffers, fast, fast_small, mha
+from qkvnp.kernels import _runtime, buffers, fast, fast_small, mha, projections
 
 from strategies import attention_cases, mha_cases, self_attention_cases
 from oracles import assert_matches_reference
@@ -1032,7 +1032,7 @@ def test_multi_head_layer_larger_shapes(dtype, kind):
 def test_projections_with_fewer_rows_than_features_multiply_the_weights_apart(
         monkeypatch, dtype, case):
     """Oracle: the reference layer. With fewer rows (B * L) than input features
-    (mha.weights_apart), each projection matrix multiplies on its own and the
+    (projections.weights_apart), each projection matrix multiplies on its own and the
     query's scale is applied to its outputs and gradients; every kind of input
     projection and the tiled core, gradients accumulated over two calls. The
     spy checks which way each projection ran ("mixed": 2 * 5 query rows
@@ -1071,8 +1071,8 @@ def test_projections_with_fewer_rows_than_features_multiply_the_weights_apart(
     if case == "dropout":
         kwargs["dropout_mask"] = rng.random(batch + (H, T, T)) > 0.25
     ran = []
-    real = mha.weights_apart
-    monkeypatch.setattr(mha, "weights_apart", lambda *shape: ran.append(real(*shape)) or ran[-1])
+    real = projections.weights_apart
+    monkeypatch.setattr(projections, "weights_apart", lambda *shape: ran.append(real(*shape)) or ran[-1])
     with kernels.num_threads(1):  # not mha_small: its own fused product serves tiny self-attention
         monkeypatch.setattr(mha.mha_small, "applies", lambda *args: False)
         check_layers(reference, other, inputs, kwargs)
