@@ -261,8 +261,11 @@ class MultiHeadAttention(AttentionLayer):
         ``"alibi"``: ALiBi's fixed bias :func:`qkvnp.ops.positions.alibi_bias`;
         ``"relative"``: T5's learned ``rel_bias`` ``(num_buckets, H)``
         (zeros), looked up by :func:`qkvnp.ops.positions.relative_position_bucket`
-        (``num_buckets``, ``max_distance`` keyword-only; bidirectional unless
-        the forward is causal).
+        (bidirectional unless the forward is causal).
+    num_buckets, max_distance : int, keyword-only
+        The relative bias's buckets (default 32) and the distance from which
+        offsets share the last bucket (default 128, more than
+        ``num_buckets // 2``); used by ``position_bias="relative"`` only.
     sinks : bool, keyword-only
         A learned logit per head in each softmax's denominator: parameter
         ``sinks`` ``(H,)``, zeros.

@@ -75,9 +75,10 @@ class TrainConfig:
 
     ``steps`` and ``lr`` left as None take the task's default
     (``TASK_DEFAULTS``; SGD has its own learning rates), ``eval_every``
-    None means ``steps // 10``: :meth:`resolved` fills them in.
+    None means ``steps // 10``: :meth:`resolved` fills them in. Every
+    parameter is an attribute of the same name.
 
-    Attributes
+    Parameters
     ----------
     task : {"kv-recall", "partner", "teacher"}
     steps : int
