@@ -81,8 +81,7 @@ Dispatch.__doc__ = """The path one forward ran, and why.
 
 impl : the layer's ``impl`` ("auto", "reference", "fast" or "tiled").
 path : the path that ran ("reference", "fast" or "tiled").
-reason : one sentence that opens with the path, e.g.
-    ``"tiled: auto: 4096 keys >= tiled_min_length 4096"``.
+reason : one sentence that opens with the path, e.g. ``"tiled: auto: 4096 keys >= tiled_min_length 4096"``.
 """
 
 

@@ -96,7 +96,7 @@ class Layer(ABC):
 
     **Refused calls.** A forward or backward that raises leaves the layer
     as it was: its cache, its gradients and its parameters. A
-    :class:`Model`'s calls are transactions, so the same holds for a
+    :class:`qkvnp.Model`'s calls are transactions, so the same holds for a
     composite however late its refusal comes.
 
     ``copy.deepcopy`` (and pickling) copies the parameters, gradients and
@@ -352,7 +352,7 @@ class Model(Layer):
     ``self._accumulate_own``); it calls ``self.zero_grad()`` at the end of
     ``__init__``.
 
-    **A subclass's calls are transactions** (:mod:`qkvnp.layers.transaction`):
+    **A subclass's calls are transactions** (``qkvnp/layers/transaction.py``):
     its ``forward``, ``backward`` and ``decode`` either succeed whole or
     change nothing. If one raises, however late and whatever it raises
     (``KeyboardInterrupt`` included), every sub-layer's per-thread cache,
