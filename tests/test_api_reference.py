@@ -138,11 +138,17 @@ def _described_classes():
 
 
 def _described_names(cls):
-    """The names a class docstring's Parameters section describes (numpydoc's reading)."""
+    """The names a class docstring's Parameters section describes (numpydoc's reading).
+
+    An entry counts when it has a description under its name and type line:
+    ``rng : numpy.random.Generator or int, optional`` alone describes nothing.
+    """
     from numpydoc.docscrape import ClassDoc
 
     names = set()
     for parameter in ClassDoc(cls, config={"show_class_members": False})["Parameters"]:
+        if not "".join(parameter.desc).strip():
+            continue
         # "a, b, c : ..." describes each; "*args" and "**kwargs" are their names
         names.update(part.strip().lstrip("*") for part in parameter.name.split(","))
     return names
@@ -152,7 +158,7 @@ def _described_names(cls):
 def test_every_constructor_parameter_is_described(name, cls):
     # Oracle: the signature the API reference shows (``inspect.signature``)
     # against the class docstring's Parameters section, as numpydoc parses it.
-    # It once lacked ``rng`` and ``dtype`` on the layers.
+    # ``rng`` and ``dtype`` once had a type and no description on the layers.
     pytest.importorskip("numpydoc")
     named = [p.name for p in inspect.signature(cls).parameters.values()
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

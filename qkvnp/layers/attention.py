@@ -232,7 +232,9 @@ class MultiHeadAttention(AttentionLayer):
     kdim, vdim : int, optional
         Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
     rng : numpy.random.Generator or int, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype
+        Floating dtype of the parameters and the computation (float32 or float64).
     impl : {"auto", "reference", "fast", "tiled"}
         See :class:`SelfAttention`.
     qdim : int, optional
