@@ -24,10 +24,16 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.mathjax",
+    # MathJax 3 itself, copied into _static/mathjax: formulas render offline
+    "sphinx-mathjax-offline",
     "numpydoc",
     "myst_parser",
     "sphinx_gallery.gen_gallery",
 ]
+
+# NOTE: the copy that sphinx-mathjax-offline ships, relative to _static; the
+# default is a CDN's, and offline every formula would stay raw TeX
+mathjax_path = "mathjax/tex-chtml.js"
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build", "**.ipynb_checkpoints", "sg_execution_times.rst"]

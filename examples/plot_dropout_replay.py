@@ -22,6 +22,23 @@ print("kept:", f"{mask.mean():.0%}", "of the weights")
 again, _ = F.attention_forward(x, x, x, dropout_p=0.25, dropout_mask=mask)
 print("the replayed mask gives the same output:", np.array_equal(out, again))
 
+# The mask, head by head: white entries are kept (and scaled by 1 / (1 - p)),
+# dark ones dropped; a replay hands the forward this very array.
+
+try:
+    import matplotlib.pyplot as plt
+except ImportError:  # the plot is optional
+    plt = None
+if plt is not None:
+    figure, axes = plt.subplots(1, 4, figsize=(12, 3.4), constrained_layout=True)
+    for h, axis in enumerate(axes):
+        axis.imshow(mask[0, h], cmap="gray", vmin=0, vmax=1)
+        axis.set_title(f"head {h}: {mask[0, h].mean():.0%} kept")
+        axis.set_xlabel("key")
+        axis.set_ylabel("query")
+    figure.suptitle("A dropout mask on the attention weights (p = 0.25), drawn once and replayed")
+    plt.show()
+
 # %%
 # The same seed draws the same mask on every path, so the fast and tiled
 # kernels agree with the reference ops under dropout too.

@@ -30,6 +30,31 @@ print("GQA against repeated heads, largest difference:",
       float(np.abs(grouped - repeated).max()))
 
 # %%
+# Which key/value head each query head reads, and what fewer key/value
+# heads save: the cache holds K heads of keys and values a token.
+
+try:
+    import matplotlib.pyplot as plt
+except ImportError:  # the plot is optional
+    plt = None
+if plt is not None:
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    reads = np.zeros((H, K))
+    reads[np.arange(H), np.arange(H) // (H // K)] = 1  # query head h reads h // (H / K)
+    left.imshow(reads, cmap="Blues", aspect="auto")
+    left.set_xticks(range(K))
+    left.set_yticks(range(H))
+    left.set_xlabel("key/value head")
+    left.set_ylabel("query head")
+    left.set_title(f"{H} query heads share {K} key/value heads")
+    counts = [k for k in range(1, H + 1) if H % k == 0]  # the valid K: divisors of H
+    right.bar([str(k) for k in counts], [2 * k * D * 8 for k in counts])  # keys and values, float64
+    right.set_xlabel("key/value heads K (K = 1: multi-query; K = H: multi-head)")
+    right.set_ylabel("KV cache bytes a token, a layer")
+    right.set_title("Fewer key/value heads, a smaller cache")
+    plt.show()
+
+# %%
 # The layer: ``W_key`` and ``W_value`` have ``K * D`` columns instead of
 # ``H * D``, and the keys and values are never repeated in memory.
 mha = qkvnp.MultiHeadAttention(embed_dim=24, num_heads=H, num_kv_heads=K, rng=0)

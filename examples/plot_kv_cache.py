@@ -44,3 +44,22 @@ try:
     mha.backward(rng.standard_normal((B, 1, E)))
 except RuntimeError as error:
     print("RuntimeError:", error)
+
+# %%
+# What each step sees: step t's query attends to the t + 1 keys cached so
+# far, the rows of the causal forward's weights (head 0 of the first input).
+_, weights = mha.forward(x, is_causal=True, return_weights=True)  # (B, H, T, T)
+
+try:
+    import matplotlib.pyplot as plt
+except ImportError:  # the plot is optional
+    plt = None
+if plt is not None:
+    figure, axis = plt.subplots(figsize=(5, 4.5), constrained_layout=True)
+    image = axis.imshow(np.where(np.tril(np.ones((T, T), bool)), weights[0, 0], np.nan),
+                        cmap="viridis")
+    axis.set_xlabel("cached key j")
+    axis.set_ylabel("decoding step t (its query)")
+    axis.set_title("Step t reads the keys 0..t of the cache")
+    figure.colorbar(image, ax=axis, label="attention weight")
+    plt.show()

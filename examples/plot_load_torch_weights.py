@@ -22,6 +22,28 @@ context = mha.forward(np.stack([INPUTS, INPUTS]), is_causal=True)  # (2, 6, 3) -
 print(context[0].round(4))  # the book prints [0.3190, 0.4858] first
 
 # %%
+# The book's attention weights over "Your journey starts with one step",
+# head by head, from the loaded weights: each token attends to itself and
+# the tokens before it.
+_, weights = mha.forward(np.stack([INPUTS, INPUTS]), is_causal=True,
+                         return_weights=True)  # (2, H, 6, 6)
+words = "Your journey starts with one step".split()
+
+try:
+    import matplotlib.pyplot as plt
+except ImportError:  # the plot is optional
+    plt = None
+if plt is not None:
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4.4), constrained_layout=True)
+    for h, axis in enumerate(axes):
+        image = axis.imshow(weights[0, h], cmap="viridis", vmin=0, vmax=1)
+        axis.set_xticks(range(6), words, rotation=45)
+        axis.set_yticks(range(6), words)
+        axis.set_title(f"head {h} of the book's MultiHeadAttention")
+    figure.colorbar(image, ax=axes, label="attention weight")
+    plt.show()
+
+# %%
 # PyTorch's own ``nn.MultiheadAttention``, and back. Two conventions differ:
 # qkvnp stores weights for ``x @ W`` (PyTorch's transposed), and a boolean
 # mask is True where a query *may attend* (``nn.MultiheadAttention``'s is

@@ -38,3 +38,22 @@ y, cache = rope_forward(x, np.arange(5) * 11)
 assert np.allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1))
 assert np.allclose(rope_backward(y, cache), x)  # R^T R x = x
 print("norms kept; rope_backward(rope_forward(x)) == x: the backward is the inverse rotation")
+
+# %%
+# The score against the offset n - m, for a query at three places: the
+# curves lie on one another, so the score sees only the offset.
+offsets = np.arange(-24, 25)
+
+try:
+    import matplotlib.pyplot as plt
+except ImportError:  # the plot is optional
+    plt = None
+if plt is not None:
+    figure, axis = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    for m, style in ((0, "-"), (100, "--"), (4000, ":")):
+        axis.plot(offsets, [score(m, m + o) for o in offsets], style, lw=2, label=f"query at m = {m}")
+    axis.set_xlabel("offset n - m of the key")
+    axis.set_ylabel("score q_m . k_n after RoPE")
+    axis.set_title("RoPE: the score depends on n - m only")
+    axis.legend()
+    plt.show()

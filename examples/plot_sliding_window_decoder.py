@@ -38,3 +38,24 @@ assert error < 1e-12
 cache = qkvnp.KVCache()
 chunks = [layer.forward(tokens[:, a:a + 37], kv_cache=cache) for a in range(0, STEPS, 37)]
 print(f"chunks of 37: largest difference {np.abs(np.concatenate(chunks, 1) - full).max():.2e}")
+
+# %%
+# The cache's bytes stop growing at the window, where a full cache grows
+# with every token.
+
+try:
+    import matplotlib.pyplot as plt
+except ImportError:  # the plot is optional
+    plt = None
+if plt is not None:
+    figure, axis = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    steps = np.arange(1, STEPS + 1)
+    axis.plot(steps, np.asarray(sizes) / 1024, lw=2, label=f"window of {W}: the last {W - 1} keys")
+    axis.plot(steps, sizes[0] * steps / 1024, "--", label="no window: every key (one key's bytes x t)")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens decoded")
+    axis.set_ylabel("KV cache (KiB)")
+    axis.set_title("A sliding window bounds the KV cache")
+    axis.legend()
+    plt.show()

@@ -269,6 +269,7 @@ class SGD(Optimizer):
     Parameters
     ----------
     params : dict of str to ndarray
+        The parameters to update in place, ``name -> array`` (a model's ``params``).
     lr : float
         Learning rate :math:`\\gamma > 0`.
     momentum : float
@@ -344,6 +345,7 @@ class Adam(Optimizer):
     Parameters
     ----------
     params : dict of str to ndarray
+        The parameters to update in place, ``name -> array`` (a model's ``params``).
     lr : float
         :math:`\\gamma > 0`.
     betas : (float, float)
@@ -506,9 +508,13 @@ class AdamW(Adam):
     Parameters
     ----------
     params : dict of str to ndarray
+        The parameters to update in place, ``name -> array`` (a model's ``params``).
     lr : float
+        Learning rate.
     betas : (float, float)
+        Decay rates of the running means of the gradient and of its square.
     eps : float
+        Added to the square root of the second moment, for stability.
     weight_decay : float
         :math:`\\lambda \\ge 0` (default ``1e-2``, as PyTorch): each step first
         shrinks the parameters, :math:`\\theta \\leftarrow \\theta (1 - \\gamma\\lambda)`,

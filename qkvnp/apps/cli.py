@@ -33,8 +33,11 @@ COMMANDS = {
     "gradcheck": ("qkvnp.gradcheck.command", "check the layers' analytic gradients numerically",
                   "Check the analytic gradients of SelfAttention and MultiHeadAttention "
                   "against numerical derivatives."),
-    "train": ("qkvnp.training.command", "train attention projections by gradient descent",
-              "Train attention projections by gradient descent, with hand-derived gradients."),
+    "train": ("qkvnp.training.command",
+              "train a model: attention on kv-recall, partner, teacher; a GPT on text",
+              "Train by gradient descent, with hand-derived gradients: attention layers on "
+              "the kv-recall, partner and teacher tasks, or a byte-level GPT on text "
+              "(--task text)."),
     "ablation": ("qkvnp.training.ablation",
                  "why Q, K and V: tied and missing projections on two tasks",
                  "Why Q, K and V? Train kv-recall and partner with separate, tied and missing "

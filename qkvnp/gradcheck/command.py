@@ -367,7 +367,7 @@ def _run_checked(args, written):
                                  rng=args.seed)
         print(title)
         if getattr(report, "dispatch", None) is not None:
-            print(f"path checked: {report.dispatch.path} ({report.dispatch.reason})")
+            print(f"path checked: {report.dispatch.reason}")
         print(report.table())
         print()
         all_ok &= report.ok

@@ -81,7 +81,7 @@ Dispatch.__doc__ = """The path one forward ran, and why.
 
 impl : the layer's ``impl`` ("auto", "reference", "fast" or "tiled").
 path : the path that ran ("reference", "fast" or "tiled").
-reason : one sentence, e.g. ``"auto: 4096 keys >= tiled_min_length 4096"``.
+reason : one sentence that opens with the path, e.g. ``"tiled: auto: 4096 keys >= tiled_min_length 4096"``.
 """
 
 
@@ -157,24 +157,27 @@ def choose_path(impl: str, groups: int, T: int, S: int, dtype: DTypeLike,
     >>> choose_path("auto", groups=8, T=16, S=16, dtype=np.float32).path
     'fast'
     >>> choose_path("tiled", 8, 16, 16, np.float32, need_weights=True).reason
-    'tiled cannot return the attention weights (it never builds them): fell back to the fast core'
+    'fast: tiled cannot return the attention weights (it never builds them): fell back to the fast core'
     """
     impl = check_impl(impl)
     if variants:
-        return _choose_variants(impl, tuple(variants), groups, T, S, np.dtype(dtype),
-                                bool(need_weights), max(score_bound, value_bound))
-    if impl != "reference" and scores_may_overflow(score_bound, dtype):
-        return Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
-                                           f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
-                                           "reference path stays exact there")
-    if impl != "reference" and scores_may_overflow(value_bound, dtype):
-        return Dispatch(impl, "reference", f"values reach {value_bound:.3g}, beyond "
-                                           f"sqrt(finfo({np.dtype(dtype).name}).max): only the "
-                                           "reference path stays exact there")
-    sizes = get_block_sizes()  # arguments of the cached choice
-    return _choose(impl, groups, T, S, np.dtype(dtype), bool(need_weights), bool(is_causal),
-                   sizes["tiled_min_length"], sizes["causal_tiled_min_length"],
-                   sizes["dense_weights_budget"])
+        dispatch = _choose_variants(impl, tuple(variants), groups, T, S, np.dtype(dtype),
+                                    bool(need_weights), max(score_bound, value_bound))
+    elif impl != "reference" and scores_may_overflow(score_bound, dtype):
+        dispatch = Dispatch(impl, "reference", f"scores may reach {score_bound:.3g}, beyond "
+                                               f"sqrt(finfo({np.dtype(dtype).name}).max): only "
+                                               "the reference path stays exact there")
+    elif impl != "reference" and scores_may_overflow(value_bound, dtype):
+        dispatch = Dispatch(impl, "reference", f"values reach {value_bound:.3g}, beyond "
+                                               f"sqrt(finfo({np.dtype(dtype).name}).max): only "
+                                               "the reference path stays exact there")
+    else:
+        sizes = get_block_sizes()  # arguments of the cached choice
+        dispatch = _choose(impl, groups, T, S, np.dtype(dtype), bool(need_weights),
+                           bool(is_causal), sizes["tiled_min_length"],
+                           sizes["causal_tiled_min_length"], sizes["dense_weights_budget"])
+    # NOTE: the reason opens with the path that ran, so that it reads alone
+    return dispatch._replace(reason=f"{dispatch.path}: {dispatch.reason}")
 
 
 @functools.lru_cache(maxsize=256)

@@ -232,7 +232,9 @@ class MultiHeadAttention(AttentionLayer):
     kdim, vdim : int, optional
         Feature sizes of the ``key`` and ``value`` inputs (default ``E``).
     rng : numpy.random.Generator or int, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype
+        Floating dtype of the parameters and the computation (float32 or float64).
     impl : {"auto", "reference", "fast", "tiled"}
         See :class:`SelfAttention`.
     qdim : int, optional
@@ -261,8 +263,11 @@ class MultiHeadAttention(AttentionLayer):
         ``"alibi"``: ALiBi's fixed bias :func:`qkvnp.ops.positions.alibi_bias`;
         ``"relative"``: T5's learned ``rel_bias`` ``(num_buckets, H)``
         (zeros), looked up by :func:`qkvnp.ops.positions.relative_position_bucket`
-        (``num_buckets``, ``max_distance`` keyword-only; bidirectional unless
-        the forward is causal).
+        (bidirectional unless the forward is causal).
+    num_buckets, max_distance : int, keyword-only
+        The relative bias's buckets (default 32) and the distance from which
+        offsets share the last bucket (default 128, more than
+        ``num_buckets // 2``); used by ``position_bias="relative"`` only.
     sinks : bool, keyword-only
         A learned logit per head in each softmax's denominator: parameter
         ``sinks`` ``(H,)``, zeros.

@@ -176,7 +176,9 @@ class Embedding(Layer):
     embedding_dim : int
         Size of each vector.
     rng : numpy.random.Generator or int, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype
+        Floating dtype of the parameters and the computation (float32 or float64).
 
     Attributes
     ----------

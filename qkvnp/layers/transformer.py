@@ -47,6 +47,7 @@ class LayerNorm(Layer):
     eps : float
         Added to the biased variance (``1e-5``, the book's and PyTorch's).
     dtype : float dtype, keyword-only
+        Floating dtype of the parameters and the computation (float32 or float64).
 
     Attributes
     ----------
@@ -262,6 +263,7 @@ class Sequential(Model):
     Parameters
     ----------
     layers : sequence of Layer
+        The layers, called in order; their parameters are named by index (``0.W``).
 
     Examples
     --------
@@ -317,7 +319,9 @@ class FeedForward(Model):
     hidden_dim : int, optional
         ``F``; default ``4 * emb_dim`` (the book's).
     rng : numpy.random.Generator or int, keyword-only, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype, keyword-only
+        Floating dtype of the parameters and the computation (float32 or float64).
     approximate : {"tanh", "none"}, keyword-only
         The GELU's (see :class:`GELU`).
 

@@ -57,7 +57,9 @@ class GPTModel(Model):
     qkv_bias : bool
         Biases of the query, key and value projections.
     rng : numpy.random.Generator or int, keyword-only, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype, keyword-only
+        Floating dtype of the parameters and the computation (float32 or float64).
     impl : {"auto", "reference", "fast", "tiled"}, keyword-only
         The attention path of every block (:mod:`qkvnp.kernels`); assignable.
     hidden_dim : int, keyword-only, optional

@@ -75,17 +75,20 @@ class TrainConfig:
 
     ``steps`` and ``lr`` left as None take the task's default
     (``TASK_DEFAULTS``; SGD has its own learning rates), ``eval_every``
-    None means ``steps // 10``: :meth:`resolved` fills them in.
+    None means ``steps // 10``: :meth:`resolved` fills them in. Every
+    parameter is an attribute of the same name.
 
-    Attributes
+    Parameters
     ----------
     task : {"kv-recall", "partner", "teacher"}
+        The task trained.
     steps : int
         Total optimizer steps of the run (a resumed run continues up to it).
         Also the horizon of the cosine schedule.
     lr : float
         Peak learning rate.
     optimizer : {"adam", "adamw", "sgd"}
+        The optimizer of the run.
     momentum : float
         SGD momentum, >= 0 (ignored by Adam).
     weight_decay : float
@@ -94,9 +97,13 @@ class TrainConfig:
         ``cosine``: linear warm-up over ``warmup`` steps, then cosine decay
         towards 0 at ``steps``.
     warmup : int
+        Steps of the linear warm-up of the cosine schedule.
     batch_size : int
+        Sequences a step.
     seed : int
+        Seed of the data, the initial weights and the dropout masks.
     dtype : {"float64", "float32"}
+        Floating dtype of the parameters and the computation (float32 or float64).
     eval_every : int
         Held-out evaluation period, in steps.
     eval_size : int

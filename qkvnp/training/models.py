@@ -69,7 +69,9 @@ class KVRecallModel(Model):
         no value projection (values are the item tokens); one ``W_shared``
         for all three.
     rng : numpy.random.Generator or int, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype
+        Floating dtype of the parameters and the computation (float32 or float64).
     dropout : float
         Dropout on the attention weights in training mode (keyword-only);
         the masks come from ``dropout_rng``, spawned from ``rng`` after
@@ -304,8 +306,11 @@ class AttentionRegressor(Model):
     Parameters
     ----------
     embed_dim, num_heads : int
+        Width ``E`` of the attention layer. Number of heads ``H``; must divide ``embed_dim``.
     rng : numpy.random.Generator or int, optional
+        Seed or Generator of the initial weights (a new unseeded Generator if None).
     dtype : float dtype
+        Floating dtype of the parameters and the computation (float32 or float64).
     dropout : float
         The attention layer's ``dropout`` (keyword-only).
 

@@ -298,6 +298,7 @@ class TeacherTask:
     rng : numpy.random.Generator or int
         Source of the teacher's weights (``make_streams(seed).teacher``).
     dtype : float dtype
+        Floating dtype of the parameters and the computation (float32 or float64).
 
     Notes
     -----

@@ -247,7 +247,7 @@ def test_choose_path_follows_the_settings_and_says_why():
     choice = kernels.choose_path("auto", 8, 16, 16, np.float64)
     assert choice == (
         "auto", "fast",
-        "auto: 16 keys < tiled_min_length 4096 and dense weights of 0.0156 MiB within "
+        "fast: auto: 16 keys < tiled_min_length 4096 and dense weights of 0.0156 MiB within "
         "dense_weights_budget")
     long = kernels.choose_path("auto", 1, 8, sizes["tiled_min_length"], np.float32)
     assert long.path == "tiled" and "keys >= tiled_min_length" in long.reason
@@ -265,6 +265,9 @@ def test_choose_path_follows_the_settings_and_says_why():
     fallback = kernels.choose_path("tiled", 1, 8, 8, np.float32, need_weights=True)
     assert fallback.path == "fast" and "fell back to the fast core" in fallback.reason
     assert kernels.choose_path("reference", 1, 8, 8, np.float32, True).path == "reference"
+    # the reason opens with the path that ran (it once never named it)
+    for choice in (long, big, wanted, tiled_causal, fallback):
+        assert choice.reason.startswith(f"{choice.path}: "), choice
 
 
 @pytest.mark.parametrize("split", [False, True])
