@@ -64,7 +64,7 @@ def add_arguments(parser):
     """Add the ``bench`` options to an ``argparse`` parser."""
     presets = parser.add_mutually_exclusive_group()
     presets.add_argument("--quick", action="store_true",
-                         help="reduced run, about a minute on an idle machine: configs %s, "
+                         help="reduced run, 2 to 4 minutes on a 2-core machine: configs %s, "
                               "float32, qkvnp's default path and PyTorch's layer only, the "
                               "training steps in float32, no import timing, memory of the "
                               "layers at the last config only"

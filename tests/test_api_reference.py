@@ -119,11 +119,7 @@ def test_a_class_shows_its_constructors_signature(name, cls):
 #: The modules whose public classes must describe every constructor parameter.
 DESCRIBED = ("qkvnp", "qkvnp.layers", "qkvnp.training", "qkvnp.optim")
 #: Classes exempt, with why. Exceptions take the message, as every exception does.
-UNDESCRIBED = {
-    # its summary line names n ("``n`` worker threads ..."); a Parameters
-    # section belongs in qkvnp/kernels/workers.py, which another change edits
-    "qkvnp.num_threads": "n in the summary line",
-}
+UNDESCRIBED: dict = {}
 
 
 def _described_classes():

@@ -193,6 +193,7 @@ def environment_info(torch=True):
         "numpy": np.__version__,
         "scipy": version("scipy"),
         "qkvnp": qkvnp.__version__,
+        "qkvnp_threads": get_num_threads(),
         "commit": checkout_commit(),
         "torch": None if torch else version("torch"),
         "torch_threads": None,

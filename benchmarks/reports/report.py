@@ -165,6 +165,8 @@ def format_report(report):
     lines.append(f"numpy BLAS: {env['blas_build'] or '?'}; {blas_text}")
     lines.append("env: " + ", ".join(f"{k}={v if v is not None else '(unset)'}"
                                      for k, v in env["env"].items()))
+    lines.append(f"qkvnp threads: {env.get('qkvnp_threads', '?')} (qkvnp.get_num_threads(); "
+                 "QKVNP_NUM_THREADS sets it)")
     chosen = report["settings"].get("torch_threads")
     lines.append(f"torch threads: {env['torch_threads'] if env['torch'] else '-'} "
                  f"({'set by --torch-threads' if chosen else 'its default'})")

@@ -163,6 +163,12 @@ class num_threads:
     ``contextlib`` generator: ``import contextlib`` was a measurable share of
     ``import qkvnp``.)
 
+    Parameters
+    ----------
+    n : int
+        The worker threads, 1 to ``MAX_NUM_THREADS``; 1 runs every kernel in
+        the calling thread.
+
     >>> with num_threads(1):
     ...     get_num_threads()
     1
