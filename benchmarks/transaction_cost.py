@@ -65,7 +65,7 @@ def _step(model, optimizer, inputs, targets):
 def measure(config, rounds):
     """``(median seconds with transactions, median pass-through)`` of one config."""
     from qkvnp import GPTModel
-    from qkvnp.layers import _transaction
+    from qkvnp.layers import transaction as _transaction
     from qkvnp.kernels import blas_threads, num_threads
     from qkvnp.optim import AdamW
 
