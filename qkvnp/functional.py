@@ -33,6 +33,8 @@ Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 ``rope_*``                                                              ``qkvnp.ops.variants``
 ``layer_norm_*``                                                        ``qkvnp.ops.layer_norm``
 ``gelu_*``                                                              ``qkvnp.ops.gelu``
+``silu_*``                                                              ``qkvnp.ops.silu``
+``gated_mlp_*``                                                         ``qkvnp.ops.gated_mlp``
 ``activation_dropout_*``                                                ``qkvnp.ops.dropout``
 ``residual_add_*``                                                      ``qkvnp.ops.residual``
 ======================================================================  ========================
@@ -45,6 +47,7 @@ from .ops.dropout import (ActivationDropoutCache, activation_dropout_backward,
                           activation_dropout_forward)
 from .ops.embedding import (EmbeddingCache, embedding_backward, embedding_backward_factored,
                             embedding_forward)
+from .ops.gated_mlp import GatedMLPCache, gated_mlp_backward, gated_mlp_forward
 from .ops.gelu import GeluCache, gelu_backward, gelu_forward
 from .ops.heads import (HeadsCache, merge_heads_backward, merge_heads_forward,
                         split_heads_backward, split_heads_forward)
@@ -52,6 +55,7 @@ from .ops.layer_norm import LayerNormCache, layer_norm_backward, layer_norm_forw
 from .ops.linear import LinearCache, linear_backward, linear_forward
 from .ops.reductions import column_sums, sum_to_shape
 from .ops.residual import ResidualCache, residual_add_backward, residual_add_forward
+from .ops.silu import SiluCache, silu_backward, silu_forward
 from .ops.softmax import SoftmaxCache, softmax, softmax_backward, softmax_forward
 from .ops.variants import rope_backward, rope_forward
 
@@ -67,6 +71,8 @@ __all__ = [
     "rope_forward", "rope_backward",
     "layer_norm_forward", "layer_norm_backward", "LayerNormCache",
     "gelu_forward", "gelu_backward", "GeluCache",
+    "silu_forward", "silu_backward", "SiluCache",
+    "gated_mlp_forward", "gated_mlp_backward", "GatedMLPCache",
     "activation_dropout_forward", "activation_dropout_backward", "ActivationDropoutCache",
     "residual_add_forward", "residual_add_backward", "ResidualCache",
 ]
