@@ -13,8 +13,9 @@ from .kernels import get_num_threads, num_threads, set_num_threads
 from .layers.kv_cache import KVCache
 from .models.generation import generate
 from .models.gpt import GPTModel
-from .layers import (GELU, Dropout, Embedding, FeedForward, LayerNorm, Linear, Model,
-                     MultiHeadAttention, SelfAttention, Sequential, TransformerBlock)
+from .layers import (GELU, Dropout, Embedding, FeedForward, GatedFeedForward, LayerNorm, Linear,
+                     Model, MultiHeadAttention, SelfAttention, Sequential, SiLU,
+                     TransformerBlock)
 
 __version__ = "0.2.0"
 
@@ -36,6 +37,8 @@ __all__ = [
     "Dropout",
     "Sequential",
     "FeedForward",
+    "SiLU",
+    "GatedFeedForward",
     "TransformerBlock",
     "GPTModel",
     "generate",
