@@ -14,7 +14,7 @@ from .layers.kv_cache import KVCache
 from .models.generation import generate
 from .models.gpt import GPTModel
 from .layers import (GELU, Dropout, Embedding, FeedForward, LayerNorm, Linear, Model,
-                     MultiHeadAttention, SelfAttention, Sequential, TransformerBlock)
+                     MultiHeadAttention, RMSNorm, SelfAttention, Sequential, TransformerBlock)
 
 __version__ = "0.2.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "Model",
     "KVCache",
     "LayerNorm",
+    "RMSNorm",
     "GELU",
     "Dropout",
     "Sequential",

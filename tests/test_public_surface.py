@@ -12,7 +12,7 @@ import pytest
 PUBLIC = {
     "qkvnp": [
         "Dropout", "Embedding", "FeedForward", "GELU", "GPTModel", "KVCache", "LayerNorm",
-        "Linear", "Model", "MultiHeadAttention", "SelfAttention", "Sequential",
+        "Linear", "Model", "MultiHeadAttention", "RMSNorm", "SelfAttention", "Sequential",
         "TransformerBlock", "__version__", "functional", "generate", "get_num_threads",
         "interop", "num_threads", "positions", "scaled_dot_product_attention",
         "set_num_threads", "softmax", "variants",
@@ -33,7 +33,7 @@ PUBLIC = {
     ],
     "qkvnp.layers": [
         "Dropout", "Embedding", "FeedForward", "GELU", "Layer", "LayerNorm", "Linear",
-        "LoadResult", "Model", "MultiHeadAttention", "SelfAttention", "Sequential",
+        "LoadResult", "Model", "MultiHeadAttention", "RMSNorm", "SelfAttention", "Sequential",
         "TransformerBlock", "xavier_uniform",
     ],
     "qkvnp.kernels": [

@@ -19,6 +19,7 @@ The package, module by module:
                KV-cache decoding steps, the attention variants' options
 ``basic``      :class:`Linear` and :class:`Embedding`, which call their op of
                :mod:`qkvnp.functional`
+``norms``      :class:`RMSNorm` (also the QK-norm of Qwen3 and Gemma 3)
 ``transformer`` :class:`LayerNorm`, :class:`GELU`, :class:`Dropout`,
                :class:`Sequential`, :class:`FeedForward` and the book's
                :class:`TransformerBlock` (the GPT is :class:`qkvnp.GPTModel`)
@@ -37,8 +38,9 @@ then calls do not check the intermediate gradients again.
 from .attention import MultiHeadAttention, SelfAttention
 from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
+from .norms import RMSNorm
 from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
-           "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
+           "xavier_uniform", "LayerNorm", "RMSNorm", "GELU", "Dropout", "Sequential", "FeedForward",
            "TransformerBlock"]
