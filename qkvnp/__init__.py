@@ -14,7 +14,7 @@ from .layers.kv_cache import KVCache
 from .models.generation import generate
 from .models.gpt import GPTModel
 from .layers import (GELU, Dropout, Embedding, FeedForward, GatedFeedForward, LayerNorm, Linear,
-                     Model, MultiHeadAttention, SelfAttention, Sequential, SiLU,
+                     Model, MultiHeadAttention, RMSNorm, SelfAttention, Sequential, SiLU,
                      TransformerBlock)
 
 __version__ = "0.2.0"
@@ -33,6 +33,7 @@ __all__ = [
     "Model",
     "KVCache",
     "LayerNorm",
+    "RMSNorm",
     "GELU",
     "Dropout",
     "Sequential",

@@ -32,6 +32,7 @@ Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 ``embedding_*``                                                         ``qkvnp.ops.embedding``
 ``rope_*``                                                              ``qkvnp.ops.variants``
 ``layer_norm_*``                                                        ``qkvnp.ops.layer_norm``
+``rms_norm_*`` (RMSNorm and QK-norm)                                    ``qkvnp.ops.rms_norm``
 ``gelu_*``                                                              ``qkvnp.ops.gelu``
 ``silu_*``                                                              ``qkvnp.ops.silu``
 ``gated_mlp_*``                                                         ``qkvnp.ops.gated_mlp``
@@ -54,6 +55,7 @@ from .ops.heads import (HeadsCache, merge_heads_backward, merge_heads_forward,
 from .ops.layer_norm import LayerNormCache, layer_norm_backward, layer_norm_forward
 from .ops.linear import LinearCache, linear_backward, linear_forward
 from .ops.reductions import column_sums, sum_to_shape
+from .ops.rms_norm import RMSNormCache, rms_norm_backward, rms_norm_forward
 from .ops.residual import ResidualCache, residual_add_backward, residual_add_forward
 from .ops.silu import SiluCache, silu_backward, silu_forward
 from .ops.softmax import SoftmaxCache, softmax, softmax_backward, softmax_forward
@@ -70,6 +72,7 @@ __all__ = [
     "embedding_forward", "embedding_backward", "embedding_backward_factored", "EmbeddingCache",
     "rope_forward", "rope_backward",
     "layer_norm_forward", "layer_norm_backward", "LayerNormCache",
+    "rms_norm_forward", "rms_norm_backward", "RMSNormCache",
     "gelu_forward", "gelu_backward", "GeluCache",
     "silu_forward", "silu_backward", "SiluCache",
     "gated_mlp_forward", "gated_mlp_backward", "GatedMLPCache",

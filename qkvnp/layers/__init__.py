@@ -19,6 +19,7 @@ The package, module by module:
                KV-cache decoding steps, the attention variants' options
 ``basic``      :class:`Linear` and :class:`Embedding`, which call their op of
                :mod:`qkvnp.functional`
+``norms``      :class:`RMSNorm` (also the QK-norm of Qwen3 and Gemma 3)
 ``transformer`` :class:`LayerNorm`, :class:`GELU`, :class:`Dropout`,
                :class:`Sequential`, :class:`FeedForward` and the book's
                :class:`TransformerBlock` (the GPT is :class:`qkvnp.GPTModel`)
@@ -40,8 +41,9 @@ from .attention import MultiHeadAttention, SelfAttention
 from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
 from .mlp import GatedFeedForward, SiLU
+from .norms import RMSNorm
 from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
-           "TransformerBlock", "SiLU", "GatedFeedForward"]
+           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm"]
