@@ -35,6 +35,7 @@ Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 ``gelu_*``                                                              ``qkvnp.ops.gelu``
 ``activation_dropout_*``                                                ``qkvnp.ops.dropout``
 ``residual_add_*``                                                      ``qkvnp.ops.residual``
+``router_*``, ``load_balancing_loss_*``                                 ``qkvnp.ops.moe``
 ======================================================================  ========================
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ from .ops.heads import (HeadsCache, merge_heads_backward, merge_heads_forward,
 from .ops.layer_norm import LayerNormCache, layer_norm_backward, layer_norm_forward
 from .ops.linear import LinearCache, linear_backward, linear_forward
 from .ops.reductions import column_sums, sum_to_shape
+from .ops.moe import (LoadBalancingLossCache, RouterCache, load_balancing_loss_backward,
+                      load_balancing_loss_forward, router_backward, router_forward)
 from .ops.residual import ResidualCache, residual_add_backward, residual_add_forward
 from .ops.softmax import SoftmaxCache, softmax, softmax_backward, softmax_forward
 from .ops.variants import rope_backward, rope_forward
@@ -69,4 +72,6 @@ __all__ = [
     "gelu_forward", "gelu_backward", "GeluCache",
     "activation_dropout_forward", "activation_dropout_backward", "ActivationDropoutCache",
     "residual_add_forward", "residual_add_backward", "ResidualCache",
+    "router_forward", "router_backward", "RouterCache",
+    "load_balancing_loss_forward", "load_balancing_loss_backward", "LoadBalancingLossCache",
 ]
