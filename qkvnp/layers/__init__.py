@@ -22,6 +22,8 @@ The package, module by module:
 ``transformer`` :class:`LayerNorm`, :class:`GELU`, :class:`Dropout`,
                :class:`Sequential`, :class:`FeedForward` and the book's
                :class:`TransformerBlock` (the GPT is :class:`qkvnp.GPTModel`)
+``moe``        :class:`MoEFeedForward`, a mixture of gated-MLP experts with a
+               top-k router
 
 The math is elsewhere (:mod:`qkvnp.functional`, :mod:`qkvnp.kernels`).
 
@@ -37,8 +39,9 @@ then calls do not check the intermediate gradients again.
 from .attention import MultiHeadAttention, SelfAttention
 from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
+from .moe import MoEFeedForward
 from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
-           "TransformerBlock"]
+           "TransformerBlock", "MoEFeedForward"]
