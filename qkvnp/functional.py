@@ -38,6 +38,7 @@ Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 ``gated_mlp_*``                                                         ``qkvnp.ops.gated_mlp``
 ``activation_dropout_*``                                                ``qkvnp.ops.dropout``
 ``residual_add_*``                                                      ``qkvnp.ops.residual``
+``router_*``, ``load_balancing_loss_*``                                 ``qkvnp.ops.moe``
 ======================================================================  ========================
 """
 from __future__ import annotations
@@ -56,6 +57,8 @@ from .ops.layer_norm import LayerNormCache, layer_norm_backward, layer_norm_forw
 from .ops.linear import LinearCache, linear_backward, linear_forward
 from .ops.reductions import column_sums, sum_to_shape
 from .ops.rms_norm import RMSNormCache, rms_norm_backward, rms_norm_forward
+from .ops.moe import (LoadBalancingLossCache, RouterCache, load_balancing_loss_backward,
+                      load_balancing_loss_forward, router_backward, router_forward)
 from .ops.residual import ResidualCache, residual_add_backward, residual_add_forward
 from .ops.silu import SiluCache, silu_backward, silu_forward
 from .ops.softmax import SoftmaxCache, softmax, softmax_backward, softmax_forward
@@ -78,4 +81,6 @@ __all__ = [
     "gated_mlp_forward", "gated_mlp_backward", "GatedMLPCache",
     "activation_dropout_forward", "activation_dropout_backward", "ActivationDropoutCache",
     "residual_add_forward", "residual_add_backward", "ResidualCache",
+    "router_forward", "router_backward", "RouterCache",
+    "load_balancing_loss_forward", "load_balancing_loss_backward", "LoadBalancingLossCache",
 ]

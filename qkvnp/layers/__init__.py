@@ -25,6 +25,8 @@ The package, module by module:
                :class:`TransformerBlock` (the GPT is :class:`qkvnp.GPTModel`)
 ``mlp``        :class:`GatedFeedForward`, the gated MLP of Llama, Qwen,
                Mistral (SwiGLU) and Gemma (GeGLU), and :class:`SiLU`
+``moe``        :class:`MoEFeedForward`, a mixture of gated-MLP experts with a
+               top-k router
 
 The math is elsewhere (:mod:`qkvnp.functional`, :mod:`qkvnp.kernels`).
 
@@ -41,9 +43,10 @@ from .attention import MultiHeadAttention, SelfAttention
 from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
 from .mlp import GatedFeedForward, SiLU
+from .moe import MoEFeedForward
 from .norms import RMSNorm
 from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
-           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm"]
+           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward"]

@@ -24,6 +24,8 @@ the faster paths are tested against. Users reach them through
 ``gelu``            the GELU activation, tanh or exact
 ``residual``        the residual add
 ``losses``          mean squared error, softmax cross-entropy, accuracy
+``moe``             a mixture of experts' router, its gates and its load-balancing loss
+``topk``            the top-k indices in ``torch.topk``'s CPU order, ties included
 ==================  ===========================================================
 """
 
