@@ -31,13 +31,14 @@ TARGET = 1e-13
 # 0.0024190973074657812, from which the float64 analytic gradient is off by
 # 1.8e-13 and the complex step by -1.3e-13 (relative): 1e-13 of such an entry
 # is a few ulps of the tensor's largest, below the round-off of the sums both
-# sides compute, so the issue's target cannot hold there. The case stays as a
-# strict xfail (it would report if it started to pass), its error bounded
-# below. Over 45 random layer draws (seeds 100..114, the three layer kinds of
-# these cases) the worst error was 8.4e-13, the median 3.6e-14, and 18% of
-# draws exceeded 1e-13; |a - n| never exceeded 1.3e-14 of its tensor's largest.
-ROUND_OFF_AT_THE_FLOOR = ("float64 round-off of a cancelling sum at the floor: both sides "
-                          "off the exact value by ~1.5e-13 (mpmath oracle)")
+# sides compute, so the issue's target cannot hold there: its error is
+# bounded below instead. Over 45 random layer draws (seeds 100..114, the
+# three layer kinds of these cases) the worst error was 8.4e-13, the median
+# 3.6e-14, and 18% of draws exceeded 1e-13; |a - n| never exceeded 1.3e-14 of
+# its tensor's largest.
+# Whether its error lands just above or just below 1e-13 depends on the BLAS
+# (numpy 1.24's OpenBLAS on one host puts it below), so the case has a test of
+# its own with the bound that holds, not an xfail at a target it straddles.
 
 
 def issue_error(problem, seed=0):
@@ -138,11 +139,13 @@ def layer_cases():
          {"attn_mask": keep[:, None]}),
         ("multi-head cross, bool mask", "MultiHeadAttention", (x, *memory),
          {"attn_mask": cross_keep}),
-        pytest.param(
-            ("multi-head cross, key padding, a fully padded sequence", "MultiHeadAttention",
-             (x, *memory), {"key_padding_mask": padding}),
-            marks=pytest.mark.xfail(strict=True, reason=ROUND_OFF_AT_THE_FLOOR)),
+        # the round-off case: checked by its own test below, not against TARGET
+        ("multi-head cross, key padding, a fully padded sequence", "MultiHeadAttention",
+         (x, *memory), {"key_padding_mask": padding}),
     ]
+
+
+ROUND_OFF_CASE = "multi-head cross, key padding, a fully padded sequence"
 
 
 def build(kind, impl, seed=3):
@@ -155,7 +158,8 @@ def build(kind, impl, seed=3):
     return layer
 
 
-@pytest.mark.parametrize("case", layer_cases(), ids=lambda case: case[0])
+@pytest.mark.parametrize("case", [c for c in layer_cases() if c[0] != ROUND_OFF_CASE],
+                         ids=lambda case: case[0])
 def test_both_layers_agree_with_complex_step_to_1e_13(case):
     _, kind, inputs, forward_kwargs = case
     problem = layer_problem(build(kind, "reference"), inputs, forward_kwargs,
@@ -167,9 +171,10 @@ def test_both_layers_agree_with_complex_step_to_1e_13(case):
 
 
 def test_the_round_off_case_is_within_a_few_ulps_of_the_largest_entry():
-    # The strict-xfail case above, bounded: 3.2e-13 under the issue's measure,
-    # i.e. |a - n| <= 1e-15 of the tensor's largest entry.
-    case = next(c for c in layer_cases() if hasattr(c, "marks")).values[0]
+    # The round-off case above, bounded: 3.2e-13 under the issue's measure on
+    # one host (below 1e-13 on another), i.e. |a - n| <= 1e-15 of the
+    # tensor's largest entry.
+    case = next(c for c in layer_cases() if c[0] == ROUND_OFF_CASE)
     _, kind, inputs, forward_kwargs = case
     problem = layer_problem(build(kind, "reference"), inputs, forward_kwargs,
                             np.dtype(np.float64), True, reference=True)
