@@ -663,6 +663,17 @@ def scores_may_overflow(bound, dtype):
 _SCORE_LIMITS: dict[np.dtype, float] = {}  # dtype -> sqrt(finfo(dtype).max): np.finfo costs more than the test
 
 
+def check_eps(eps, name="eps"):
+    """Return ``eps`` as a float, refusing anything but a finite number > 0 (a norm's epsilon).
+
+    >>> check_eps(1e-5)
+    1e-05
+    """
+    if not is_real_number(eps) or not 0.0 < float(eps) < math.inf:
+        raise ValueError(f"{name} must be a finite float > 0, got {eps!r}")
+    return float(eps)
+
+
 def check_bool(value, name, allow_none=False):
     """Return ``value`` as a ``bool``, refusing anything but ``True``/``False`` (and ``np.bool_``).
 

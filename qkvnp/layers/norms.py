@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .._checks import as_float_array, check_bool, check_int, is_real_number, layer_dtype
+from .._checks import as_float_array, check_bool, check_eps, check_int, layer_dtype
 from .base import Layer
 
 TYPE_CHECKING = False
@@ -73,9 +73,7 @@ class RMSNorm(Layer):
     def __init__(self, dim: int, eps: float = 1e-06, *, unit_offset: bool = False,
                  dtype: DTypeLike = np.float64) -> None:
         self.dim = check_int(dim, "dim", 1)
-        if not is_real_number(eps) or not 0.0 < float(eps) < np.inf:
-            raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = check_eps(eps)
         self.unit_offset = check_bool(unit_offset, "unit_offset")
         self.dtype = layer_dtype(dtype)
         initial = np.zeros if self.unit_offset else np.ones

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .._checks import (as_float_array, check_bool, check_int, check_last_dim, check_ndim,
-                       is_real_number, layer_dtype, make_rng)
+from .._checks import (as_float_array, check_bool, check_eps, check_int, check_last_dim,
+                       check_ndim, layer_dtype, make_rng)
 from .transaction import journal_generator
 from ..ops.dropout import check_dropout_p, spawn_generator
 from ..kernels import num_threads
@@ -76,9 +76,7 @@ class LayerNorm(Layer):
     def __init__(self, dim: int, eps: float = 1e-05, *,
                  dtype: DTypeLike = np.float64) -> None:
         self.dim = check_int(dim, "dim", 1)
-        if not is_real_number(eps) or not 0.0 < float(eps) < np.inf:
-            raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = check_eps(eps)
         self.dtype = layer_dtype(dtype)
         self.params = {"scale": np.ones(self.dim, self.dtype),
                        "shift": np.zeros(self.dim, self.dtype)}

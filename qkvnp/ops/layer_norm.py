@@ -9,13 +9,12 @@ checker's complex step runs it on complex arrays. Derived in
 """
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 
 import numpy as np
 
-from .._checks import (as_float_array, as_upstream_grad, compute_dtype, declare_complex_step,
-                       is_real_number)
+from .._checks import (as_float_array, as_upstream_grad, check_eps, compute_dtype,
+                       declare_complex_step)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -25,11 +24,6 @@ __all__ = ["layer_norm_forward", "layer_norm_backward", "LayerNormCache"]
 
 LayerNormCache = namedtuple("LayerNormCache", "normalized rstd scale")
 
-
-def _check_eps(eps):
-    if not is_real_number(eps) or not float(eps) > 0.0 or not math.isfinite(float(eps)):
-        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-    return float(eps)
 
 
 def layer_norm_forward(x: FloatArray, scale: FloatArray, shift: FloatArray,
@@ -87,7 +81,7 @@ def layer_norm_forward(x: FloatArray, scale: FloatArray, shift: FloatArray,
     >>> bool(np.allclose(dx, 0.0)), dshift
     (True, array([1., 1., 1.]))
     """
-    eps = _check_eps(eps)
+    eps = check_eps(eps)
     scale = as_float_array(scale, "scale")
     shift = as_float_array(shift, "shift")
     if x is None:

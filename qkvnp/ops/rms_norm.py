@@ -9,13 +9,12 @@ complex step runs it on complex arrays. Derived in
 """
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 
 import numpy as np
 
-from .._checks import (as_float_array, as_upstream_grad, check_bool, compute_dtype,
-                       declare_complex_step, is_real_number)
+from .._checks import (as_float_array, as_upstream_grad, check_bool, check_eps,
+                       compute_dtype, declare_complex_step)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -27,11 +26,6 @@ __all__ = ["rms_norm_forward", "rms_norm_backward", "RMSNormCache"]
 #: ``weight``, or ``1 + weight`` with ``unit_offset``.
 RMSNormCache = namedtuple("RMSNormCache", "normalized rstd gain")
 
-
-def _check_eps(eps):
-    if not is_real_number(eps) or not float(eps) > 0.0 or not math.isfinite(float(eps)):
-        raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
-    return float(eps)
 
 
 def rms_norm_forward(x: FloatArray, weight: FloatArray, eps: float = 1e-06, *,
@@ -114,7 +108,7 @@ def rms_norm_forward(x: FloatArray, weight: FloatArray, eps: float = 1e-06, *,
     >>> dx.shape, dweight.shape
     ((1, 2), (2,))
     """
-    eps = _check_eps(eps)
+    eps = check_eps(eps)
     unit_offset = check_bool(unit_offset, "unit_offset")
     weight = as_float_array(weight, "weight")
     if x is None:
