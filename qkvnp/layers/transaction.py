@@ -32,8 +32,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["transactional", "journal", "journal_generator", "add_grad", "add_grads",
-           "in_transaction"]
+__all__ = ["transactional", "journal", "journal_generator", "add_grad", "add_grads"]
 
 # NOTE: one lock for every layer's gradient accumulation: an addition into
 # ``grads`` is short next to the backward that computed it, and one
@@ -98,11 +97,6 @@ def _check_addable(name, target, grad):
         raise ValueError(f"the gradient of {name!r} ({grad.dtype}, shape {grad.shape}) cannot "
                          f"be added into its array ({target.dtype}, shape {target.shape}); "
                          "nothing was added")
-
-
-def in_transaction() -> bool:
-    """Whether the calling thread is inside a composite's call."""
-    return _LOCAL.current is not None
 
 
 def journal(obj) -> None:
