@@ -10,11 +10,12 @@ Usage::
 Each run times, in the checkout it is run from, the multi-head layer's
 forward+backward (float32, qkvnp's default path) at the small sizes where a
 change of Python code shows first, and the book's GPT's AdamW step (float32,
-``tiny`` and ``small``). Small sizes run each in a loop of 0.2 s rounds, the
-median of 7; one process holds them all, so that the bimodal start-up of a
-fresh process (seen in ``run.py``'s one-process-per-size protocol) does not
-decide the ratio. ``--compare`` prints, per timing, the median over the runs
-of each side and their ratio (new / old), then the median of the ratios.
+``tiny`` and ``small``), each in 0.2 s rounds, the median of 7, all in one
+process. A whole process can still land in a slower mode of the host, so
+one timing's ratio moves from run to run: alternate several runs of each
+side and read the median of the ratios. ``--compare`` prints, per timing,
+the median over the runs of each side and their ratio (new / old), then the
+median of the ratios.
 """
 import argparse
 import json
