@@ -67,9 +67,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import check_state_value
-from .models.gpt import GPTModel
-from .layers import MultiHeadAttention, SelfAttention
+from .._checks import check_state_value
+from ..models.gpt import GPTModel
+from ..layers import MultiHeadAttention, SelfAttention
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
