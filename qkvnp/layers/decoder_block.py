@@ -1,0 +1,353 @@
+"""The attention and the block of today's decoders (GPT-2, Llama, Qwen3, Gemma 3, Mistral).
+
+Shape key: B batch, T new tokens, S keys (past + new), E embedding
+(``emb_dim``), H query heads, K key/value heads, D head dim (``head_dim``,
+independent of E and H as Qwen3's and Gemma 3's), V vocabulary.
+
+:class:`DecoderAttention` and :class:`DecoderBlock` are :class:`Model`
+composites of existing layers (:class:`Linear`, :class:`RMSNorm`,
+:class:`LayerNorm`, the feed-forwards) and reference ops
+(:func:`qkvnp.functional.split_heads_forward`, ``rope_forward``,
+``variant_attention_forward``); each backward calls the sub-layers' and the
+ops' backwards in the reverse order of the forward, one line for one line.
+:class:`qkvnp.models.decoder.Decoder` stacks the blocks; the derivation of
+what is new here is in ``docs/derivations_gpt.md`` ("The decoder of today's
+families").
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+
+from .. import functional as F
+from .._checks import check_int, make_rng
+from ..ops.variants import rope_backward, rope_forward, variant_attention_backward, \
+    variant_attention_forward
+from .base import Layer, Model
+from .basic import Linear
+from .norms import RMSNorm
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from .._typing import DTypeLike, FloatArray
+
+__all__ = ["DecoderAttention", "DecoderBlock", "BLOCK_PLACEMENTS"]
+
+#: Where :class:`DecoderBlock` puts its norms: before each branch (GPT-2, Llama, Qwen3),
+#: after each residual sum (the original transformer), or both sides of each branch (Gemma 3).
+BLOCK_PLACEMENTS = ("pre", "post", "sandwich")
+
+AttentionCache = namedtuple("AttentionCache", "q_heads k_heads v_heads q_rope k_rope core merge")
+
+
+class DecoderAttention(Model):
+    """Causal self-attention with GQA, QK-norm, RoPE, a score scale and a soft-cap.
+
+    Parameters
+    ----------
+    emb_dim : int
+        ``E``.
+    num_heads : int
+        ``H``.
+    head_dim : int
+        ``D``; the projections are ``(E, H D)``, ``(E, K D)`` and ``(H D, E)``.
+    num_kv_heads : int
+        ``K``, a divisor of ``H`` (grouped-query attention when ``K < H``).
+    qkv_bias : bool, keyword-only
+        Biases of ``q_proj``, ``k_proj``, ``v_proj`` (GPT-2).
+    out_bias : bool, keyword-only
+        Bias of ``o_proj`` (GPT-2).
+    qk_norm : bool, keyword-only
+        RMSNorm over each head's ``D`` of the queries and keys, before RoPE
+        (Qwen3, Gemma 3): sub-layers ``q_norm`` and ``k_norm``.
+    norm_eps : float, keyword-only
+        The QK-norm's eps.
+    norm_unit_offset : bool, keyword-only
+        The QK-norm's ``(1 + weight)`` (Gemma).
+    scale : float, keyword-only, optional
+        The score scale (default ``1 / sqrt(D)``; Gemma: ``query_pre_attn_scalar ** -0.5``).
+    softcap : float, keyword-only, optional
+        Gemma 2's attention-logit soft-cap ``softcap * tanh(s / softcap)``.
+    rope : bool, keyword-only
+        Rotate the queries and keys (layout ``"half"``) by their positions.
+    rope_base : float, keyword-only
+        RoPE's base (``rope_theta``).
+    rng : numpy.random.Generator or int, keyword-only, optional
+        Seed or Generator of the initial weights.
+    dtype : float dtype, keyword-only
+        float32 or float64.
+
+    Attributes
+    ----------
+    q_proj, k_proj, v_proj, o_proj : Linear
+        Hugging Face's names (torch stores ``weight = W.T``).
+    q_norm, k_norm : RMSNorm
+        With ``qk_norm`` only.
+
+    Notes
+    -----
+    With :math:`n` the QK-norm and :math:`R_p` the rotation of position :math:`p`:
+    :math:`q = R_p\\, n(x W_q)`, :math:`k = R_p\\, n(x W_k)`, :math:`v = x W_v`,
+    :math:`o = \\mathrm{softmax}(\\mathrm{cap}(c\\, q k^T) + M)\\, v`, :math:`y = o W_o`.
+    ``x`` feeds three projections: its gradient is their sum.
+
+    Examples
+    --------
+    >>> attn = DecoderAttention(8, 4, 2, 2, qk_norm=True, rng=0)
+    >>> keep = np.tril(np.ones((3, 3), bool))
+    >>> attn.forward(np.ones((1, 3, 8)), keep, np.arange(3)[None, None]).shape
+    (1, 3, 8)
+    >>> attn.backward(np.ones((1, 3, 8))).shape
+    (1, 3, 8)
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, emb_dim: int, num_heads: int, head_dim: int, num_kv_heads: int, *,
+                 qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
+                 norm_eps: float = 1e-6, norm_unit_offset: bool = False,
+                 scale: float | None = None, softcap: float | None = None, rope: bool = True,
+                 rope_base: float = 10000.0, rng: np.random.Generator | int | None = None,
+                 dtype: DTypeLike = np.float64) -> None:
+        self.emb_dim = check_int(emb_dim, "emb_dim", 1)
+        self.num_heads = check_int(num_heads, "num_heads", 1)
+        self.head_dim = check_int(head_dim, "head_dim", 1)
+        self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
+                             f"{self.num_kv_heads}")
+        self.scale, self.softcap, self.rope, self.rope_base = scale, softcap, rope, rope_base
+        self.qk_norm = bool(qk_norm)
+        rng = make_rng(rng)
+        E, H, K, D = self.emb_dim, self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = Linear(E, H * D, qkv_bias, rng=rng, dtype=dtype)
+        self.k_proj = Linear(E, K * D, qkv_bias, rng=rng, dtype=dtype)
+        self.v_proj = Linear(E, K * D, qkv_bias, rng=rng, dtype=dtype)
+        self.o_proj = Linear(H * D, E, out_bias, rng=rng, dtype=dtype)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(D, norm_eps, unit_offset=norm_unit_offset, dtype=dtype)
+            self.k_norm = RMSNorm(D, norm_eps, unit_offset=norm_unit_offset, dtype=dtype)
+        self.zero_grad()
+
+    _repr_fields = ("emb_dim", "num_heads", "head_dim", "num_kv_heads", "qk_norm", "scale",
+                    "softcap", "rope", "rope_base")
+
+    def _rope(self, x, positions):
+        """``(x rotated, cache)``, or ``(x, None)`` without RoPE."""
+        if not self.rope:
+            return x, None
+        return rope_forward(x, positions, base=self.rope_base, layout="half")
+
+    def _heads(self, x, positions):
+        """q ``(B, H, T, D)``, k and v ``(B, K, T, D)`` of ``x`` ``(B, T, E)``, and their caches."""
+        q = self.q_proj.forward(x, check=False)  # (B, T, E) -> (B, T, H D)
+        k = self.k_proj.forward(x, check=False)  # (B, T, E) -> (B, T, K D)
+        v = self.v_proj.forward(x, check=False)  # (B, T, E) -> (B, T, K D)
+        q, q_heads = F.split_heads_forward(q, self.num_heads)  # -> (B, H, T, D)
+        k, k_heads = F.split_heads_forward(k, self.num_kv_heads)  # -> (B, K, T, D)
+        v, v_heads = F.split_heads_forward(v, self.num_kv_heads)  # -> (B, K, T, D)
+        if self.qk_norm:  # NOTE: QK-norm comes before RoPE (Qwen3, Gemma 3)
+            q = self.q_norm.forward(q, check=False)
+            k = self.k_norm.forward(k, check=False)
+        q, q_rope = self._rope(q, positions)
+        k, k_rope = self._rope(k, positions)
+        return q, k, v, (q_heads, k_heads, v_heads, q_rope, k_rope)
+
+    def forward(self, x: FloatArray, keep: Any, positions: Any) -> FloatArray:
+        """``(B, T, E) -> (B, T, E)``.
+
+        Parameters
+        ----------
+        x : ndarray, shape (B, T, E)
+        keep : ndarray of bool, broadcastable to (B, 1, T, T)
+            True where query ``i`` may attend key ``j`` (causality, padding
+            and a window already folded in by the caller).
+        positions : ndarray of int, shape (B, 1, T)
+            Each row's positions (RoPE); ignored without RoPE.
+        """
+        q, k, v, caches = self._heads(x, positions)
+        out, core = variant_attention_forward(q, k, v, keep, False, self.scale,
+                                              softcap=self.softcap,
+                                              enable_gqa=self.num_kv_heads != self.num_heads,
+                                              check=False)  # (B, H, T, D)
+        out, merge = F.merge_heads_forward(out)  # (B, H, T, D) -> (B, T, H D)
+        self._cache = AttentionCache(*caches, core, merge)
+        return self.o_proj.forward(out, check=False)  # (B, T, H D) -> (B, T, E)
+
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> FloatArray:
+        """Accumulate every gradient; return ``dx`` ``(B, T, E)``."""
+        cache = self._need_cache()
+        dout = self.o_proj.backward(dout, retain_cache, check=False)  # (B, T, E) -> (B, T, H D)
+        dout = F.merge_heads_backward(dout, cache.merge, check=False)  # -> (B, H, T, D)
+        dq, dk, dv = variant_attention_backward(dout, cache.core, check=False)[:3]
+        if self.rope:
+            dq, dk = rope_backward(dq, cache.q_rope), rope_backward(dk, cache.k_rope)
+        if self.qk_norm:
+            dk = self.k_norm.backward(dk, retain_cache, check=False)
+            dq = self.q_norm.backward(dq, retain_cache, check=False)
+        dv = F.split_heads_backward(dv, cache.v_heads, check=False)  # (B, K, T, D) -> (B, T, K D)
+        dk = F.split_heads_backward(dk, cache.k_heads, check=False)  # (B, K, T, D) -> (B, T, K D)
+        dq = F.split_heads_backward(dq, cache.q_heads, check=False)  # (B, H, T, D) -> (B, T, H D)
+        dx = self.v_proj.backward(dv, retain_cache, check=False)  # (B, T, K D) -> (B, T, E)
+        dx = dx + self.k_proj.backward(dk, retain_cache, check=False)  # x feeds all three
+        dx = dx + self.q_proj.backward(dq, retain_cache, check=False)
+        self._release_cache(retain_cache)
+        return dx
+
+    def decode_step(self, x: FloatArray, kv_cache: Any, keep: Any, positions: Any,
+                    window: int | None) -> FloatArray:
+        """The new tokens ``x`` ``(B, T, E)`` attending to ``kv_cache`` (inference only).
+
+        ``keep`` ``(B, 1, T, S)`` is over the ``S`` cached and new keys; with
+        ``window`` the cache then keeps only the last ``window - 1`` keys
+        (all a later token can see). Keeps nothing for a backward; returns
+        ``(B, T, E)``.
+        """
+        p = self.params
+
+        def project(name, heads):  # (B, T, E) -> (B, heads, T, D)
+            y = x @ p[f"{name}.W"] + (p[f"{name}.b"] if f"{name}.b" in p else 0)
+            return F.split_heads_forward(y, heads)[0]
+
+        q, k, v = project("q_proj", self.num_heads), project("k_proj", self.num_kv_heads), \
+            project("v_proj", self.num_kv_heads)
+        if self.qk_norm:
+            q = F.rms_norm_forward(q, p["q_norm.weight"], self.q_norm.eps,
+                                   unit_offset=self.q_norm.unit_offset)[0]
+            k = F.rms_norm_forward(k, p["k_norm.weight"], self.k_norm.eps,
+                                   unit_offset=self.k_norm.unit_offset)[0]
+        q, k = self._rope(q, positions)[0], self._rope(k, positions)[0]
+        staged = kv_cache.stage(self, k, v)
+        out = variant_attention_forward(q, staged.keys, staged.values, keep, False, self.scale,
+                                        softcap=self.softcap,
+                                        enable_gqa=self.num_kv_heads != self.num_heads,
+                                        check=False)[0]  # (B, H, T, D)
+        out = F.merge_heads_forward(out)[0]  # (B, H, T, D) -> (B, T, H D)
+        y = out @ p["o_proj.W"] + (p["o_proj.b"] if "o_proj.b" in p else 0)  # -> (B, T, E)
+        kv_cache.commit(staged)
+        if window is not None:
+            kv_cache.keep_last(window - 1)
+        return y
+
+
+class DecoderBlock(Model):
+    """One decoder layer: attention and feed-forward branches, residuals, norms placed by ``placement``.
+
+    Parameters
+    ----------
+    self_attn : DecoderAttention
+    mlp : Layer
+        :class:`~qkvnp.FeedForward` (GPT-2), :class:`~qkvnp.GatedFeedForward`
+        (SwiGLU, GeGLU) or :class:`~qkvnp.layers.MoEFeedForward`.
+    norms : sequence of Layer
+        Two norms (``attn_norm``, ``mlp_norm``) for ``"pre"`` and ``"post"``,
+        four for ``"sandwich"`` (then also ``attn_post_norm``, ``mlp_post_norm``).
+    placement : {"pre", "post", "sandwich"}
+        ``"pre"``: ``x + f(norm(x))``; ``"post"``: ``norm(x + f(x))``;
+        ``"sandwich"``: ``x + post_norm(f(norm(x)))`` (Gemma 2 and 3).
+    window : int, optional
+        The sliding window of this layer's attention (keys ``i - j < window``),
+        None for global attention; read by the decoder to build the mask.
+
+    Examples
+    --------
+    >>> from qkvnp import RMSNorm, GatedFeedForward
+    >>> block = DecoderBlock(DecoderAttention(8, 2, 4, 1, rng=0), GatedFeedForward(8, 12, rng=0),
+    ...                      [RMSNorm(8), RMSNorm(8)], "pre")
+    >>> keep = np.tril(np.ones((3, 3), bool))
+    >>> block.forward(np.ones((1, 3, 8)), keep, np.arange(3)[None, None]).shape
+    (1, 3, 8)
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, self_attn: DecoderAttention, mlp: Layer, norms: Any, placement: str,
+                 window: int | None = None) -> None:
+        if placement not in BLOCK_PLACEMENTS:
+            raise ValueError(f"placement must be one of {BLOCK_PLACEMENTS}, got {placement!r}")
+        norms = list(norms)
+        if len(norms) != (4 if placement == "sandwich" else 2):
+            raise ValueError(f"norms must hold {4 if placement == 'sandwich' else 2} norms for "
+                             f"placement {placement!r}, got {len(norms)}")
+        self.placement, self.window = placement, window
+        self.self_attn, self.mlp = self_attn, mlp
+        self.attn_norm, self.mlp_norm = norms[0], norms[1]
+        if placement == "sandwich":
+            self.attn_post_norm, self.mlp_post_norm = norms[2], norms[3]
+        self.zero_grad()
+
+    _repr_fields = ("placement", "window")
+
+    def _branch(self, name, x, keep, positions):
+        """The attention (``name="attn"``) or feed-forward branch ``f`` of ``x`` (B, T, E)."""
+        if name == "attn":
+            return self.self_attn.forward(x, keep, positions)
+        return self.mlp.forward(x, check=False)
+
+    def _branch_backward(self, name, dout, retain_cache):
+        if name == "attn":
+            return self.self_attn.backward(dout, retain_cache)
+        return self.mlp.backward(dout, retain_cache, check=False)
+
+    def forward(self, x: FloatArray, keep: Any, positions: Any) -> FloatArray:
+        """``(B, T, E) -> (B, T, E)``; ``keep`` and ``positions`` as :class:`DecoderAttention`'s."""
+        for name in ("attn", "mlp"):
+            norm = getattr(self, f"{name}_norm")
+            if self.placement == "post":
+                x = norm.forward(x + self._branch(name, x, keep, positions), check=False)
+                continue
+            h = self._branch(name, norm.forward(x, check=False), keep, positions)
+            if self.placement == "sandwich":
+                h = getattr(self, f"{name}_post_norm").forward(h, check=False)
+            x = x + h
+        self._cache = True
+        return x
+
+    def backward(self, dout: FloatArray, retain_cache: bool = False) -> FloatArray:
+        """Accumulate every gradient; return ``dx`` ``(B, T, E)``."""
+        self._need_cache()
+        for name in ("mlp", "attn"):  # the reverse of the forward's order
+            norm = getattr(self, f"{name}_norm")
+            if self.placement == "post":
+                # in the forward this was: x = norm(x + f(x))
+                dsum = norm.backward(dout, retain_cache, check=False)
+                dout = dsum + self._branch_backward(name, dsum, retain_cache)
+                continue
+            # in the forward this was: x = x + post_norm(f(norm(x)))
+            dh = dout
+            if self.placement == "sandwich":
+                dh = getattr(self, f"{name}_post_norm").backward(dh, retain_cache, check=False)
+            dh = self._branch_backward(name, dh, retain_cache)
+            dout = dout + norm.backward(dh, retain_cache, check=False)
+        self._release_cache(retain_cache)
+        return dout
+
+    def decode_step(self, x: FloatArray, kv_cache: Any, keep: Any, positions: Any) -> FloatArray:
+        """The block on the new tokens, attending to ``kv_cache`` (inference only)."""
+        def attn(h):
+            return self.self_attn.decode_step(h, kv_cache, keep, positions, self.window)
+
+        def norm(layer, h):
+            out = layer.forward(h, check=False)
+            layer._cache = None  # NOTE: inference: nothing kept for a backward
+            return out
+
+        def mlp(h):
+            out = self.mlp.forward(h, check=False)
+            for _, layer in ([("", self.mlp)] + list(getattr(self.mlp, "named_layers",
+                                                             lambda: [])())):
+                layer._cache = None
+            return out
+
+        for name, branch in (("attn", attn), ("mlp", mlp)):
+            first = getattr(self, f"{name}_norm")
+            if self.placement == "post":
+                x = norm(first, x + branch(x))
+                continue
+            h = branch(norm(first, x))
+            if self.placement == "sandwich":
+                h = norm(getattr(self, f"{name}_post_norm"), h)
+            x = x + h
+        return x

@@ -1,0 +1,641 @@
+"""One decoder for today's families, configured rather than subclassed: :class:`Decoder`.
+
+Shape key: B batch, T tokens, S keys (past + new), E embedding (``emb_dim``),
+V vocabulary (``vocab_size``), H query heads, K key/value heads, D head dim,
+L layers.
+
+GPT-2, Llama 3, Qwen3, Qwen3-MoE, Gemma 3 (text) and Mistral are
+configurations (:class:`DecoderConfig` and its family presets); the blocks
+are :class:`qkvnp.layers.decoder_block.DecoderBlock`. Every backward is
+hand-derived; the derivations are in ``docs/derivations_gpt.md`` ("The
+decoder of today's families"), the families side by side in
+``docs/families.md``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .._checks import as_upstream_grad, check_indices, check_state_value, layer_dtype, make_rng
+from ..layers.base import LoadResult, Model
+from ..layers.basic import Embedding, Linear
+from ..layers.decoder_block import BLOCK_PLACEMENTS, DecoderAttention, DecoderBlock
+from ..layers.kv_cache import KVCache
+from ..layers.mlp import GatedFeedForward
+from ..layers.moe import MoEFeedForward
+from ..layers.norms import RMSNorm
+from ..layers.transformer import FeedForward, LayerNorm, Sequential
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any, Mapping
+    from .._typing import ArrayLike, DTypeLike, FloatArray, IntArray
+
+__all__ = ["DecoderConfig", "Decoder", "NORM_KINDS", "MLP_KINDS", "POSITION_KINDS", "LAYER_TYPES"]
+
+#: :attr:`DecoderConfig.norm`: LayerNorm (GPT-2) or RMSNorm (the others).
+NORM_KINDS = ("layer", "rms")
+#: :attr:`DecoderConfig.mlp`: GPT-2's GELU MLP with biases, SwiGLU, GeGLU, a mixture of SwiGLU experts.
+MLP_KINDS = ("gelu", "swiglu", "geglu", "moe")
+#: :attr:`DecoderConfig.positions`: a learned table (GPT-2) or rotary (the others).
+POSITION_KINDS = ("learned", "rope")
+#: :attr:`DecoderConfig.layer_types` entries, Hugging Face's names.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_FAMILIES = ("gpt2", "llama", "qwen3", "qwen3_moe", "gemma3_text", "mistral")
+
+
+def _positive_int(value, name, minimum=1):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"DecoderConfig.{name} must be an int, got {type(value).__name__} "
+                        f"{value!r}")
+    if value < minimum:
+        raise ValueError(f"DecoderConfig.{name} must be >= {minimum}, got {value}")
+
+
+def _positive_float(value, name, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"DecoderConfig.{name} must be a number{' or None' * allow_none}, got "
+                        f"{type(value).__name__} {value!r}")
+    if not 0 < float(value) < math.inf:
+        raise ValueError(f"DecoderConfig.{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """What makes a family: every option of :class:`Decoder`, checked when made.
+
+    Parameters
+    ----------
+    vocab_size, emb_dim, num_layers, num_heads : int
+        ``V``, ``E``, ``L``, ``H``.
+    hidden_dim : int
+        The feed-forward's width (``intermediate_size``).
+    context_length : int
+        The most positions (``max_position_embeddings``; the learned table's rows).
+    head_dim : int, optional
+        ``D`` (default ``E // H``; Qwen3 and Gemma 3 set it apart).
+    num_kv_heads : int, optional
+        ``K``, a divisor of ``H`` (default ``H``).
+    norm : {"layer", "rms"}
+        LayerNorm (with a shift) or RMSNorm.
+    norm_eps : float
+    norm_unit_offset : bool
+        RMSNorm's ``(1 + weight)`` (Gemma), also the QK-norm's.
+    placement : {"pre", "post", "sandwich"}
+        Where the norms go (:class:`~qkvnp.layers.decoder_block.DecoderBlock`).
+    mlp : {"gelu", "swiglu", "geglu", "moe"}
+        GPT-2's MLP (biases, tanh GELU), the gated MLPs, or a mixture of SwiGLU experts.
+    num_experts, top_k : int, optional
+        With ``mlp="moe"``: ``X`` experts, ``k`` a token.
+    norm_topk_prob : bool
+        With ``mlp="moe"``: renormalise the ``k`` gates (Qwen3-MoE's option).
+    moe_hidden_dim : int, optional
+        With ``mlp="moe"``: each expert's width (``moe_intermediate_size``).
+    qkv_bias, out_bias : bool
+        Biases of the query/key/value projections and of the output projection.
+    qk_norm : bool
+        RMSNorm of each head's queries and keys before RoPE (Qwen3, Gemma 3).
+    scale : float, optional
+        The score scale (default ``1 / sqrt(D)``).
+    attn_softcap : float, optional
+        Gemma 2's attention-logit soft-cap.
+    layer_types : tuple of str, optional
+        One of :data:`LAYER_TYPES` a layer (default all ``"full_attention"``).
+    sliding_window : int, optional
+        The window of the ``"sliding_attention"`` layers: query ``i`` sees
+        keys ``i - sliding_window < j <= i`` (Hugging Face's meaning).
+    positions : {"learned", "rope"}
+    rope_base : float
+        ``rope_theta`` of the full-attention layers.
+    rope_local_base : float, optional
+        ``rope_theta`` of the sliding layers (Gemma 3's ``rope_local_base_freq``;
+        default ``rope_base``).
+    rope_scaling : None
+        RoPE frequency scaling is not supported yet: anything but None is refused.
+    embed_scale : float, optional
+        The token embeddings are multiplied by it (Gemma: ``sqrt(E)``).
+    tie_embeddings : bool
+        The head reads the embedding table (one parameter used twice).
+    final_softcap : float, optional
+        ``final_softcap * tanh(logits / final_softcap)`` (Gemma 2).
+    family : str, optional
+        The Hugging Face ``model_type`` the config expresses (set by the
+        presets and :func:`qkvnp.interop.from_hf`; :func:`qkvnp.interop.to_hf`
+        reads it for the names).
+
+    Raises
+    ------
+    TypeError, ValueError
+        When made, naming the first bad field.
+
+    Examples
+    --------
+    >>> cfg = DecoderConfig.llama3(vocab_size=50, emb_dim=16, num_layers=2, num_heads=4,
+    ...                            num_kv_heads=2, hidden_dim=24)
+    >>> cfg.norm, cfg.mlp, cfg.positions, cfg.head_dim
+    ('rms', 'swiglu', 'rope', 4)
+    """
+
+    vocab_size: int
+    emb_dim: int
+    num_layers: int
+    num_heads: int
+    hidden_dim: int
+    context_length: int = 2048
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    norm: str = "rms"
+    norm_eps: float = 1e-6
+    norm_unit_offset: bool = False
+    placement: str = "pre"
+    mlp: str = "swiglu"
+    num_experts: int | None = None
+    top_k: int | None = None
+    norm_topk_prob: bool = False
+    moe_hidden_dim: int | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    scale: float | None = None
+    attn_softcap: float | None = None
+    layer_types: tuple | None = None
+    sliding_window: int | None = None
+    positions: str = "rope"
+    rope_base: float = 10000.0
+    rope_local_base: float | None = None
+    rope_scaling: Any = None
+    embed_scale: float | None = None
+    tie_embeddings: bool = False
+    final_softcap: float | None = None
+    family: str | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "emb_dim", "num_layers", "num_heads", "hidden_dim",
+                     "context_length"):
+            _positive_int(getattr(self, name), name)
+        if self.head_dim is None:
+            if self.emb_dim % self.num_heads:
+                raise ValueError(f"DecoderConfig.head_dim must be given when num_heads="
+                                 f"{self.num_heads} does not divide emb_dim={self.emb_dim}")
+            object.__setattr__(self, "head_dim", self.emb_dim // self.num_heads)
+        _positive_int(self.head_dim, "head_dim")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _positive_int(self.num_kv_heads, "num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DecoderConfig.num_kv_heads must divide num_heads="
+                             f"{self.num_heads}, got {self.num_kv_heads}")
+        for name, kinds in (("norm", NORM_KINDS), ("placement", BLOCK_PLACEMENTS),
+                            ("mlp", MLP_KINDS), ("positions", POSITION_KINDS)):
+            if getattr(self, name) not in kinds:
+                raise ValueError(f"DecoderConfig.{name} must be one of {kinds}, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("norm_unit_offset", "norm_topk_prob", "qkv_bias", "out_bias", "qk_norm",
+                     "tie_embeddings"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"DecoderConfig.{name} must be a bool, got "
+                                f"{getattr(self, name)!r}")
+        _positive_float(self.norm_eps, "norm_eps")
+        for name in ("attn_softcap", "final_softcap", "embed_scale", "rope_local_base", "scale"):
+            _positive_float(getattr(self, name), name, allow_none=True)
+        _positive_float(self.rope_base, "rope_base")
+        self._check_more()
+
+    def _check_more(self):
+        """The fields that depend on others: MoE sizes, layer types, RoPE, family."""
+        if self.mlp == "moe":
+            for name in ("num_experts", "top_k", "moe_hidden_dim"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"DecoderConfig.{name} must be given with mlp='moe'")
+                _positive_int(getattr(self, name), name)
+            if self.top_k > self.num_experts:
+                raise ValueError(f"DecoderConfig.top_k must be <= num_experts="
+                                 f"{self.num_experts}, got {self.top_k}")
+        if self.layer_types is None:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if not isinstance(self.layer_types, (tuple, list)) or len(self.layer_types) != \
+                self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"DecoderConfig.layer_types must hold num_layers={self.num_layers} "
+                             f"entries of {LAYER_TYPES}, got {self.layer_types!r}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if "sliding_attention" in self.layer_types:
+            if self.sliding_window is None:
+                raise ValueError("DecoderConfig.sliding_window must be given when layer_types "
+                                 "has 'sliding_attention'")
+            _positive_int(self.sliding_window, "sliding_window")
+        if self.rope_scaling is not None:
+            raise ValueError(f"DecoderConfig.rope_scaling is not supported yet (RoPE "
+                             f"frequency scaling), got {self.rope_scaling!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"DecoderConfig.head_dim must be even with RoPE, got {self.head_dim}")
+        if self.family is not None and self.family not in _FAMILIES:
+            raise ValueError(f"DecoderConfig.family must be None or one of {_FAMILIES}, got "
+                             f"{self.family!r}")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    # ------------------------------------------------------------ family presets
+
+    @classmethod
+    def gpt2(cls, *, vocab_size: int = 50257, emb_dim: int = 768, num_layers: int = 12,
+             num_heads: int = 12, context_length: int = 1024, hidden_dim: int | None = None,
+             norm_eps: float = 1e-5) -> DecoderConfig:
+        """GPT-2: LayerNorm before each branch, GELU MLP with biases, learned positions, tied head."""
+        return cls(vocab_size, emb_dim, num_layers, num_heads, hidden_dim or 4 * emb_dim,
+                   context_length, norm="layer", norm_eps=norm_eps, mlp="gelu", qkv_bias=True,
+                   out_bias=True, positions="learned", tie_embeddings=True, family="gpt2")
+
+    @classmethod
+    def llama3(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
+               hidden_dim: int, num_kv_heads: int | None = None, context_length: int = 8192,
+               rope_base: float = 500000.0, norm_eps: float = 1e-5,
+               tie_embeddings: bool = False, head_dim: int | None = None) -> DecoderConfig:
+        """Llama 3: RMSNorm, SwiGLU, RoPE, GQA (RoPE scaling not yet supported)."""
+        return cls(vocab_size, emb_dim, num_layers, num_heads, hidden_dim, context_length,
+                   head_dim=head_dim, num_kv_heads=num_kv_heads, norm_eps=norm_eps,
+                   rope_base=rope_base, tie_embeddings=tie_embeddings, family="llama")
+
+    @classmethod
+    def mistral(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
+                hidden_dim: int, num_kv_heads: int | None = None, context_length: int = 32768,
+                rope_base: float = 10000.0, norm_eps: float = 1e-6,
+                sliding_window: int | None = 4096, head_dim: int | None = None) -> DecoderConfig:
+        """Mistral: Llama's layers, every layer windowed when ``sliding_window`` is set."""
+        kind = "full_attention" if sliding_window is None else "sliding_attention"
+        return cls(vocab_size, emb_dim, num_layers, num_heads, hidden_dim, context_length,
+                   head_dim=head_dim, num_kv_heads=num_kv_heads, norm_eps=norm_eps,
+                   rope_base=rope_base, layer_types=(kind,) * num_layers,
+                   sliding_window=sliding_window, family="mistral")
+
+    @classmethod
+    def qwen3(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
+              hidden_dim: int, head_dim: int = 128, num_kv_heads: int | None = None,
+              context_length: int = 40960, rope_base: float = 1000000.0,
+              norm_eps: float = 1e-6, tie_embeddings: bool = False) -> DecoderConfig:
+        """Qwen3: Llama's layers with QK-norm and a head dim of its own."""
+        return cls(vocab_size, emb_dim, num_layers, num_heads, hidden_dim, context_length,
+                   head_dim=head_dim, num_kv_heads=num_kv_heads, norm_eps=norm_eps,
+                   qk_norm=True, rope_base=rope_base, tie_embeddings=tie_embeddings,
+                   family="qwen3")
+
+    @classmethod
+    def qwen3_moe(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
+                  moe_hidden_dim: int, num_experts: int, top_k: int, head_dim: int = 128,
+                  num_kv_heads: int | None = None, norm_topk_prob: bool = True,
+                  context_length: int = 40960, rope_base: float = 1000000.0,
+                  norm_eps: float = 1e-6) -> DecoderConfig:
+        """Qwen3-MoE: Qwen3 with a mixture of SwiGLU experts in every layer."""
+        return cls(vocab_size, emb_dim, num_layers, num_heads, moe_hidden_dim, context_length,
+                   head_dim=head_dim, num_kv_heads=num_kv_heads, norm_eps=norm_eps,
+                   mlp="moe", num_experts=num_experts, top_k=top_k,
+                   norm_topk_prob=norm_topk_prob, moe_hidden_dim=moe_hidden_dim, qk_norm=True,
+                   rope_base=rope_base, family="qwen3_moe")
+
+    @classmethod
+    def gemma3(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
+               hidden_dim: int, head_dim: int = 256, num_kv_heads: int | None = None,
+               query_pre_attn_scalar: float = 256, sliding_window: int = 512,
+               layer_types: tuple | None = None, context_length: int = 131072,
+               rope_base: float = 1000000.0, rope_local_base: float = 10000.0,
+               norm_eps: float = 1e-6) -> DecoderConfig:
+        """Gemma 3 (text): sandwich RMSNorms with ``(1 + weight)``, GeGLU, QK-norm, scaled
+        embeddings, tied head, five sliding layers for one global (``layer_types``)."""
+        if layer_types is None:
+            layer_types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                for i in range(num_layers))
+        # NOTE: transformers holds sqrt(E) in a float32 buffer, cast to the model's dtype
+        embed_scale = float(np.float32(math.sqrt(emb_dim)))
+        return cls(vocab_size, emb_dim, num_layers, num_heads, hidden_dim, context_length,
+                   head_dim=head_dim, num_kv_heads=num_kv_heads, norm_eps=norm_eps,
+                   norm_unit_offset=True, placement="sandwich", mlp="geglu", qk_norm=True,
+                   scale=float(query_pre_attn_scalar) ** -0.5, layer_types=layer_types,
+                   sliding_window=sliding_window, rope_base=rope_base,
+                   rope_local_base=rope_local_base, embed_scale=embed_scale,
+                   tie_embeddings=True, family="gemma3_text")
+
+
+def _check_attention_mask(attention_mask, shape):
+    """``attention_mask`` (Hugging Face's 0/1, shape ``shape``) as bool, True = a real token."""
+    if attention_mask is None:
+        return np.ones(shape, bool)
+    mask = np.asarray(attention_mask)
+    if mask.dtype.kind not in "biu" or mask.shape != tuple(shape) or not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"attention_mask must hold 0 and 1 (1 = a real token) with shape "
+                         f"{tuple(shape)}, got dtype {mask.dtype} and shape {mask.shape}")
+    return mask.astype(bool)
+
+
+def _keep_masks(valid, T, past, start, windows):
+    """``{window: keep (B, 1, T, S)}``: causal, real keys only, and within each window.
+
+    Query ``t`` is token ``past + t`` of the sequence, key ``s`` is token
+    ``start + s``; ``valid`` ``(B, S)`` says which keys are real tokens.
+    """
+    query = past + np.arange(T)[:, None]  # (T, 1)
+    key = start + np.arange(valid.shape[-1])[None, :]  # (1, S)
+    keep = (key <= query)[None, None] & valid[:, None, None, :]  # (B, 1, T, S)
+    # NOTE: a left-padded query row sees no key: its attention output is 0
+    # (qkvnp's fully masked row), finite but meaningless, as its logits are
+    return {window: keep if window is None else keep & (query - key < window)[None, None]
+            for window in windows}
+
+
+class Decoder(Model):
+    """A decoder-only language model configured by a :class:`DecoderConfig`.
+
+    Parameters
+    ----------
+    config : DecoderConfig
+        The family and sizes (e.g. ``DecoderConfig.qwen3(...)``).
+    rng : numpy.random.Generator or int, keyword-only, optional
+        Seed or Generator of the initial weights.
+    dtype : float dtype, keyword-only
+        float32 or float64.
+
+    Attributes
+    ----------
+    embed : Embedding
+        The token table ``(V, E)``; with ``tie_embeddings`` also the head.
+    pos_embed : Embedding
+        With ``positions="learned"`` only, ``(context_length, E)``.
+    blocks : Sequential of DecoderBlock
+        ``blocks.0``, ``blocks.1``, ...
+    final_norm : LayerNorm or RMSNorm
+    head : Linear
+        ``(E, V)``, no bias; absent with ``tie_embeddings``.
+    config : DecoderConfig
+    vocab_size, num_layers, context_length, emb_dim : int
+        From the config (what :func:`qkvnp.generate` reads).
+
+    Notes
+    -----
+    Forward, with :math:`s` the embedding scale and :math:`\\kappa` the final soft-cap:
+
+    .. math:: x_0 = s\\,W_{emb}[i] + W_{pos}[p], \\quad x_l = \\mathrm{block}_l(x_{l-1}), \\quad
+              z = \\kappa \\tanh(\\mathrm{norm}(x_L) W_{head} / \\kappa)
+
+    With ``tie_embeddings``, :math:`W_{head} = W_{emb}^T`: one parameter
+    used twice, whose gradient is the sum of the head's
+    :math:`(\\mathrm{norm}(x_L)^T \\bar z)^T` and the lookup's scatter
+    (``docs/derivations_gpt.md``). ``params`` and ``grads`` hold it once,
+    as ``embed.weight``, so an optimizer steps it once; :meth:`state_dict`
+    also gives it as ``head.W`` (transposed) and :meth:`load_state_dict`
+    accepts that name.
+
+    Examples
+    --------
+    >>> cfg = DecoderConfig.qwen3(vocab_size=20, emb_dim=8, num_layers=1, num_heads=2,
+    ...                           head_dim=4, hidden_dim=12)
+    >>> model = Decoder(cfg, rng=0)
+    >>> logits = model.forward(np.array([[1, 2, 3]]))
+    >>> logits.shape
+    (1, 3, 20)
+    >>> model.backward(np.ones(logits.shape)) is None
+    True
+    """
+
+    supports_complex_step = True
+
+    def __init__(self, config: DecoderConfig, *, rng: np.random.Generator | int | None = None,
+                 dtype: DTypeLike = np.float64) -> None:
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(config).__name__}")
+        self.config = config
+        self.dtype = layer_dtype(dtype)
+        self.vocab_size, self.num_layers = config.vocab_size, config.num_layers
+        self.context_length, self.emb_dim = config.context_length, config.emb_dim
+        rng = make_rng(rng)
+        self.embed = Embedding(config.vocab_size, config.emb_dim, rng=rng, dtype=dtype)
+        if config.positions == "learned":
+            self.pos_embed = Embedding(config.context_length, config.emb_dim, rng=rng, dtype=dtype)
+        self.blocks = Sequential([self._block(i, rng) for i in range(config.num_layers)])
+        self.final_norm = self._norm()
+        if not config.tie_embeddings:
+            self.head = Linear(config.emb_dim, config.vocab_size, False, rng=rng, dtype=dtype)
+        self.zero_grad()
+
+    def _norm(self, dim=None):
+        """A LayerNorm or RMSNorm of the config over ``dim`` (default ``E``)."""
+        cfg = self.config
+        dim = cfg.emb_dim if dim is None else dim
+        if cfg.norm == "layer":
+            return LayerNorm(dim, cfg.norm_eps, dtype=self.dtype)
+        return RMSNorm(dim, cfg.norm_eps, unit_offset=cfg.norm_unit_offset, dtype=self.dtype)
+
+    def _block(self, i, rng):
+        """Block ``i``: its attention (its window and RoPE base), its feed-forward, its norms."""
+        cfg, dtype = self.config, self.dtype
+        window = cfg.window(i)
+        base = cfg.rope_base if window is None or cfg.rope_local_base is None else \
+            cfg.rope_local_base
+        attn = DecoderAttention(cfg.emb_dim, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads,
+                                qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                                qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+                                norm_unit_offset=cfg.norm_unit_offset, scale=cfg.scale,
+                                softcap=cfg.attn_softcap, rope=cfg.positions == "rope",
+                                rope_base=base, rng=rng, dtype=dtype)
+        mlp: Any
+        if cfg.mlp == "gelu":
+            mlp = FeedForward(cfg.emb_dim, cfg.hidden_dim, rng=rng, dtype=dtype)
+        elif cfg.mlp == "moe":
+            mlp = MoEFeedForward(cfg.emb_dim, cfg.moe_hidden_dim, cfg.num_experts, cfg.top_k,
+                                 norm_topk_prob=cfg.norm_topk_prob, rng=rng, dtype=dtype)
+        else:
+            mlp = GatedFeedForward(cfg.emb_dim, cfg.hidden_dim, rng=rng, dtype=dtype,
+                                   activation="silu" if cfg.mlp == "swiglu" else "gelu_tanh")
+        norms = [self._norm() for _ in range(4 if cfg.placement == "sandwich" else 2)]
+        return DecoderBlock(attn, mlp, norms, cfg.placement, window)
+
+    def _head_weight(self):
+        """``W_head`` ``(E, V)``: the head's, or the embedding table's transpose when tied."""
+        if self.config.tie_embeddings:
+            return self.embed.params["weight"].T
+        return self.head.params["W"]
+
+    def _inputs(self, ids, attention_mask, position_ids, past):
+        """Checked ids ``(B, T)``, the real-token mask ``(B, past + T)`` and positions ``(B, T)``."""
+        ids = check_indices(ids, self.vocab_size, "ids")
+        if ids.ndim != 2 or ids.shape[1] < 1:
+            raise ValueError(f"ids must have shape (B, T) with T >= 1, got shape {ids.shape}")
+        B, T = ids.shape
+        if past + T > self.context_length:
+            raise ValueError(f"ids must hold at most context_length={self.context_length} "
+                             f"tokens with the {past} cached, got T={T}")
+        valid = _check_attention_mask(attention_mask, (B, past + T))
+        if position_ids is None:
+            # NOTE: as transformers' forward: arange from the cached tokens, whatever
+            # the padding (its generate passes cumsum(mask) - 1 instead)
+            positions = np.broadcast_to(past + np.arange(T), (B, T))
+        else:
+            positions = np.asarray(position_ids)
+            if positions.dtype.kind not in "iu" or positions.shape not in ((B, T), (1, T)) or \
+                    (positions < 0).any() or (positions >= self.context_length).any():
+                raise ValueError(f"position_ids must be integers in [0, context_length="
+                                 f"{self.context_length}) of shape ({B}, {T}) or (1, {T}), got "
+                                 f"dtype {positions.dtype} and shape {positions.shape}")
+            positions = np.broadcast_to(positions, (B, T))
+        return ids, valid, positions
+
+    def _embed(self, ids, positions, layer_calls):
+        """``x_0`` ``(B, T, E)``: scaled token vectors plus the learned positions."""
+        cfg = self.config
+        x = self.embed.forward(ids) if layer_calls else self.embed.params["weight"][ids]
+        if cfg.embed_scale is not None:
+            x = x * np.asarray(cfg.embed_scale, self.dtype)  # (B, T, E)
+        if cfg.positions == "learned":
+            table = self.pos_embed
+            x = x + (table.forward(positions) if layer_calls else table.params["weight"][positions])
+        return x
+
+    def forward(self, ids: IntArray, *, attention_mask: ArrayLike | None = None,
+                position_ids: ArrayLike | None = None) -> FloatArray:
+        """Logits of the next token at every position.
+
+        Parameters
+        ----------
+        ids : ndarray of int, shape (B, T)
+        attention_mask : ndarray of 0/1, shape (B, T), keyword-only, optional
+            Hugging Face's: 1 = a real token, 0 = padding (left or right).
+            Padded keys are masked; the logits of padded rows are finite and
+            meaningless.
+        position_ids : ndarray of int, shape (B, T) or (1, T), keyword-only, optional
+            Default ``arange(T)`` for every row, as transformers' forward (its
+            ``generate`` passes ``cumsum(attention_mask) - 1`` for left padding:
+            pass that to match it).
+
+        Returns
+        -------
+        logits : ndarray, shape (B, T, V)
+        """
+        ids, valid, positions = self._inputs(ids, attention_mask, position_ids, 0)
+        T = ids.shape[1]
+        keeps = _keep_masks(valid, T, 0, 0, {block.window for block in self.blocks})
+        x = self._embed(ids, positions, True)  # (B, T, E)
+        for block in self.blocks:
+            x = block.forward(x, keeps[block.window], positions[:, None, :])  # (B, T, E)
+        x = self.final_norm.forward(x, check=False)
+        W_head = None
+        if self.config.tie_embeddings:
+            W_head = self._head_weight().copy()  # the cache owns the weights it reads (Layer)
+            logits = x @ W_head  # (B, T, E) @ (E, V) -> (B, T, V)
+        else:
+            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+        capped = None
+        if self.config.final_softcap is not None:
+            capped = np.tanh(logits / self.config.final_softcap)  # (B, T, V)
+            logits = self.config.final_softcap * capped
+        self._cache = (logits.shape, x, W_head, capped)
+        return logits
+
+    def backward(self, dlogits: FloatArray, retain_cache: bool = False) -> Any:
+        """Accumulate every gradient into ``grads``; return None (ids are not differentiable)."""
+        state = self._thread
+        if state.cache is None and state.decoded:
+            raise RuntimeError("Decoder.backward after decode: decoding keeps nothing for a "
+                               "backward; call forward(ids) first")
+        shape, x_final, W_head, capped = self._need_cache()
+        dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
+        if capped is not None:
+            # in the forward this was: logits = cap * tanh(z / cap)
+            dlogits = dlogits * (1 - capped * capped)
+        if self.config.tie_embeddings:
+            # in the forward this was: logits = x_final @ W_emb^T
+            dW_head = np.einsum("bte,btv->ev", x_final, dlogits)  # (E, V)
+            dx = dlogits @ W_head.T  # (B, T, V) -> (B, T, E)
+        else:
+            dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
+        dx = self.final_norm.backward(dx, retain_cache, check=False)
+        for block in reversed(list(self.blocks)):
+            dx = block.backward(dx, retain_cache)  # (B, T, E)
+        if self.config.positions == "learned":
+            self.pos_embed.backward(dx, retain_cache, check=False)
+        if self.config.embed_scale is not None:
+            dx = dx * np.asarray(self.config.embed_scale, self.dtype)
+        self.embed.backward(dx, retain_cache, check=False)
+        if self.config.tie_embeddings:
+            # NOTE: one table used twice: its gradient is the lookup's scatter plus the head's
+            self.embed._accumulate("weight", dW_head.T)  # (E, V) -> (V, E)
+        self._release_cache(retain_cache)
+        return None
+
+    def decode(self, ids: IntArray, kv_caches: Any, *, attention_mask: ArrayLike | None = None,
+               position_ids: ArrayLike | None = None) -> FloatArray:
+        """Logits of the new tokens ``ids``, attending to ``kv_caches``' past (inference only).
+
+        Parameters
+        ----------
+        ids : ndarray of int, shape (B, T)
+            The new tokens; they follow the cached ones.
+        kv_caches : sequence of qkvnp.KVCache
+            One per layer, empty at the start. A sliding layer's cache keeps
+            only the last ``sliding_window - 1`` tokens (rolling).
+        attention_mask : ndarray of 0/1, shape (B, past + T), keyword-only, optional
+            Every token so far, cached and new (as transformers' generate passes it).
+        position_ids : ndarray of int, shape (B, T), keyword-only, optional
+            Default: the new tokens' indices in the sequence.
+
+        Returns
+        -------
+        logits : ndarray, shape (B, T, V)
+        """
+        if isinstance(kv_caches, KVCache) or not hasattr(kv_caches, "__iter__"):
+            raise TypeError(f"kv_caches must be a sequence of one qkvnp.KVCache per layer "
+                            f"({self.num_layers}), got {type(kv_caches).__name__}")
+        kv_caches = list(kv_caches)
+        if len(kv_caches) != self.num_layers or not all(isinstance(c, KVCache) for c in kv_caches):
+            raise ValueError(f"kv_caches must hold one qkvnp.KVCache per layer "
+                             f"({self.num_layers}), got {len(kv_caches)} items")
+        past = kv_caches[0].start + len(kv_caches[0])
+        if any(cache.start + len(cache) != past for cache in kv_caches):
+            raise ValueError("kv_caches must all have seen the same tokens; reset them")
+        ids, valid, positions = self._inputs(ids, attention_mask, position_ids, past)
+        T = ids.shape[1]
+        x = self._embed(ids, positions, False)  # (B, T, E)
+        for block, cache in zip(self.blocks, kv_caches):
+            keep = _keep_masks(valid[:, cache.start:], T, past, cache.start,
+                               (block.window,))[block.window]  # (B, 1, T, S)
+            x = block.decode_step(x, cache, keep, positions[:, None, :])  # (B, T, E)
+        x = self.final_norm.forward(x, check=False)
+        logits = x @ self._head_weight()  # (B, T, E) -> (B, T, V)
+        if self.config.final_softcap is not None:
+            logits = self.config.final_softcap * np.tanh(logits / self.config.final_softcap)
+        state = self._state_to_write()  # nothing kept for a backward
+        state.cache = state.used_cache = None
+        state.decoded = True
+        self.final_norm._cache = None
+        return logits
+
+    def state_dict(self) -> dict[str, FloatArray]:
+        """Copies of the parameters; a tied table also as ``head.W`` ``(E, V)``, its transpose."""
+        state = super().state_dict()
+        if self.config.tie_embeddings:
+            state["head.W"] = state["embed.weight"].T.copy()
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
+                        strict: bool = True) -> LoadResult:
+        """As :meth:`qkvnp.Layer.load_state_dict`; a tied table may also come as ``head.W``.
+
+        With ``tie_embeddings``, ``head.W`` ``(E, V)`` is the table's transpose:
+        loaded into ``embed.weight`` when that is absent, refused when both
+        are given and differ.
+        """
+        if not (self.config.tie_embeddings and hasattr(state_dict, "keys")
+                and "head.W" in state_dict):
+            return super().load_state_dict(state_dict, strict)
+        state = dict(state_dict)
+        head = check_state_value(state.pop("head.W"), "state_dict['head.W']",
+                                 (self.emb_dim, self.vocab_size), self.dtype)
+        if "embed.weight" not in state:
+            state["embed.weight"] = head.T
+        elif not np.array_equal(np.asarray(state["embed.weight"]), head.T):
+            raise ValueError("state_dict['head.W'] must be the transpose of "
+                             "state_dict['embed.weight']: the head is tied to the embedding")
+        return super().load_state_dict(state, strict)
+
