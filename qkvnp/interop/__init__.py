@@ -1,11 +1,13 @@
 """Weights in and out of other libraries' layouts, never importing them.
 
 One module a peer: :mod:`qkvnp.interop.pytorch` for PyTorch's modules and
-the book's (:func:`from_torch`, :func:`to_torch`). Every name is
+the book's (:func:`from_torch`, :func:`to_torch`); :mod:`qkvnp.interop.hf`
+for Hugging Face transformers' decoders (:func:`from_hf`, :func:`to_hf`). Every name is
 re-exported here: ``from qkvnp.interop import from_torch``.
 """
 from __future__ import annotations
 
+from .hf import HF_ARCHITECTURES, from_hf, to_hf
 from .pytorch import LAYOUTS, from_torch, to_torch
 
-__all__ = ["LAYOUTS", "from_torch", "to_torch"]
+__all__ = ["LAYOUTS", "from_torch", "to_torch", "HF_ARCHITECTURES", "from_hf", "to_hf"]

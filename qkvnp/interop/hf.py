@@ -1,0 +1,407 @@
+"""Hugging Face transformers' decoders in and out of qkvnp's :class:`~qkvnp.models.decoder.Decoder`.
+
+Shape key: E embedding (``hidden_size``), V vocabulary, H query heads, K
+key/value heads, D head dim, F the MLP's width, X experts.
+
+:func:`from_hf` builds a :class:`~qkvnp.models.decoder.Decoder` from a
+transformers model object (anything with ``.config.to_dict()`` and
+``.state_dict()``; tensors converted by duck typing, never importing torch
+or transformers); :func:`to_hf` gives its parameters, or gradients, under the
+names of that model's ``named_parameters()``. The architectures
+(:data:`HF_ARCHITECTURES`) and how each maps:
+
+==========================  ==============  ==========================================
+transformers class          ``model_type``  qkvnp
+==========================  ==============  ==========================================
+``GPT2LMHeadModel``         gpt2            ``DecoderConfig.gpt2``; ``c_attn`` splits
+                                            into ``q/k/v_proj`` (Conv1D: no transpose)
+``LlamaForCausalLM``        llama           ``DecoderConfig.llama3``
+``MistralForCausalLM``      mistral         ``DecoderConfig.mistral``
+``Qwen3ForCausalLM``        qwen3           ``DecoderConfig.qwen3``
+``Qwen3MoeForCausalLM``     qwen3_moe       ``DecoderConfig.qwen3_moe``; the fused
+                                            ``experts.gate_up_proj (X, 2F, E)`` splits
+``Gemma3ForCausalLM``       gemma3_text     ``DecoderConfig.gemma3``
+==========================  ==============  ==========================================
+
+torch's ``nn.Linear`` stores ``weight = W.T``. A tied table comes once, under
+the name transformers keeps (``transformer.wte.weight``,
+``model.embed_tokens.weight``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import as_numpy
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
+    from typing import Any
+    from .._typing import DTypeLike
+
+__all__ = ["HF_ARCHITECTURES", "from_hf", "to_hf"]
+
+#: The transformers classes :func:`from_hf` accepts, and their ``model_type``.
+HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+                    "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3",
+                    "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3_text"}
+
+# bookkeeping entries of a config: they do not change the forward
+_BOOKKEEPING = {
+    "transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype",
+    "torch_dtype", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "initializer_range", "use_cache", "pad_token_id", "bos_token_id",
+    "eos_token_id", "_name_or_path", "model_type", "output_attentions", "tokenizer_class",
+    "task_specific_params", "prefix", "sep_token_id", "decoder_start_token_id",
+    "tie_encoder_decoder", "_attn_implementation_autoset", "finetuning_task",
+}
+# dropout rates: the Decoder has no dropout (evaluation semantics); documented in from_hf
+_DROPOUT = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout",
+            "summary_first_dropout"}
+
+
+def _architecture(source, config):
+    """The ``model_type`` of ``source``, or a ``ValueError`` naming its architecture."""
+    name = type(source).__name__
+    if name in HF_ARCHITECTURES:
+        return HF_ARCHITECTURES[name]
+    named = config.get("architectures") or []
+    if len(named) == 1 and named[0] in HF_ARCHITECTURES:
+        return HF_ARCHITECTURES[named[0]]
+    shown = named[0] if named else f"{name} (model_type {config.get('model_type')!r})"
+    raise ValueError(f"from_hf does not support the architecture {shown}; supported: "
+                     f"{sorted(HF_ARCHITECTURES)}")
+
+
+class _Reader:
+    """Reads a config dict's entries, then refuses every entry not read, by name."""
+
+    def __init__(self, config, family):
+        self.config, self.family, self.read = config, family, set(_BOOKKEEPING | _DROPOUT)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return self.config.get(key, default)
+
+    def expect(self, key, allowed, default=None):
+        """The entry ``key``, refused unless it is one of ``allowed``."""
+        value = self.get(key, default)
+        if value not in allowed:
+            raise ValueError(f"from_hf: {self.family}'s config option {key}={value!r} cannot be "
+                             f"expressed by qkvnp's Decoder (supported: {list(allowed)})")
+        return value
+
+    def finish(self):
+        unknown = sorted(set(self.config) - self.read)
+        if unknown:
+            raise ValueError(f"from_hf: {self.family}'s config options {unknown} are unknown to "
+                             "qkvnp's Decoder; refused rather than dropped")
+
+
+def _rope_base(reader, parameters, where="rope_parameters"):
+    """``rope_theta`` of a ``rope_parameters`` dict, refusing any RoPE scaling by name."""
+    parameters = dict(parameters or {})
+    kind = parameters.pop("rope_type", "default")
+    if kind != "default":
+        raise ValueError(f"from_hf: {reader.family}'s config option {where}.rope_type={kind!r} "
+                         "(RoPE frequency scaling) is not supported yet by qkvnp's Decoder")
+    base = parameters.pop("rope_theta", 10000.0)
+    if parameters:
+        raise ValueError(f"from_hf: {reader.family}'s config options {where}."
+                         f"{sorted(parameters)} cannot be expressed by qkvnp's Decoder")
+    return float(base)
+
+
+def _gpt2_config(r):
+    from ..models.decoder import DecoderConfig
+
+    r.expect("activation_function", ("gelu_new", "gelu_pytorch_tanh"))
+    r.expect("scale_attn_weights", (True,))
+    r.expect("scale_attn_by_inverse_layer_idx", (False,))
+    r.expect("reorder_and_upcast_attn", (False,))
+    r.expect("add_cross_attention", (False,))
+    for key in ("summary_type", "summary_use_proj", "summary_activation",
+                "summary_proj_to_labels"):  # GPT2DoubleHeadsModel's head, not this model's
+        r.get(key)
+    cfg = DecoderConfig.gpt2(vocab_size=r.get("vocab_size"), emb_dim=r.get("n_embd"),
+                             num_layers=r.get("n_layer"), num_heads=r.get("n_head"),
+                             context_length=r.get("n_positions"), hidden_dim=r.get("n_inner"),
+                             norm_eps=r.get("layer_norm_epsilon"))
+    return cfg, bool(r.get("tie_word_embeddings", True))
+
+
+def _llama_like_config(r):
+    """Llama, Mistral, Qwen3, Qwen3-MoE and Gemma 3's common entries, as DecoderConfig fields."""
+    family = r.family
+    act_key = "hidden_activation" if family == "gemma3_text" else "hidden_act"
+    r.expect(act_key, ("gelu_pytorch_tanh",) if family == "gemma3_text" else ("silu",))
+    bias = bool(r.get("attention_bias", False))
+    fields = dict(vocab_size=r.get("vocab_size"), emb_dim=r.get("hidden_size"),
+                  num_layers=r.get("num_hidden_layers"), num_heads=r.get("num_attention_heads"),
+                  num_kv_heads=r.get("num_key_value_heads"), head_dim=r.get("head_dim"),
+                  context_length=r.get("max_position_embeddings"), norm_eps=r.get("rms_norm_eps"),
+                  hidden_dim=r.get("intermediate_size"), qkv_bias=bias, out_bias=bias,
+                  tie_embeddings=bool(r.get("tie_word_embeddings", False)), family=family)
+    if family == "llama":
+        r.expect("pretraining_tp", (1,), 1)
+        r.expect("mlp_bias", (False,), False)
+    if family == "mistral":
+        window = r.get("sliding_window")
+        kind = "full_attention" if window is None else "sliding_attention"
+        fields.update(layer_types=(kind,) * fields["num_layers"], sliding_window=window)
+    if family in ("qwen3", "qwen3_moe"):
+        fields["qk_norm"] = True
+        uses_window = r.get("use_sliding_window", False)
+        r.get("max_window_layers")
+        types = r.get("layer_types")
+        if types is None and uses_window:
+            raise ValueError(f"from_hf: {family}'s config option use_sliding_window=True "
+                             "without layer_types cannot be expressed by qkvnp's Decoder")
+        fields.update(layer_types=None if types is None else tuple(types),
+                      sliding_window=r.get("sliding_window"))
+    rope = r.get("rope_parameters")
+    if family == "gemma3_text":
+        rope = dict(rope or {})
+        fields["rope_base"] = _rope_base(r, rope.pop("full_attention", None),
+                                         "rope_parameters.full_attention")
+        fields["rope_local_base"] = _rope_base(r, rope.pop("sliding_attention", None),
+                                               "rope_parameters.sliding_attention")
+        if rope:
+            raise ValueError(f"from_hf: gemma3_text's config options rope_parameters."
+                             f"{sorted(rope)} cannot be expressed by qkvnp's Decoder")
+    else:
+        fields["rope_base"] = _rope_base(r, rope)
+    return fields
+
+
+def _family_config(r):
+    """The DecoderConfig of a non-GPT-2 family, and whether its head is tied."""
+    from ..models.decoder import DecoderConfig
+
+    fields = _llama_like_config(r)
+    if r.family == "qwen3_moe":
+        r.expect("decoder_sparse_step", (1,), 1)
+        r.expect("mlp_only_layers", ([],), [])
+        r.expect("output_router_logits", (False,), False)
+        r.get("router_aux_loss_coef")
+        fields.update(mlp="moe", num_experts=r.get("num_experts", r.get("num_local_experts")),
+                      top_k=r.get("num_experts_per_tok"), norm_topk_prob=bool(r.get("norm_topk_prob")),
+                      moe_hidden_dim=r.get("moe_intermediate_size"))
+        r.get("num_local_experts")
+        fields["hidden_dim"] = fields["moe_hidden_dim"]  # the dense MLP's width is unused
+    if r.family == "gemma3_text":
+        r.expect("use_bidirectional_attention", (False, None), False)
+        r.get("_sliding_window_pattern")  # layer_types is what the model reads
+        if r.get("attn_logit_softcapping") is not None:
+            # NOTE: transformers' Gemma3Attention does not pass it to its attention:
+            # honouring it would not be transformers' model, dropping it would be silent
+            raise ValueError("from_hf: gemma3_text's config option attn_logit_softcapping="
+                             f"{r.config['attn_logit_softcapping']!r} is refused: transformers' "
+                             "Gemma3Attention does not apply it (set it to None)")
+        fields.update(
+            norm_unit_offset=True, placement="sandwich", mlp="geglu", qk_norm=True,
+            scale=float(r.get("query_pre_attn_scalar")) ** -0.5,
+            layer_types=tuple(r.get("layer_types")), sliding_window=r.get("sliding_window"),
+            final_softcap=r.get("final_logit_softcapping"),
+            embed_scale=float(np.float32(np.sqrt(fields["emb_dim"]))))
+    return DecoderConfig(**fields), fields["tie_embeddings"]
+
+
+def _config(source, family):
+    """The DecoderConfig of ``source``'s config, every entry read or refused."""
+    config = source.config.to_dict()
+    reader = _Reader(config, family)
+    cfg, _ = _gpt2_config(reader) if family == "gpt2" else _family_config(reader)
+    if family == "gpt2" and not reader.config.get("tie_word_embeddings", True):
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    reader.finish()
+    return cfg
+
+
+# ---------------------------------------------------------------- names
+
+
+def _transposed(name):
+    """A spec: one qkvnp array that is the transpose of the HF one."""
+    return name, [name], lambda arrays: arrays[0].T, lambda array: [array.T]
+
+
+def _gpt2_specs(cfg):
+    """``(hf name, qkvnp names, to_hf, from_hf)`` of GPT-2's parameters."""
+    specs = [("transformer.wte.weight", ["embed.weight"]),
+             ("transformer.wpe.weight", ["pos_embed.weight"])]
+    for i in range(cfg.num_layers):
+        hf, ours = f"transformer.h.{i}.", f"blocks.{i}."
+        attn = [f"{ours}self_attn.{p}_proj" for p in "qkv"]
+        specs += [(hf + "ln_1.weight", [ours + "attn_norm.scale"]),
+                  (hf + "ln_1.bias", [ours + "attn_norm.shift"]),
+                  (hf + "attn.c_attn.weight", [f"{name}.W" for name in attn], "split"),
+                  (hf + "attn.c_attn.bias", [f"{name}.b" for name in attn], "split"),
+                  (hf + "attn.c_proj.weight", [ours + "self_attn.o_proj.W"]),
+                  (hf + "attn.c_proj.bias", [ours + "self_attn.o_proj.b"]),
+                  (hf + "ln_2.weight", [ours + "mlp_norm.scale"]),
+                  (hf + "ln_2.bias", [ours + "mlp_norm.shift"]),
+                  (hf + "mlp.c_fc.weight", [ours + "mlp.layers.0.W"]),
+                  (hf + "mlp.c_fc.bias", [ours + "mlp.layers.0.b"]),
+                  (hf + "mlp.c_proj.weight", [ours + "mlp.layers.2.W"]),
+                  (hf + "mlp.c_proj.bias", [ours + "mlp.layers.2.b"])]
+    specs += [("transformer.ln_f.weight", ["final_norm.scale"]),
+              ("transformer.ln_f.bias", ["final_norm.shift"])]
+    out = []
+    for hf, names, *split in specs:
+        if split:  # Conv1D's (E, 3E) holds [W_q, W_k, W_v] side by side
+            out.append((hf, names, lambda arrays: np.concatenate(arrays, axis=-1),
+                        lambda array: np.split(array, 3, axis=-1)))
+        else:  # Conv1D stores x @ W's W as is
+            out.append((hf, names, lambda arrays: arrays[0], lambda array: [array]))
+    if not cfg.tie_embeddings:
+        out.append(("lm_head.weight", ["head.W"], lambda a: a[0].T, lambda a: [a.T]))
+    return out
+
+
+def _moe_specs(hf, ours, cfg):
+    X = cfg.num_experts
+    names = [f"{ours}mlp.experts.{i}.{w}" for i in range(X) for w in ("W_gate", "W_up")]
+    downs = [f"{ours}mlp.experts.{i}.W_down" for i in range(X)]
+
+    def gate_up_to_hf(arrays):  # X pairs (E, F) -> (X, 2F, E)
+        return np.stack([np.concatenate([arrays[2 * i].T, arrays[2 * i + 1].T]) for i in range(X)])
+
+    def gate_up_from_hf(array):  # (X, 2F, E) -> X pairs (E, F)
+        return [part.T for expert in array for part in np.split(expert, 2, axis=0)]
+
+    return [(hf + "mlp.gate.weight", [ours + "mlp.router.W"], lambda a: a[0].T, lambda a: [a.T]),
+            (hf + "mlp.experts.gate_up_proj", names, gate_up_to_hf, gate_up_from_hf),
+            (hf + "mlp.experts.down_proj", downs, lambda a: np.stack([w.T for w in a]),
+             lambda array: [w.T for w in array])]
+
+
+def _llama_specs(cfg):
+    """``(hf name, qkvnp names, to_hf, from_hf)`` of the Llama-like families' parameters."""
+    specs = [("model.embed_tokens.weight", ["embed.weight"], lambda a: a[0], lambda a: [a])]
+
+    def same(hf, name):
+        return hf, [name], lambda a: a[0], lambda a: [a]
+
+    def linear(hf, name):
+        return hf, [name], lambda a: a[0].T, lambda a: [a.T]
+
+    sandwich = cfg.placement == "sandwich"
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        for p in ("q", "k", "v", "o"):
+            specs.append(linear(f"{hf}self_attn.{p}_proj.weight", f"{ours}self_attn.{p}_proj.W"))
+            if (cfg.qkv_bias if p != "o" else cfg.out_bias):
+                specs.append(same(f"{hf}self_attn.{p}_proj.bias", f"{ours}self_attn.{p}_proj.b"))
+        if cfg.qk_norm:
+            specs += [same(f"{hf}self_attn.{p}_norm.weight", f"{ours}self_attn.{p}_norm.weight")
+                      for p in ("q", "k")]
+        if cfg.mlp == "moe":
+            specs += _moe_specs(hf, ours, cfg)
+        else:
+            specs += [linear(f"{hf}mlp.{p}_proj.weight", f"{ours}mlp.{p}_proj.W")
+                      for p in ("gate", "up", "down")]
+        specs.append(same(hf + "input_layernorm.weight", ours + "attn_norm.weight"))
+        if sandwich:
+            specs += [same(hf + "post_attention_layernorm.weight", ours + "attn_post_norm.weight"),
+                      same(hf + "pre_feedforward_layernorm.weight", ours + "mlp_norm.weight"),
+                      same(hf + "post_feedforward_layernorm.weight", ours + "mlp_post_norm.weight")]
+        else:
+            specs.append(same(hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight"))
+    specs.append(same("model.norm.weight", "final_norm.weight"))
+    if not cfg.tie_embeddings:
+        specs.append(linear("lm_head.weight", "head.W"))
+    return specs
+
+
+def _specs(cfg):
+    if cfg.family is None:
+        raise ValueError("to_hf needs the model's family (DecoderConfig.family, set by the "
+                         "presets and from_hf) to know transformers' names")
+    return _gpt2_specs(cfg) if cfg.family == "gpt2" else _llama_specs(cfg)
+
+
+# ---------------------------------------------------------------- in and out
+
+
+def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
+    """A :class:`~qkvnp.models.decoder.Decoder` holding a transformers model's weights.
+
+    Parameters
+    ----------
+    source : transformers model
+        One of :data:`HF_ARCHITECTURES`, or anything with ``.config``
+        (``to_dict()``, whose ``architectures`` or the object's class name
+        says which) and ``.state_dict()`` of tensors or arrays.
+    dtype : float dtype, keyword-only
+        The Decoder's dtype (bfloat16 tensors go through float32, exactly).
+
+    Returns
+    -------
+    Decoder
+        Its ``config.family`` is the ``model_type``, so :func:`to_hf` knows the names.
+
+    Raises
+    ------
+    ValueError
+        For another architecture (naming it and the supported ones), for a
+        config option the Decoder cannot express (naming it: RoPE scaling,
+        ``scale_attn_by_inverse_layer_idx``, a sliding window without
+        ``layer_types``...), and for a state-dict entry it does not know.
+
+    Notes
+    -----
+    Dropout rates (``attention_dropout``, GPT-2's ``*_pdrop``) are not carried:
+    the Decoder has no dropout, which is the evaluation mode's forward.
+    """
+    from ..models.decoder import Decoder
+
+    family = _architecture(source, source.config.to_dict())
+    cfg = _config(source, family)
+    model = Decoder(cfg, rng=0, dtype=dtype)
+    hf_state = {name: as_numpy(value, f"state_dict[{name!r}]")
+                for name, value in source.state_dict().items()}
+    if cfg.tie_embeddings:
+        hf_state.pop("lm_head.weight", None)  # the same tensor as the table
+    state = {}
+    for hf, names, _, unpack in _specs(cfg):
+        if hf not in hf_state:
+            raise ValueError(f"from_hf: the state dict has no {hf!r}")
+        state.update(zip(names, unpack(hf_state.pop(hf))))
+    unknown = sorted(hf_state)
+    if unknown:
+        raise ValueError(f"from_hf: state dict entries {unknown[:5]} are unknown to qkvnp's "
+                         f"Decoder for {family}; refused rather than dropped")
+    model.load_state_dict(state)
+    return model
+
+
+def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
+    """The Decoder's parameters (or gradients) under transformers' ``named_parameters()`` names.
+
+    Parameters
+    ----------
+    model : Decoder
+        With ``config.family`` set (the presets and :func:`from_hf` set it).
+    grads : bool, keyword-only
+        The gradients instead of the parameters.
+
+    Returns
+    -------
+    dict of str -> ndarray
+        New arrays; a tied table once, under the name transformers keeps
+        (``transformer.wte.weight``, ``model.embed_tokens.weight``).
+
+    Examples
+    --------
+    >>> from qkvnp.models.decoder import Decoder, DecoderConfig
+    >>> cfg = DecoderConfig.gpt2(vocab_size=20, emb_dim=8, num_layers=1, num_heads=2,
+    ...                          context_length=16)
+    >>> state = to_hf(Decoder(cfg, rng=0))
+    >>> state["transformer.h.0.attn.c_attn.weight"].shape, "lm_head.weight" in state
+    ((8, 24), False)
+    """
+    arrays = model.grads if grads else model.params
+    return {hf: np.array(pack([arrays[name] for name in names]))
+            for hf, names, pack, _ in _specs(model.config)}
