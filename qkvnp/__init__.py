@@ -13,6 +13,7 @@ from .kernels import get_num_threads, num_threads, set_num_threads
 from .layers.kv_cache import KVCache
 from .models.generation import generate
 from .models.gpt import GPTModel
+from .models.decoder import Decoder, DecoderConfig
 from .layers import (GELU, Dropout, Embedding, FeedForward, GatedFeedForward, LayerNorm, Linear,
                      Model, MultiHeadAttention, RMSNorm, SelfAttention, Sequential, SiLU,
                      TransformerBlock)
@@ -42,6 +43,8 @@ __all__ = [
     "GatedFeedForward",
     "TransformerBlock",
     "GPTModel",
+    "Decoder",
+    "DecoderConfig",
     "generate",
     "set_num_threads",
     "get_num_threads",

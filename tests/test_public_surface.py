@@ -11,7 +11,8 @@ import pytest
 
 PUBLIC = {
     "qkvnp": [
-        "Dropout", "Embedding", "FeedForward", "GELU", "GPTModel", "GatedFeedForward",
+        "Decoder", "DecoderConfig", "Dropout", "Embedding", "FeedForward", "GELU", "GPTModel",
+        "GatedFeedForward",
         "KVCache", "LayerNorm", "Linear", "Model", "MultiHeadAttention", "RMSNorm",
         "SelfAttention", "Sequential", "SiLU", "TransformerBlock", "__version__", "functional",
         "generate", "get_num_threads", "interop", "num_threads", "positions",
@@ -34,7 +35,8 @@ PUBLIC = {
         "split_heads_backward", "split_heads_forward", "sum_to_shape",
     ],
     "qkvnp.layers": [
-        "Dropout", "Embedding", "FeedForward", "GELU", "GatedFeedForward", "Layer",
+        "DecoderAttention", "DecoderBlock", "Dropout", "Embedding", "FeedForward", "GELU",
+        "GatedFeedForward", "Layer",
         "LayerNorm", "Linear", "LoadResult", "MoEFeedForward", "Model", "MultiHeadAttention",
         "RMSNorm", "SelfAttention", "Sequential", "SiLU", "TransformerBlock", "xavier_uniform",
     ],
@@ -51,7 +53,7 @@ PUBLIC = {
         "check_symmetry_layer", "check_symmetry_op", "sweep_eps", "sweep_steps",
     ],
     "qkvnp.interop": [
-        "LAYOUTS", "from_torch", "to_torch",
+        "HF_ARCHITECTURES", "LAYOUTS", "from_hf", "from_torch", "to_hf", "to_torch",
     ],
     "qkvnp.optim": [
         "Adam", "AdamW", "Optimizer", "SGD",

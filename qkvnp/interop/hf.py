@@ -364,7 +364,7 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
                 for name, value in source.state_dict().items()}
     if cfg.tie_embeddings:
         hf_state.pop("lm_head.weight", None)  # the same tensor as the table
-    state = {}
+    state: dict[str, Any] = {}
     for hf, names, _, unpack in _specs(cfg):
         if hf not in hf_state:
             raise ValueError(f"from_hf: the state dict has no {hf!r}")

@@ -27,6 +27,9 @@ The package, module by module:
                Mistral (SwiGLU) and Gemma (GeGLU), and :class:`SiLU`
 ``moe``        :class:`MoEFeedForward`, a mixture of gated-MLP experts with a
                top-k router
+``decoder_block`` :class:`DecoderAttention` and :class:`DecoderBlock`, the
+               attention (GQA, QK-norm, RoPE, scale, soft-cap) and the block
+               (pre, post or sandwich norms) of :class:`qkvnp.Decoder`
 
 The math is elsewhere (:mod:`qkvnp.functional`, :mod:`qkvnp.kernels`).
 
@@ -42,6 +45,7 @@ then calls do not check the intermediate gradients again.
 from .attention import MultiHeadAttention, SelfAttention
 from .base import Layer, LoadResult, Model, xavier_uniform
 from .basic import Embedding, Linear
+from .decoder_block import DecoderAttention, DecoderBlock
 from .mlp import GatedFeedForward, SiLU
 from .moe import MoEFeedForward
 from .norms import RMSNorm
@@ -49,4 +53,4 @@ from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, Tran
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
-           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward"]
+           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward", "DecoderAttention", "DecoderBlock"]

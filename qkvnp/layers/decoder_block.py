@@ -173,7 +173,8 @@ class DecoderAttention(Model):
                                               enable_gqa=self.num_kv_heads != self.num_heads,
                                               check=False)  # (B, H, T, D)
         out, merge = F.merge_heads_forward(out)  # (B, H, T, D) -> (B, T, H D)
-        self._cache = AttentionCache(*caches, core, merge)
+        q_heads, k_heads, v_heads, q_rope, k_rope = caches
+        self._cache = AttentionCache(q_heads, k_heads, v_heads, q_rope, k_rope, core, merge)
         return self.o_proj.forward(out, check=False)  # (B, T, H D) -> (B, T, E)
 
     def backward(self, dout: FloatArray, retain_cache: bool = False) -> FloatArray:
@@ -238,6 +239,7 @@ class DecoderBlock(Model):
     Parameters
     ----------
     self_attn : DecoderAttention
+        The attention branch.
     mlp : Layer
         :class:`~qkvnp.FeedForward` (GPT-2), :class:`~qkvnp.GatedFeedForward`
         (SwiGLU, GeGLU) or :class:`~qkvnp.layers.MoEFeedForward`.

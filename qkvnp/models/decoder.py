@@ -83,6 +83,7 @@ class DecoderConfig:
     norm : {"layer", "rms"}
         LayerNorm (with a shift) or RMSNorm.
     norm_eps : float
+        The norms' eps (GPT-2 and Llama 3: 1e-5; Qwen3, Gemma 3, Mistral: 1e-6).
     norm_unit_offset : bool
         RMSNorm's ``(1 + weight)`` (Gemma), also the QK-norm's.
     placement : {"pre", "post", "sandwich"}
@@ -109,6 +110,8 @@ class DecoderConfig:
         The window of the ``"sliding_attention"`` layers: query ``i`` sees
         keys ``i - sliding_window < j <= i`` (Hugging Face's meaning).
     positions : {"learned", "rope"}
+        A learned position table added to the token vectors (GPT-2), or RoPE in
+        every attention (layout ``"half"``, Hugging Face's ``rotate_half``).
     rope_base : float
         ``rope_theta`` of the full-attention layers.
     rope_local_base : float, optional
@@ -238,7 +241,8 @@ class DecoderConfig:
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``, or None for a full-attention layer."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        kind = (self.layer_types or ("full_attention",) * self.num_layers)[layer]
+        return self.sliding_window if kind == "sliding_attention" else None
 
     # ------------------------------------------------------------ family presets
 
