@@ -105,7 +105,7 @@ class DecoderConfig:
     attn_softcap : float, optional
         Gemma 2's attention-logit soft-cap.
     layer_types : tuple of str, optional
-        One of :data:`LAYER_TYPES` a layer (default all ``"full_attention"``).
+        One of ``LAYER_TYPES`` (``"full_attention"``, ``"sliding_attention"``) a layer (default all ``"full_attention"``).
     sliding_window : int, optional
         The window of the ``"sliding_attention"`` layers: query ``i`` sees
         keys ``i - sliding_window < j <= i`` (Hugging Face's meaning).
@@ -624,7 +624,7 @@ class Decoder(Model):
 
     def load_state_dict(self, state_dict: Mapping[str, ArrayLike],
                         strict: bool = True) -> LoadResult:
-        """As :meth:`qkvnp.Layer.load_state_dict`; a tied table may also come as ``head.W``.
+        """As ``Layer.load_state_dict``; a tied table may also come as ``head.W``.
 
         With ``tie_embeddings``, ``head.W`` ``(E, V)`` is the table's transpose:
         loaded into ``embed.weight`` when that is absent, refused when both
