@@ -30,7 +30,10 @@ layout                             qkvnp layer             torch names
                                                            / ``.bias``, ``...ff.layers.2.*``,
                                                            ``...norm1.scale`` / ``shift``,
                                                            ``...norm2.*``, ``final_norm.*``,
-                                                           ``out_head.weight``
+                                                           ``out_head.weight`` (a tied
+                                                           model's token table, and a
+                                                           tied model refuses one that
+                                                           differs from it)
 =================================  ======================  ===================================
 
 torch's ``nn.Linear`` stores ``weight`` as ``(out_features, in_features)`` and
@@ -454,12 +457,21 @@ def _gpt_to_torch(model):
                 state[f"trf_blocks.{i}.{name}.{part}"] = p[f"trf_blocks.{i}.{name}.{part}"]
     state["final_norm.scale"] = p["final_norm.scale"]
     state["final_norm.shift"] = p["final_norm.shift"]
-    state["out_head.weight"] = p["out_head.W"].T  # (E, V) -> (V, E)
+    # NOTE: a tied head is the token table itself, under the head's name too
+    state["out_head.weight"] = (p["tok_emb.weight"] if model.tie_embeddings
+                                else p["out_head.W"].T)  # (E, V) -> (V, E)
     return {name: np.array(value, order="C") for name, value in state.items()}
 
 
 def _gpt_to_qkvnp(model, values):
     """The book-named, checked ``values`` under :class:`GPTModel`'s parameter names."""
+    if model.tie_embeddings:
+        if not np.array_equal(values["out_head.weight"], values["tok_emb.weight"]):
+            raise ValueError("state_dict['out_head.weight'] differs from "
+                             "state_dict['tok_emb.weight'], but the model ties its head to the "
+                             "token table (tie_embeddings=True); load it into a model built "
+                             "with tie_embeddings=False")
+        values = {name: value for name, value in values.items() if name != "out_head.weight"}
     params = {}
     for name, value in values.items():
         parts = name.split(".")
