@@ -1,4 +1,4 @@
-"""Low-rank adapters on a frozen :class:`Linear`: :class:`LoRALinear`, :func:`apply_lora`, :func:`merge_lora`.
+"""Low-rank adapters on a frozen Linear: :class:`LoRALinear`, :func:`apply_lora`, :func:`merge_lora`.
 
 Shape key: N input features, M output features, r rank, R rows (the leading
 dims of ``x`` flattened).
@@ -31,7 +31,7 @@ LoRACache = namedtuple("LoRACache", "x2d W A B h out_shape")
 
 
 class LoRALinear(Layer):
-    """A frozen :class:`Linear` plus a trainable low-rank update ``(alpha / r) x A B``.
+    """A frozen :class:`~qkvnp.Linear` plus a trainable low-rank update ``(alpha / r) x A B``.
 
     Parameters
     ----------
@@ -119,7 +119,7 @@ class LoRALinear(Layer):
         ----------
         x : ndarray, shape (..., N)
         check : bool, keyword-only
-            False: ``x`` is a composite's own checked array (:class:`Linear`'s).
+            False: ``x`` is a composite's own checked array (:class:`~qkvnp.Linear`'s).
 
         Returns
         -------
@@ -181,7 +181,7 @@ class LoRALinear(Layer):
         return merged
 
     def merge(self) -> Linear:
-        """A plain :class:`Linear` computing the same map: ``W + (alpha / r) A B`` and ``b``."""
+        """A plain :class:`~qkvnp.Linear` computing the same map: ``W + (alpha / r) A B``, ``b``."""
         merged = Linear(self.in_features, self.out_features, self.base.bias, rng=0,
                         dtype=self.dtype)
         merged.load_state_dict(self.effective_params())
@@ -205,7 +205,7 @@ def _matches(name, target):
 
 def apply_lora(model: Model, targets: Sequence[str], rank: int, *, alpha: float | None = None,
                rng: np.random.Generator | int | None = None) -> list[str]:
-    """Replace every :class:`Linear` sub-layer named by ``targets`` with a :class:`LoRALinear`.
+    """Replace each :class:`~qkvnp.Linear` sub-layer named by ``targets`` by a :class:`LoRALinear`.
 
     Parameters
     ----------
@@ -231,10 +231,10 @@ def apply_lora(model: Model, targets: Sequence[str], rank: int, *, alpha: float 
     Raises
     ------
     ValueError
-        If a target names no :class:`Linear` (the message lists the
+        If a target names no :class:`~qkvnp.Linear` (the message lists the
         model's Linear names), or ``targets`` is empty.
     TypeError
-        If ``model`` is not a :class:`Model` or ``targets`` not strings.
+        If ``model`` is not a :class:`~qkvnp.Model` or ``targets`` not strings.
     """
     if not isinstance(model, Model):
         raise TypeError(f"model must be a qkvnp Model, got {type(model).__name__}")
@@ -259,7 +259,7 @@ def apply_lora(model: Model, targets: Sequence[str], rank: int, *, alpha: float 
 
 
 def merge_lora(model: Model) -> list[str]:
-    """Put back a merged :class:`Linear` for every :class:`LoRALinear` of ``model``, in place.
+    """Put back a merged :class:`~qkvnp.Linear` for each :class:`LoRALinear` of ``model``, in place.
 
     Parameters
     ----------

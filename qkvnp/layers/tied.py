@@ -3,7 +3,7 @@
 Shape key: V vocabulary, E embedding.
 
 One parameter used twice: the table ``weight (V, E)`` of an
-:class:`~qkvnp.layers.Embedding` is also the head's matrix, ``z = x weight^T``
+:class:`~qkvnp.Embedding` is also the head's matrix, ``z = x weight^T``
 (GPT-2's ``lm_head`` and the weight tying of Press and Wolf). The head holds
 no parameter of its own: the table stays the embedding's, once in a model's
 ``params``, and the head adds its gradient into the embedding's ``grads``.
@@ -24,7 +24,7 @@ __all__ = ["TiedLinear"]
 
 
 class TiedLinear(Layer):
-    """The head ``z = x W^T`` whose matrix is an :class:`Embedding`'s table, shared.
+    """The head ``z = x W^T`` whose matrix is an :class:`~qkvnp.Embedding`'s table, shared.
 
     Parameters
     ----------
@@ -47,11 +47,12 @@ class TiedLinear(Layer):
     Backward: :math:`\\bar X = \\bar Z W` and :math:`\\bar W \\mathrel{+}= \\bar Z^T X`
     (rows flattened), added into the embedding's gradient. A model that
     also looks tokens up in the table therefore gets the sum of both uses
-    (``docs/derivations_gpt.md``, "Tied embeddings"). As :class:`Linear`,
+    (``docs/derivations_gpt.md``, "Tied embeddings"). As :class:`~qkvnp.Linear`,
     the cache keeps a copy of the table as the forward read it.
 
     Examples
     --------
+    >>> import numpy as np
     >>> from qkvnp.layers import Embedding
     >>> emb = Embedding(5, 3, rng=0)
     >>> head = TiedLinear(emb)
@@ -91,7 +92,7 @@ class TiedLinear(Layer):
         ----------
         x : ndarray, shape (..., E)
         check : bool, keyword-only
-            False: ``x`` is a composite's own checked array (:class:`Linear`'s).
+            False: ``x`` is a composite's own checked array (:class:`~qkvnp.Linear`'s).
 
         Returns
         -------

@@ -116,9 +116,9 @@ class GPTModel(Model):
     table once, as ``"tok_emb.weight"`` (so every optimizer steps it once),
     and its gradient is the sum of both uses,
     :math:`\\bar W_{tok} = \\mathrm{scatter}(\\bar x_0) + \\bar z^T h`
-    (``docs/derivations_gpt.md``). :meth:`state_dict` gives it under both
-    names, ``"out_head.W"`` being a copy of its transpose, as PyTorch's
-    state dict of a tied model has both; :meth:`load_state_dict` takes
+    (``docs/derivations_gpt.md``, "Tied embeddings"). :meth:`state_dict`
+    gives it under both names, ``"out_head.W"`` being a copy of its
+    transpose, as PyTorch's state dict of a tied model has both; :meth:`load_state_dict` takes
     both (refusing, by name, two values that differ) or either one alone.
 
     Only the book's configuration (no option after ``impl`` changed) loads
@@ -456,11 +456,11 @@ class GPTModel(Model):
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
-        """Copy ``state_dict`` into the parameters, in place (:meth:`Layer.load_state_dict`).
+        """Copy ``state_dict`` into the parameters, in place.
 
-        With ``tie_embeddings``, the shared table may come as
-        ``"tok_emb.weight"`` ``(V, E)``, as ``"out_head.W"`` ``(E, V)``, or
-        both (what :meth:`state_dict` gives); both must then hold the same
+        As :meth:`~qkvnp.layers.Layer.load_state_dict`. With ``tie_embeddings``,
+        the shared table may come as ``"tok_emb.weight"`` ``(V, E)``, as
+        ``"out_head.W"`` ``(E, V)``, or both (what :meth:`state_dict` gives); both must then hold the same
         values (after the cast to the model's dtype), else ``ValueError``
         naming the two, and nothing is loaded. An untied model takes the
         two as two parameters.
@@ -477,7 +477,7 @@ class GPTModel(Model):
         Raises
         ------
         ValueError, TypeError
-            As :meth:`Layer.load_state_dict`'s, and for a tied pair that differs.
+            As :meth:`~qkvnp.layers.Layer.load_state_dict`'s, and for a tied pair that differs.
         """
         if not self.tie_embeddings or not isinstance(state_dict, Mapping) or \
                 "out_head.W" not in state_dict:
