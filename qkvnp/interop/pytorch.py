@@ -72,7 +72,7 @@ import numpy as np
 
 from .._checks import check_state_value
 from ..models.gpt import GPTModel
-from ..layers import MultiHeadAttention, SelfAttention
+from ..layers import LoRALinear, MultiHeadAttention, SelfAttention
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -95,6 +95,11 @@ def _check_layout(layer, layout):
         if not isinstance(layer, GPTModel):
             raise ValueError(f"layout {layout!r} loads a qkvnp.GPTModel, got "
                              f"{type(layer).__name__}")
+        adapted = [name for name, sub in layer.named_layers() if isinstance(sub, LoRALinear)]
+        if adapted:
+            raise ValueError(f"the GPTModel has LoRA adapters at {adapted}, which the book's "
+                             f"GPTModel has no place for: merge them first "
+                             f"(qkvnp.layers.merge_lora(model))")
         differs = [f"{name}={value!r}" for name, value, book in (
             ("hidden_dim", layer.hidden_dim, 4 * layer.emb_dim),
             ("approximate", layer.approximate, "tanh")) if value != book]

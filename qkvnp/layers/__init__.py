@@ -28,7 +28,8 @@ The package, module by module:
 ``tied``       :class:`TiedLinear`, an output head reading an embedding's
                table (GPT-2's tied ``lm_head``)
 ``lora``       :class:`LoRALinear`, a frozen :class:`Linear` with a trainable
-               low-rank update, and :func:`apply_lora` / :func:`merge_lora`
+               low-rank update, and :func:`apply_lora` / :func:`merge_lora` /
+               :func:`adapter_params`
 ``moe``        :class:`MoEFeedForward`, a mixture of gated-MLP experts with a
                top-k router
 
@@ -50,10 +51,11 @@ from .mlp import GatedFeedForward, SiLU
 from .moe import MoEFeedForward
 from .norms import RMSNorm
 from .tied import TiedLinear
-from .lora import LoRALinear, apply_lora, merge_lora
+from .lora import LoRALinear, adapter_grads, adapter_params, apply_lora, merge_lora
 from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
            "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward",
-           "TiedLinear", "LoRALinear", "apply_lora", "merge_lora"]
+           "TiedLinear", "LoRALinear", "apply_lora", "merge_lora", "adapter_params",
+           "adapter_grads"]

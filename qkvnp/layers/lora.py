@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any, Sequence
     from .._typing import FloatArray
 
-__all__ = ["LoRALinear", "LoRACache", "apply_lora", "merge_lora"]
+__all__ = ["LoRALinear", "LoRACache", "apply_lora", "merge_lora", "adapter_params", "adapter_grads"]
 
 #: What :meth:`LoRALinear.backward` reads: the rows of ``x``, the frozen ``W``, the
 #: adapters as the forward read them, ``h = x A`` and the output's shape.
@@ -212,7 +212,10 @@ def apply_lora(model: Model, targets: Sequence[str], rank: int, *, alpha: float 
     model : Model
         Edited in place; its ``params`` then hold the adapters' ``A``, ``B``
         (e.g. ``"trf_blocks.0.ff.layers.0.A"``) and no longer the frozen
-        weights (still at ``layer.base``). Build the optimizer after this call.
+        weights (still at ``layer.base``). The layers not adapted keep their
+        parameters in ``params``: build the optimizer on
+        :func:`adapter_params` (and step it with :func:`adapter_grads`) to
+        train the adapters alone, after this call.
     targets : sequence of str
         Dotted names, or their last parts: ``"q_proj"`` matches every
         ``"...q_proj"``, ``"ff.layers.0"`` every block's first feed-forward
@@ -279,3 +282,45 @@ def merge_lora(model: Model) -> list[str]:
             done.append(name)
     model.zero_grad()
     return done
+
+
+def _adapters(model, kind):
+    """``kind`` ("params" or "grads") of every :class:`LoRALinear` of ``model``, by dotted name."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model must be a qkvnp Model, got {type(model).__name__}")
+    found = {}
+    for name, _, _, layer in _linear_sublayers(model):
+        if isinstance(layer, LoRALinear):
+            found.update((f"{name}.{key}", value) for key, value in getattr(layer, kind).items())
+    if not found:
+        raise ValueError("model has no LoRALinear layer: call apply_lora(model, targets, rank) "
+                         "first")
+    return found
+
+
+def adapter_params(model: Model) -> dict[str, FloatArray]:
+    """The adapters' ``A`` and ``B`` of every :class:`LoRALinear` of ``model``, by dotted name.
+
+    The very arrays of ``model.params`` (an optimizer built on this dict
+    updates the model), and only these: the layers :func:`apply_lora` did not
+    adapt, embeddings and norms included, stay as they are.
+
+    Raises
+    ------
+    ValueError
+        If ``model`` holds no :class:`LoRALinear`.
+
+    Examples
+    --------
+    >>> from qkvnp import GPTModel
+    >>> model = GPTModel(16, 8, 8, 2, 1, rng=0)
+    >>> _ = apply_lora(model, ["out_head"], rank=2, rng=0)
+    >>> sorted(adapter_params(model))
+    ['out_head.A', 'out_head.B']
+    """
+    return _adapters(model, "params")
+
+
+def adapter_grads(model: Model) -> dict[str, FloatArray]:
+    """The gradients of :func:`adapter_params`' arrays, under the same names (read after a backward)."""
+    return _adapters(model, "grads")

@@ -96,3 +96,37 @@ def test_targets_that_match_nothing_are_refused_by_name():
     assert isinstance(model.out_head, Linear)  # refused before any change
     with pytest.raises(ValueError, match="rank"):
         LoRALinear(Linear(3, 2, rng=0), 0)
+
+
+def test_adapter_params_are_the_adapters_alone_and_train_only_them():
+    """Oracle: the frozen and the non-adapted arrays bit-identical after AdamW on adapter_params."""
+    from qkvnp.layers import adapter_grads, adapter_params
+    from qkvnp.optim import AdamW
+
+    model = qkvnp.GPTModel(16, 8, 8, 2, 1, rng=0)
+    with pytest.raises(ValueError, match="no LoRALinear"):
+        adapter_params(model)
+    apply_lora(model, ["out_head", "ff.layers.0"], rank=2, rng=1)
+    params = adapter_params(model)
+    assert sorted(params) == ["out_head.A", "out_head.B", "trf_blocks.0.ff.layers.0.A",
+                              "trf_blocks.0.ff.layers.0.B"]
+    assert all(params[name] is model.params[name] for name in params)
+    before = {name: value.copy() for name, value in model.params.items()}
+    optimizer = AdamW(params, lr=1e-2)
+    idx = np.array([[1, 2, 3, 4]])
+    model.forward(idx)
+    model.backward(np.random.default_rng(2).standard_normal((1, 4, 16)))
+    grads = adapter_grads(model)
+    assert sorted(grads) == sorted(params)
+    optimizer.step(grads)
+    changed = {name for name, value in model.params.items() if not np.array_equal(value, before[name])}
+    assert changed == set(params)  # the adapters alone (A by AdamW's weight decay)
+
+
+def test_an_adapted_gpt_is_refused_by_to_torch_naming_merge_lora():
+    from qkvnp.interop import to_torch
+
+    model = qkvnp.GPTModel(16, 8, 8, 2, 1, rng=0)
+    apply_lora(model, ["out_head"], rank=2, rng=1)
+    with pytest.raises(ValueError, match="merge_lora"):
+        to_torch(model, "book.GPTModel")
