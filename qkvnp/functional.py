@@ -38,6 +38,7 @@ Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 ``silu_*``                                                              ``qkvnp.ops.silu``
 ``gated_mlp_*``                                                         ``qkvnp.ops.gated_mlp``
 ``activation_dropout_*``                                                ``qkvnp.ops.dropout``
+``softcap_*`` (final-logit soft-cap)                                    ``qkvnp.ops.softcap``
 ``residual_add_*``                                                      ``qkvnp.ops.residual``
 ``router_*``, ``load_balancing_loss_*``                                 ``qkvnp.ops.moe``
 ======================================================================  ========================
@@ -63,6 +64,7 @@ from .ops.moe import (LoadBalancingLossCache, RouterCache, load_balancing_loss_b
 from .ops.rope_scaling import rope_inverse_frequency
 from .ops.residual import ResidualCache, residual_add_backward, residual_add_forward
 from .ops.silu import SiluCache, silu_backward, silu_forward
+from .ops.softcap import SoftcapCache, softcap_backward, softcap_forward
 from .ops.softmax import SoftmaxCache, softmax, softmax_backward, softmax_forward
 from .ops.variants import rope_backward, rope_forward
 
@@ -80,6 +82,7 @@ __all__ = [
     "rms_norm_forward", "rms_norm_backward", "RMSNormCache",
     "gelu_forward", "gelu_backward", "GeluCache",
     "silu_forward", "silu_backward", "SiluCache",
+    "softcap_forward", "softcap_backward", "SoftcapCache",
     "gated_mlp_forward", "gated_mlp_backward", "GatedMLPCache",
     "activation_dropout_forward", "activation_dropout_backward", "ActivationDropoutCache",
     "residual_add_forward", "residual_add_backward", "ResidualCache",

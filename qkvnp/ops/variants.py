@@ -254,14 +254,15 @@ def rope_backward(dout: FloatArray, cache: RopeCache) -> FloatArray:
 # ---------------------------------------------------------------- options
 
 
-def check_softcap(softcap):
-    """``softcap`` as None or a positive finite Python float; else raise."""
-    if softcap is None:
+def check_softcap(softcap, name="softcap", allow_none=True):
+    """``softcap`` as None (if ``allow_none``) or a positive finite Python float; else raise naming ``name``."""
+    if softcap is None and allow_none:
         return None
+    expected = "None or a positive" if allow_none else "a positive"
     if not is_real_number(softcap):
-        raise TypeError(f"softcap must be None or a positive number, got {type(softcap).__name__}")
+        raise TypeError(f"{name} must be {expected} number, got {type(softcap).__name__}")
     if not (softcap > 0 and np.isfinite(softcap)):
-        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+        raise ValueError(f"{name} must be {expected} finite number, got {softcap!r}")
     return float(softcap)
 
 
