@@ -282,7 +282,8 @@ class MultiHeadAttention(AttentionLayer):
         The score scale: ``softmax(scale * q k^T)``. None (default) is
         ``1/sqrt(D)``; a positive float replaces it (T5's 1.0, Gemma's
         ``query_pre_attn_scalar ** -0.5``). It runs on the reference or
-        tiled path (``last_dispatch`` says so), and with a ``KVCache``.
+        tiled path (``last_dispatch`` says so), and with a ``KVCache``;
+        ``1/sqrt(D)`` itself is the default and keeps every path.
     The variants run on the reference path (``last_dispatch`` says so);
     derivations in ``docs/derivations_variants.md``.
 

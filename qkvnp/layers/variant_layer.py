@@ -303,9 +303,10 @@ def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_la
     with ``rope``, an unknown ``position_bias`` or ``rope_layout``, a bad
     ``softcap`` or ``window``, a ``max_distance`` within ``num_buckets // 2``
     with ``position_bias="relative"`` (its log-spaced buckets need more), a
-    ``scale`` that is not a positive finite number (None: ``1/sqrt(D)``).
+    ``scale`` that is not a positive finite number (None, or ``1/sqrt(D)``
+    itself: the default).
     """
-    from .._checks import check_int, is_real_number
+    from .._checks import check_int, check_scale, is_real_number
     from ..ops.variants import ROPE_LAYOUTS, check_softcap
 
     for name, flag in (("rope", rope), ("sinks", sinks)):
@@ -333,7 +334,9 @@ def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_la
         if not (scale > 0 and np.isfinite(scale)):
             raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a positive finite "
                              f"number, got {scale!r}")
-        scale = float(scale)
+        # NOTE: 1/sqrt(D) given is the default, bit for bit (Gemma's query_pre_attn_scalar
+        # is often D): it keeps the fast path, which folds that very number into W_query
+        scale = None if float(scale) == check_scale(None, head_dim) else float(scale)
     options = VariantOptions(bool(rope), float(rope_base), rope_layout, position_bias,
                              num_buckets, max_distance, bool(sinks), check_softcap(softcap),
                              check_window(window), scale)
