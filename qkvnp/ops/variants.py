@@ -53,10 +53,12 @@ ROPE_LAYOUTS = ("half", "interleaved")
 RopeCache = namedtuple("RopeCache", "cos sin layout x_shape")
 RopeCache.__doc__ = """What :func:`rope_backward` reads.
 
-cos, sin : ndarray, shape (..., T, D/2), of the angles ``position * base**(-2i/D)`` (or
-    ``position * inverse_frequency``), times ``attention_factor``.
+cos, sin : ndarray, shape (..., T, D/2), of the angles ``position * base**(-2i/D)``.
 layout : "half" or "interleaved".
 x_shape : shape of the forward's ``x`` (the gradient is summed to it).
+
+With ``inverse_frequency`` the angles are ``position * inverse_frequency``;
+``cos`` and ``sin`` are both multiplied by ``attention_factor``.
 """
 
 VariantCache = namedtuple(
