@@ -135,7 +135,7 @@ def _float64_inv_freq(torch, module, config):
     """The rotary module's ``inv_freq`` buffers recomputed in float64.
 
     transformers makes them in float32; they are replaced by
-    :func:`qkvnp.ops.rope_scaling.rope_inverse_frequency`'s float64 values
+    ``qkvnp.ops.rope_scaling.rope_inverse_frequency``'s float64 values
     (that function is checked against transformers' own frequencies in
     ``tests/ops``), so what is compared here is the rest of the model.
     """

@@ -90,7 +90,7 @@ class DecoderAttention(Model):
     rope_scaling : mapping, keyword-only, optional
         Hugging Face's rope-scaling mapping (``"linear"``, ``"llama3"``,
         ``"yarn"``), turned into frequencies by
-        :func:`qkvnp.ops.rope_scaling.rope_inverse_frequency`; None: plain RoPE.
+        ``qkvnp.ops.rope_scaling.rope_inverse_frequency``; None: plain RoPE.
     rng : numpy.random.Generator or int, keyword-only, optional
         Seed or Generator of the initial weights.
     dtype : float dtype, keyword-only

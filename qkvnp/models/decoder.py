@@ -120,7 +120,7 @@ class DecoderConfig:
         default ``rope_base``).
     rope_scaling : mapping, optional
         Hugging Face's rope-scaling mapping (``"linear"``, ``"llama3"``,
-        ``"yarn"``: :func:`qkvnp.ops.rope_scaling.rope_inverse_frequency`),
+        ``"yarn"``: ``qkvnp.ops.rope_scaling.rope_inverse_frequency``),
         applied to the full-attention layers; the sliding layers too unless
         ``rope_local_base`` is set (Gemma 3 scales its global layers only).
     embed_scale : float, optional
