@@ -207,6 +207,36 @@ def test_greedy_generate_matches_transformers(torch, hf_float64, family):
     np.testing.assert_array_equal(qkvnp.generate(model, ids, 6, use_cache=False), expected)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_on_left_padded_prompts_matches_transformers(torch, hf_float64, family):
+    """Oracle: transformers' greedy generate on a left-padded batch (its positions are
+    cumsum(mask) - 1; a padded prompt must give the tokens of the same prompt unpadded)."""
+    hf = hf_float64(family, seed=2)
+    model = from_hf(hf)
+    ids = np.random.default_rng(4).integers(3, V, size=(2, 6))
+    mask = np.array([[0, 0, 0, 1, 1, 1], [1] * 6])
+    ids[mask == 0] = 0  # the pad token
+    hf.generation_config.eos_token_id = None
+    expected = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                           max_new_tokens=6, do_sample=False, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(qkvnp.generate(model, ids, 6, attention_mask=mask), expected)
+    np.testing.assert_array_equal(
+        qkvnp.generate(model, ids, 6, attention_mask=mask, use_cache=False), expected)
+    alone = qkvnp.generate(model, ids[:1, 3:], 6)  # the short prompt without its padding
+    np.testing.assert_array_equal(alone[:, 3:], expected[:1, 6:])
+
+
+def test_generate_refuses_a_mask_the_model_cannot_take():
+    gpt = qkvnp.GPTModel(16, 8, 8, 2, 1, rng=0)
+    with pytest.raises(TypeError, match="attention_mask"):
+        qkvnp.generate(gpt, np.array([[1, 2]]), 2, attention_mask=np.array([[1, 1]]))
+    model = qkvnp.Decoder(qkvnp.DecoderConfig.qwen3(vocab_size=16, emb_dim=8, num_layers=1,
+                                                    num_heads=2, head_dim=4, hidden_dim=8), rng=0)
+    for bad in (np.array([[1, 2]]), np.array([[1]]), np.array([[0, 0]])):
+        with pytest.raises(ValueError, match="attention_mask"):
+            qkvnp.generate(model, np.array([[1, 2]]), 2, attention_mask=bad)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "gemma3_text", "qwen3_moe"])
 def test_one_adamw_step_matches_torch_and_keeps_the_tie(torch, hf_float64, family):
     hf = hf_float64(family, seed=4)

@@ -416,6 +416,8 @@ class Decoder(Model):
     """
 
     supports_complex_step = True
+    #: ``forward``, ``decode`` and :func:`qkvnp.generate` take an ``attention_mask`` (padding).
+    supports_padding = True
 
     def __init__(self, config: DecoderConfig, *, rng: np.random.Generator | int | None = None,
                  dtype: DTypeLike = np.float64) -> None:

@@ -74,7 +74,32 @@ def _next_tokens(logits, temperature, top_k, rng):  # (B, V) -> (B,)
     return np.minimum((cdf <= u * cdf[:, -1:]).sum(axis=-1), probs.shape[-1] - 1)
 
 
-def _last_logits(model, caches, tokens, end, context_size, fresh):  # -> (B, V)
+def _check_mask(model, attention_mask, shape):
+    """``attention_mask`` (B, T) of 0/1 as bool, or None; refused for a model without padding."""
+    if attention_mask is None:
+        return None
+    if not getattr(model, "supports_padding", False):
+        raise TypeError(f"attention_mask needs a model that takes padding (qkvnp.Decoder), got "
+                        f"{type(model).__name__}")
+    mask = np.asarray(attention_mask)
+    if mask.shape != shape or mask.dtype.kind not in "biu" or not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"attention_mask must hold 0 and 1 in the prompt's shape {shape}, got "
+                         f"dtype {mask.dtype} and shape {mask.shape}")
+    if not mask.any(axis=1).all():
+        raise ValueError("attention_mask must keep at least one token of every prompt")
+    return mask.astype(bool)
+
+
+def _padded_inputs(mask, first, end, T):
+    """The mask of ``[first, end)`` and the positions of its last ``T`` tokens, as
+    transformers' generate counts them: ``cumsum(mask) - 1`` over the window, padding at 1."""
+    window = mask[:, first:end]  # (B, end - first)
+    positions = np.cumsum(window, axis=1) - 1  # (B, end - first)
+    positions[~window] = 1
+    return window.astype(np.int64), positions[:, -T:]
+
+
+def _last_logits(model, caches, tokens, end, context_size, fresh, mask):  # -> (B, V)
     """The logits after ``tokens[:, :end]``: the cropped window from empty caches
     (``fresh``), or the last token alone on the caches holding the ones before it."""
     if fresh:  # a first step, no cache, or a slid window: from scratch
@@ -83,14 +108,18 @@ def _last_logits(model, caches, tokens, end, context_size, fresh):  # -> (B, V)
         window = tokens[:, max(0, end - context_size):end]  # (B, <= context_size)
     else:
         window = tokens[:, end - 1:end]  # (B, 1)
-    return model.decode(window, caches)[:, -1]  # (B, T, V) -> (B, V)
+    if mask is None:
+        return model.decode(window, caches)[:, -1]  # (B, T, V) -> (B, V)
+    first = end - window.shape[1] - caches[0].start - len(caches[0])  # the caches' first token
+    seen, positions = _padded_inputs(mask, first, end, window.shape[1])
+    return model.decode(window, caches, attention_mask=seen, position_ids=positions)[:, -1]
 
 
 def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: int | None = None,
              temperature: float = 0.0, top_k: int | None = None,
              rng: np.random.Generator | int | None = None, eos_id: int | None = None,
-             use_cache: bool = True,
-             return_logits: bool = False) -> IntArray | tuple[IntArray, FloatArray]:
+             use_cache: bool = True, return_logits: bool = False,
+             attention_mask: Any = None) -> IntArray | tuple[IntArray, FloatArray]:
     """Extend ``idx`` by up to ``max_new_tokens`` tokens (the book's ``generate``).
 
     Parameters
@@ -122,6 +151,12 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
         recompute the cropped context at every step.
     return_logits : bool, keyword-only
         Also return the logits of each step's last position.
+    attention_mask : ndarray of 0/1, shape (B, T), keyword-only, optional
+        A batch of prompts of different lengths, padded (left, as
+        transformers' ``generate`` expects; 0 marks padding): the padding is
+        never attended to, and each token's position counts only the real
+        tokens before it (``cumsum(mask) - 1``, as transformers' generate).
+        For a model that takes padding (:class:`~qkvnp.Decoder`).
 
     Returns
     -------
@@ -171,6 +206,9 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
         model, idx, max_new_tokens, context_size, temperature, top_k, eos_id)
     rng = make_rng(rng)
     (B, T), V = idx.shape, model.vocab_size
+    mask = _check_mask(model, attention_mask, (B, T))
+    if mask is not None:  # the new tokens are real
+        mask = np.concatenate([mask, np.ones((B, max_new_tokens), bool)], axis=1)
     caches = [KVCache() for _ in range(model.num_layers)]
     # NOTE: the tokens and the chosen logits go into arrays allocated once: a
     # step keeps no reference to the model's (B, T, V) output, and no token is
@@ -182,7 +220,7 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
     while n < max_new_tokens:
         fed = caches[0].start + len(caches[0])  # tokens the caches hold (a window drops some)
         fresh = not use_cache or n == 0 or fed + 1 > context_size
-        logits = _last_logits(model, caches, tokens, T + n, context_size, fresh)  # (B, V)
+        logits = _last_logits(model, caches, tokens, T + n, context_size, fresh, mask)  # (B, V)
         next_tokens = _next_tokens(logits, temperature, top_k, rng)  # (B,)
         if eos_id is not None and (next_tokens == eos_id).all():
             break
