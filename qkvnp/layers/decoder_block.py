@@ -209,7 +209,8 @@ class DecoderAttention(Model):
         p = self.params
 
         def project(name, heads):  # (B, T, E) -> (B, heads, T, D)
-            y = x @ p[f"{name}.W"] + (p[f"{name}.b"] if f"{name}.b" in p else 0)
+            w = _weights(getattr(self, name))
+            y = x @ w["W"] + (w["b"] if "b" in w else 0)
             return F.split_heads_forward(y, heads)[0]
 
         q, k, v = project("q_proj", self.num_heads), project("k_proj", self.num_kv_heads), \
@@ -226,11 +227,18 @@ class DecoderAttention(Model):
                                         enable_gqa=self.num_kv_heads != self.num_heads,
                                         check=False)[0]  # (B, H, T, D)
         out = F.merge_heads_forward(out)[0]  # (B, H, T, D) -> (B, T, H D)
-        y = out @ p["o_proj.W"] + (p["o_proj.b"] if "o_proj.b" in p else 0)  # -> (B, T, E)
+        w = _weights(self.o_proj)
+        y = out @ w["W"] + (w["b"] if "b" in w else 0)  # (B, T, H D) -> (B, T, E)
         kv_cache.commit(staged)
         if window is not None:
             kv_cache.keep_last(window - 1)
         return y
+
+
+def _weights(linear):
+    """A Linear's ``W`` (and ``b``), or an adapted one's merged (``LoRALinear.effective_params``)."""
+    merged = getattr(linear, "effective_params", None)
+    return linear.params if merged is None else merged()
 
 
 class DecoderBlock(Model):

@@ -460,7 +460,8 @@ class Decoder(Model):
         """``W_head`` ``(E, V)``: the head's, or the embedding table's transpose when tied."""
         if self.config.tie_embeddings:
             return self.embed.params["weight"].T
-        return self.head.params["W"]
+        merged = getattr(self.head, "effective_params", None)  # an adapted head (LoRA)
+        return self.head.params["W"] if merged is None else merged()["W"]
 
     def _inputs(self, ids, attention_mask, position_ids, past):
         """Checked ids ``(B, T)``, the real-token mask ``(B, past + T)`` and positions ``(B, T)``."""
