@@ -60,6 +60,6 @@ from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, Tran
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
-           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward", "DecoderAttention", "DecoderBlock",
+           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward",
            "TiedLinear", "LoRALinear", "apply_lora", "merge_lora", "adapter_params",
-           "adapter_grads"]
+           "adapter_grads", "DecoderAttention", "DecoderBlock"]
