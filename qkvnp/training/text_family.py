@@ -18,7 +18,6 @@ num_layers ``L``
 kv_heads   ``K`` (not GPT-2's: it has no grouped-query attention)
 window     Mistral's window on every layer; Gemma 3's sliding layers'
            (default ``T // 2``: five local layers to one global)
-softcap    Gemma 3's attention soft-cap (``attn_logit_softcapping``)
 ========== ============================================================
 
 Derived: ``F = 4 E`` for GPT-2's GELU MLP, ``8 E / 3`` rounded up to a
@@ -30,7 +29,8 @@ a token (the active width is ``F``); Gemma 3's score scale is ``D ** -0.5``
 Options a family cannot take are refused by name: ``--dropout`` (the
 decoder has none), ``--rope`` (the rotary families always rotate, GPT-2
 never does), ``--kv-heads`` for GPT-2, ``--window`` outside Mistral and
-Gemma 3, ``--softcap`` outside Gemma 3.
+Gemma 3, and ``--softcap`` (Gemma 2's attention soft-cap: transformers'
+Gemma 3 does not apply it, so no family here has it).
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def check_family(config):
         refused.append(("--kv-heads", "it has no grouped-query attention"))
     if config.window is not None and family not in _WINDOWED:
         refused.append(("--window", "it has no sliding window (mistral and gemma3 have)"))
-    if config.softcap is not None and family != "gemma3":
-        refused.append(("--softcap", "it has no attention soft-cap (gemma3 has)"))
+    if config.softcap is not None:
+        refused.append(("--softcap", "it has no attention soft-cap"))
     if refused:
         name, why = refused[0]
         raise ValueError(f"{name} is not an option of --family {family}: {why}")
@@ -106,13 +106,8 @@ def decoder_config(config):
         return DecoderConfig.qwen3_moe(moe_hidden_dim=moe_hidden, num_experts=_EXPERTS,
                                        top_k=_TOP_K, **shared)
     window = config.window if config.window is not None else max(1, config.context // 2)
-    gemma = DecoderConfig.gemma3(hidden_dim=hidden, query_pre_attn_scalar=head_dim,
-                                 sliding_window=window, **shared)
-    if config.softcap is None:
-        return gemma
-    import dataclasses
-
-    return dataclasses.replace(gemma, attn_softcap=float(config.softcap))
+    return DecoderConfig.gemma3(hidden_dim=hidden, query_pre_attn_scalar=head_dim,
+                                sliding_window=window, **shared)
 
 
 def describe(config):
@@ -128,8 +123,6 @@ def describe(config):
     if cfg.sliding_window is not None:
         sliding = sum(kind == "sliding_attention" for kind in cfg.layer_types)
         parts.append(f"window {cfg.sliding_window} on {sliding} of {cfg.num_layers} layers")
-    if cfg.attn_softcap is not None:
-        parts.append(f"softcap {cfg.attn_softcap:g}")
     return f"Decoder({config.family}: {', '.join(parts)})"
 
 

@@ -63,9 +63,9 @@ def test_the_sizes_map_onto_the_presets_as_documented():
                                        moe_hidden_dim=32, num_experts=8, top_k=2)
     assert decoder_config(config) == expected  # F = 8 * 24 / 3 = 64, experts of 64 / 2
     gemma = decoder_config(text_task.TextConfig(context=16, emb_dim=24, num_heads=4,
-                                                num_layers=1, family="gemma3", softcap=30.0))
+                                                num_layers=1, family="gemma3"))
     assert (gemma.head_dim, gemma.hidden_dim, gemma.sliding_window) == (6, 64, 8)
-    assert gemma.scale == 6 ** -0.5 and gemma.attn_softcap == 30.0
+    assert gemma.scale == 6 ** -0.5 and gemma.attn_softcap is None
     gpt2 = decoder_config(text_task.TextConfig(emb_dim=16, num_heads=2, family="gpt2"))
     assert gpt2.hidden_dim == 64 and gpt2.tie_embeddings and gpt2.positions == "learned"
     mistral = decoder_config(text_task.TextConfig(window=5, family="mistral"))
@@ -128,7 +128,7 @@ def test_a_checkpoint_written_before_families_is_a_gpt():
     (["--family", "gpt2", "--kv-heads", "1"], "--kv-heads is not an option of --family gpt2"),
     (["--family", "qwen3_moe", "--window", "4"], "--window is not an option of --family "
                                                  "qwen3_moe"),
-    (["--family", "mistral", "--softcap", "5"], "--softcap is not an option of --family mistral"),
+    (["--family", "gemma3", "--softcap", "5"], "--softcap is not an option of --family gemma3"),
     (["--family", "qwen3", "--emb-dim", "6", "--num-heads", "2"], "--family qwen3 uses RoPE.*must be even, got 3"),
 ])
 def test_options_a_family_cannot_take_are_refused_by_name(corpus, capsys, options, message):
