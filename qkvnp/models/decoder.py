@@ -26,8 +26,10 @@ from ..layers.kv_cache import KVCache
 from ..layers.mlp import GatedFeedForward
 from ..layers.moe import MoEFeedForward
 from ..layers.norms import RMSNorm
+from ..layers.tied import TiedLinear
 from ..layers.transformer import FeedForward, LayerNorm, Sequential
 from ..ops.rope_scaling import rope_inverse_frequency
+from ..ops.softcap import softcap_backward, softcap_forward
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -379,8 +381,9 @@ class Decoder(Model):
     blocks : Sequential of DecoderBlock
         ``blocks.0``, ``blocks.1``, ...
     final_norm : LayerNorm or RMSNorm
-    head : Linear
-        ``(E, V)``, no bias; absent with ``tie_embeddings``.
+    head : Linear or TiedLinear
+        ``(E, V)``, no bias; with ``tie_embeddings`` a
+        :class:`~qkvnp.layers.TiedLinear` reading the table (no parameter of its own).
     config : DecoderConfig
     vocab_size, num_layers, context_length, emb_dim : int
         From the config (what :func:`qkvnp.generate` reads).
@@ -428,7 +431,10 @@ class Decoder(Model):
             self.pos_embed = Embedding(config.context_length, config.emb_dim, rng=rng, dtype=dtype)
         self.blocks = Sequential([self._block(i, rng) for i in range(config.num_layers)])
         self.final_norm = self._norm()
-        if not config.tie_embeddings:
+        self.head: Linear | TiedLinear
+        if config.tie_embeddings:  # one table used twice: the head reads the embedding's
+            self.head = TiedLinear(self.embed)
+        else:
             self.head = Linear(config.emb_dim, config.vocab_size, False, rng=rng, dtype=dtype)
         self.zero_grad()
 
@@ -464,12 +470,6 @@ class Decoder(Model):
                                    activation="silu" if cfg.mlp == "swiglu" else "gelu_tanh")
         norms = [self._norm() for _ in range(4 if cfg.placement == "sandwich" else 2)]
         return DecoderBlock(attn, mlp, norms, cfg.placement, window)
-
-    def _head_weight(self):
-        """``W_head`` ``(E, V)``: the head's, or the embedding table's transpose when tied."""
-        if self.config.tie_embeddings:
-            return self.embed.params["weight"].T
-        return self.head.params["W"]
 
     def _inputs(self, ids, attention_mask, position_ids, past):
         """Checked ids ``(B, T)``, the real-token mask ``(B, past + T)`` and positions ``(B, T)``."""
@@ -533,17 +533,11 @@ class Decoder(Model):
         for block in self.blocks:
             x = block.forward(x, keeps[block.window], positions[:, None, :])  # (B, T, E)
         x = self.final_norm.forward(x, check=False)
-        W_head = None
-        if self.config.tie_embeddings:
-            W_head = self._head_weight().copy()  # the cache owns the weights it reads (Layer)
-            logits = x @ W_head  # (B, T, E) @ (E, V) -> (B, T, V)
-        else:
-            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
-        capped = None
+        logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+        cap_cache = None
         if self.config.final_softcap is not None:
-            capped = np.tanh(logits / self.config.final_softcap)  # (B, T, V)
-            logits = self.config.final_softcap * capped
-        self._cache = (logits.shape, x, W_head, capped)
+            logits, cap_cache = softcap_forward(logits, self.config.final_softcap)  # (B, T, V)
+        self._cache = (logits.shape, cap_cache)
         return logits
 
     def backward(self, dlogits: FloatArray, retain_cache: bool = False) -> Any:
@@ -552,17 +546,12 @@ class Decoder(Model):
         if state.cache is None and state.decoded:
             raise RuntimeError("Decoder.backward after decode: decoding keeps nothing for a "
                                "backward; call forward(ids) first")
-        shape, x_final, W_head, capped = self._need_cache()
+        shape, cap_cache = self._need_cache()
         dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
-        if capped is not None:
-            # in the forward this was: logits = cap * tanh(z / cap)
-            dlogits = dlogits * (1 - capped * capped)
-        if self.config.tie_embeddings:
-            # in the forward this was: logits = x_final @ W_emb^T
-            dW_head = np.einsum("bte,btv->ev", x_final, dlogits)  # (E, V)
-            dx = dlogits @ W_head.T  # (B, T, V) -> (B, T, E)
-        else:
-            dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
+        if cap_cache is not None:
+            dlogits = softcap_backward(dlogits, cap_cache)  # (B, T, V)
+        # NOTE: a tied head adds its gradient into the table's, beside the lookup's below
+        dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
         dx = self.final_norm.backward(dx, retain_cache, check=False)
         for block in reversed(list(self.blocks)):
             dx = block.backward(dx, retain_cache)  # (B, T, E)
@@ -571,9 +560,6 @@ class Decoder(Model):
         if self.config.embed_scale is not None:
             dx = dx * np.asarray(self.config.embed_scale, self.dtype)
         self.embed.backward(dx, retain_cache, check=False)
-        if self.config.tie_embeddings:
-            # NOTE: one table used twice: its gradient is the lookup's scatter plus the head's
-            self.embed._accumulate("weight", dW_head.T)  # (E, V) -> (V, E)
         self._release_cache(retain_cache)
         return None
 
@@ -615,15 +601,11 @@ class Decoder(Model):
                                (block.window,))[block.window]  # (B, 1, T, S)
             x = block.decode_step(x, cache, keep, positions[:, None, :])  # (B, T, E)
         x = self.final_norm.forward(x, check=False)
-        if self.config.tie_embeddings:
-            logits = x @ self._head_weight()  # (B, T, E) -> (B, T, V)
-        else:  # through the head's forward: an adapted head (LoRA) decodes as it trains
-            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
-            for layer in [self.head] + [sub for _, sub in getattr(self.head, "named_layers",
-                                                                  lambda: [])()]:
-                layer._cache = None
+        # through the head's forward: an adapted head (LoRA) decodes as it trains
+        logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+        self.head._cache = None
         if self.config.final_softcap is not None:
-            logits = self.config.final_softcap * np.tanh(logits / self.config.final_softcap)
+            logits = softcap_forward(logits, self.config.final_softcap)[0]  # (B, T, V)
         state = self._state_to_write()  # nothing kept for a backward
         state.cache = state.used_cache = None
         state.decoded = True
