@@ -5,7 +5,8 @@ cached decoding equals one causal forward, a replayed dropout mask gives the
 same output, grouped-query attention equals repeated key/value heads, the
 planted bug fails with the softmax diagnosis and the fixed backward passes,
 the book's printed first context vector, tied Q = K below separate on the
-partner task, the tiny GPT's held-out loss below the bigram baseline's). The
+partner task, the tiny GPT's held-out loss below the bigram baseline's, the losses of a transformers
+model trained in qkvnp equal PyTorch's steps). The
 docs build runs the same scripts through sphinx-gallery. matplotlib is optional: an example draws its figure (on the Agg backend)
 only when matplotlib imports.
 """
@@ -37,6 +38,8 @@ EXPECTED = {
     "plot_gradcheck_sweep.py": [r"central: smallest worst-case relative error \d\.\de-(0[7-9]|1\d)",
                                 r"complex_step: smallest worst-case relative error \d\.\de-1[2-6]"],
     "plot_load_torch_weights.py": [r"^\[\[0\.319 +0\.4858\]"],
+    # checked below: qkvnp's loss goes down; with transformers, the logits and losses agree
+    "plot_finetune_transformers_model.py": [r"^qkvnp's loss: \d\.\d+ at step 1, \d\.\d+ at step 30$"],
     "plot_tied_vs_separate_qk.py": [r"separate: held-out accuracy", r"tied_qk: held-out accuracy"],
     # the script asserts that every diagonal of the bias is -slope * offset
     "plot_alibi_bias.py": [r"slopes: 0\.5 0\.25 0\.125 0\.0625 0\.03125",
@@ -87,6 +90,17 @@ def test_example_runs_and_prints_its_check(name, tmp_path):
         rows = re.findall(r"held-out (\d\.\d+) .* bigram (\d\.\d+)  ratio", result.stdout)
         held = [float(row[0]) for row in rows]
         assert len(held) == 6 and held[-1] < held[0] and held[-1] < float(rows[-1][1])
+    if name == "plot_finetune_transformers_model.py":
+        first, last = map(float, re.search(r"loss: (\S+) at step 1, (\S+)", result.stdout).groups())
+        assert last < first - 1
+        compared = "largest difference from PyTorch" in result.stdout
+        assert compared != ("not installed: qkvnp trains alone" in result.stdout)
+        if compared:
+            # float64 both sides; transformers' float32 spots (RoPE angles, RMSNorm,
+            # softmax) bound the agreement near float32's rounding
+            logits = float(re.search(r"from transformers: (\S+)", result.stdout)[1])
+            losses = float(re.search(r"from PyTorch: (\S+)", result.stdout)[1])
+            assert logits < 1e-6 and losses < 1e-6
     if name == "plot_load_torch_weights.py":
         torch_ran = "largest difference from PyTorch" in result.stdout
         assert torch_ran != ("PyTorch is not installed" in result.stdout)

@@ -262,6 +262,14 @@ def test_a_model_llmc_cannot_hold_is_refused_by_name_and_nothing_is_written(
     assert os.listdir(tmp_path) == []
 
 
+def test_an_initialization_option_is_no_reason_to_refuse(tmp_path):
+    # init_std sets the starting tables only: not part of what llm.c's file holds
+    model = Decoder(dataclasses.replace(gpt2().config, init_std=0.5), rng=0, dtype=np.float32)
+    save_llmc(model, tmp_path / "out.bin")
+    loaded = load_llmc(tmp_path / "out.bin")
+    assert np.array_equal(loaded.params["embed.weight"], model.params["embed.weight"])
+
+
 def test_lora_adapters_are_refused_until_merged(tmp_path):
     model = gpt2()
     apply_lora(model, ["q_proj"], rank=2)

@@ -405,6 +405,14 @@ def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
         New arrays; a tied table once, under the name transformers keeps
         (``transformer.wte.weight``, ``model.embed_tokens.weight``).
 
+    Raises
+    ------
+    ValueError
+        If ``model`` holds LoRA adapters (:func:`qkvnp.layers.apply_lora`),
+        naming them: transformers' model has no place for them, and no
+        gradient of the frozen weights exists. Call
+        :func:`qkvnp.layers.merge_lora` first for the merged weights.
+
     Examples
     --------
     >>> from qkvnp.models.decoder import Decoder, DecoderConfig
@@ -414,6 +422,16 @@ def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
     >>> state["transformer.h.0.attn.c_attn.weight"].shape, "lm_head.weight" in state
     ((8, 24), False)
     """
+    from ..layers.lora import LoRALinear
+
+    adapted = [name for name, layer in model.named_layers() if isinstance(layer, LoRALinear)]
+    if adapted:
+        # NOTE: refused rather than merged in silence: with grads=True no gradient of the
+        # frozen W exists, and merged weights would hide that the model was adapted
+        raise ValueError(f"model has LoRA adapters ({', '.join(adapted[:3])}"
+                         f"{', ...' if len(adapted) > 3 else ''}): to_hf gives transformers' "
+                         "weights, which have no adapters; call qkvnp.layers.merge_lora(model) "
+                         "first for the merged weights")
     arrays = model.grads if grads else model.params
     return {hf: np.array(pack([arrays[name] for name in names]))
             for hf, names, pack, _ in _specs(model.config)}

@@ -226,7 +226,7 @@ def _decoder_sizes(model):
                                num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                                context_length=cfg.context_length, norm_eps=_NORM_EPS)
     differs = [f"{name}={getattr(cfg, name)!r}" for name in plain.__dataclass_fields__
-               if getattr(cfg, name) != getattr(plain, name)]
+               if name != "init_std" and getattr(cfg, name) != getattr(plain, name)]
     if differs:
         raise ValueError(f"save_llmc: llm.c's GPT-2 has a tied head, a 4C-wide tanh-GELU MLP and "
                          f"LayerNorm eps 1e-5; the Decoder has {', '.join(differs)}")

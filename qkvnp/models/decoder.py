@@ -131,6 +131,12 @@ class DecoderConfig:
         The head reads the embedding table (one parameter used twice).
     final_softcap : float, optional
         ``final_softcap * tanh(logits / final_softcap)`` (Gemma 2).
+    init_std : float
+        The token (and position) tables start ``N(0, init_std**2)``, as
+        transformers' ``initializer_range`` (default 0.02): a tied head then
+        starts with small logits (a standard-normal table gives logits of
+        order ``sqrt(E)``). The projections start as PyTorch's ``nn.Linear``.
+        Loading weights (:func:`qkvnp.interop.from_hf`) replaces them all.
     family : str, optional
         The Hugging Face ``model_type`` the config expresses (set by the
         presets and :func:`qkvnp.interop.from_hf`; :func:`qkvnp.interop.to_hf`
@@ -180,6 +186,7 @@ class DecoderConfig:
     embed_scale: float | None = None
     tie_embeddings: bool = False
     final_softcap: float | None = None
+    init_std: float = 0.02
     family: str | None = None
 
     def __post_init__(self):
@@ -212,6 +219,7 @@ class DecoderConfig:
         for name in ("attn_softcap", "final_softcap", "embed_scale", "rope_local_base", "scale"):
             _positive_float(getattr(self, name), name, allow_none=True)
         _positive_float(self.rope_base, "rope_base")
+        _positive_float(self.init_std, "init_std")
         self._check_more()
 
     def _check_more(self):
@@ -429,8 +437,10 @@ class Decoder(Model):
         self.context_length, self.emb_dim = config.context_length, config.emb_dim
         rng = make_rng(rng)
         self.embed = Embedding(config.vocab_size, config.emb_dim, rng=rng, dtype=dtype)
+        self.embed.params["weight"] *= np.asarray(config.init_std, self.dtype)  # N(0, init_std^2)
         if config.positions == "learned":
             self.pos_embed = Embedding(config.context_length, config.emb_dim, rng=rng, dtype=dtype)
+            self.pos_embed.params["weight"] *= np.asarray(config.init_std, self.dtype)
         self.blocks = Sequential([self._block(i, rng) for i in range(config.num_layers)])
         self.final_norm = self._norm()
         self.head: Linear | TiedLinear

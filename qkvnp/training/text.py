@@ -37,11 +37,13 @@ import numpy as np
 
 from .._checks import check_int
 from ..models.generation import generate
+from ..models.decoder import Decoder
 from ..models.gpt import GPTModel
 from ..losses import cross_entropy_backward, cross_entropy_forward
 from ..optim import AdamW
 from .checkpoint import HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint
 from .config import TASK_DEFAULTS
+from .text_family import check_family, decoder_config, describe, family_parameter_floor
 from .loop import (SaveError, StopFlag, check_finite, check_run_state, check_save_options,
                    default_checkpoint_path, divergence_guard, save_run)
 
@@ -72,8 +74,11 @@ class TextConfig:
     ``dropout``, and the attention of recent models in every block, all off
     by default (the book's model): ``kv_heads`` (grouped-query attention),
     ``rope``, ``window`` (each token sees itself and the ``window - 1``
-    before it) and ``softcap``. Optimisation: AdamW with ``lr``, ``weight_decay``, linear
-    warm-up over ``warmup`` steps then cosine decay to ``lr / 10`` at ``steps``;
+    before it) and ``softcap``; ``family`` (one of
+    :data:`~qkvnp.training.text_family.FAMILIES`) trains a
+    :class:`~qkvnp.Decoder` of that family's config instead
+    (:mod:`qkvnp.training.text_family`). Optimisation: AdamW with ``lr``,
+    ``weight_decay``, linear warm-up over ``warmup`` steps then cosine decay to ``lr / 10`` at ``steps``;
     ``batch_size`` windows a step, drawn at random offsets of the training
     split. ``eval_every`` steps, the held-out loss over ``eval_windows``
     evenly spaced windows; ``sample_every`` steps, a greedy sample of
@@ -102,9 +107,10 @@ class TextConfig:
     rope: bool = False
     window: Optional[int] = None
     softcap: Optional[float] = None
+    family: Optional[str] = None
 
     MODEL_FIELDS = ("context", "emb_dim", "num_heads", "num_layers", "dtype", "kv_heads", "rope",
-                    "window", "softcap")
+                    "window", "softcap", "family")
     #: What a resume may change: none of them changes the trained state (``text``: the same
     #: bytes under another name; the checkpoint's SHA-256 of them is compared).
     RESUMABLE_CHANGES = ("text", "steps", "eval_every", "eval_windows", "sample_every",
@@ -165,6 +171,7 @@ class TextConfig:
         if self.kv_heads is not None and self.num_heads % self.kv_heads:
             raise ValueError(f"--kv-heads must divide --num-heads ({self.num_heads}), got "
                              f"{self.kv_heads}")
+        check_family(self)
         if self.rope and (self.emb_dim // self.num_heads) % 2:
             raise ValueError(f"--rope rotates pairs: the head dim --emb-dim / --num-heads must be "
                              f"even, got {self.emb_dim // self.num_heads}")
@@ -195,6 +202,8 @@ def parameter_floor(config):
     feed-forward layer's two ``E x 4E`` matrices (the key and value
     projections shrink with ``kv_heads``).
     """
+    if config.family is not None:
+        return family_parameter_floor(config)
     width = config.emb_dim
     return 2 * 256 * width + config.context * width + config.num_layers * 10 * width * width
 
@@ -280,6 +289,8 @@ def _lr(config, step):
 
 
 def _model(config):
+    if config.family is not None:
+        return Decoder(decoder_config(config), rng=config.seed, dtype=np.dtype(config.dtype))
     return GPTModel(256, config.context, config.emb_dim, config.num_heads, config.num_layers,
                     config.dropout, rng=config.seed, dtype=np.dtype(config.dtype),
                     **config.model_options())
@@ -310,7 +321,7 @@ _Corpus = collections.namedtuple("_Corpus", "train held starts baseline source d
 class _Run:
     """What a text run changes as it goes: the state a checkpoint holds."""
 
-    model: GPTModel
+    model: GPTModel | Decoder
     optimizer: AdamW
     data_rng: np.random.Generator
     sample_rng: np.random.Generator
@@ -347,6 +358,7 @@ def text_config_of(saved):
     """
     values = dict(saved)
     values.pop("task", None)
+    values.setdefault("family", None)  # NOTE: written before families: the book's GPT
     digest = values.pop("corpus_sha256", None)
     if not (isinstance(digest, str) and len(digest) == 64
             and all(c in "0123456789abcdef" for c in digest)):
@@ -534,9 +546,11 @@ def _print_header(config, corpus, run, stream):
     print(f"text: {corpus.source}; {len(corpus.train)} training bytes, {len(corpus.held)} held "
           "out", file=stream)
     options = "".join(f", {name}={value}" for name, value in config.model_options().items())
-    print(f"model: GPTModel(vocab 256, context {config.context}, width {config.emb_dim}, "
-          f"{config.num_heads} heads, {config.num_layers} layers{options}), "
-          f"{run.model.num_parameters()} parameters, {config.dtype}", file=stream)
+    model = describe(config) if config.family is not None else (
+        f"GPTModel(vocab 256, context {config.context}, width {config.emb_dim}, "
+        f"{config.num_heads} heads, {config.num_layers} layers{options})")
+    print(f"model: {model}, {run.model.num_parameters()} parameters, {config.dtype}",
+          file=stream)
     print(f"schedule: AdamW lr {config.lr:g} (warm-up {config.warmup} steps, cosine to "
           f"{config.lr / 10:g} at step {config.steps}), weight decay {config.weight_decay:g}, "
           f"batch {config.batch_size}"

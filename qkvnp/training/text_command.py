@@ -16,12 +16,15 @@ import sys
 from . import text
 from .checkpoint import CheckpointError
 from .loop import SaveError, check_save_options
+from .text_family import FAMILIES
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 #: What ``train --task text --help`` opens with (plain text: ``__doc__`` is None under -OO).
-DESCRIPTION = ("Train a byte-level GPT (the book's GPTModel) on text by gradient descent, with "
-               "hand-derived gradients, beside a bigram baseline.")
+DESCRIPTION = ("Train a byte-level GPT (the book's GPTModel, or with --family a Decoder of "
+               "GPT-2's, Llama 3's, Mistral's, Qwen3's, Qwen3-MoE's or Gemma 3's config) on "
+               "text by gradient descent, with hand-derived gradients, beside a bigram "
+               "baseline.")
 
 
 
@@ -65,6 +68,10 @@ def add_arguments(parser):
                              "before it (default: the whole context)")
     parser.add_argument("--softcap", type=float, metavar="S", default=None,
                         help="soft-cap the scores: S tanh(scores / S) (default: none)")
+    parser.add_argument("--family", choices=FAMILIES, default=None,
+                        help="train a Decoder of this family's config (sizes from the options "
+                             "above; head dim, MLP width and experts derived) instead of the "
+                             "book's GPTModel")
     parser.add_argument("--save", metavar="PATH", default=None,
                         help="write a checkpoint at the end (and on Ctrl-C or SIGTERM); "
                              "checked before training")

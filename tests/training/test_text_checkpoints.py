@@ -102,6 +102,29 @@ def test_a_resume_given_only_resume_is_the_uninterrupted_run_bit_for_bit(corpus,
         np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
 
 
+# NOTE: a Decoder has no dropout: the family run's settings are the GPT's without it
+FAMILY_SETTINGS = {**{k: v for k, v in SETTINGS.items() if k != "dropout"}, "family": "qwen3",
+                   "kv_heads": 1}
+
+
+def test_a_family_resume_given_only_resume_is_the_uninterrupted_run_bit_for_bit(corpus,
+                                                                                 tmp_path, runs):
+    # oracle: as for the GPT above, the run of a qwen3 Decoder that never stopped
+    assert main(["train", "--task", "text", "--text", corpus] + _argv(FAMILY_SETTINGS)) == 0
+    model, rows, _, lines = runs[-1]
+    part = str(tmp_path / "part.npz")
+    text_task.train_text(text_task.TextConfig(text=corpus, **FAMILY_SETTINGS), save=part,
+                         stop_at=3, stream=io.StringIO())
+    assert main(["train", "--task", "text", "--resume", part]) == 0
+    resumed, resumed_rows, code, resumed_lines = runs[-1]
+    assert code == 0 and type(resumed).__name__ == "Decoder"
+    assert resumed_lines == [line for line in lines if _step_of(line) > 3]
+    assert any(line.startswith("sample at step 4") for line in resumed_lines)
+    assert resumed_rows == rows
+    assert sorted(resumed.params) == sorted(model.params)
+    for name, value in model.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
+
 def test_a_resume_refuses_an_explicit_other_lr_naming_it(corpus, tmp_path, capsys):
     # oracle: the kv-recall task's rule: a setting given on the command line that differs
     # from the checkpoint's is refused by name before any step; the same value is accepted
