@@ -42,10 +42,11 @@ COMMANDS = {
                  "why Q, K and V: tied and missing projections on two tasks",
                  "Why Q, K and V? Train kv-recall and partner with separate, tied and missing "
                  "projections."),
-    "generate": ("qkvnp.training.text_generate",
-                 "continue a prompt with a model of train --task text",
-                 "Continue a prompt with a GPT trained by 'train --task text', read from its "
-                 "checkpoint."),
+    "generate": ("qkvnp.apps.generate",
+                 "continue a prompt: a Hugging Face directory, an llm.c file, a checkpoint",
+                 "Continue a prompt, streaming the text: a Hugging Face model directory "
+                 "(config.json, safetensors, tokenizer.json), an llm.c .bin file, or a "
+                 "checkpoint of 'train --task text'."),
 }
 
 # (command, option, value) -> the module that takes that command over (its own options)

@@ -17,10 +17,19 @@ from ..layers.kv_cache import KVCache
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
-    from typing import Any
+    from typing import Any, Callable
     from .._typing import FloatArray, IntArray
 
 __all__ = ["generate"]
+
+
+def _check_top_p(top_p):
+    if top_p is None:
+        return None
+    if not is_real_number(top_p) or not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be a float in (0, 1] (nucleus sampling: keep the likeliest "
+                         f"tokens whose probabilities sum to top_p), got {top_p!r}")
+    return float(top_p)
 
 
 def _check_options(model, idx, max_new_tokens, context_size, temperature, top_k, eos_id):
@@ -43,8 +52,21 @@ def _check_options(model, idx, max_new_tokens, context_size, temperature, top_k,
     return idx.astype(np.int64), max_new_tokens, context_size, float(temperature), top_k, eos_id
 
 
-def _next_tokens(logits, temperature, top_k, rng):  # (B, V) -> (B,)
-    """The book's choice: top-k filter, then argmax (temperature 0) or a sample."""
+def _nucleus(probs, top_p):  # (B, V) -> (B, V)
+    """``probs`` kept on the smallest set of the likeliest tokens holding ``top_p`` of the
+    mass, ties with the last one kept (as top-k keeps the k-th's), renormalised."""
+    ordered = -np.sort(-probs, axis=-1)  # (B, V) descending
+    mass = np.cumsum(ordered, axis=-1)  # (B, V)
+    # NOTE: against top_p times the row's own sum, so that rounding never leaves a row short
+    last = (mass < top_p * mass[:, -1:]).sum(axis=-1)  # (B,) index of the last token kept
+    threshold = ordered[np.arange(len(probs)), np.minimum(last, probs.shape[-1] - 1)]  # (B,)
+    kept = np.where(probs >= threshold[:, None], probs, 0.0)  # (B, V)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def _next_tokens(logits, temperature, top_k, rng, top_p=None):  # (B, V) -> (B,)
+    """The book's choice: top-k filter, then argmax (temperature 0) or a sample (of the
+    nucleus with ``top_p``)."""
     top = logits.max(axis=-1, keepdims=True)  # (B, 1)
     if not np.isfinite(top).all():
         raise ValueError(f"the model's logits must have a finite maximum in every row (NaN, "
@@ -67,6 +89,8 @@ def _next_tokens(logits, temperature, top_k, rng):  # (B, V) -> (B,)
     scaled[overflowed] = np.where(logits[overflowed] == top[overflowed], 0.0, -np.inf)
     probs = np.exp(scaled)
     probs /= probs.sum(axis=-1, keepdims=True)  # (B, V)
+    if top_p is not None:
+        probs = _nucleus(probs, top_p)  # (B, V)
     # NOTE: inverse CDF with one uniform per row: the draws of a seeded rng
     # are those of the same call recomputing the context (not torch.multinomial's)
     u = rng.random(probs.shape[0])[:, None]  # (B, 1)
@@ -119,7 +143,9 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
              temperature: float = 0.0, top_k: int | None = None,
              rng: np.random.Generator | int | None = None, eos_id: int | None = None,
              use_cache: bool = True, return_logits: bool = False,
-             attention_mask: Any = None) -> IntArray | tuple[IntArray, FloatArray]:
+             attention_mask: Any = None, top_p: float | None = None,
+             on_token: Callable[[IntArray], Any] | None = None,
+             ) -> IntArray | tuple[IntArray, FloatArray]:
     """Extend ``idx`` by up to ``max_new_tokens`` tokens (the book's ``generate``).
 
     Parameters
@@ -141,6 +167,13 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
     top_k : int, keyword-only, optional
         Keep the ``top_k`` largest logits (ties with the k-th kept), the
         others get ``-inf``.
+    top_p : float in (0, 1], keyword-only, optional
+        Nucleus sampling (Holtzman et al.): after top-k and the
+        temperature, sample only among the smallest set of the likeliest
+        tokens whose probabilities sum to at least ``top_p``, tokens tied
+        with the last one kept (as top-k keeps ties), renormalised. No
+        effect on greedy decoding (the argmax is always kept); ``1.0``
+        keeps every token of non-zero probability.
     rng : numpy.random.Generator or int, keyword-only, optional
         Draws the samples (one uniform per row and step).
     eos_id : int, keyword-only, optional
@@ -157,6 +190,10 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
         never attended to, and each token's position counts only the real
         tokens before it (``cumsum(mask) - 1``, as transformers' generate).
         For a model that takes padding (:class:`~qkvnp.Decoder`).
+    on_token : callable, keyword-only, optional
+        Called with each step's new tokens, an int64 array of shape (B,), as
+        soon as they are chosen (to stream text as it comes); not called for
+        a step that stops at ``eos_id``.
 
     Returns
     -------
@@ -204,6 +241,9 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
     """
     idx, max_new_tokens, context_size, temperature, top_k, eos_id = _check_options(
         model, idx, max_new_tokens, context_size, temperature, top_k, eos_id)
+    top_p = _check_top_p(top_p)
+    if on_token is not None and not callable(on_token):
+        raise TypeError(f"on_token must be callable, got {type(on_token).__name__}")
     rng = make_rng(rng)
     (B, T), V = idx.shape, model.vocab_size
     mask = _check_mask(model, attention_mask, (B, T))
@@ -221,13 +261,15 @@ def generate(model: Any, idx: IntArray, max_new_tokens: int, *, context_size: in
         fed = caches[0].start + len(caches[0])  # tokens the caches hold (a window drops some)
         fresh = not use_cache or n == 0 or fed + 1 > context_size
         logits = _last_logits(model, caches, tokens, T + n, context_size, fresh, mask)  # (B, V)
-        next_tokens = _next_tokens(logits, temperature, top_k, rng)  # (B,)
+        next_tokens = _next_tokens(logits, temperature, top_k, rng, top_p)  # (B,)
         if eos_id is not None and (next_tokens == eos_id).all():
             break
         if kept is not None:
             kept[:, n] = logits  # a copy: the (B, T, V) output it views is freed
         tokens[:, T + n] = next_tokens
         n += 1
+        if on_token is not None:
+            on_token(tokens[:, T + n - 1].copy())
     out = tokens if n == max_new_tokens else tokens[:, :T + n].copy()  # (B, T + n)
     if kept is None:
         return out

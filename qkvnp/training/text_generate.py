@@ -1,9 +1,11 @@
-"""Continue a prompt with a model of ``train --task text`` (``python -m qkvnp generate``).
+"""Continue a prompt with a model of ``train --task text`` (``generate --resume CKPT``).
 
 Shape key: T prompt tokens (bytes), V = 256.
 
 The checkpoint holds its configuration; the prompt is encoded as UTF-8
 bytes, cropped to the model's context, and continued by :func:`qkvnp.generate`.
+The command (:mod:`qkvnp.apps.generate`) comes here for a checkpoint; its
+``add_arguments`` are the options a checkpoint takes.
 """
 import argparse
 import sys
@@ -21,10 +23,10 @@ def add_arguments(parser):
     """The options of ``generate``."""
     parser.add_argument("--resume", metavar="CKPT", required=True,
                         help="a checkpoint of train --task text")
-    parser.add_argument("--prompt", default="\n", help="the text to continue")
+    parser.add_argument("--prompt", default=None, help="the text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                         help="how many bytes to write after the prompt (default 200)")
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
+    parser.add_argument("--temperature", type=float, default=None, metavar="T",
                         help="0 = greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=None, metavar="K",
                         help="sample among the K likeliest bytes only (default: all 256)")
@@ -44,14 +46,17 @@ def run(args):
         print(f"error: --resume: {exc}", file=sys.stderr)
         return 2
     try:
-        prompt = args.prompt.encode("utf-8")
+        text = "\n" if args.prompt is None else args.prompt
+        prompt = text.encode("utf-8")
         if not prompt:
             raise ValueError("--prompt must not be empty")
         idx = np.frombuffer(prompt, dtype=np.uint8).astype(np.int64)[None, -model.context_length:]
-        out = generate(model.eval(), idx, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, rng=args.seed)
+        temperature = 0.8 if args.temperature is None else args.temperature
+        out = generate(model.eval(), idx, args.max_new_tokens, temperature=temperature,
+                       top_k=args.top_k, top_p=getattr(args, "top_p", None), rng=args.seed)
     except (ValueError, OSError) as exc:
         raise argparse.ArgumentError(None, str(exc)) from None
-    text = bytes(out[0, idx.shape[1]:].astype(np.uint8).tolist()).decode("utf-8", "replace")
-    sys.stdout.write(args.prompt + text + "\n")
+    new = bytes(out[0, idx.shape[1]:].astype(np.uint8).tolist())
+    continuation = new.decode("utf-8", "replace")
+    sys.stdout.write(text + continuation + "\n")
     return 0
