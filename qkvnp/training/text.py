@@ -41,6 +41,8 @@ from ..models.decoder import Decoder
 from ..models.gpt import GPTModel
 from ..losses import cross_entropy_backward, cross_entropy_forward
 from ..optim import AdamW
+from ..interop.tokenizer import ByteTokenizer
+from . import text_init
 from .checkpoint import HISTORY_FIELDS, Checkpoint, CheckpointError, load_checkpoint
 from .config import TASK_DEFAULTS
 from .text_family import check_family, decoder_config, describe, family_parameter_floor
@@ -52,7 +54,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Optional
 
 __all__ = ["TextConfig", "DEFAULT_CORPUS_BYTES", "MAXIMA", "default_corpus", "read_text",
-           "split_text", "bigram_loss", "train_text", "read_text_checkpoint",
+           "split_text", "split_tokens", "bigram_loss", "train_text", "read_text_checkpoint",
            "load_text_checkpoint", "text_config_of"]
 
 #: The default corpus' cap: the first this many bytes of the sorted stdlib sources.
@@ -62,7 +64,8 @@ DEFAULT_CORPUS_BYTES = 2_000_000
 MAXIMA = {"corpus_bytes": 2**31, "context": 2**16, "emb_dim": 2**16, "num_heads": 2**10,
           "num_layers": 2**10, "batch_size": 2**16, "steps": 10**9, "warmup": 10**9,
           "seed": 2**128, "eval_every": 10**9, "eval_windows": 2**20, "sample_every": 10**9,
-          "sample_length": 2**20, "kv_heads": 2**10, "window": 2**16, "parameters": 2**31}
+          "sample_length": 2**20, "kv_heads": 2**10, "window": 2**16, "parameters": 2**31,
+          "lora_rank": 2**16}
 _LN2 = math.log(2.0)
 
 
@@ -77,7 +80,9 @@ class TextConfig:
     before it) and ``softcap``; ``family`` (one of
     :data:`~qkvnp.training.text_family.FAMILIES`) trains a
     :class:`~qkvnp.Decoder` of that family's config instead
-    (:mod:`qkvnp.training.text_family`). Optimisation: AdamW with ``lr``,
+    (:mod:`qkvnp.training.text_family`); ``init`` (a model directory or llm.c
+    file) fine-tunes that model instead, all of it or, with ``lora_rank``,
+    adapters on ``lora_targets`` (:mod:`qkvnp.training.text_init`). Optimisation: AdamW with ``lr``,
     ``weight_decay``, linear warm-up over ``warmup`` steps then cosine decay to ``lr / 10`` at ``steps``;
     ``batch_size`` windows a step, drawn at random offsets of the training
     split. ``eval_every`` steps, the held-out loss over ``eval_windows``
@@ -108,12 +113,15 @@ class TextConfig:
     window: Optional[int] = None
     softcap: Optional[float] = None
     family: Optional[str] = None
+    init: Optional[str] = None
+    lora_rank: Optional[int] = None
+    lora_targets: Optional[str] = None
 
     MODEL_FIELDS = ("context", "emb_dim", "num_heads", "num_layers", "dtype", "kv_heads", "rope",
-                    "window", "softcap", "family")
-    #: What a resume may change: none of them changes the trained state (``text``: the same
-    #: bytes under another name; the checkpoint's SHA-256 of them is compared).
-    RESUMABLE_CHANGES = ("text", "steps", "eval_every", "eval_windows", "sample_every",
+                    "window", "softcap", "family", "init", "lora_rank", "lora_targets")
+    #: What a resume may change: none of them changes the trained state (``text``, ``init``:
+    #: the same bytes under another name; the checkpoint's SHA-256 of them is compared).
+    RESUMABLE_CHANGES = ("text", "init", "steps", "eval_every", "eval_windows", "sample_every",
                          "sample_length")
     # NOTE: not fields: the names the shared loop helpers read (default_checkpoint_path,
     # the divergence message)
@@ -141,7 +149,7 @@ class TextConfig:
                      "sample_length", "warmup", "seed"):
             check_int(getattr(self, name), _flag(name), 0 if name in ("warmup", "seed") else 1,
                       MAXIMA[name])
-        for name in ("kv_heads", "window"):
+        for name in ("kv_heads", "window", "lora_rank"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), _flag(name), 1, MAXIMA[name])
         for name, low, high in (("dropout", 0.0, 1.0), ("lr", 0.0, math.inf),
@@ -160,8 +168,13 @@ class TextConfig:
             raise TypeError(f"--rope must be true or false, got {self.rope!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"--dtype must be float32 or float64, got {self.dtype!r}")
-        if self.text is not None and (not isinstance(self.text, str) or not self.text):
-            raise ValueError(f"--text must be a file name, got {self.text!r}")
+        for name in ("text", "init", "lora_targets"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{_flag(name)} must be a non-empty string, got {value!r}")
+        if self.init is not None:
+            text_init.check_init_options(self)
+            return self
         return self._check_model()
 
     def _check_model(self):
@@ -175,6 +188,8 @@ class TextConfig:
         if self.rope and (self.emb_dim // self.num_heads) % 2:
             raise ValueError(f"--rope rotates pairs: the head dim --emb-dim / --num-heads must be "
                              f"even, got {self.emb_dim // self.num_heads}")
+        if self.lora_rank is not None or self.lora_targets is not None:
+            raise ValueError("--lora-rank and --lora-targets adapt a loaded model: give --init")
         if parameter_floor(self) > MAXIMA["parameters"]:
             raise ValueError(f"--emb-dim {self.emb_dim}, --context {self.context} and "
                              f"--num-layers {self.num_layers} make a model of more than "
@@ -202,6 +217,8 @@ def parameter_floor(config):
     feed-forward layer's two ``E x 4E`` matrices (the key and value
     projections shrink with ``kv_heads``).
     """
+    if config.init is not None:
+        return 0  # read from its files, which bound it
     if config.family is not None:
         return family_parameter_floor(config)
     width = config.emb_dim
@@ -246,7 +263,11 @@ def split_text(data, context):
 
     Raises ``ValueError`` unless each part holds more than ``context`` bytes.
     """
-    tokens = np.frombuffer(data, dtype=np.uint8)
+    return split_tokens(np.frombuffer(data, dtype=np.uint8), context)
+
+
+def split_tokens(tokens, context):
+    """``(train, held_out)`` of a token array: the last 10% held out (see :func:`split_text`)."""
     cut = len(tokens) - len(tokens) // 10
     train, held = tokens[:cut], tokens[cut:]
     if len(held) <= context + 1:
@@ -289,6 +310,8 @@ def _lr(config, step):
 
 
 def _model(config):
+    if config.init is not None:
+        return text_init.load_init_model(config)
     if config.family is not None:
         return Decoder(decoder_config(config), rng=config.seed, dtype=np.dtype(config.dtype))
     return GPTModel(256, config.context, config.emb_dim, config.num_heads, config.num_layers,
@@ -307,14 +330,15 @@ def _held_out_loss(model, held, starts, config):
     return sum(losses) / (len(starts) * config.context)
 
 
-def _sample(model, prompt, length, rng):
-    """A sample continuing ``prompt`` (bytes), decoded for printing."""
-    idx = np.frombuffer(prompt, dtype=np.uint8).astype(np.int64)[None, :]
+def _sample(model, prompt, length, rng, tokenizer):
+    """A sample continuing ``prompt`` (token ids), decoded for printing."""
+    idx = np.asarray(prompt, dtype=np.int64)[None, :]
     out = generate(model, idx, length, temperature=0.8, top_k=40, rng=rng)
-    return bytes(out[0, idx.shape[1]:].astype(np.uint8).tolist()).decode("utf-8", "replace")
+    return tokenizer.decode(out[0, idx.shape[1]:].tolist())
 
 
-_Corpus = collections.namedtuple("_Corpus", "train held starts baseline source digest")
+_Corpus = collections.namedtuple("_Corpus", "train held starts baseline source digest tokenizer "
+                                            "init_digest")
 
 
 @dataclasses.dataclass
@@ -333,22 +357,34 @@ class _Run:
         return {**self.model.generators(), "sample": self.sample_rng}
 
 
-def _corpus(config):
-    """The text of ``config`` split, its held-out windows, the bigram baseline and its digest."""
+def _corpus(config, model):
+    """The text of ``config`` split, its held-out windows, the bigram baseline and its digest
+    (and with ``init``, its tokenizer and the SHA-256 of its files)."""
     if config.text is None:
         data, source = default_corpus(config.corpus_bytes)
     else:
         data, source = read_text(config.text), config.text
-    train, held = split_text(data, config.context)
+    if config.init is None:
+        tokenizer, digest = ByteTokenizer(), None
+        train, held = split_text(data, config.context)
+    else:
+        tokenizer = text_init.init_tokenizer(config, model.vocab_size)
+        digest = text_init.init_digest(config.init)
+        ids = np.asarray(tokenizer.encode(data.decode("utf-8")), dtype=np.int64)
+        train, held = split_tokens(ids, config.context)
     starts = _eval_starts(held, config)
     eval_inputs, eval_targets = _windows(held, starts, config.context)
-    baseline = bigram_loss(train, eval_inputs, eval_targets)
-    return _Corpus(train, held, starts, baseline, source, hashlib.sha256(data).hexdigest())
+    baseline = (bigram_loss(train, eval_inputs, eval_targets) if config.init is None else
+                text_init.token_bigram_loss(train, eval_inputs, eval_targets, model.vocab_size))
+    return _Corpus(train, held, starts, baseline, source, hashlib.sha256(data).hexdigest(),
+                   tokenizer, digest)
 
 
 def _config_dict(config, corpus):
-    """``meta/config``: every field, the task, and the digest of the text trained on."""
-    return {**dataclasses.asdict(config), "task": "text", "corpus_sha256": corpus.digest}
+    """``meta/config``: every field, the task, and the digests of the text trained on and of
+    ``init``'s files."""
+    init = {} if corpus.init_digest is None else {"init_sha256": corpus.init_digest}
+    return {**dataclasses.asdict(config), "task": "text", "corpus_sha256": corpus.digest, **init}
 
 
 def text_config_of(saved):
@@ -359,6 +395,9 @@ def text_config_of(saved):
     values = dict(saved)
     values.pop("task", None)
     values.setdefault("family", None)  # NOTE: written before families: the book's GPT
+    for name in ("init", "lora_rank", "lora_targets"):  # NOTE: written before --init
+        values.setdefault(name, None)
+    values.pop("init_sha256", None)  # compared by _resume
     digest = values.pop("corpus_sha256", None)
     if not (isinstance(digest, str) and len(digest) == 64
             and all(c in "0123456789abcdef" for c in digest)):
@@ -387,8 +426,9 @@ def _layout(saved, file_bytes):
                               f"least {need:,}")
     model = _model(config)
     specs = {"param/" + name: (value.shape, value.dtype) for name, value in model.params.items()}
+    trained = text_init.trainable_params(model, config)
     specs.update({"optim/" + name: (value.shape, value.dtype)
-                  for name, value in AdamW(model.params).state_dict().items()})
+                  for name, value in AdamW(trained).state_dict().items()})
     return specs, config.steps
 
 
@@ -458,13 +498,15 @@ def load_text_checkpoint(path):
 
 def _fresh_run(config):
     model = _model(config)
-    return _Run(model, AdamW(model.params, lr=config.lr, weight_decay=config.weight_decay),
+    trained = text_init.trainable_params(model, config)
+    return _Run(model, AdamW(trained, lr=config.lr, weight_decay=config.weight_decay),
                 np.random.default_rng(config.seed + 1), np.random.default_rng(config.seed + 2),
                 0, {key: [] for key in HISTORY_FIELDS})
 
 
-def _resume(checkpoint, config, corpus):
-    """A run continuing ``checkpoint``; ``CheckpointError`` unless it is ``config``'s run."""
+def _resume(checkpoint, config, corpus, run=None):
+    """A run continuing ``checkpoint`` (into ``run``, fresh, if given); ``CheckpointError``
+    unless it is ``config``'s run."""
     path = checkpoint.path
     try:
         saved, digest = text_config_of(checkpoint.config)
@@ -482,10 +524,14 @@ def _resume(checkpoint, config, corpus):
     if digest != corpus.digest:
         raise CheckpointError(f"--resume {path} was trained on another text: {corpus.source} "
                               "is not the text whose SHA-256 meta/config holds")
+    if checkpoint.config.get("init_sha256") != corpus.init_digest:
+        raise CheckpointError(f"--resume {path} started from other files than --init "
+                              f"{config.init} holds now (their SHA-256 differs from "
+                              "meta/config's init_sha256): the model it fine-tunes changed")
     if checkpoint.step > config.steps:
         raise CheckpointError(f"--resume {path} is at step {checkpoint.step}, beyond --steps "
                               f"{config.steps} (the total, the saved steps included)")
-    run = _fresh_run(config)
+    run = _fresh_run(config) if run is None else run
     _restore(checkpoint, run)
     return run
 
@@ -519,7 +565,8 @@ def _step(config, corpus, run, stream):
         model.backward(cross_entropy_backward(1.0, cache))
         check_finite(model, step, config, float(loss))
         run.optimizer.lr = lr
-        run.optimizer.step(model.grads)
+        grads = model.grads
+        run.optimizer.step({name: grads[name] for name in run.optimizer.params})
         run.step = step
         for key, value in (("step", step), ("loss", float(loss)), ("accuracy", None),
                            ("lr", lr)):
@@ -532,23 +579,27 @@ def _step(config, corpus, run, stream):
             evaluations = run.history["eval_step"]
             losses = run.history["loss"][evaluations[-2] if len(evaluations) > 1 else 0:]
             train_loss = sum(losses) / len(losses)  # NOTE: as _eval_rows computes it
-            print(f"step {step:5d}  train {train_loss:.4f} ({train_loss / _LN2:.3f} bits/byte)"
-                  f"  held-out {held_loss:.4f} ({held_loss / _LN2:.3f} bits/byte)  bigram "
+            unit = _unit(config)
+            print(f"step {step:5d}  train {train_loss:.4f} ({train_loss / _LN2:.3f} bits/{unit})"
+                  f"  held-out {held_loss:.4f} ({held_loss / _LN2:.3f} bits/{unit})  bigram "
                   f"{corpus.baseline:.4f}  ratio {held_loss / corpus.baseline:.3f}", file=stream)
         if step % config.sample_every == 0 or step == config.steps:
-            prompt = bytes(corpus.held[:16].tolist())
-            text = _sample(model, prompt, config.sample_length, run.sample_rng)
-            print(f"sample at step {step}: {prompt.decode('utf-8', 'replace')!r} -> {text!r}",
+            prompt = corpus.held[:16].tolist()
+            text = _sample(model, prompt, config.sample_length, run.sample_rng, corpus.tokenizer)
+            print(f"sample at step {step}: {corpus.tokenizer.decode(prompt)!r} -> {text!r}",
                   file=stream)
 
 
 def _print_header(config, corpus, run, stream):
-    print(f"text: {corpus.source}; {len(corpus.train)} training bytes, {len(corpus.held)} held "
+    unit = _unit(config)
+    print(f"text: {corpus.source}; {len(corpus.train)} training {unit}s, {len(corpus.held)} held "
           "out", file=stream)
     options = "".join(f", {name}={value}" for name, value in config.model_options().items())
     model = describe(config) if config.family is not None else (
         f"GPTModel(vocab 256, context {config.context}, width {config.emb_dim}, "
         f"{config.num_heads} heads, {config.num_layers} layers{options})")
+    if config.init is not None:
+        model = text_init.describe_init(config, run.model, corpus.tokenizer)
     print(f"model: {model}, {run.model.num_parameters()} parameters, {config.dtype}",
           file=stream)
     print(f"schedule: AdamW lr {config.lr:g} (warm-up {config.warmup} steps, cosine to "
@@ -556,11 +607,15 @@ def _print_header(config, corpus, run, stream):
           f"batch {config.batch_size}"
           + (f"; resumed at step {run.step}" if run.step else ""), file=stream)
     print(f"bigram baseline (add-one smoothing), held-out loss {corpus.baseline:.4f} "
-          f"({corpus.baseline / _LN2:.3f} bits/byte)", file=stream)
+          f"({corpus.baseline / _LN2:.3f} bits/{unit})", file=stream)
+
+
+def _unit(config):
+    return "byte" if config.init is None else "token"
 
 
 def train_text(config, *, resume=None, save=None, save_every=None, stream=None, stop_at=None,
-               save_on_interrupt=True):
+               save_on_interrupt=True, save_hf=None):
     """Train; print progress to ``stream``; return ``(model, rows, exit_code)``.
 
     ``rows``: ``[step, train_loss, held_loss]`` at each evaluation, from step
@@ -573,7 +628,9 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
     Stopped early (a signal, or ``stop_at``: stop after that step, the
     schedule still aiming at ``config.steps``), the run saves to ``save``,
     or without it to ``default_checkpoint_path`` unless ``save_on_interrupt``
-    is False, and prints how to resume.
+    is False, and prints how to resume. ``save_hf``: a directory where a run
+    that finishes writes its Decoder (``--family`` or ``init``) as
+    transformers loads it, adapters merged (:func:`~qkvnp.training.text_init.write_hf`).
 
     Raises
     ------
@@ -593,10 +650,15 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
     stream = sys.stdout if stream is None else stream
     config.check()
     save, save_every = check_save_options(save, save_every)
+    if save_hf is not None and config.family is None and config.init is None:
+        raise ValueError("--save-hf writes a Decoder: give --family or --init (the book's "
+                         "GPTModel has no transformers class)")
+    save_hf = text_init.check_save_hf(save_hf)
     if resume is not None and not isinstance(resume, Checkpoint):
         resume = read_text_checkpoint(resume)
-    corpus = _corpus(config)
-    run = _fresh_run(config) if resume is None else _resume(resume, config, corpus)
+    run = _fresh_run(config) if config.init is not None else None  # the tokenizer needs it
+    corpus = _corpus(config, run and run.model)
+    run = (run or _fresh_run(config)) if resume is None else _resume(resume, config, corpus, run)
     _print_header(config, corpus, run, stream)
     with StopFlag(save is not None or save_on_interrupt) as stop, blas_threads(1), \
             num_threads(1), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -617,5 +679,8 @@ def train_text(config, *, resume=None, save=None, save_every=None, stream=None, 
     if interrupted and path is not None:
         print(f"interrupted: resume with {program_name()} train --task text --resume {path}"
               + (f" --save {save}" if save else ""), file=stream)
+    if save_hf is not None and not interrupted:
+        text_init.write_hf(run.model, config, save_hf)
+        print(f"wrote {save_hf} (transformers' from_pretrained reads it)", file=stream)
     code = 128 + int(stop.signal) if interrupted and stop.requested else 0
     return run.model, _eval_rows(run.history), code

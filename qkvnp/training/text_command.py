@@ -72,6 +72,19 @@ def add_arguments(parser):
                         help="train a Decoder of this family's config (sizes from the options "
                              "above; head dim, MLP width and experts derived) instead of the "
                              "book's GPTModel")
+    parser.add_argument("--init", metavar="PATH", default=None,
+                        help="fine-tune this model instead of building one: a Hugging Face "
+                             "directory (config.json, safetensors, tokenizer.json) or an llm.c "
+                             ".bin; its tokenizer makes the tokens (bytes for a byte model)")
+    parser.add_argument("--lora-rank", type=int, metavar="R", default=None,
+                        help="with --init: train rank-R LoRA adapters only (default: every "
+                             "parameter)")
+    parser.add_argument("--lora-targets", metavar="NAMES", default=None,
+                        help="with --lora-rank: the linears to adapt, comma-separated (default "
+                             "q_proj,v_proj)")
+    parser.add_argument("--save-hf", metavar="DIR", default=None,
+                        help="at the end, write the model (adapters merged) as a directory "
+                             "transformers loads (with --init or --family)")
     parser.add_argument("--save", metavar="PATH", default=None,
                         help="write a checkpoint at the end (and on Ctrl-C or SIGTERM); "
                              "checked before training")
@@ -155,12 +168,17 @@ def run(args):
         raise _usage_error(exc) from None
     if differs:
         return _error(_differs_message(args.resume, differs, checkpoint, args), 2)
+    built = [name for name in ("emb_dim", "num_heads", "num_layers")
+             if getattr(args, name) is not None]
+    if config.init is not None and built:
+        raise _usage_error(f"{_option(built[0])} is not an option of --init: the model's "
+                           f"sizes are {config.init}'s")
     note = checkpoint and _schedule_note(checkpoint, config)
     if note:
         print(note, file=sys.stderr)
     try:
         *_, code = text.train_text(config, resume=checkpoint, save=args.save,
-                              save_every=args.save_every)
+                                   save_every=args.save_every, save_hf=args.save_hf)
     except KeyboardInterrupt as exc:
         from ..apps.cli import interrupt_status
 
@@ -170,6 +188,8 @@ def run(args):
         return _error(f"{exc}; nothing was trained or written", 2)
     except (FloatingPointError, SaveError) as exc:
         return _error(exc, 1)
+    except ImportError as exc:  # an optional package (the hf extra's) is missing
+        return _error(f"{exc}; nothing was trained or written", 2)
     except (TypeError, ValueError, OSError) as exc:  # the text: missing, not UTF-8, too short
         raise _usage_error(exc) from None
     return code
