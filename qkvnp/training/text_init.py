@@ -105,6 +105,7 @@ def load_init_model(config):
     from ..interop import from_hf, load_llmc
     from ..layers.lora import apply_lora
 
+    init_files(config.init)  # refuses a missing path or a directory without config.json
     dtype = np.dtype(config.dtype)
     model = from_hf(config.init, dtype=dtype) if os.path.isdir(config.init) \
         else load_llmc(config.init, dtype=dtype)
