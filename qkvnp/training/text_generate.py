@@ -1,6 +1,6 @@
 """Continue a prompt with a model of ``train --task text`` (``generate --resume CKPT``).
 
-Shape key: T prompt tokens (bytes), V = 256.
+Shape key: T prompt tokens (bytes; a fine-tune's, its model's tokenizer's), V vocabulary.
 
 The checkpoint holds its configuration; the prompt is encoded as UTF-8
 bytes, cropped to the model's context, and continued by :func:`qkvnp.generate`.
@@ -14,7 +14,9 @@ import numpy as np
 
 from ..models.generation import generate
 from .checkpoint import CheckpointError
-from .text import load_text_checkpoint
+from ..interop.tokenizer import ByteTokenizer
+from .text import load_text_checkpoint, text_config_of
+from .text_init import init_tokenizer
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,22 +43,24 @@ def run(args):
     ``error:`` line naming it and the entry, exit status 2.
     """
     try:
-        model, _ = load_text_checkpoint(args.resume)
-    except (FileNotFoundError, CheckpointError) as exc:
+        model, checkpoint = load_text_checkpoint(args.resume)
+        tokenizer = ByteTokenizer()
+        if checkpoint.config.get("init") is not None:  # a fine-tune: its model's tokenizer
+            tokenizer = init_tokenizer(text_config_of(checkpoint.config)[0], model.vocab_size)
+    except (FileNotFoundError, CheckpointError, ImportError) as exc:
         print(f"error: --resume: {exc}", file=sys.stderr)
         return 2
     try:
         text = "\n" if args.prompt is None else args.prompt
-        prompt = text.encode("utf-8")
+        prompt = tokenizer.encode(text)
         if not prompt:
             raise ValueError("--prompt must not be empty")
-        idx = np.frombuffer(prompt, dtype=np.uint8).astype(np.int64)[None, -model.context_length:]
+        idx = np.array(prompt, dtype=np.int64)[None, -model.context_length:]
         temperature = 0.8 if args.temperature is None else args.temperature
         out = generate(model.eval(), idx, args.max_new_tokens, temperature=temperature,
                        top_k=args.top_k, top_p=getattr(args, "top_p", None), rng=args.seed)
     except (ValueError, OSError) as exc:
         raise argparse.ArgumentError(None, str(exc)) from None
-    new = bytes(out[0, idx.shape[1]:].astype(np.uint8).tolist())
-    continuation = new.decode("utf-8", "replace")
+    continuation = tokenizer.decode(out[0, idx.shape[1]:].tolist())
     sys.stdout.write(text + continuation + "\n")
     return 0

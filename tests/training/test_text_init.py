@@ -81,7 +81,7 @@ def test_the_loss_goes_down_and_save_hf_loads_in_transformers_with_equal_logits(
 
 
 @pytest.mark.parametrize("lora", [None, 2])
-def test_a_resume_is_the_uninterrupted_run_bit_for_bit(init, tmp_path, lora):
+def test_a_resume_is_the_uninterrupted_run_bit_for_bit(init, tmp_path, capsys, lora):
     # oracle: the run that never stopped: its rows, and its parameters and optimizer state
     model_path, text = init
     config = text_task.TextConfig(text=text, init=model_path, lora_rank=lora, **SETTINGS)
@@ -96,6 +96,10 @@ def test_a_resume_is_the_uninterrupted_run_bit_for_bit(init, tmp_path, lora):
     assert sorted(resumed.params) == sorted(model.params)
     for name, value in model.params.items():
         np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
+    # generate reads the fine-tune's checkpoint with its model's tokenizer
+    assert main(["generate", "--resume", whole, "--prompt", "The quick", "--max-new-tokens",
+                 "3"]) == 0
+    assert capsys.readouterr().out.startswith("The quick")
     saved = text_task.read_text_checkpoint(whole)
     assert saved.config["init"] == model_path and len(saved.config["init_sha256"]) == 64
     assert any(name.endswith(".A") for name in saved.params) == (lora is not None)
