@@ -26,8 +26,9 @@ import numpy as np
 
 from ..ops.gelu import GeluCache
 from ..ops.layer_norm import LayerNormCache
+from ..ops.silu import SiluCache
 
-__all__ = ["layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
+__all__ = ["silu_forward_fused", "silu_backward_fused", "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -140,5 +141,30 @@ def gelu_tanh_backward_fused(dout, cache):
     local *= spread
     local *= x
     local += sigmoid  # dy/dx
+    local *= dout
+    return local
+
+
+def silu_forward_fused(x):
+    """``silu_forward`` of a real float ``x`` in two passes: ``s = expit(x)``, ``out = x * s``.
+
+    Replaces :func:`qkvnp.ops.silu.silu_forward` for a composite's own
+    array: no check, no copy (the cache keeps ``x`` itself), scipy's
+    ``expit`` (overflow-free, in ``x``'s dtype) for the reference's
+    two-branch sigmoid (``benchmarks/NOTES.md``, "SiLU's fused passes").
+    """
+    from scipy.special import expit
+
+    s = expit(x)  # (...)
+    return x * s, SiluCache(x, s)
+
+
+def silu_backward_fused(dout, cache):
+    """``silu_backward``: ``dout * (s + x s (1 - s))``, written as ``dout * s * (1 + x (1 - s))`` in place."""
+    x, s = cache.x, cache.sigmoid
+    local = np.subtract(1, s, dtype=s.dtype)  # 1 - s
+    local *= x
+    local += 1
+    local *= s
     local *= dout
     return local

@@ -327,7 +327,13 @@ class DecoderBlock(Model):
         return dout
 
     def decode_step(self, x: FloatArray, kv_cache: Any, keep: Any, positions: Any) -> FloatArray:
-        """The block on the new tokens, attending to ``kv_cache`` (inference only)."""
+        """The block on the new tokens, attending to ``kv_cache`` (inference only).
+
+        The path is :func:`qkvnp.kernels.choose_decode_path`'s: the fused step of
+        :mod:`qkvnp.kernels.decode`, or the layers' own calls (the reference).
+        """
+        if self._decode_path(x, keep) == "fast":
+            return self._decode_fast(x, kv_cache, keep, positions)
         def attn(h):
             return self.self_attn.decode_step(h, kv_cache, keep, positions, self.window)
 
@@ -353,3 +359,49 @@ class DecoderBlock(Model):
                 h = norm(getattr(self, f"{name}_post_norm"), h)
             x = x + h
         return x
+
+    def _decode_path(self, x, keep):
+        """``"fast"`` or ``"reference"``: :func:`qkvnp.kernels.choose_decode_path` on this block."""
+        from ..kernels import choose_decode_path
+
+        norm = "rms" if all(isinstance(getattr(self, f"{name}_norm"), RMSNorm)
+                            for name in ("attn", "mlp")) else "other"
+        mlp = getattr(self.mlp, "activation", "other") if type(self.mlp).__name__ == \
+            "GatedFeedForward" else "other"
+        # NOTE: measured reason of the fused step: benchmarks/NOTES.md, "The decoder's decoding step"
+        return choose_decode_path(self.placement, norm, mlp, self.self_attn.softcap, x.dtype,
+                                  keep).path
+
+    def _decode_fast(self, x, kv_cache, keep, positions):
+        """:func:`qkvnp.kernels.decode.decode_block_fast` on this block's parameters and cache."""
+        from ..kernels.decode import decode_block_fast
+
+        attn = self.self_attn
+        spec = {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                "eps": self.attn_norm.eps, "unit_offset": self.attn_norm.unit_offset,
+                "qk_norm": attn.qk_norm, "rope_base": attn.rope_base if attn.rope else None,
+                "scale": attn.head_dim ** -0.5 if attn.scale is None else attn.scale,
+                "activation": self.mlp.activation}
+        if attn.qk_norm and (attn.q_norm.eps != spec["eps"] or
+                             attn.q_norm.unit_offset != spec["unit_offset"]):
+            raise ValueError("the QK-norm's eps and unit offset must be the block norms'")
+        staged = []
+
+        def stage(k, v):
+            staged.append(kv_cache.stage(attn, k, v))
+            return staged[0].keys, staged[0].values
+
+        params = {f"{prefix}.{name}": value for prefix, layer in (
+            ("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
+            ("self_attn.v_proj", attn.v_proj), ("self_attn.o_proj", attn.o_proj),
+            ("attn_norm", self.attn_norm), ("mlp_norm", self.mlp_norm),
+            ("mlp.gate_proj", self.mlp.gate_proj), ("mlp.up_proj", self.mlp.up_proj),
+            ("mlp.down_proj", self.mlp.down_proj)) for name, value in layer.params.items()}
+        if attn.qk_norm:
+            params["self_attn.q_norm.weight"] = attn.q_norm.params["weight"]
+            params["self_attn.k_norm.weight"] = attn.k_norm.params["weight"]
+        y = decode_block_fast(x, params, spec, stage, keep, positions)
+        kv_cache.commit(staged[0])
+        if self.window is not None:
+            kv_cache.keep_last(self.window - 1)
+        return y
