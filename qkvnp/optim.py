@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from ._typing import Array, ArrayLike, FloatArray
 
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm"]
 
 
 def _real(value, name):
@@ -541,3 +541,77 @@ class AdamW(Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float | None = 1e-08,
                  weight_decay: float = 0.01) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+def clip_grad_norm(grads: Mapping[str, FloatArray], max_norm: float, norm_type: float = 2.0, *,
+                   error_if_nonfinite: bool = False) -> float:
+    """Scale every gradient in place so that their joint norm is at most ``max_norm``.
+
+    ``torch.nn.utils.clip_grad_norm_``: the total norm is the ``norm_type``
+    norm of all the arrays taken as one vector (``inf``: the largest
+    magnitude); each array is multiplied by
+    ``min(max_norm / (total_norm + 1e-6), 1)``.
+
+    Parameters
+    ----------
+    grads : dict of str to ndarray
+        E.g. ``model.grads``; float arrays, edited in place.
+    max_norm : float
+        ``> 0``.
+    norm_type : float
+        ``> 0``, or ``inf``.
+    error_if_nonfinite : bool, keyword-only
+        As torch's: True raises ``ValueError`` (nothing scaled) when the
+        total norm is NaN or inf; False (torch's default) scales by the
+        coefficient the formula gives (NaN turns the gradients to NaN, as
+        torch does) and returns the norm.
+
+    Returns
+    -------
+    float
+        The total norm before clipping.
+
+    Raises
+    ------
+    ValueError
+        If ``max_norm`` or ``norm_type`` is not positive, or on a
+        non-finite norm with ``error_if_nonfinite``.
+    TypeError
+        If ``grads`` is not a mapping of float arrays.
+
+    Examples
+    --------
+    >>> grads = {"W": np.array([3.0, 4.0])}
+    >>> clip_grad_norm(grads, 1.0)
+    5.0
+    >>> grads["W"].round(6)
+    array([0.6, 0.8])
+    """
+    max_norm = _positive(max_norm, "max_norm")
+    if isinstance(norm_type, (bool, np.bool_)) or not isinstance(norm_type, numbers.Real) \
+            or not float(norm_type) > 0:
+        raise ValueError(f"norm_type must be a positive real number or inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    if not hasattr(grads, "values"):
+        raise TypeError(f"grads must be a dict of name -> ndarray, got {type(grads).__name__}")
+    arrays = list(grads.values())
+    for name, grad in grads.items():
+        if not isinstance(grad, np.ndarray) or grad.dtype.kind != "f":
+            raise TypeError(f"grads[{name!r}] must be a float ndarray (scaled in place), got "
+                            f"{type(grad).__name__}")
+    if not arrays:
+        return 0.0
+    if norm_type == math.inf:
+        total = max(float(np.abs(grad).max(initial=0.0)) for grad in arrays)
+    else:
+        # NOTE: torch's order: each array's norm, then the norm of those norms
+        norms = np.array([np.linalg.norm(grad.ravel(), norm_type) for grad in arrays])
+        total = float(np.linalg.norm(norms, norm_type))
+    if error_if_nonfinite and not math.isfinite(total):
+        raise ValueError(f"the total norm of order {norm_type} of the gradients is {total}; "
+                         "nothing was scaled (error_if_nonfinite=True)")
+    coefficient = min(max_norm / (total + 1e-6), 1.0) if not math.isnan(total) else math.nan
+    with np.errstate(invalid="ignore"):  # inf * 0 is NaN, as in torch
+        for grad in arrays:
+            grad *= coefficient
+    return total

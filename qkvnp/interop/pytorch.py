@@ -30,7 +30,10 @@ layout                             qkvnp layer             torch names
                                                            / ``.bias``, ``...ff.layers.2.*``,
                                                            ``...norm1.scale`` / ``shift``,
                                                            ``...norm2.*``, ``final_norm.*``,
-                                                           ``out_head.weight``
+                                                           ``out_head.weight`` (a tied
+                                                           model's token table, and a
+                                                           tied model refuses one that
+                                                           differs from it)
 =================================  ======================  ===================================
 
 torch's ``nn.Linear`` stores ``weight`` as ``(out_features, in_features)`` and
@@ -69,7 +72,7 @@ import numpy as np
 
 from .._checks import check_state_value
 from ..models.gpt import GPTModel
-from ..layers import MultiHeadAttention, SelfAttention
+from ..layers import LoRALinear, MultiHeadAttention, SelfAttention
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -92,6 +95,11 @@ def _check_layout(layer, layout):
         if not isinstance(layer, GPTModel):
             raise ValueError(f"layout {layout!r} loads a qkvnp.GPTModel, got "
                              f"{type(layer).__name__}")
+        adapted = [name for name, sub in layer.named_layers() if isinstance(sub, LoRALinear)]
+        if adapted:
+            raise ValueError(f"the GPTModel has LoRA adapters at {adapted}, which the book's "
+                             f"GPTModel has no place for: merge them first "
+                             f"(qkvnp.layers.merge_lora(model))")
         differs = [f"{name}={value!r}" for name, value, book in (
             ("hidden_dim", layer.hidden_dim, 4 * layer.emb_dim),
             ("approximate", layer.approximate, "tanh")) if value != book]
@@ -454,12 +462,21 @@ def _gpt_to_torch(model):
                 state[f"trf_blocks.{i}.{name}.{part}"] = p[f"trf_blocks.{i}.{name}.{part}"]
     state["final_norm.scale"] = p["final_norm.scale"]
     state["final_norm.shift"] = p["final_norm.shift"]
-    state["out_head.weight"] = p["out_head.W"].T  # (E, V) -> (V, E)
+    # NOTE: a tied head is the token table itself, under the head's name too
+    state["out_head.weight"] = (p["tok_emb.weight"] if model.tie_embeddings
+                                else p["out_head.W"].T)  # (E, V) -> (V, E)
     return {name: np.array(value, order="C") for name, value in state.items()}
 
 
 def _gpt_to_qkvnp(model, values):
     """The book-named, checked ``values`` under :class:`GPTModel`'s parameter names."""
+    if model.tie_embeddings:
+        if not np.array_equal(values["out_head.weight"], values["tok_emb.weight"]):
+            raise ValueError("state_dict['out_head.weight'] differs from "
+                             "state_dict['tok_emb.weight'], but the model ties its head to the "
+                             "token table (tie_embeddings=True); load it into a model built "
+                             "with tie_embeddings=False")
+        values = {name: value for name, value in values.items() if name != "out_head.weight"}
     params = {}
     for name, value in values.items():
         parts = name.split(".")

@@ -25,6 +25,11 @@ The package, module by module:
                :class:`TransformerBlock` (the GPT is :class:`qkvnp.GPTModel`)
 ``mlp``        :class:`GatedFeedForward`, the gated MLP of Llama, Qwen,
                Mistral (SwiGLU) and Gemma (GeGLU), and :class:`SiLU`
+``tied``       :class:`TiedLinear`, an output head reading an embedding's
+               table (GPT-2's tied ``lm_head``)
+``lora``       :class:`LoRALinear`, a frozen :class:`Linear` with a trainable
+               low-rank update, and :func:`apply_lora` / :func:`merge_lora` /
+               :func:`adapter_params`
 ``moe``        :class:`MoEFeedForward`, a mixture of gated-MLP experts with a
                top-k router
 ``decoder_block`` :class:`DecoderAttention` and :class:`DecoderBlock`, the
@@ -49,8 +54,12 @@ from .decoder_block import DecoderAttention, DecoderBlock
 from .mlp import GatedFeedForward, SiLU
 from .moe import MoEFeedForward
 from .norms import RMSNorm
+from .tied import TiedLinear
+from .lora import LoRALinear, adapter_grads, adapter_params, apply_lora, merge_lora
 from .transformer import GELU, Dropout, FeedForward, LayerNorm, Sequential, TransformerBlock
 
 __all__ = ["Layer", "Model", "LoadResult", "SelfAttention", "MultiHeadAttention", "Linear", "Embedding",
            "xavier_uniform", "LayerNorm", "GELU", "Dropout", "Sequential", "FeedForward",
-           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward", "DecoderAttention", "DecoderBlock"]
+           "TransformerBlock", "SiLU", "GatedFeedForward", "RMSNorm", "MoEFeedForward",
+           "TiedLinear", "LoRALinear", "apply_lora", "merge_lora", "adapter_params",
+           "adapter_grads", "DecoderAttention", "DecoderBlock"]

@@ -42,6 +42,18 @@ BLOCK_PLACEMENTS = ("pre", "post", "sandwich")
 AttentionCache = namedtuple("AttentionCache", "q_heads k_heads v_heads q_rope k_rope core merge")
 
 
+def _inference(layer, x):
+    """``layer.forward(x)`` keeping nothing for a backward (a decoding step), in it or its sub-layers.
+
+    NOTE: through the layer's own forward, so that a replaced sub-layer (a
+    LoRA adapter on ``q_proj``) decodes as it trains.
+    """
+    out = layer.forward(x, check=False)
+    for sub in [layer] + [sub for _, sub in getattr(layer, "named_layers", lambda: [])()]:
+        sub._cache = None
+    return out
+
+
 class DecoderAttention(Model):
     """Causal self-attention with GQA, QK-norm, RoPE, a score scale and a soft-cap.
 
@@ -206,19 +218,13 @@ class DecoderAttention(Model):
         (all a later token can see). Keeps nothing for a backward; returns
         ``(B, T, E)``.
         """
-        p = self.params
+        def project(layer, heads):  # (B, T, E) -> (B, heads, T, D)
+            return F.split_heads_forward(_inference(layer, x), heads)[0]
 
-        def project(name, heads):  # (B, T, E) -> (B, heads, T, D)
-            y = x @ p[f"{name}.W"] + (p[f"{name}.b"] if f"{name}.b" in p else 0)
-            return F.split_heads_forward(y, heads)[0]
-
-        q, k, v = project("q_proj", self.num_heads), project("k_proj", self.num_kv_heads), \
-            project("v_proj", self.num_kv_heads)
+        q, k = project(self.q_proj, self.num_heads), project(self.k_proj, self.num_kv_heads)
+        v = project(self.v_proj, self.num_kv_heads)
         if self.qk_norm:
-            q = F.rms_norm_forward(q, p["q_norm.weight"], self.q_norm.eps,
-                                   unit_offset=self.q_norm.unit_offset)[0]
-            k = F.rms_norm_forward(k, p["k_norm.weight"], self.k_norm.eps,
-                                   unit_offset=self.k_norm.unit_offset)[0]
+            q, k = _inference(self.q_norm, q), _inference(self.k_norm, k)
         q, k = self._rope(q, positions)[0], self._rope(k, positions)[0]
         staged = kv_cache.stage(self, k, v)
         out = variant_attention_forward(q, staged.keys, staged.values, keep, False, self.scale,
@@ -226,7 +232,7 @@ class DecoderAttention(Model):
                                         enable_gqa=self.num_kv_heads != self.num_heads,
                                         check=False)[0]  # (B, H, T, D)
         out = F.merge_heads_forward(out)[0]  # (B, H, T, D) -> (B, T, H D)
-        y = out @ p["o_proj.W"] + (p["o_proj.b"] if "o_proj.b" in p else 0)  # -> (B, T, E)
+        y = _inference(self.o_proj, out)  # (B, T, H D) -> (B, T, E)
         kv_cache.commit(staged)
         if window is not None:
             kv_cache.keep_last(window - 1)
@@ -338,16 +344,10 @@ class DecoderBlock(Model):
             return self.self_attn.decode_step(h, kv_cache, keep, positions, self.window)
 
         def norm(layer, h):
-            out = layer.forward(h, check=False)
-            layer._cache = None  # NOTE: inference: nothing kept for a backward
-            return out
+            return _inference(layer, h)
 
         def mlp(h):
-            out = self.mlp.forward(h, check=False)
-            for _, layer in ([("", self.mlp)] + list(getattr(self.mlp, "named_layers",
-                                                             lambda: [])())):
-                layer._cache = None
-            return out
+            return _inference(self.mlp, h)
 
         for name, branch in (("attn", attn), ("mlp", mlp)):
             first = getattr(self, f"{name}_norm")

@@ -600,13 +600,20 @@ class TransformerBlock(Model):
         h = _layer_norm(self.norm1, x, fused)
         x = x + self.att.forward(h, kv_cache=kv_cache)  # (..., T, E)
         h = _layer_norm(self.norm2, x, fused)
-        h = h @ first.params["W"] + first.params["b"]  # (..., T, E) -> (..., T, F)
+        first_p, second_p = _weights(first), _weights(second)
+        h = h @ first_p["W"] + first_p["b"]  # (..., T, E) -> (..., T, F)
         h = gelu_tanh_forward_fused(h)[0] if fused else F.gelu_forward(h, gelu.approximate)[0]
-        out = x + (h @ second.params["W"] + second.params["b"])  # (..., T, F) -> (..., T, E)
+        out = x + (h @ second_p["W"] + second_p["b"])  # (..., T, F) -> (..., T, E)
         if not np.isfinite(out).all():
             raise ValueError("TransformerBlock's output contains NaN or inf: a parameter holds "
                              "NaN or inf, or the activations overflowed")
         return out
+
+
+def _weights(linear):
+    """A Linear's ``W`` and ``b``, or an adapted one's merged (``LoRALinear.effective_params``)."""
+    merged = getattr(linear, "effective_params", None)
+    return linear.params if merged is None else merged()
 
 
 def _layer_norm(norm, x, fused):

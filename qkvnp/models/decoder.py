@@ -606,7 +606,13 @@ class Decoder(Model):
                                (block.window,))[block.window]  # (B, 1, T, S)
             x = block.decode_step(x, cache, keep, positions[:, None, :])  # (B, T, E)
         x = self.final_norm.forward(x, check=False)
-        logits = x @ self._head_weight()  # (B, T, E) -> (B, T, V)
+        if self.config.tie_embeddings:
+            logits = x @ self._head_weight()  # (B, T, E) -> (B, T, V)
+        else:  # through the head's forward: an adapted head (LoRA) decodes as it trains
+            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+            for layer in [self.head] + [sub for _, sub in getattr(self.head, "named_layers",
+                                                                  lambda: [])()]:
+                layer._cache = None
         if self.config.final_softcap is not None:
             logits = self.config.final_softcap * np.tanh(logits / self.config.final_softcap)
         state = self._state_to_write()  # nothing kept for a backward

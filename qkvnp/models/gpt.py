@@ -11,6 +11,7 @@ the derivations are in ``docs/derivations_gpt.md``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -21,11 +22,12 @@ from ..kernels._runtime import get_block_sizes, single_threaded_blas
 from ..layers.kv_cache import KVCache
 from ..layers.base import Model
 from ..layers.basic import Embedding, Linear
+from ..layers.tied import TiedLinear
 from ..layers.transformer import Dropout, LayerNorm, Sequential, TransformerBlock
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
-    from typing import Any, Mapping
+    from typing import Any
     from .._typing import DTypeLike, FloatArray, IntArray
 
 __all__ = ["GPTModel", "BOOK_CONFIG_KEYS"]
@@ -69,6 +71,10 @@ class GPTModel(Model):
     num_kv_heads : int, keyword-only, optional
         Grouped-query attention in every block (``K`` key/value heads, a
         divisor of ``num_heads``; default one per query head).
+    tie_embeddings : bool, keyword-only
+        GPT-2's weight tying: the output head reads the token table,
+        ``logits = x @ tok_emb.weight.T``, one parameter used twice
+        (``out_head`` is then a :class:`~qkvnp.layers.TiedLinear`). See Notes.
     rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window : keyword-only
         The attention variants of every block, as
         :class:`~qkvnp.MultiHeadAttention`'s (``docs/variants.md``): e.g.
@@ -84,8 +90,9 @@ class GPTModel(Model):
     trf_blocks : Sequential of TransformerBlock
         Registered as ``trf_blocks.0``, ``trf_blocks.1``, ...
     final_norm : LayerNorm
-    out_head : Linear
-        ``(E, V)``, no bias.
+    out_head : Linear or TiedLinear
+        ``(E, V)``, no bias; with ``tie_embeddings`` the token table's
+        transpose, owned by ``tok_emb``.
     params : dict
         The book's names with qkvnp's sub-layer keys, e.g.
         ``"trf_blocks.0.att.W_query"``; :mod:`qkvnp.interop`'s layout
@@ -103,6 +110,16 @@ class GPTModel(Model):
     the batch, so its gradient is the batch sum of the embedding
     gradient, :math:`\\bar W_{pos}[t] = \\sum_b \\bar x_0[b, t]`; the token
     table gets :math:`\\bar x_0[b, t]` added into row :math:`i_{b,t}`.
+
+    **Tied embeddings** (``tie_embeddings=True``; GPT-2 is the book's GPT
+    with ``qkv_bias=True`` and the tie): ``params`` and ``grads`` hold the
+    table once, as ``"tok_emb.weight"`` (so every optimizer steps it once),
+    and its gradient is the sum of both uses,
+    :math:`\\bar W_{tok} = \\mathrm{scatter}(\\bar x_0) + \\bar z^T h`
+    (``docs/derivations_gpt.md``, "Tied embeddings"). :meth:`state_dict`
+    gives it under both names, ``"out_head.W"`` being a copy of its
+    transpose, as PyTorch's state dict of a tied model has both; :meth:`load_state_dict` takes
+    both (refusing, by name, two values that differ) or either one alone.
 
     Only the book's configuration (no option after ``impl`` changed) loads
     into and from the book's ``GPTModel`` (:mod:`qkvnp.interop`'s layout
@@ -133,7 +150,8 @@ class GPTModel(Model):
                  rope_base: float = 10000.0, rope_layout: str = "half",
                  position_bias: str | None = None, num_buckets: int = 32,
                  max_distance: int = 128, sinks: bool = False, softcap: float | None = None,
-                 window: tuple[int | None, int | None] | None = None) -> None:
+                 window: tuple[int | None, int | None] | None = None,
+                 tie_embeddings: bool = False) -> None:
         self.vocab_size = check_int(vocab_size, "vocab_size", 1)
         self.context_length = check_int(context_length, "context_length", 1)
         self.emb_dim = check_int(emb_dim, "emb_dim", 1)
@@ -141,6 +159,7 @@ class GPTModel(Model):
         self.num_layers = check_int(num_layers, "num_layers", 1)
         self.dropout = check_dropout_p(dropout, "dropout")
         self.qkv_bias = check_bool(qkv_bias, "qkv_bias")
+        self.tie_embeddings = check_bool(tie_embeddings, "tie_embeddings")
         self.dtype = layer_dtype(dtype)
         rng = make_rng(rng)
         self.tok_emb = Embedding(self.vocab_size, self.emb_dim, rng=rng, dtype=dtype)
@@ -156,13 +175,20 @@ class GPTModel(Model):
                              dtype=dtype, impl=impl, **options)
             for _ in range(self.num_layers)])
         self.final_norm = LayerNorm(self.emb_dim, dtype=dtype)
-        self.out_head = Linear(self.emb_dim, self.vocab_size, bias=False, rng=rng, dtype=dtype)
+        # NOTE: the head is drawn last: a tied model draws nothing for it, and its
+        # other weights are those of the same seed untied
+        self.out_head: Linear | TiedLinear
+        if self.tie_embeddings:
+            self.out_head = TiedLinear(self.tok_emb)
+        else:
+            self.out_head = Linear(self.emb_dim, self.vocab_size, bias=False, rng=rng, dtype=dtype)
         self._cache = None
         self.zero_grad()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], *, rng: np.random.Generator | int | None = None,
-                    dtype: DTypeLike = np.float64, impl: str = "auto") -> Any:
+                    dtype: DTypeLike = np.float64, impl: str = "auto",
+                    tie_embeddings: bool = False) -> Any:
         """Build from the book's config dict (``GPT_CONFIG_124M``'s keys).
 
         Parameters
@@ -171,8 +197,9 @@ class GPTModel(Model):
             ``vocab_size``, ``context_length``, ``emb_dim``, ``n_heads``,
             ``n_layers``, ``drop_rate``, ``qkv_bias`` (``qkvnp.models.gpt.BOOK_CONFIG_KEYS``);
             other keys are refused, so that a typo does not pass silently.
-        rng, dtype, impl : keyword-only
-            As the constructor's.
+        rng, dtype, impl, tie_embeddings : keyword-only
+            As the constructor's (the book's config has no key for the tie:
+            ``tie_embeddings=True`` with ``qkv_bias: True`` is GPT-2).
 
         Raises
         ------
@@ -197,7 +224,7 @@ class GPTModel(Model):
                              f"{missing}, unknown {unknown}")
         return cls(cfg["vocab_size"], cfg["context_length"], cfg["emb_dim"], cfg["n_heads"],
                    cfg["n_layers"], cfg["drop_rate"], cfg["qkv_bias"], rng=rng, dtype=dtype,
-                   impl=impl)
+                   impl=impl, tie_embeddings=tie_embeddings)
 
     # NOTE: what the model was built with, read from its first block (every block
     # was built with the same options), not kept a second time
@@ -401,11 +428,76 @@ class GPTModel(Model):
         state = self._state_to_write()  # the calling thread's: nothing kept for a backward
         state.cache = state.used_cache = None
         state.decoded = True
-        logits = x @ self.out_head.params["W"]  # (..., T, E) -> (..., T, V)
+        if self.tie_embeddings:
+            W_head = self.tok_emb.params["weight"].T  # (V, E) -> (E, V)
+        else:  # a Linear's W, or an adapted head's merged one (qkvnp.layers.LoRALinear)
+            merged = getattr(self.out_head, "effective_params", None)
+            W_head = (self.out_head.params if merged is None else merged())["W"]
+        logits = x @ W_head  # (..., T, E) -> (..., T, V)
         if not np.isfinite(logits).all():
             raise ValueError("GPTModel's logits contain NaN or inf: a parameter holds NaN or "
                              "inf, or the activations overflowed")
         return logits
+
+    def state_dict(self) -> dict[str, FloatArray]:
+        """Copies of the parameters; a tied model's table also as ``"out_head.W"`` ``(E, V)``.
+
+        Returns
+        -------
+        dict
+            ``name -> ndarray`` (copies). With ``tie_embeddings`` the shared
+            table comes under both of its names, ``"tok_emb.weight"`` and
+            ``"out_head.W"`` (its transpose), as PyTorch's ``state_dict``
+            of a tied model gives both.
+        """
+        state = super().state_dict()
+        if self.tie_embeddings:
+            state["out_head.W"] = state["tok_emb.weight"].T.copy()  # (V, E) -> (E, V)
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any:
+        """Copy ``state_dict`` into the parameters, in place.
+
+        As :meth:`~qkvnp.layers.Layer.load_state_dict`. With ``tie_embeddings``,
+        the shared table may come as ``"tok_emb.weight"`` ``(V, E)``, as
+        ``"out_head.W"`` ``(E, V)``, or both (what :meth:`state_dict` gives); both must then hold the same
+        values (after the cast to the model's dtype), else ``ValueError``
+        naming the two, and nothing is loaded. An untied model takes the
+        two as two parameters.
+
+        Parameters
+        ----------
+        state_dict : mapping
+        strict : bool
+
+        Returns
+        -------
+        LoadResult
+
+        Raises
+        ------
+        ValueError, TypeError
+            As :meth:`~qkvnp.layers.Layer.load_state_dict`'s, and for a tied pair that differs.
+        """
+        if not self.tie_embeddings or not isinstance(state_dict, Mapping) or \
+                "out_head.W" not in state_dict:
+            return super().load_state_dict(state_dict, strict)
+        from .._checks import check_state_value
+
+        state = dict(state_dict)
+        table = self.tok_emb.params["weight"]
+        head = check_state_value(state.pop("out_head.W"), "state_dict['out_head.W']",
+                                 table.T.shape, table.dtype)
+        if "tok_emb.weight" in state:
+            tok = check_state_value(state["tok_emb.weight"], "state_dict['tok_emb.weight']",
+                                    table.shape, table.dtype)
+            if not np.array_equal(tok, head.T):
+                raise ValueError("state_dict['tok_emb.weight'] and state_dict['out_head.W'] "
+                                 "differ, but the model ties its head to the token table "
+                                 "(tie_embeddings=True): give one value, or build the model "
+                                 "with tie_embeddings=False")
+        state["tok_emb.weight"] = head.T
+        return super().load_state_dict(state, strict)
 
     def _blas_threads(self, x):
         """OpenBLAS at one thread (:class:`single_threaded_blas`) for the blocks and the
