@@ -246,13 +246,15 @@ def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bo
 
 
 def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | None,
-                       dtype: DTypeLike, keep: Any) -> Dispatch:
+                       dtype: DTypeLike, keep: Any, plain_projections: bool = True) -> Dispatch:
     """The path of a decoder block's decoding step, and why.
 
     ``"fast"`` (:func:`qkvnp.kernels.decode.decode_block_fast`) for a
     ``"pre"`` block of RMSNorms and a gated MLP (``"silu"`` or
     ``"gelu_tanh"``), without an attention soft-cap, in a real float dtype,
-    when every query row of ``keep`` ``(B, 1, T, S)`` sees a key; otherwise
+    when every query row of ``keep`` ``(B, 1, T, S)`` sees a key and the
+    projections are plain ``Linear`` layers (``plain_projections``: a LoRA
+    adapter runs its own forward); otherwise
     ``"reference"`` (the layers' own calls), the first reason named.
 
     Examples
@@ -270,6 +272,8 @@ def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | Non
         why = f"the fast step runs RMSNorm and a gated MLP, not {norm!r} and {mlp!r}"
     elif softcap is not None:
         why = "the fast step has no attention soft-cap"
+    elif not plain_projections:
+        why = "a projection is not a plain Linear (an adapter runs its own forward)"
     elif np.dtype(dtype).kind != "f":
         why = f"the fast step runs real floats, not {np.dtype(dtype).name}"
     elif not np.asarray(keep).any(axis=-1).all():

@@ -87,7 +87,8 @@ def test_choose_decode_path_reasons():
                  ("pre", "rms", "other", None, np.float64, keep),
                  ("pre", "rms", "silu", 30.0, np.float64, keep),
                  ("pre", "rms", "silu", None, np.complex128, keep),
-                 ("pre", "rms", "silu", None, np.float64, np.zeros((1, 1, 1, 2), bool))]:
+                 ("pre", "rms", "silu", None, np.float64, np.zeros((1, 1, 1, 2), bool)),
+                 ("pre", "rms", "silu", None, np.float64, keep, False)]:  # LoRA
         dispatch = choose_decode_path(*args)
         assert dispatch.path == "reference" and dispatch.reason.startswith("reference: ")
 
@@ -112,3 +113,20 @@ def test_decode_fast_equals_reference(dtype, family, monkeypatch):
     from qkvnp.layers.decoder_block import DecoderBlock
     monkeypatch.setattr(DecoderBlock, "_decode_path", lambda self, x, keep: "reference")
     _close(fast, run(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_fused(dtype, unit_offset):
+    from qkvnp.kernels.pointwise import rms_norm_backward_fused, rms_norm_forward_fused
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2, 3, 4, 8)).astype(dtype).swapaxes(1, 2)  # a view, as split heads give
+    w, dout = rng.normal(size=8).astype(dtype), rng.normal(size=(2, 4, 3, 8)).astype(dtype)
+    out, cache = F.rms_norm_forward(x, w, 1e-6, unit_offset=unit_offset)
+    fused_out, fused_cache = rms_norm_forward_fused(x, w, 1e-6, unit_offset)
+    _close(fused_out, out, dtype)
+    dx, dweight = F.rms_norm_backward(dout, cache)
+    fused_dx, fused_dweight = rms_norm_backward_fused(dout, fused_cache)
+    _close(fused_dx, dx, dtype)
+    _close(fused_dweight, dweight, dtype)
