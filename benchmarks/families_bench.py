@@ -18,7 +18,10 @@ first, medians of ``--repeats`` rounds:
   tokens must be the same first;
 - **train**: AdamW steps per second at B 8, T 128 (zero, forward,
   cross-entropy, backward, step), target at least 1.0x. The first losses
-  must agree (relative 1e-4, float32) first.
+  must agree (relative 1e-4, float32) first. Beside it, the ceiling: the
+  step's matrix products alone on random arrays in qkvnp's worker
+  (:func:`workloads.families.step_products`), their share of qkvnp's step,
+  and the ratio qkvnp would reach if they were all of it.
 
 ``--profile`` adds a cProfile of qkvnp's call of each task. Without
 transformers, qkvnp's side is measured and the ratios are left blank.
@@ -94,6 +97,10 @@ def run_task(task, threads, args, directory):
         if "torch" in workers:
             record["ratio"] = record["qkvnp"]["per_s"] / record["torch"]["per_s"]
             record["target"] = TARGETS[task]
+        if task == "train":  # the ceiling: the step's matrix products alone, in qkvnp's worker
+            record["products_ms"] = 1e3 * workers["qkvnp"].request("products", repeats=5)["seconds"]
+            if "torch" in workers:
+                record["products_ratio"] = record["torch"]["ms"] / record["products_ms"]
         if args.profile:
             record["profile"] = workers["qkvnp"].request("profile", calls=2)
     finally:
@@ -139,6 +146,12 @@ def format_report(report):
                      f"{TARGETS[row['task']]:>5}x{verdict}  {unit}/s; "
                      + " ".join(f"{t:.1f}" for t in mine["times_ms"]) + " | "
                      + (" ".join(f"{t:.1f}" for t in theirs["times_ms"]) if theirs else "-"))
+        if "products_ms" in row:
+            lines.append(f"        the step's matrix products alone (numpy, same threads): "
+                         f"{row['products_ms']:.1f} ms = "
+                         f"{100 * row['products_ms'] / mine['ms']:.0f}% of qkvnp's step"
+                         + (f"; ceiling ratio (torch's step / products) "
+                            f"{row['products_ratio']:.2f}x" if "products_ratio" in row else ""))
         for name, share in row.get("profile", {}).get("top", []):
             lines.append(f"        {100 * share:5.1f}%  {name}")
     missing = {row["missing"] for row in report["rows"] if "missing" in row}

@@ -29,7 +29,7 @@ import numpy as np
 from benchmarks.harness.timing import calls_per_round
 
 __all__ = ["QWEN3", "TINY", "PROMPT", "NEW_TOKENS", "TRAIN_BATCH", "TRAIN_TOKENS", "LR",
-           "WEIGHT_DECAY", "make_runner", "serve"]
+           "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "serve"]
 
 #: The measured configuration, transformers' ``Qwen3Config`` fields: 4 layers,
 #: E 256, 4 query and 2 key/value heads of D 64, V 4096, F 768, untied head.
@@ -170,6 +170,44 @@ def make_runner(library, task, config, weights_path=None, threads=1):
     return (_Torch if library == "torch" else _Qkvnp)(task, config, weights_path, threads)
 
 
+def step_products(config):
+    """The ``(a, b)`` shapes of every matrix product of one training step (forward and backward).
+
+    Each linear ``(n_in, n_out)`` on ``N = B T`` rows: ``x W``, ``dy W^T``,
+    ``x^T dy``; the attention core per head: ``q k^T``, ``w v`` and the
+    backward's four.
+    """
+    c = config
+    N, T = TRAIN_BATCH * TRAIN_TOKENS, TRAIN_TOKENS
+    E, F, V, D = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    H, K = c["num_attention_heads"], c["num_key_value_heads"]
+    linears = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
+    linears = linears * c["num_hidden_layers"] + [(E, V)]
+    products = []
+    for n_in, n_out in linears:
+        products += [((N, n_in), (n_in, n_out)), ((N, n_out), (n_out, n_in)),
+                     ((n_in, N), (N, n_out))]
+    heads = (TRAIN_BATCH, H)
+    core = [((T, D), (D, T)), ((T, T), (T, D)),  # forward: scores, output
+            ((T, D), (D, T)), ((T, T), (T, D)), ((T, T), (T, D)), ((T, T), (T, D))]  # backward
+    products += [(heads + a, heads + b) for a, b in core] * c["num_hidden_layers"]
+    return products
+
+
+def time_products(config, repeats=5, seed=0):
+    """Best seconds of all of :func:`step_products` on random float32 arrays."""
+    rng = np.random.default_rng(seed)
+    pairs = [(rng.standard_normal(a, np.float32), rng.standard_normal(b, np.float32))
+             for a, b in step_products(config)]
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for a, b in pairs:
+            np.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _profile(runner, calls, top=15):
     import cProfile
     import pstats
@@ -193,11 +231,12 @@ def serve():
     ``weights`` path, ``threads``), ``outputs`` (``calls``: the tokens or
     losses of that many calls), ``calibrate`` and ``time`` (as
     :func:`harness.workers.time_alternating` sends them; the method is
-    ignored: a runner has one call), ``profile`` (``calls``).
+    ignored: a runner has one call), ``profile`` (``calls``), ``products``
+    (``repeats``: :func:`time_products` at the worker's threads).
     """
     protocol = sys.stdout
     sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
-    runner = None
+    runner = spec = None
     for line in sys.stdin:
         command = json.loads(line)
         op = command.get("op")
@@ -225,6 +264,8 @@ def serve():
                 reply = {"seconds": time.perf_counter() - start}
             elif op == "profile":
                 reply = _profile(runner, command["calls"])
+            elif op == "products":
+                reply = {"seconds": time_products(spec["config"], command["repeats"])}
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as error:

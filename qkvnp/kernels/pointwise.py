@@ -148,16 +148,18 @@ def gelu_tanh_backward_fused(dout, cache):
 
 
 def silu_forward_fused(x):
-    """``silu_forward`` of a real float ``x`` in two passes: ``s = expit(x)``, ``out = x * s``.
+    """``silu_forward`` of a real float ``x`` in three in-place passes: ``s = 1 / (1 + exp(-x))``, ``out = x * s``.
 
     Replaces :func:`qkvnp.ops.silu.silu_forward` for a composite's own
-    array: no check, no copy (the cache keeps ``x`` itself), scipy's
-    ``expit`` (overflow-free, in ``x``'s dtype) for the reference's
-    two-branch sigmoid (``benchmarks/NOTES.md``, "SiLU's fused passes").
+    array: no check, no copy (the cache keeps ``x`` itself), one sigmoid
+    formula for both signs instead of the reference's two branches
+    (``benchmarks/NOTES.md``, "SiLU's fused passes").
     """
-    from scipy.special import expit
-
-    s = expit(x)  # (...)
+    # NOTE: below -88 (float32) exp(-x) overflows to inf and s to 0: the limit, no NaN
+    with np.errstate(over="ignore"):
+        s = np.exp(-x)  # (...)
+    s += 1
+    np.reciprocal(s, out=s)
     return x * s, SiluCache(x, s)
 
 

@@ -608,6 +608,10 @@ class Decoder(Model):
         x = self.final_norm.forward(x, check=False)
         if self.config.tie_embeddings:
             logits = x @ self._head_weight()  # (B, T, E) -> (B, T, V)
+        elif type(self.head) is Linear:
+            # NOTE: a plain head's product alone: its forward would copy W (V x E) for a
+            # backward, every token (benchmarks/NOTES.md, "The decoder's decoding step")
+            logits = x @ self.head.params["W"]  # (B, T, E) -> (B, T, V)
         else:  # through the head's forward: an adapted head (LoRA) decodes as it trains
             logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
             for layer in [self.head] + [sub for _, sub in getattr(self.head, "named_layers",

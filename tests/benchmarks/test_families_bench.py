@@ -38,7 +38,16 @@ def test_tiny_run_agrees_and_reports(tmp_path, capsys):
             assert row["agree"] and row["torch"]["per_s"] > 0 and row["ratio"] > 0
         else:
             assert "missing" in row and "ratio" not in row
+    assert report["rows"][1]["products_ms"] > 0
     assert "decode" in capsys.readouterr().out
+
+
+def test_step_products_count():
+    from benchmarks.workloads.families import QWEN3, step_products
+
+    # 7 linears a layer and the head, 3 products each; 6 core products a layer
+    assert len(step_products(QWEN3)) == 3 * (7 * 4 + 1) + 6 * 4
+    assert step_products(QWEN3)[-3 * 0 - 1][0] == (8, 4, 128, 128)
 
 
 def test_check_refuses_disagreement():

@@ -130,3 +130,11 @@ def test_rms_norm_fused(dtype, unit_offset):
     fused_dx, fused_dweight = rms_norm_backward_fused(dout, fused_cache)
     _close(fused_dx, dx, dtype)
     _close(fused_dweight, dweight, dtype)
+
+
+def test_silu_fused_saturates_without_warning():
+    x = np.array([-1000.0, -90.0, 0.0, 90.0, 1000.0], np.float32)  # exp(-x) overflows at -1000
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # underflow is the limit
+        out, _ = silu_forward_fused(x)
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    np.testing.assert_allclose(out, [0.0, -90.0 * np.exp(-90.0), 0.0, 90.0, 1000.0], atol=1e-30)
