@@ -31,12 +31,14 @@ Each op lives in its own module of ``qkvnp.ops``, forward beside backward:
 ``split_heads_*``, ``merge_heads_*``                                    ``qkvnp.ops.heads``
 ``embedding_*``                                                         ``qkvnp.ops.embedding``
 ``rope_*``                                                              ``qkvnp.ops.variants``
+``rope_inverse_frequency`` (linear, llama3, yarn)                       ``qkvnp.ops.rope_scaling``
 ``layer_norm_*``                                                        ``qkvnp.ops.layer_norm``
 ``rms_norm_*`` (RMSNorm and QK-norm)                                    ``qkvnp.ops.rms_norm``
 ``gelu_*``                                                              ``qkvnp.ops.gelu``
 ``silu_*``                                                              ``qkvnp.ops.silu``
 ``gated_mlp_*``                                                         ``qkvnp.ops.gated_mlp``
 ``activation_dropout_*``                                                ``qkvnp.ops.dropout``
+``softcap_*`` (final-logit soft-cap)                                    ``qkvnp.ops.softcap``
 ``residual_add_*``                                                      ``qkvnp.ops.residual``
 ``router_*``, ``load_balancing_loss_*``                                 ``qkvnp.ops.moe``
 ======================================================================  ========================
@@ -59,8 +61,10 @@ from .ops.reductions import column_sums, sum_to_shape
 from .ops.rms_norm import RMSNormCache, rms_norm_backward, rms_norm_forward
 from .ops.moe import (LoadBalancingLossCache, RouterCache, load_balancing_loss_backward,
                       load_balancing_loss_forward, router_backward, router_forward)
+from .ops.rope_scaling import rope_inverse_frequency
 from .ops.residual import ResidualCache, residual_add_backward, residual_add_forward
 from .ops.silu import SiluCache, silu_backward, silu_forward
+from .ops.softcap import SoftcapCache, softcap_backward, softcap_forward
 from .ops.softmax import SoftmaxCache, softmax, softmax_backward, softmax_forward
 from .ops.variants import rope_backward, rope_forward
 
@@ -73,11 +77,12 @@ __all__ = [
     "split_heads_forward", "split_heads_backward", "merge_heads_forward",
     "merge_heads_backward", "HeadsCache",
     "embedding_forward", "embedding_backward", "embedding_backward_factored", "EmbeddingCache",
-    "rope_forward", "rope_backward",
+    "rope_forward", "rope_backward", "rope_inverse_frequency",
     "layer_norm_forward", "layer_norm_backward", "LayerNormCache",
     "rms_norm_forward", "rms_norm_backward", "RMSNormCache",
     "gelu_forward", "gelu_backward", "GeluCache",
     "silu_forward", "silu_backward", "SiluCache",
+    "softcap_forward", "softcap_backward", "SoftcapCache",
     "gated_mlp_forward", "gated_mlp_backward", "GatedMLPCache",
     "activation_dropout_forward", "activation_dropout_backward", "ActivationDropoutCache",
     "residual_add_forward", "residual_add_backward", "ResidualCache",

@@ -36,7 +36,11 @@ import qkvnp
 from qkvnp.interop import from_hf, to_hf
 from qkvnp.optim import AdamW
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen3", "qwen3_moe", "gemma3_text")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen3", "qwen3_moe", "gemma3_text", "llama3_scaled",
+            "gemma3_scaled")
+LLAMA3_SCALING = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
 V, E, H, K, D, F_, L, CONTEXT = 97, 32, 4, 2, 16, 48, 2, 64
 
 
@@ -51,6 +55,8 @@ def hf_config(transformers, family):
                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "llama":
         return transformers.LlamaConfig(**common)
+    if family == "llama3_scaled":  # Llama 3.1's frequency scaling
+        return transformers.LlamaConfig(rope_parameters=LLAMA3_SCALING, **common)
     if family == "mistral":
         return transformers.MistralConfig(sliding_window=4, **common)
     if family == "qwen3":
@@ -59,15 +65,20 @@ def hf_config(transformers, family):
         return transformers.Qwen3MoeConfig(head_dim=D, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=24, norm_topk_prob=True,
                                            experts_implementation="eager", **common)
+    rope = None
+    if family == "gemma3_scaled":  # Gemma 3's linear scaling of the global layers
+        rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
     return transformers.Gemma3TextConfig(
-        head_dim=D, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=rope, head_dim=D, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         query_pre_attn_scalar=24, attn_logit_softcapping=None, final_logit_softcapping=20.0,
         **common)
 
 
 CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
            "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+           "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+           "llama3_scaled": "LlamaForCausalLM", "gemma3_scaled": "Gemma3ForCausalLM"}
 
 
 def _rms_norm64(self, x):
@@ -81,10 +92,12 @@ def _rms_norm64(self, x):
 def _rotary64(self, x, position_ids, layer_type=None):
     import torch
 
-    inv_freq = getattr(self, f"{layer_type}_inv_freq" if layer_type else "inv_freq")
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(self, prefix + "inv_freq")
+    scaling = getattr(self, prefix + "attention_scaling")
     freqs = position_ids[..., None].to(torch.float64) * inv_freq  # float64 buffer, see below
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
 @pytest.fixture
@@ -119,15 +132,22 @@ def hf_float64(torch, monkeypatch):
 
 
 def _float64_inv_freq(torch, module, config):
-    """The rotary module's ``inv_freq`` buffers recomputed in float64 (qkvnp's ``base**(-2i/D)``)."""
+    """The rotary module's ``inv_freq`` buffers recomputed in float64.
+
+    transformers makes them in float32; they are replaced by
+    ``qkvnp.ops.rope_scaling.rope_inverse_frequency``'s float64 values
+    (that function is checked against transformers' own frequencies in
+    ``tests/ops``), so what is compared here is the rest of the model.
+    """
+    from qkvnp.ops.rope_scaling import rope_inverse_frequency
+
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    if "rope_theta" in rope:
-        module.inv_freq = rope["rope_theta"] ** -exponents
-    else:
-        for layer_type, parameters in rope.items():
-            setattr(module, f"{layer_type}_inv_freq", parameters["rope_theta"] ** -exponents)
+    per_type = rope.items() if "rope_theta" not in rope else [(None, rope)]
+    for layer_type, parameters in per_type:
+        inverse, _ = rope_inverse_frequency(head_dim, parameters["rope_theta"], parameters)
+        setattr(module, f"{layer_type}_inv_freq" if layer_type else "inv_freq",
+                torch.tensor(inverse))
 
 
 PADDINGS = {"none": None,
@@ -221,8 +241,8 @@ def test_unsupported_architecture_is_refused_by_name(torch):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-     "rope_type='linear'"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+     "rope_parameters.*dynamic"),
     ("hidden_act", "gelu", "hidden_act='gelu'"),
     ("mlp_bias", True, "mlp_bias=True"),
     ("pretraining_tp", 2, "pretraining_tp=2"),

@@ -97,18 +97,26 @@ class _Reader:
                              "qkvnp's Decoder; refused rather than dropped")
 
 
-def _rope_base(reader, parameters, where="rope_parameters"):
-    """``rope_theta`` of a ``rope_parameters`` dict, refusing any RoPE scaling by name."""
+def _rope(reader, parameters, where="rope_parameters"):
+    """``(rope_theta, scaling)`` of a ``rope_parameters`` dict; scaling None when ``"default"``.
+
+    A scaling the Decoder lacks (``"dynamic"``, ``"longrope"``...) or a key it
+    does not know is refused by name, with ``where`` in the message.
+    """
+    from ..ops.rope_scaling import rope_inverse_frequency
+
     parameters = dict(parameters or {})
-    kind = parameters.pop("rope_type", "default")
-    if kind != "default":
-        raise ValueError(f"from_hf: {reader.family}'s config option {where}.rope_type={kind!r} "
-                         "(RoPE frequency scaling) is not supported yet by qkvnp's Decoder")
-    base = parameters.pop("rope_theta", 10000.0)
-    if parameters:
-        raise ValueError(f"from_hf: {reader.family}'s config options {where}."
-                         f"{sorted(parameters)} cannot be expressed by qkvnp's Decoder")
-    return float(base)
+    base = float(parameters.get("rope_theta", 10000.0))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind == "default" and set(parameters) <= {"rope_theta", "rope_type", "type"}:
+        return base, None
+    head_dim = 2  # the keys and the type are checked here; the head dim by DecoderConfig
+    try:
+        rope_inverse_frequency(head_dim, base, parameters)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"from_hf: {reader.family}'s config option {where} cannot be "
+                         f"expressed by qkvnp's Decoder: {error}") from None
+    return base, parameters
 
 
 def _gpt2_config(r):
@@ -161,15 +169,19 @@ def _llama_like_config(r):
     rope = r.get("rope_parameters")
     if family == "gemma3_text":
         rope = dict(rope or {})
-        fields["rope_base"] = _rope_base(r, rope.pop("full_attention", None),
-                                         "rope_parameters.full_attention")
-        fields["rope_local_base"] = _rope_base(r, rope.pop("sliding_attention", None),
-                                               "rope_parameters.sliding_attention")
+        fields["rope_base"], fields["rope_scaling"] = _rope(
+            r, rope.pop("full_attention", None), "rope_parameters.full_attention")
+        fields["rope_local_base"], local_scaling = _rope(
+            r, rope.pop("sliding_attention", None), "rope_parameters.sliding_attention")
+        if local_scaling is not None:
+            raise ValueError("from_hf: gemma3_text's config option rope_parameters."
+                             "sliding_attention scales RoPE: qkvnp's Decoder scales the global "
+                             "layers only, as Gemma 3's checkpoints do")
         if rope:
             raise ValueError(f"from_hf: gemma3_text's config options rope_parameters."
                              f"{sorted(rope)} cannot be expressed by qkvnp's Decoder")
     else:
-        fields["rope_base"] = _rope_base(r, rope)
+        fields["rope_base"], fields["rope_scaling"] = _rope(r, rope)
     return fields
 
 

@@ -215,7 +215,7 @@ def _choose(impl, groups, T, S, dtype, need_weights, is_causal, min_length, caus
 
 
 #: The layer variants the tiled path runs itself (``qkvnp.kernels.tiled_variants``).
-TILED_VARIANTS = ("rope", "position_bias='alibi'", "sinks", "softcap", "window")
+TILED_VARIANTS = ("rope", "position_bias='alibi'", "sinks", "softcap", "window", "scale")
 
 
 def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bound):

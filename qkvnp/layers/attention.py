@@ -54,9 +54,10 @@ class SelfAttention(AttentionLayer):
         mode, in ``[0, 1)`` (the book's and PyTorch's ``dropout``). The masks
         come from the layer's own ``dropout_rng``, spawned from ``rng`` after
         the weights are drawn (the weights do not depend on ``dropout``).
-    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window, scale
         Keyword-only: the attention variants, as :class:`MultiHeadAttention`'s
-        with one head (``rel_bias`` ``(num_buckets, 1)``, ``sinks`` ``(1,)``).
+        with one head (``rel_bias`` ``(num_buckets, 1)``, ``sinks`` ``(1,)``;
+        ``scale=None`` is ``1/sqrt(d_out)``).
 
     Attributes
     ----------
@@ -98,7 +99,8 @@ class SelfAttention(AttentionLayer):
                  rope_base: float = 10000.0, rope_layout: str = "half",
                  position_bias: str | None = None, num_buckets: int = 32, max_distance: int = 128,
                  sinks: bool = False, softcap: float | None = None,
-                 window: tuple[int | None, int | None] | None = None) -> None:
+                 window: tuple[int | None, int | None] | None = None,
+                 scale: float | None = None) -> None:
         self.impl = kernels.check_impl(impl)
         self.d_in = check_int(d_in, "d_in", 1)
         self.d_out = check_int(d_out, "d_out", 1)
@@ -116,7 +118,7 @@ class SelfAttention(AttentionLayer):
         self._init_variants(1, self.d_out, rope=rope, rope_base=rope_base,
                             rope_layout=rope_layout, position_bias=position_bias,
                             num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
-                            softcap=softcap, window=window)
+                            softcap=softcap, window=window, scale=scale)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()
@@ -276,6 +278,12 @@ class MultiHeadAttention(AttentionLayer):
     window : (left, right), optional, keyword-only
         Sliding window (:func:`qkvnp.functional.attention_forward`); a
         ``KVCache`` then keeps only the last ``left`` keys between steps.
+    scale : float, optional, keyword-only
+        The score scale: ``softmax(scale * q k^T)``. None (default) is
+        ``1/sqrt(D)``; a positive float replaces it (T5's 1.0, Gemma's
+        ``query_pre_attn_scalar ** -0.5``). It runs on the reference or
+        tiled path (``last_dispatch`` says so), and with a ``KVCache``;
+        ``1/sqrt(D)`` itself is the default and keeps every path.
     The variants run on the reference path (``last_dispatch`` says so);
     derivations in ``docs/derivations_variants.md``.
 
@@ -337,7 +345,8 @@ class MultiHeadAttention(AttentionLayer):
                  rope_layout: str = "half", position_bias: str | None = None,
                  num_buckets: int = 32, max_distance: int = 128, sinks: bool = False,
                  softcap: float | None = None,
-                 window: tuple[int | None, int | None] | None = None) -> None:
+                 window: tuple[int | None, int | None] | None = None,
+                 scale: float | None = None) -> None:
         self.impl = kernels.check_impl(impl)
         bias = check_bool(bias, "bias")
         qkv_bias = check_bool(qkv_bias, "qkv_bias", allow_none=True)
@@ -378,7 +387,7 @@ class MultiHeadAttention(AttentionLayer):
         self._init_variants(self.num_heads, self.head_dim, rope=rope, rope_base=rope_base,
                             rope_layout=rope_layout, position_bias=position_bias,
                             num_buckets=num_buckets, max_distance=max_distance, sinks=sinks,
-                            softcap=softcap, window=window)
+                            softcap=softcap, window=window, scale=scale)
         self._init_dropout(dropout, rng)
         self._cache = None
         self.zero_grad()

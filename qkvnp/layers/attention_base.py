@@ -57,7 +57,7 @@ class AttentionLayer(Layer):
             return []
         off = {"rope": False, "rope_base": 10000.0, "rope_layout": "half", "position_bias": None,
                "num_buckets": 32, "max_distance": 128, "sinks": False, "softcap": None,
-               "window": None}
+               "window": None, "scale": None}
         return [(name, value) for name, value in self.variants._asdict().items()
                 if value != off[name]]
 

@@ -27,6 +27,7 @@ from ..kernels.fast import attention_backward as fast_attention_backward
 from ..kernels.fast import attention_forward as fast_attention_forward
 from ..ops.variants import rope_backward, rope_forward, variant_attention_backward, \
     variant_attention_forward
+from ..ops.rope_scaling import rope_inverse_frequency
 from .base import Layer, Model
 from .basic import Linear
 from .norms import RMSNorm
@@ -89,6 +90,10 @@ class DecoderAttention(Model):
         Rotate the queries and keys (layout ``"half"``) by their positions.
     rope_base : float, keyword-only
         RoPE's base (``rope_theta``).
+    rope_scaling : mapping, keyword-only, optional
+        Hugging Face's rope-scaling mapping (``"linear"``, ``"llama3"``,
+        ``"yarn"``), turned into frequencies by
+        ``qkvnp.ops.rope_scaling.rope_inverse_frequency``; None: plain RoPE.
     rng : numpy.random.Generator or int, keyword-only, optional
         Seed or Generator of the initial weights.
     dtype : float dtype, keyword-only
@@ -124,7 +129,8 @@ class DecoderAttention(Model):
                  qkv_bias: bool = False, out_bias: bool = False, qk_norm: bool = False,
                  norm_eps: float = 1e-6, norm_unit_offset: bool = False,
                  scale: float | None = None, softcap: float | None = None, rope: bool = True,
-                 rope_base: float = 10000.0, rng: np.random.Generator | int | None = None,
+                 rope_base: float = 10000.0, rope_scaling: Any = None,
+                 rng: np.random.Generator | int | None = None,
                  dtype: DTypeLike = np.float64) -> None:
         self.emb_dim = check_int(emb_dim, "emb_dim", 1)
         self.num_heads = check_int(num_heads, "num_heads", 1)
@@ -135,6 +141,12 @@ class DecoderAttention(Model):
                              f"{self.num_kv_heads}")
         self.scale, self.softcap, self.rope, self.rope_base = scale, softcap, rope, rope_base
         self.qk_norm = bool(qk_norm)
+        self.rope_scaling = rope_scaling
+        self.inverse_frequency: Any = None  # (D/2,) float64, with RoPE
+        self.attention_factor = 1.0
+        if rope:
+            self.inverse_frequency, self.attention_factor = rope_inverse_frequency(
+                head_dim, rope_base, rope_scaling)
         rng = make_rng(rng)
         E, H, K, D = self.emb_dim, self.num_heads, self.num_kv_heads, self.head_dim
         self.q_proj = Linear(E, H * D, qkv_bias, rng=rng, dtype=dtype)
@@ -147,13 +159,15 @@ class DecoderAttention(Model):
         self.zero_grad()
 
     _repr_fields = ("emb_dim", "num_heads", "head_dim", "num_kv_heads", "qk_norm", "scale",
-                    "softcap", "rope", "rope_base")
+                    "softcap", "rope", "rope_base", "rope_scaling")
 
     def _rope(self, x, positions):
         """``(x rotated, cache)``, or ``(x, None)`` without RoPE."""
         if not self.rope:
             return x, None
-        return rope_forward(x, positions, base=self.rope_base, layout="half")
+        return rope_forward(x, positions, base=self.rope_base, layout="half",
+                            inverse_frequency=self.inverse_frequency,
+                            attention_factor=self.attention_factor)
 
     def _heads(self, x, positions):
         """q ``(B, H, T, D)``, k and v ``(B, K, T, D)`` of ``x`` ``(B, T, E)``, and their caches."""

@@ -426,7 +426,7 @@ class TransformerBlock(Model):
         The GELU's.
     num_kv_heads : int, keyword-only, optional
         Grouped-query attention (see :class:`~qkvnp.MultiHeadAttention`).
-    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window : keyword-only
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window, scale : keyword-only
         The attention variants, as :class:`~qkvnp.MultiHeadAttention`'s
         (``docs/variants.md``): e.g. ``rope=True`` rotates queries and keys
         (with a :class:`~qkvnp.KVCache` the positions continue),
@@ -473,7 +473,8 @@ class TransformerBlock(Model):
                  rope_base: float = 10000.0, rope_layout: str = "half",
                  position_bias: str | None = None, num_buckets: int = 32,
                  max_distance: int = 128, sinks: bool = False, softcap: float | None = None,
-                 window: tuple[int | None, int | None] | None = None) -> None:
+                 window: tuple[int | None, int | None] | None = None,
+                 scale: float | None = None) -> None:
         self.qkv_bias = check_bool(qkv_bias, "qkv_bias")
         rng = make_rng(rng)
         self.att = MultiHeadAttention(emb_dim, num_heads, rng=rng, dtype=dtype, impl=impl,
@@ -481,7 +482,8 @@ class TransformerBlock(Model):
                                       num_kv_heads=num_kv_heads, rope=rope, rope_base=rope_base,
                                       rope_layout=rope_layout, position_bias=position_bias,
                                       num_buckets=num_buckets, max_distance=max_distance,
-                                      sinks=sinks, softcap=softcap, window=window)
+                                      sinks=sinks, softcap=softcap, window=window,
+                                      scale=scale)
         self.ff = FeedForward(emb_dim, hidden_dim, rng=rng, dtype=dtype, approximate=approximate)
         self.norm1 = LayerNorm(emb_dim, dtype=dtype)
         self.norm2 = LayerNorm(emb_dim, dtype=dtype)

@@ -6,7 +6,7 @@ new tokens, S = cached + T keys, E embedding, D = E // H head dim.
 As :func:`qkvnp.layers.kv_cache.cached_forward`, plus the variants of
 :mod:`qkvnp.layers.variant_layer`: RoPE at the tokens' positions in the
 whole sequence, the position bias in the bottom-right alignment, the sinks,
-the soft-cap, and a sliding window whose cache is a rolling buffer.
+the soft-cap, the score scale, and a sliding window whose cache is a rolling buffer.
 """
 import numpy as np
 
@@ -84,14 +84,16 @@ def _step(layer, x, kv_cache, mask, need_weights, window, H, K, T, S, batch):
         slopes = alibi_slopes(H) if options.position_bias == "alibi" else None
         out_heads, cache = tiled_variants.attention_forward(
             q, keys, values, mask, "bottom_right", enable_gqa=K != H, alibi_slopes=slopes,
-            softcap=options.softcap, sinks=params.get("sinks"), window=window)  # -> (..., H, T, D)
+            softcap=options.softcap, sinks=params.get("sinks"), window=window,
+            scale=options.scale)  # -> (..., H, T, D)
     else:
         score_bias, _ = position_score_bias(params, options, H, T, S, S - T, True, q.dtype)
         out_heads, cache = F.attention_forward(q, keys, values, mask, "bottom_right",
                                                enable_gqa=K != H, score_bias=score_bias,
                                                softcap=options.softcap,
                                                sinks=params.get("sinks"),
-                                               window=window)  # -> (..., H, T, D)
+                                               window=window,
+                                               scale=options.scale)  # -> (..., H, T, D)
     weights = cache.weights if need_weights else None
     kv_cache.commit(staged)  # every check passed
     if window is not None and window[0] is not None:

@@ -35,13 +35,14 @@ __all__ = ["VariantOptions", "VariantLayerCache", "SplitVariantCache", "active_v
 POSITION_BIASES = (None, "alibi", "relative")
 
 VariantOptions = namedtuple("VariantOptions", "rope rope_base rope_layout position_bias "
-                                              "num_buckets max_distance sinks softcap window")
+                                              "num_buckets max_distance sinks softcap window scale")
 VariantOptions.__doc__ = """A layer's variant options (the constructor's, checked).
 
 rope : bool; rope_base : float; rope_layout : "half" or "interleaved".
 position_bias : None, "alibi" or "relative"; num_buckets, max_distance : T5's bucketing.
 sinks : bool (a learned ``sinks`` parameter); softcap : float or None.
 window : (left, right) or None.
+scale : float or None, the score scale (None: ``1/sqrt(D)``).
 """
 
 VariantLayerCache = namedtuple(
@@ -79,6 +80,8 @@ def active_variants(options):
         names.append("softcap")
     if options.window is not None:
         names.append("window")
+    if options.scale is not None:
+        names.append("scale")
     return tuple(names)
 
 
@@ -143,14 +146,14 @@ def forward(params, inputs, kind, num_heads, mask, is_causal, options, need_weig
         heads, attention_cache = tiled_variants.attention_forward(
             q_heads, k_heads, v_heads, mask, is_causal, enable_gqa=num_kv_heads != num_heads,
             alibi_slopes=slopes, softcap=options.softcap, sinks=p.get("sinks"), window=window,
-            **dropout)  # -> (..., H, T, D)
+            scale=options.scale, **dropout)  # -> (..., H, T, D)
     else:
         score_bias, buckets = position_score_bias(p, options, num_heads, T, S, offset, causal,
                                                   q.dtype)
         heads, attention_cache = F.attention_forward(
             q_heads, k_heads, v_heads, mask, is_causal, enable_gqa=num_kv_heads != num_heads,
             score_bias=score_bias, softcap=options.softcap, sinks=p.get("sinks"),
-            window=window, **dropout)  # -> (..., H, T, D)
+            window=window, scale=options.scale, **dropout)  # -> (..., H, T, D)
     merged, merge_cache = F.merge_heads_forward(heads)  # (..., H, T, D) -> (..., T, E)
     out, out_cache = merged, None  # SelfAttention: no output projection
     if out_proj:
@@ -293,15 +296,17 @@ def _split_backward(dout, cache):
 
 def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_layout="half",
                   position_bias=None, num_buckets=32, max_distance=128, sinks=False,
-                  softcap=None, window=None):
+                  softcap=None, window=None, scale=None):
     """A layer's variant options checked, as :class:`VariantOptions` (None when none is on).
 
     Raises ``TypeError``/``ValueError`` naming the option: an odd head dim
     with ``rope``, an unknown ``position_bias`` or ``rope_layout``, a bad
     ``softcap`` or ``window``, a ``max_distance`` within ``num_buckets // 2``
-    with ``position_bias="relative"`` (its log-spaced buckets need more).
+    with ``position_bias="relative"`` (its log-spaced buckets need more), a
+    ``scale`` that is not a positive finite number (None, or ``1/sqrt(D)``
+    itself: the default).
     """
-    from .._checks import check_int, is_real_number
+    from .._checks import check_int, check_scale, is_real_number
     from ..ops.variants import ROPE_LAYOUTS, check_softcap
 
     for name, flag in (("rope", rope), ("sinks", sinks)):
@@ -322,8 +327,18 @@ def check_options(num_heads, head_dim, *, rope=False, rope_base=10000.0, rope_la
     if position_bias == "relative":  # a layer may be called causally: unidirectional buckets
         check_max_distance(num_buckets, max_distance, bidirectional=False,
                            where=" (position_bias='relative': a causal call's buckets)")
+    if scale is not None:
+        if not is_real_number(scale):
+            raise TypeError(f"scale must be None (1/sqrt(head_dim)) or a positive number, got "
+                            f"{type(scale).__name__} {scale!r}")
+        if not (scale > 0 and np.isfinite(scale)):
+            raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a positive finite "
+                             f"number, got {scale!r}")
+        # NOTE: 1/sqrt(D) given is the default, bit for bit (Gemma's query_pre_attn_scalar
+        # is often D): it keeps the fast path, which folds that very number into W_query
+        scale = None if float(scale) == check_scale(None, head_dim) else float(scale)
     options = VariantOptions(bool(rope), float(rope_base), rope_layout, position_bias,
                              num_buckets, max_distance, bool(sinks), check_softcap(softcap),
-                             check_window(window))
+                             check_window(window), scale)
     return options if active_variants(options) else None
 

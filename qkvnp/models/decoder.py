@@ -27,6 +27,7 @@ from ..layers.mlp import GatedFeedForward
 from ..layers.moe import MoEFeedForward
 from ..layers.norms import RMSNorm
 from ..layers.transformer import FeedForward, LayerNorm, Sequential
+from ..ops.rope_scaling import rope_inverse_frequency
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -117,8 +118,11 @@ class DecoderConfig:
     rope_local_base : float, optional
         ``rope_theta`` of the sliding layers (Gemma 3's ``rope_local_base_freq``;
         default ``rope_base``).
-    rope_scaling : None
-        RoPE frequency scaling is not supported yet: anything but None is refused.
+    rope_scaling : mapping, optional
+        Hugging Face's rope-scaling mapping (``"linear"``, ``"llama3"``,
+        ``"yarn"``: ``qkvnp.ops.rope_scaling.rope_inverse_frequency``),
+        applied to the full-attention layers; the sliding layers too unless
+        ``rope_local_base`` is set (Gemma 3 scales its global layers only).
     embed_scale : float, optional
         The token embeddings are multiplied by it (Gemma: ``sqrt(E)``).
     tie_embeddings : bool
@@ -231,8 +235,10 @@ class DecoderConfig:
                                  "has 'sliding_attention'")
             _positive_int(self.sliding_window, "sliding_window")
         if self.rope_scaling is not None:
-            raise ValueError(f"DecoderConfig.rope_scaling is not supported yet (RoPE "
-                             f"frequency scaling), got {self.rope_scaling!r}")
+            try:
+                rope_inverse_frequency(self.head_dim, self.rope_base, self.rope_scaling)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"DecoderConfig.rope_scaling: {error}") from None
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim must be even with RoPE, got {self.head_dim}")
         if self.family is not None and self.family not in _FAMILIES:
@@ -259,11 +265,13 @@ class DecoderConfig:
     def llama3(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
                hidden_dim: int, num_kv_heads: int | None = None, context_length: int = 8192,
                rope_base: float = 500000.0, norm_eps: float = 1e-5,
-               tie_embeddings: bool = False, head_dim: int | None = None) -> DecoderConfig:
-        """Llama 3: RMSNorm, SwiGLU, RoPE, GQA (RoPE scaling not yet supported)."""
+               tie_embeddings: bool = False, head_dim: int | None = None,
+               rope_scaling: Any = None) -> DecoderConfig:
+        """Llama 3: RMSNorm, SwiGLU, RoPE (3.1 on: ``rope_scaling`` of type ``"llama3"``), GQA."""
         return cls(vocab_size, emb_dim, num_layers, num_heads, hidden_dim, context_length,
                    head_dim=head_dim, num_kv_heads=num_kv_heads, norm_eps=norm_eps,
-                   rope_base=rope_base, tie_embeddings=tie_embeddings, family="llama")
+                   rope_base=rope_base, rope_scaling=rope_scaling,
+                   tie_embeddings=tie_embeddings, family="llama")
 
     @classmethod
     def mistral(cls, *, vocab_size: int, emb_dim: int, num_layers: int, num_heads: int,
@@ -436,14 +444,15 @@ class Decoder(Model):
         """Block ``i``: its attention (its window and RoPE base), its feed-forward, its norms."""
         cfg, dtype = self.config, self.dtype
         window = cfg.window(i)
-        base = cfg.rope_base if window is None or cfg.rope_local_base is None else \
-            cfg.rope_local_base
+        local = window is not None and cfg.rope_local_base is not None
+        # NOTE: Gemma 3 scales its global layers only; its sliding ones use the local base as is
+        base, scaling = (cfg.rope_local_base, None) if local else (cfg.rope_base, cfg.rope_scaling)
         attn = DecoderAttention(cfg.emb_dim, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads,
                                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
                                 qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
                                 norm_unit_offset=cfg.norm_unit_offset, scale=cfg.scale,
                                 softcap=cfg.attn_softcap, rope=cfg.positions == "rope",
-                                rope_base=base, rng=rng, dtype=dtype)
+                                rope_base=base, rope_scaling=scaling, rng=rng, dtype=dtype)
         mlp: Any
         if cfg.mlp == "gelu":
             mlp = FeedForward(cfg.emb_dim, cfg.hidden_dim, rng=rng, dtype=dtype)

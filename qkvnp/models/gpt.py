@@ -75,7 +75,7 @@ class GPTModel(Model):
         GPT-2's weight tying: the output head reads the token table,
         ``logits = x @ tok_emb.weight.T``, one parameter used twice
         (``out_head`` is then a :class:`~qkvnp.layers.TiedLinear`). See Notes.
-    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window : keyword-only
+    rope, rope_base, rope_layout, position_bias, num_buckets, max_distance, sinks, softcap, window, scale : keyword-only
         The attention variants of every block, as
         :class:`~qkvnp.MultiHeadAttention`'s (``docs/variants.md``): e.g.
         ``rope=True``, ``window=(left, 0)``, ``softcap=50.0``. The learned
@@ -151,7 +151,7 @@ class GPTModel(Model):
                  position_bias: str | None = None, num_buckets: int = 32,
                  max_distance: int = 128, sinks: bool = False, softcap: float | None = None,
                  window: tuple[int | None, int | None] | None = None,
-                 tie_embeddings: bool = False) -> None:
+                 scale: float | None = None, tie_embeddings: bool = False) -> None:
         self.vocab_size = check_int(vocab_size, "vocab_size", 1)
         self.context_length = check_int(context_length, "context_length", 1)
         self.emb_dim = check_int(emb_dim, "emb_dim", 1)
@@ -169,7 +169,7 @@ class GPTModel(Model):
             hidden_dim=hidden_dim, approximate=approximate, num_kv_heads=num_kv_heads,
             rope=rope, rope_base=rope_base, rope_layout=rope_layout,
             position_bias=position_bias, num_buckets=num_buckets, max_distance=max_distance,
-            sinks=sinks, softcap=softcap, window=window)
+            sinks=sinks, softcap=softcap, window=window, scale=scale)
         self.trf_blocks = Sequential([
             TransformerBlock(self.emb_dim, self.num_heads, self.dropout, self.qkv_bias, rng=rng,
                              dtype=dtype, impl=impl, **options)

@@ -56,6 +56,9 @@ RopeCache.__doc__ = """What :func:`rope_backward` reads.
 cos, sin : ndarray, shape (..., T, D/2), of the angles ``position * base**(-2i/D)``.
 layout : "half" or "interleaved".
 x_shape : shape of the forward's ``x`` (the gradient is summed to it).
+
+With ``inverse_frequency`` the angles are ``position * inverse_frequency``;
+``cos`` and ``sin`` are both multiplied by ``attention_factor``.
 """
 
 VariantCache = namedtuple(
@@ -85,14 +88,17 @@ class VariantGroupedCache(GroupedCache):
 # ---------------------------------------------------------------- RoPE
 
 
-def rope_angles(positions, D, base=10000.0):
+def rope_angles(positions, D, base=10000.0, inverse_frequency=None):
     """``cos`` and ``sin`` of RoPE's angles ``positions * base**(-2i/D)``, shape (..., T, D/2).
+
+    A given ``inverse_frequency``, shape (D/2,), replaces ``base**(-2i/D)``.
 
     >>> cos, sin = rope_angles(np.arange(2), 4)
     >>> np.round(sin, 3).tolist()
     [[0.0, 0.0], [0.841, 0.01]]
     """
-    inverse_frequency = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)  # (D/2,)
+    if inverse_frequency is None:
+        inverse_frequency = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)  # (D/2,)
     angles = np.asarray(positions, dtype=np.float64)[..., None] * inverse_frequency  # (..., T) -> (..., T, D/2)
     return np.cos(angles), np.sin(angles)
 
@@ -110,6 +116,20 @@ def _check_positions(positions, T):
     return positions
 
 
+def _check_inverse_frequency(inverse_frequency, D):
+    """``inverse_frequency`` as finite real float64 of shape (D/2,); else raise."""
+    inverse_frequency = np.asarray(inverse_frequency)
+    if inverse_frequency.dtype.kind not in "iuf":
+        raise TypeError(f"inverse_frequency must hold real numbers, got dtype "
+                        f"{inverse_frequency.dtype}")
+    if inverse_frequency.shape != (D // 2,):
+        raise ValueError(f"inverse_frequency must have shape (D/2,) = ({D // 2},), "
+                         f"got shape {inverse_frequency.shape}")
+    if not np.all(np.isfinite(inverse_frequency)):
+        raise ValueError("inverse_frequency must be finite, got NaN or inf")
+    return inverse_frequency.astype(np.float64)
+
+
 def _rotate(x, cos, sin, layout):
     """The pairs ``(x1, x2)`` of ``layout`` rotated: ``(x1 cos - x2 sin, x2 cos + x1 sin)``."""
     D = x.shape[-1]
@@ -122,7 +142,8 @@ def _rotate(x, cos, sin, layout):
 
 
 def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: float = 10000.0,
-                 layout: str = "half") -> tuple[FloatArray, RopeCache]:
+                 layout: str = "half", inverse_frequency: ArrayLike | None = None,
+                 attention_factor: float = 1.0) -> tuple[FloatArray, RopeCache]:
     """Rotary position embedding: rotate each pair of entries of ``x`` by its position's angle.
 
     Parameters
@@ -138,6 +159,12 @@ def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: flo
         ``"half"`` pairs entry ``i`` with ``i + D/2`` (Hugging Face's
         ``rotate_half``, the book's Llama chapter); ``"interleaved"`` pairs
         ``2i`` with ``2i + 1`` (RoFormer, Meta's original Llama).
+    inverse_frequency : ndarray, shape (D/2,), keyword-only, optional
+        Pair ``i`` turns by ``position * inverse_frequency[i]`` instead of
+        ``position * base**(-2i/D)`` (``base`` is then unused): the scaled
+        frequencies of :func:`qkvnp.functional.rope_inverse_frequency`.
+    attention_factor : float, keyword-only
+        Multiplies ``cos`` and ``sin`` (YaRN's; default 1.0, no change).
 
     Returns
     -------
@@ -147,8 +174,9 @@ def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: flo
     Raises
     ------
     ValueError
-        If D is odd, ``positions`` has the wrong length, ``base`` is not
-        positive, or ``layout`` is unknown.
+        If D is odd, ``positions`` has the wrong length, ``base`` or
+        ``attention_factor`` is not positive and finite, ``layout`` is
+        unknown, or ``inverse_frequency`` is not finite of shape (D/2,).
     TypeError
         If ``x`` is not real or ``positions`` does not hold integers.
 
@@ -165,6 +193,13 @@ def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: flo
     :math:`R(\\theta_m)^T R(\\theta_n) = R(\\theta_n - \\theta_m)`, the score
     :math:`q_m \\cdot k_n` after rotation depends only on :math:`n - m`.
 
+    With scaled frequencies :math:`\\theta = m\\,w_i` (``inverse_frequency``)
+    and an attention factor :math:`a`, :math:`y = a R(\\theta) x`: the
+    frequencies are constants, so the map stays linear in :math:`x` and the
+    backward is :math:`\\bar x = a R(\\theta)^T \\bar y`. The cache holds
+    :math:`a\\cos\\theta` and :math:`a\\sin\\theta`, and
+    :func:`rope_backward` rotates by them transposed, so it needs no change.
+
     Examples
     --------
     >>> out, cache = rope_forward(np.array([[1.0, 0.0]]), np.array([3]), layout="interleaved")
@@ -179,7 +214,16 @@ def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: flo
     if not is_real_number(base) or not base > 0 or not np.isfinite(base):
         raise ValueError(f"base must be a positive finite number, got {base!r}")
     positions = _check_positions(positions, x.shape[-2])
-    cos, sin = rope_angles(positions, x.shape[-1], float(base))  # (..., T, D/2) each
+    if inverse_frequency is not None:
+        inverse_frequency = _check_inverse_frequency(inverse_frequency, x.shape[-1])
+    if not is_real_number(attention_factor) or not (attention_factor > 0
+                                                     and np.isfinite(attention_factor)):
+        raise ValueError(f"attention_factor must be a positive finite number, "
+                         f"got {attention_factor!r}")
+    cos, sin = rope_angles(positions, x.shape[-1], float(base),  # (..., T, D/2) each
+                           inverse_frequency=inverse_frequency)
+    if attention_factor != 1.0:  # YaRN's: y = a R x, so backward R^T times a from the same cache
+        cos, sin = cos * float(attention_factor), sin * float(attention_factor)
     real = x.real.dtype if x.dtype.kind == "c" else x.dtype
     cos, sin = cos.astype(real), sin.astype(real)
     return _rotate(x, cos, sin, layout), RopeCache(cos, sin, layout, x.shape)
@@ -187,6 +231,11 @@ def rope_forward(x: FloatArray, positions: ArrayLike | None = None, *, base: flo
 
 def rope_backward(dout: FloatArray, cache: RopeCache) -> FloatArray:
     """Backward of :func:`rope_forward`: rotate ``dout`` by the opposite angle.
+
+    With scaled frequencies or an attention factor :math:`a` the forward is
+    :math:`y = a R(\\theta) x`, and the cache holds :math:`a\\cos\\theta`,
+    :math:`a\\sin\\theta`: rotating by them transposed gives
+    :math:`a R(\\theta)^T \\bar y`, the backward, from the same code.
 
     Parameters
     ----------
@@ -207,14 +256,15 @@ def rope_backward(dout: FloatArray, cache: RopeCache) -> FloatArray:
 # ---------------------------------------------------------------- options
 
 
-def check_softcap(softcap):
-    """``softcap`` as None or a positive finite Python float; else raise."""
-    if softcap is None:
+def check_softcap(softcap, name="softcap", allow_none=True):
+    """``softcap`` as None (if ``allow_none``) or a positive finite Python float; else raise naming ``name``."""
+    if softcap is None and allow_none:
         return None
+    expected = "None or a positive" if allow_none else "a positive"
     if not is_real_number(softcap):
-        raise TypeError(f"softcap must be None or a positive number, got {type(softcap).__name__}")
+        raise TypeError(f"{name} must be {expected} number, got {type(softcap).__name__}")
     if not (softcap > 0 and np.isfinite(softcap)):
-        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+        raise ValueError(f"{name} must be {expected} finite number, got {softcap!r}")
     return float(softcap)
 
 
