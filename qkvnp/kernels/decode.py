@@ -38,12 +38,19 @@ def rms_norm_infer(x: FloatArray, weight: FloatArray, eps: float,
     return x * (dtype(1) / np.sqrt(mean_square + dtype(eps))) * scale
 
 
-def rope_infer(x: FloatArray, positions: Any, base: float) -> FloatArray:
-    """``rope_forward(x, positions, base=base, layout="half")``'s output in ``x``'s dtype; x ``(B, H, T, D)``, positions ``(B, 1, T)``."""
+def rope_infer(x: FloatArray, positions: Any, inverse_frequency: Any,
+               attention_factor: float = 1.0) -> FloatArray:
+    """``rope_forward(x, positions, layout="half", inverse_frequency=..., attention_factor=...)``'s output in ``x``'s dtype.
+
+    x ``(B, H, T, D)``, positions ``(B, 1, T)``, ``inverse_frequency`` ``(D/2,)``
+    (``qkvnp.ops.rope_scaling.rope_inverse_frequency``: plain or scaled).
+    """
     D = x.shape[-1]
-    inverse_frequency = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)  # (D/2,)
     angles = np.asarray(positions, np.float64)[..., None] * inverse_frequency  # (B, 1, T, D/2)
-    cos, sin = np.cos(angles).astype(x.dtype), np.sin(angles).astype(x.dtype)
+    cos, sin = np.cos(angles), np.sin(angles)
+    if attention_factor != 1.0:  # YaRN's: y = a R x
+        cos, sin = cos * float(attention_factor), sin * float(attention_factor)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     x1, x2 = x[..., :D // 2], x[..., D // 2:]  # (B, H, T, D) -> 2 x (B, H, T, D/2)
     out = np.empty_like(x)
     np.subtract(x1 * cos, x2 * sin, out=out[..., :D // 2])
@@ -96,7 +103,8 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
 
     ``params``: the block's parameters under its names (``self_attn.q_proj.W``,
     ...); ``spec``: ``num_heads``, ``num_kv_heads``, ``eps``, ``unit_offset``,
-    ``qk_norm``, ``rope_base`` (None: no RoPE), ``scale``, ``activation``;
+    ``qk_norm``, ``inverse_frequency`` (None: no RoPE), ``attention_factor``,
+    ``scale``, ``activation``;
     ``stage(k, v)`` gives the cached and new keys and values ``(B, K, S, D)``.
     """
     p = params
@@ -115,9 +123,10 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
     if spec["qk_norm"]:
         q = rms_norm_infer(q, p["self_attn.q_norm.weight"], eps, offset)
         k = rms_norm_infer(k, p["self_attn.k_norm.weight"], eps, offset)
-    if spec["rope_base"] is not None:
-        q, k = rope_infer(q, positions, spec["rope_base"]), rope_infer(k, positions,
-                                                                         spec["rope_base"])
+    if spec["inverse_frequency"] is not None:
+        frequency, factor = spec["inverse_frequency"], spec["attention_factor"]
+        q, k = rope_infer(q, positions, frequency, factor), rope_infer(k, positions, frequency,
+                                                                       factor)
     keys, values = stage(k, v)  # (B, K, S, D)
     out = gqa_attention_infer(q, keys, values, keep, spec["scale"])  # (B, H, T, D)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)  # (B, H, T, D) -> (B, T, H D)

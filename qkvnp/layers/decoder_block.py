@@ -421,7 +421,9 @@ class DecoderBlock(Model):
         attn = self.self_attn
         spec = {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
                 "eps": self.attn_norm.eps, "unit_offset": self.attn_norm.unit_offset,
-                "qk_norm": attn.qk_norm, "rope_base": attn.rope_base if attn.rope else None,
+                "qk_norm": attn.qk_norm,
+                "inverse_frequency": attn.inverse_frequency if attn.rope else None,
+                "attention_factor": attn.attention_factor,
                 "scale": attn.head_dim ** -0.5 if attn.scale is None else attn.scale,
                 "activation": self.mlp.activation}
         if attn.qk_norm and (attn.q_norm.eps != spec["eps"] or

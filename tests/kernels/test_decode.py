@@ -36,12 +36,18 @@ def test_rms_norm_infer(dtype, unit_offset):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_infer(dtype):
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 16}])
+def test_rope_infer(dtype, scaling):  # plain; YaRN's scaled frequencies and attention factor
+    from qkvnp.ops.rope_scaling import rope_inverse_frequency
+
     rng = np.random.default_rng(1)
     x = rng.normal(size=(2, 4, 3, 8)).astype(dtype)
     positions = np.array([[[5, 6, 7]], [[0, 1, 2]]])  # (B, 1, T)
-    expected = rope_forward(x, positions, base=1e6, layout="half")[0]
-    _close(rope_infer(x, positions, 1e6), expected.astype(dtype), dtype)
+    frequency, factor = rope_inverse_frequency(8, 1e6, scaling)
+    expected = rope_forward(x, positions, base=1e6, layout="half", inverse_frequency=frequency,
+                            attention_factor=factor)[0]
+    _close(rope_infer(x, positions, frequency, factor), expected.astype(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,12 +100,15 @@ def test_choose_decode_path_reasons():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # QK-norm, full; a rolling window
-def test_decode_fast_equals_reference(dtype, family, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "llama3"])  # QK-norm; a rolling
+def test_decode_fast_equals_reference(dtype, family, monkeypatch):  # window; llama3 scaling
     sizes = dict(vocab_size=40, emb_dim=16, num_layers=2, num_heads=4, num_kv_heads=2,
                  hidden_dim=24)
-    cfg = DecoderConfig.qwen3(head_dim=8, **sizes) if family == "qwen3" else \
-        DecoderConfig.mistral(sliding_window=3, **sizes)
+    cfg = {"qwen3": lambda: DecoderConfig.qwen3(head_dim=8, **sizes),
+           "mistral": lambda: DecoderConfig.mistral(sliding_window=3, **sizes),
+           "llama3": lambda: DecoderConfig.llama3(rope_scaling={
+               "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 4}, **sizes)}[family]()
     model = Decoder(cfg, rng=0, dtype=dtype)
     ids = np.random.default_rng(5).integers(0, 40, (2, 7))
 
