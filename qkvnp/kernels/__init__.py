@@ -249,7 +249,7 @@ def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | Non
                        dtype: DTypeLike, keep: Any, plain_projections: bool = True) -> Dispatch:
     """The path of a decoder block's decoding step, and why.
 
-    ``"fast"`` (:func:`qkvnp.kernels.decode.decode_block_fast`) for a
+    ``"fast"`` (``qkvnp.kernels.decode.decode_block_fast``) for a
     ``"pre"`` block of RMSNorms and a gated MLP (``"silu"`` or
     ``"gelu_tanh"``), without an attention soft-cap, in a real float dtype,
     when every query row of ``keep`` ``(B, 1, T, S)`` sees a key and the

@@ -373,7 +373,7 @@ class DecoderBlock(Model):
         """The block on the new tokens, attending to ``kv_cache`` (inference only).
 
         The path is :func:`qkvnp.kernels.choose_decode_path`'s: the fused step of
-        :mod:`qkvnp.kernels.decode`, or the layers' own calls (the reference).
+        ``qkvnp.kernels.decode``, or the layers' own calls (the reference).
         """
         if self._decode_path(x, keep) == "fast":
             return self._decode_fast(x, kv_cache, keep, positions)
