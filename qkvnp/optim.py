@@ -473,23 +473,33 @@ class Adam(Optimizer):
         # from torch by an ulp; trajectories agree to ~1e-15 (tests/test_optim.py).
         # NOTE: each line's operations in the same order as the formula beside it
         # (the same rounding), into two arrays of this call's own, not temporaries
-        scratch, update = np.empty_like(grad), group.update
-        np.subtract(grad, exp_avg, out=scratch)
-        scratch *= 1 - beta1
-        exp_avg += scratch  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
-        exp_avg_sq *= beta2  # v_t = beta2 * v_{t-1} + ...
-        np.multiply(grad, 1 - beta2, out=scratch)
-        scratch *= grad
-        exp_avg_sq += scratch  # ... + (1 - beta2) * g^2
         step_size = lr / (1 - beta1**step)  # lr / (1 - beta1^t)
-        np.sqrt(exp_avg_sq, out=scratch)
-        scratch /= (1 - beta2**step) ** 0.5
-        scratch += eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
-        np.multiply(exp_avg, step_size, out=update)
-        update /= scratch  # step_size * m_t / denom
+        bias2 = (1 - beta2**step) ** 0.5
+        scratch_all, update_all = np.empty(min(grad.size, _CHUNK), grad.dtype), group.update
+        # NOTE: chunk by chunk, so that the eleven passes run in cache and not through
+        # memory (benchmarks/NOTES.md, "AdamW by chunks"); elementwise, so the same bits
+        for start in range(0, grad.size, _CHUNK):
+            chunk = slice(start, start + _CHUNK)
+            g, m, v, update = grad[chunk], exp_avg[chunk], exp_avg_sq[chunk], update_all[chunk]
+            scratch = scratch_all[:g.size]
+            np.subtract(g, m, out=scratch)
+            scratch *= 1 - beta1
+            m += scratch  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
+            v *= beta2  # v_t = beta2 * v_{t-1} + ...
+            np.multiply(g, 1 - beta2, out=scratch)
+            scratch *= g
+            v += scratch  # ... + (1 - beta2) * g^2
+            np.sqrt(v, out=scratch)
+            scratch /= bias2
+            scratch += eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
+            np.multiply(m, step_size, out=update)
+            update /= scratch  # step_size * m_t / denom
         for param, update in zip(params, group.update_views):
             param -= update  # theta_t = theta_{t-1} - step_size * m_t / denom
 
+
+#: Entries of the flat arrays updated together (five float32 chunks: 640 KiB, in L2).
+_CHUNK = 32768
 
 _FlatGroup = namedtuple("_FlatGroup", "names exp_avg exp_avg_sq grad grad_views update update_views")
 _FlatGroup.__doc__ = """The flat arrays of :class:`Adam`'s parameters of one dtype.

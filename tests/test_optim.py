@@ -460,3 +460,23 @@ def test_adam_flat_update_is_the_per_parameter_update_to_the_bit(cls, decay, rng
     for key, value in optimizer.state_dict().items():
         if key != "step":
             assert value.tobytes() == state[key].tobytes(), key
+
+
+def test_adamw_chunks_give_the_same_bits(monkeypatch):
+    """Oracle: the update is elementwise, so any chunking gives the bits of one chunk."""
+    import qkvnp.optim as optim
+
+    def run(chunk):
+        monkeypatch.setattr(optim, "_CHUNK", chunk)
+        rng = np.random.default_rng(0)
+        params = {"a": rng.normal(size=(7, 5)).astype(np.float32),
+                  "b": rng.normal(size=11).astype(np.float32)}
+        opt = optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            opt.step({name: rng.normal(size=p.shape).astype(np.float32)
+                      for name, p in params.items()})
+        return params
+
+    whole, chunked = run(10**6), run(4)  # one chunk; 12 chunks, the last partial
+    for name in whole:
+        assert whole[name].tobytes() == chunked[name].tobytes()

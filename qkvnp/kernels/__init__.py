@@ -54,6 +54,7 @@ __all__ = [
     "Dispatch",
     "check_impl",
     "choose_path",
+    "choose_decode_path",
     "set_num_threads",
     "get_num_threads",
     "MAX_NUM_THREADS",
@@ -242,3 +243,41 @@ def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bo
                                        "outside a window; no (T, S) weights)")
     return Dispatch(impl, "reference", f"auto: {names} with {S} keys < tiled_min_length "
                                        f"{sizes['tiled_min_length']}: the reference path")
+
+
+def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | None,
+                       dtype: DTypeLike, keep: Any, plain_projections: bool = True) -> Dispatch:
+    """The path of a decoder block's decoding step, and why.
+
+    ``"fast"`` (``qkvnp.kernels.decode.decode_block_fast``) for a
+    ``"pre"`` block of RMSNorms and a gated MLP (``"silu"`` or
+    ``"gelu_tanh"``), without an attention soft-cap, in a real float dtype,
+    when every query row of ``keep`` ``(B, 1, T, S)`` sees a key and the
+    projections are plain ``Linear`` layers (``plain_projections``: a LoRA
+    adapter runs its own forward); otherwise
+    ``"reference"`` (the layers' own calls), the first reason named.
+
+    Examples
+    --------
+    >>> keep = np.ones((1, 1, 1, 3), bool)
+    >>> choose_decode_path("pre", "rms", "silu", None, np.float32, keep).path
+    'fast'
+    >>> choose_decode_path("sandwich", "rms", "silu", None, np.float32, keep).reason
+    "reference: the fast step runs 'pre' blocks, not 'sandwich'"
+    """
+    why = None
+    if placement != "pre":
+        why = f"the fast step runs 'pre' blocks, not {placement!r}"
+    elif norm != "rms" or mlp not in ("silu", "gelu_tanh"):
+        why = f"the fast step runs RMSNorm and a gated MLP, not {norm!r} and {mlp!r}"
+    elif softcap is not None:
+        why = "the fast step has no attention soft-cap"
+    elif not plain_projections:
+        why = "a projection is not a plain Linear (an adapter runs its own forward)"
+    elif np.dtype(dtype).kind != "f":
+        why = f"the fast step runs real floats, not {np.dtype(dtype).name}"
+    elif not np.asarray(keep).any(axis=-1).all():
+        why = "a query row sees no key (padding): the reference defines its output"
+    if why is None:
+        return Dispatch("auto", "fast", "fast: a pre-norm RMSNorm block with a gated MLP")
+    return Dispatch("auto", "reference", "reference: " + why)

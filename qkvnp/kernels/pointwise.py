@@ -26,8 +26,11 @@ import numpy as np
 
 from ..ops.gelu import GeluCache
 from ..ops.layer_norm import LayerNormCache
+from ..ops.reductions import column_sums
+from ..ops.rms_norm import RMSNormCache
+from ..ops.silu import SiluCache
 
-__all__ = ["layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
+__all__ = ["rms_norm_forward_fused", "rms_norm_backward_fused", "silu_forward_fused", "silu_backward_fused", "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -142,3 +145,62 @@ def gelu_tanh_backward_fused(dout, cache):
     local += sigmoid  # dy/dx
     local *= dout
     return local
+
+
+def silu_forward_fused(x):
+    """``silu_forward`` of a real float ``x`` in three in-place passes: ``s = 1 / (1 + exp(-x))``, ``out = x * s``.
+
+    Replaces :func:`qkvnp.ops.silu.silu_forward` for a composite's own
+    array: no check, no copy (the cache keeps ``x`` itself), one sigmoid
+    formula for both signs instead of the reference's two branches
+    (``benchmarks/NOTES.md``, "SiLU's fused passes").
+    """
+    # NOTE: below -88 (float32) exp(-x) overflows to inf and s to 0: the limit, no NaN
+    with np.errstate(over="ignore"):
+        s = np.exp(-x)  # (...)
+    s += 1
+    np.reciprocal(s, out=s)
+    return x * s, SiluCache(x, s)
+
+
+def silu_backward_fused(dout, cache):
+    """``silu_backward``: ``dout * (s + x s (1 - s))``, written as ``dout * s * (1 + x (1 - s))`` in place."""
+    x, s = cache.x, cache.sigmoid
+    local = np.subtract(1, s, dtype=s.dtype)  # 1 - s
+    local *= x
+    local += 1
+    local *= s
+    local *= dout
+    return local
+
+
+def rms_norm_forward_fused(x, weight, eps, unit_offset=False):
+    """``rms_norm_forward`` of a real float ``x`` ``(..., E)``: row dot products instead of ``mean(x * x)``.
+
+    Replaces :func:`qkvnp.ops.rms_norm.rms_norm_forward` for a composite's
+    own array (no check); the same cache (``benchmarks/NOTES.md``,
+    "RMSNorm's fused passes").
+    """
+    dtype = x.dtype.type
+    mean_square = np.einsum("...i,...i->...", x, x)[..., None]  # (..., 1)
+    mean_square *= dtype(1 / x.shape[-1])
+    mean_square += dtype(eps)
+    rstd = np.sqrt(mean_square, out=mean_square)
+    np.divide(dtype(1), rstd, out=rstd)  # (..., 1)
+    gain = weight + dtype(1) if unit_offset else weight.copy()  # (E,): a copy either way
+    normalized = x * rstd  # (..., E)
+    return normalized * gain, RMSNormCache(normalized, rstd, gain)
+
+
+def rms_norm_backward_fused(dout, cache):
+    """``rms_norm_backward``: ``dx = rstd (g - normalized mean(g normalized))``, ``g = dout gain``."""
+    normalized, rstd, gain = cache
+    E = normalized.shape[-1]
+    dweight = column_sums((dout * normalized).reshape(-1, E))  # (..., E) -> (E,)
+    g = dout * gain  # dL/d normalized, (..., E)
+    dot = np.einsum("...i,...i->...", g, normalized)[..., None]  # (..., 1)
+    dot *= normalized.dtype.type(1 / E)
+    rms_term = normalized * dot  # (..., E)
+    g -= rms_term
+    g *= rstd
+    return g, dweight

@@ -22,6 +22,9 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import check_int, make_rng
+from ..kernels import choose_path
+from ..kernels.fast import attention_backward as fast_attention_backward
+from ..kernels.fast import attention_forward as fast_attention_forward
 from ..ops.variants import rope_backward, rope_forward, variant_attention_backward, \
     variant_attention_forward
 from ..ops.rope_scaling import rope_inverse_frequency
@@ -181,6 +184,25 @@ class DecoderAttention(Model):
         k, k_rope = self._rope(k, positions)
         return q, k, v, (q_heads, k_heads, v_heads, q_rope, k_rope)
 
+    def _core(self, q, k, v, keep):
+        """The attention core on the path :func:`qkvnp.kernels.choose_path` picks: ``(out, (path, cache))``.
+
+        Without a soft-cap, a real float run takes the fast dense core of
+        :mod:`qkvnp.kernels.fast` when ``choose_path`` says ``"fast"``; otherwise
+        (the soft-cap, the complex step, long or overflowing scores) the reference op.
+        """
+        gqa = self.num_kv_heads != self.num_heads
+        if self.softcap is None and q.dtype.kind == k.dtype.kind == v.dtype.kind == "f":
+            B, H, T, _ = q.shape
+            # NOTE: measured reason: benchmarks/NOTES.md, "The decoder's attention core"
+            if choose_path("auto", B * H, T, k.shape[-2], q.dtype).path == "fast":
+                out, core = fast_attention_forward(q, k, v, keep, False, self.scale,
+                                                   enable_gqa=gqa)
+                return out, ("fast", core)
+        out, core = variant_attention_forward(q, k, v, keep, False, self.scale,
+                                              softcap=self.softcap, enable_gqa=gqa, check=False)
+        return out, ("reference", core)
+
     def forward(self, x: FloatArray, keep: Any, positions: Any) -> FloatArray:
         """``(B, T, E) -> (B, T, E)``.
 
@@ -194,10 +216,7 @@ class DecoderAttention(Model):
             Each row's positions (RoPE); ignored without RoPE.
         """
         q, k, v, caches = self._heads(x, positions)
-        out, core = variant_attention_forward(q, k, v, keep, False, self.scale,
-                                              softcap=self.softcap,
-                                              enable_gqa=self.num_kv_heads != self.num_heads,
-                                              check=False)  # (B, H, T, D)
+        out, core = self._core(q, k, v, keep)  # (B, H, T, D)
         out, merge = F.merge_heads_forward(out)  # (B, H, T, D) -> (B, T, H D)
         q_heads, k_heads, v_heads, q_rope, k_rope = caches
         self._cache = AttentionCache(q_heads, k_heads, v_heads, q_rope, k_rope, core, merge)
@@ -208,7 +227,11 @@ class DecoderAttention(Model):
         cache = self._need_cache()
         dout = self.o_proj.backward(dout, retain_cache, check=False)  # (B, T, E) -> (B, T, H D)
         dout = F.merge_heads_backward(dout, cache.merge, check=False)  # -> (B, H, T, D)
-        dq, dk, dv = variant_attention_backward(dout, cache.core, check=False)[:3]
+        path, core = cache.core
+        if path == "fast":
+            dq, dk, dv = fast_attention_backward(dout, core)  # qkvnp.kernels.fast
+        else:
+            dq, dk, dv = variant_attention_backward(dout, core, check=False)[:3]
         if self.rope:
             dq, dk = rope_backward(dq, cache.q_rope), rope_backward(dk, cache.k_rope)
         if self.qk_norm:
@@ -347,7 +370,14 @@ class DecoderBlock(Model):
         return dout
 
     def decode_step(self, x: FloatArray, kv_cache: Any, keep: Any, positions: Any) -> FloatArray:
-        """The block on the new tokens, attending to ``kv_cache`` (inference only)."""
+        """The block on the new tokens, attending to ``kv_cache`` (inference only).
+
+        The path is :func:`qkvnp.kernels.choose_decode_path`'s: the fused step of
+        ``qkvnp.kernels.decode``, or the layers' own calls (the reference).
+        """
+        if self._decode_path(x, keep) == "fast":
+            return self._decode_fast(x, kv_cache, keep, positions)
+
         def attn(h):
             return self.self_attn.decode_step(h, kv_cache, keep, positions, self.window)
 
@@ -367,3 +397,55 @@ class DecoderBlock(Model):
                 h = norm(getattr(self, f"{name}_post_norm"), h)
             x = x + h
         return x
+
+    def _decode_path(self, x, keep):
+        """``"fast"`` or ``"reference"``: :func:`qkvnp.kernels.choose_decode_path` on this block."""
+        from ..kernels import choose_decode_path
+
+        norm = "rms" if all(isinstance(getattr(self, f"{name}_norm"), RMSNorm)
+                            for name in ("attn", "mlp")) else "other"
+        mlp = getattr(self.mlp, "activation", "other") if type(self.mlp).__name__ == \
+            "GatedFeedForward" else "other"
+        # NOTE: measured reason of the fused step: benchmarks/NOTES.md, "The decoder's decoding step"
+        attn = self.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + tuple(
+            getattr(self.mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+        plain = all(type(layer) is Linear for layer in projections)
+        return choose_decode_path(self.placement, norm, mlp, attn.softcap, x.dtype, keep,
+                                  plain).path
+
+    def _decode_fast(self, x, kv_cache, keep, positions):
+        """:func:`qkvnp.kernels.decode.decode_block_fast` on this block's parameters and cache."""
+        from ..kernels.decode import decode_block_fast
+
+        attn = self.self_attn
+        spec = {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                "eps": self.attn_norm.eps, "unit_offset": self.attn_norm.unit_offset,
+                "qk_norm": attn.qk_norm,
+                "inverse_frequency": attn.inverse_frequency if attn.rope else None,
+                "attention_factor": attn.attention_factor,
+                "scale": attn.head_dim ** -0.5 if attn.scale is None else attn.scale,
+                "activation": self.mlp.activation}
+        if attn.qk_norm and (attn.q_norm.eps != spec["eps"] or
+                             attn.q_norm.unit_offset != spec["unit_offset"]):
+            raise ValueError("the QK-norm's eps and unit offset must be the block norms'")
+        staged = []
+
+        def stage(k, v):
+            staged.append(kv_cache.stage(attn, k, v))
+            return staged[0].keys, staged[0].values
+
+        params = {f"{prefix}.{name}": value for prefix, layer in (
+            ("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
+            ("self_attn.v_proj", attn.v_proj), ("self_attn.o_proj", attn.o_proj),
+            ("attn_norm", self.attn_norm), ("mlp_norm", self.mlp_norm),
+            ("mlp.gate_proj", self.mlp.gate_proj), ("mlp.up_proj", self.mlp.up_proj),
+            ("mlp.down_proj", self.mlp.down_proj)) for name, value in layer.params.items()}
+        if attn.qk_norm:
+            params["self_attn.q_norm.weight"] = attn.q_norm.params["weight"]
+            params["self_attn.k_norm.weight"] = attn.k_norm.params["weight"]
+        y = decode_block_fast(x, params, spec, stage, keep, positions)
+        kv_cache.commit(staged[0])
+        if self.window is not None:
+            kv_cache.keep_last(self.window - 1)
+        return y

@@ -19,6 +19,7 @@ from .. import functional as F
 from .._checks import (as_float_array, check_int, check_last_dim, check_ndim, layer_dtype,
                        make_rng, owned)
 from ..ops.gated_mlp import check_gated_mlp_activation
+from ..kernels.pointwise import silu_backward_fused, silu_forward_fused
 from .base import Layer, Model
 from .basic import Linear
 from .transformer import GELU
@@ -62,6 +63,11 @@ class SiLU(Layer):
         ``check`` (keyword-only) is accepted as the other layers' is; the op
         checks ``x`` either way (one pass) and keeps its own copy.
         """
+        if not check and x.dtype.kind == "f":
+            # NOTE: the fused passes of qkvnp.kernels.pointwise for a composite's own
+            # real array (measured: benchmarks/NOTES.md, "SiLU's fused passes")
+            out, self._cache = silu_forward_fused(x)
+            return out
         out, self._cache = F.silu_forward(x)
         return out
 
@@ -72,7 +78,10 @@ class SiLU(Layer):
         gradient, already checked.
         """
         cache = self._need_cache()
-        dx = F.silu_backward(dout, cache, check)
+        if not check and dout.dtype.kind == "f" and cache.x.dtype.kind == "f":
+            dx = silu_backward_fused(dout, cache)  # qkvnp.kernels.pointwise
+        else:
+            dx = F.silu_backward(dout, cache, check)
         self._release_cache(retain_cache)
         return dx
 

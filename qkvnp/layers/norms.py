@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import functional as F
 from .._checks import as_float_array, check_bool, check_eps, check_int, layer_dtype
+from ..kernels.pointwise import rms_norm_backward_fused, rms_norm_forward_fused
 from .base import Layer
 
 TYPE_CHECKING = False
@@ -94,6 +95,12 @@ class RMSNorm(Layer):
             x = as_float_array(x, "x", self.dtype)
             if x.ndim < 1 or x.shape[-1] != self.dim:
                 raise ValueError(f"x must have shape (..., {self.dim}), got shape {x.shape}")
+        if not check and x.dtype.kind == "f" and x.dtype == self.dtype:
+            # NOTE: the fused passes of qkvnp.kernels.pointwise for a composite's own
+            # real array (measured: benchmarks/NOTES.md, "RMSNorm's fused passes")
+            out, self._cache = rms_norm_forward_fused(x, self.params["weight"], self.eps,
+                                                      self.unit_offset)
+            return out
         out, self._cache = F.rms_norm_forward(x, self.params["weight"], self.eps,
                                               unit_offset=self.unit_offset)
         return out
@@ -105,7 +112,10 @@ class RMSNorm(Layer):
         gradient, already checked.
         """
         cache = self._need_cache()
-        dx, dweight = F.rms_norm_backward(dout, cache, check)
+        if not check and dout.dtype.kind == "f" and cache.normalized.dtype.kind == "f":
+            dx, dweight = rms_norm_backward_fused(dout, cache)  # qkvnp.kernels.pointwise
+        else:
+            dx, dweight = F.rms_norm_backward(dout, cache, check)
         self._accumulate("weight", dweight)
         self._release_cache(retain_cache)
         return dx

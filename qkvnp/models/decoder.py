@@ -613,9 +613,15 @@ class Decoder(Model):
                                (block.window,))[block.window]  # (B, 1, T, S)
             x = block.decode_step(x, cache, keep, positions[:, None, :])  # (B, T, E)
         x = self.final_norm.forward(x, check=False)
-        # through the head's forward: an adapted head (LoRA) decodes as it trains
-        logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
-        self.head._cache = None
+        # NOTE: a plain or tied head's product alone: its forward would copy the (V, E)
+        # table for a backward, every token (benchmarks/NOTES.md, "The decoder's decoding step")
+        if isinstance(self.head, TiedLinear):
+            logits = x @ self.embed.params["weight"].T  # (B, T, E) -> (B, T, V)
+        elif type(self.head) is Linear:
+            logits = x @ self.head.params["W"]  # (B, T, E) -> (B, T, V)
+        else:  # through the head's forward: an adapted head (LoRA) decodes as it trains
+            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+            self.head._cache = None
         if self.config.final_softcap is not None:
             logits = softcap_forward(logits, self.config.final_softcap)[0]  # (B, T, V)
         state = self._state_to_write()  # nothing kept for a backward

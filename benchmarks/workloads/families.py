@@ -1,0 +1,274 @@
+"""The Qwen3-like decoder's workloads, qkvnp's :class:`~qkvnp.models.decoder.Decoder` and transformers' model.
+
+Shape key: B batch, T tokens, V vocabulary, E embedding, L layers, H query
+heads, K key/value heads, D head dim, F the MLP's width.
+
+Two tasks, float32, each library in a worker process of its own
+(:func:`serve`, the protocol of :mod:`harness.workers`):
+
+- ``decode``: one call is a greedy generation at batch 1, a prompt of
+  ``PROMPT`` tokens and ``NEW_TOKENS`` new ones, with KV caches:
+  :func:`qkvnp.generate` against transformers'
+  ``generate(do_sample=False)`` (its ``DynamicCache``);
+- ``train``: one call is an AdamW step at ``(TRAIN_BATCH, TRAIN_TOKENS)``:
+  zero the gradients, forward, cross-entropy, backward, step
+  (:class:`qkvnp.optim.AdamW` against ``torch.optim.AdamW``).
+
+The torch worker builds ``Qwen3ForCausalLM`` from :data:`QWEN3` with
+seed 0 and writes its config and weights (``.npz``); the qkvnp worker reads
+them through :func:`qkvnp.interop.from_hf` (never importing torch), so both
+start from the same weights and their tokens and losses can be compared.
+"""
+import gc
+import json
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.harness.timing import calls_per_round
+
+__all__ = ["QWEN3", "TINY", "PROMPT", "NEW_TOKENS", "TRAIN_BATCH", "TRAIN_TOKENS", "LR",
+           "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "serve"]
+
+#: The measured configuration, transformers' ``Qwen3Config`` fields: 4 layers,
+#: E 256, 4 query and 2 key/value heads of D 64, V 4096, F 768, untied head.
+QWEN3 = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "intermediate_size": 768, "max_position_embeddings": 512,
+         "tie_word_embeddings": False}
+#: A seconds-long stand-in for the tests.
+TINY = dict(QWEN3, vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, intermediate_size=24)
+PROMPT, NEW_TOKENS = 16, 64
+TRAIN_BATCH, TRAIN_TOKENS = 8, 128
+LR, WEIGHT_DECAY = 4e-4, 0.1
+BATCHES = 4  # training batches drawn beforehand and cycled
+
+
+def _data(config, seed=0):
+    rng = np.random.default_rng(seed)
+    V = config["vocab_size"]
+    return {"prompt": rng.integers(0, V, (1, PROMPT)),
+            "inputs": rng.integers(0, V, (BATCHES, TRAIN_BATCH, TRAIN_TOKENS)),
+            "targets": rng.integers(0, V, (BATCHES, TRAIN_BATCH, TRAIN_TOKENS))}
+
+
+class _Source:
+    """What :func:`qkvnp.interop.from_hf` reads of a transformers model: ``.config`` and ``.state_dict()``."""
+
+    class _Config(dict):
+        def to_dict(self):
+            return dict(self)
+
+    def __init__(self, config, weights):
+        self.config, self._weights = self._Config(config), weights
+
+    def state_dict(self):
+        return self._weights
+
+
+class _Qkvnp:
+    library = "qkvnp"
+
+    def __init__(self, task, config, weights_path, threads):
+        import contextlib
+
+        from qkvnp.interop import from_hf
+        from qkvnp.kernels import blas_threads, num_threads
+        from qkvnp.models.decoder import Decoder, DecoderConfig
+
+        self.pinned = contextlib.ExitStack()  # the threads, for the worker's life
+        self.pinned.enter_context(blas_threads(threads))
+        self.pinned.enter_context(num_threads(threads))
+        self.task, self.data, self.index = task, _data(config), 0
+        if weights_path:
+            with np.load(weights_path) as stored:
+                weights = {name: stored[name] for name in stored.files}
+            with open(weights_path + ".json") as stored:  # transformers' whole config
+                source = _Source(json.load(stored), weights)
+            self.model = from_hf(source, dtype=np.float32)
+        else:
+            c = config
+            self.model = Decoder(DecoderConfig.qwen3(
+                vocab_size=c["vocab_size"], emb_dim=c["hidden_size"],
+                num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+                num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                hidden_dim=c["intermediate_size"],
+                context_length=c["max_position_embeddings"]), rng=0, dtype=np.float32)
+        if task == "train":
+            from qkvnp.losses import cross_entropy_backward, cross_entropy_forward
+            from qkvnp.optim import AdamW
+
+            self.optimizer = AdamW(self.model.params, lr=LR, weight_decay=WEIGHT_DECAY)
+            self.loss_forward, self.loss_backward = cross_entropy_forward, cross_entropy_backward
+
+    def call(self):
+        if self.task == "decode":
+            from qkvnp import generate
+
+            return generate(self.model, self.data["prompt"], NEW_TOKENS)[0, PROMPT:].tolist()
+        i = self.index % BATCHES
+        self.index += 1
+        model = self.model
+        model.zero_grad()
+        logits = model.forward(self.data["inputs"][i])  # (B, T) -> (B, T, V)
+        loss, cache = self.loss_forward(logits, self.data["targets"][i])
+        model.backward(self.loss_backward(1.0, cache))
+        self.optimizer.step(model.grads)
+        return float(loss)
+
+
+class _Torch:
+    library = "torch"
+
+    def __init__(self, task, config, weights_path, threads):
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        self.torch, self.task, self.data, self.index = torch, task, _data(config), 0
+        torch.manual_seed(0)
+        self.model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(**config, attn_implementation="sdpa")).float()
+        if weights_path:
+            np.savez(weights_path, **{name: tensor.detach().numpy() for name, tensor
+                                      in self.model.state_dict().items()})
+            with open(weights_path + ".json", "w") as stored:
+                json.dump(dict(self.model.config.to_dict(), architectures=["Qwen3ForCausalLM"]),
+                          stored, default=str)
+        if task == "train":
+            self.model.train()
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR,
+                                               weight_decay=WEIGHT_DECAY)
+            self.batches = [(torch.from_numpy(self.data["inputs"][i]),
+                             torch.from_numpy(self.data["targets"][i])) for i in range(BATCHES)]
+        else:
+            self.model.eval()
+            self.prompt = torch.from_numpy(self.data["prompt"])
+
+    def call(self):
+        torch = self.torch
+        if self.task == "decode":
+            with torch.no_grad():
+                out = self.model.generate(self.prompt, attention_mask=torch.ones_like(self.prompt),
+                                          do_sample=False, max_new_tokens=NEW_TOKENS,
+                                          min_new_tokens=NEW_TOKENS, pad_token_id=0)
+            return out[0, PROMPT:].tolist()
+        inputs, targets = self.batches[self.index % BATCHES]
+        self.index += 1
+        self.optimizer.zero_grad()
+        logits = self.model(inputs).logits  # (B, T) -> (B, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        self.optimizer.step()
+        return float(loss)
+
+
+def make_runner(library, task, config, weights_path=None, threads=1):
+    """A runner of ``task`` (``"decode"`` or ``"train"``) in ``library`` (``"qkvnp"`` or ``"torch"``)."""
+    return (_Torch if library == "torch" else _Qkvnp)(task, config, weights_path, threads)
+
+
+def step_products(config):
+    """The ``(a, b)`` shapes of every matrix product of one training step (forward and backward).
+
+    Each linear ``(n_in, n_out)`` on ``N = B T`` rows: ``x W``, ``dy W^T``,
+    ``x^T dy``; the attention core per head: ``q k^T``, ``w v`` and the
+    backward's four.
+    """
+    c = config
+    N, T = TRAIN_BATCH * TRAIN_TOKENS, TRAIN_TOKENS
+    E, F, V, D = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    H, K = c["num_attention_heads"], c["num_key_value_heads"]
+    linears = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
+    linears = linears * c["num_hidden_layers"] + [(E, V)]
+    products = []
+    for n_in, n_out in linears:
+        products += [((N, n_in), (n_in, n_out)), ((N, n_out), (n_out, n_in)),
+                     ((n_in, N), (N, n_out))]
+    heads = (TRAIN_BATCH, H)
+    core = [((T, D), (D, T)), ((T, T), (T, D)),  # forward: scores, output
+            ((T, D), (D, T)), ((T, T), (T, D)), ((T, T), (T, D)), ((T, T), (T, D))]  # backward
+    products += [(heads + a, heads + b) for a, b in core] * c["num_hidden_layers"]
+    return products
+
+
+def time_products(config, repeats=5, seed=0):
+    """Best seconds of all of :func:`step_products` on random float32 arrays."""
+    rng = np.random.default_rng(seed)
+    pairs = [(rng.standard_normal(a, np.float32), rng.standard_normal(b, np.float32))
+             for a, b in step_products(config)]
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for a, b in pairs:
+            np.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _profile(runner, calls, top=15):
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        runner.call()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    total = sum(row[2] for row in stats.values())
+    rows = sorted(((row[2], f"{func[2]} ({func[0].rsplit('/', 1)[-1]}:{func[1]})")
+                   for func, row in stats.items()), reverse=True)[:top]
+    return {"seconds": total, "calls": calls, "top": [[name, t / total] for t, name in rows]}
+
+
+def serve():
+    """The worker's loop: JSON commands on stdin, one JSON line each on stdout, until ``quit``.
+
+    Commands: ``setup`` (``spec``: ``library``, ``task``, ``config``,
+    ``weights`` path, ``threads``), ``outputs`` (``calls``: the tokens or
+    losses of that many calls), ``calibrate`` and ``time`` (as
+    :func:`harness.workers.time_alternating` sends them; the method is
+    ignored: a runner has one call), ``profile`` (``calls``), ``products``
+    (``repeats``: :func:`time_products` at the worker's threads).
+    """
+    protocol = sys.stdout
+    sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
+    runner = spec = None
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command.get("op")
+        if op == "quit":
+            break
+        try:
+            if op == "setup":
+                runner, spec = None, command["spec"]
+                gc.collect()
+                try:
+                    runner = make_runner(spec["library"], spec["task"], spec["config"],
+                                         spec.get("weights"), spec.get("threads", 1))
+                    reply = {"library": runner.library}
+                except ImportError as error:
+                    reply = {"missing": f"{error} (pip install torch transformers)"}
+            elif op == "outputs":
+                reply = {"outputs": [runner.call() for _ in range(command["calls"])]}
+            elif op == "calibrate":
+                reply = {"calls": calls_per_round(runner.call, command["seconds"])}
+            elif op == "time":
+                gc.collect()
+                start = time.perf_counter()
+                for _ in range(command["calls"]):
+                    runner.call()
+                reply = {"seconds": time.perf_counter() - start}
+            elif op == "profile":
+                reply = _profile(runner, command["calls"])
+            elif op == "products":
+                reply = {"seconds": time_products(spec["config"], command["repeats"])}
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception as error:
+            reply = {"error": f"{type(error).__name__}: {error}"}
+        protocol.write(json.dumps(reply) + "\n")
+        protocol.flush()

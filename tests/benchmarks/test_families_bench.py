@@ -1,0 +1,56 @@
+"""Tests of the Qwen3-like decoder's benchmark (benchmarks/families_bench.py): untimed, a tiny config.
+
+Oracles: the command's own cross-checks (transformers' greedy tokens and
+first losses from the same weights) decide its exit status; its JSON report
+holds a row per task with qkvnp's rates, and transformers' when installed.
+"""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                os.pardir, os.pardir)))
+from benchmarks import families_bench  # noqa: E402
+
+TINY_ARGS = ["--tiny", "--threads", "1", "--repeats", "1", "--warmup", "0", "--pause", "0",
+             "--round-time", "0.001"]
+
+
+def _has_transformers():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_tiny_run_agrees_and_reports(tmp_path, capsys):
+    path = tmp_path / "families.json"
+    assert families_bench.main(TINY_ARGS + ["--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert [row["task"] for row in report["rows"]] == ["decode", "train"]
+    for row in report["rows"]:
+        assert row["qkvnp"]["per_s"] > 0
+        if _has_transformers():
+            assert row["agree"] and row["torch"]["per_s"] > 0 and row["ratio"] > 0
+        else:
+            assert "missing" in row and "ratio" not in row
+    assert report["rows"][1]["products_ms"] > 0
+    assert "decode" in capsys.readouterr().out
+
+
+def test_step_products_count():
+    from benchmarks.workloads.families import QWEN3, step_products
+
+    # 7 linears a layer and the head, 3 products each; 6 core products a layer
+    assert len(step_products(QWEN3)) == 3 * (7 * 4 + 1) + 6 * 4
+    assert step_products(QWEN3)[-3 * 0 - 1][0] == (8, 4, 128, 128)
+
+
+def test_check_refuses_disagreement():
+    assert families_bench._check("decode", {"qkvnp": [1, 2], "torch": [1, 3]}) == (1.0, False)
+    error, agree = families_bench._check("train", {"qkvnp": [2.0, 1.0], "torch": [2.0, 1.5]})
+    assert not agree and error == pytest.approx(1 / 3)
