@@ -128,8 +128,9 @@ def test_without_the_tokenizers_package_the_extra_is_named(directory, capsys, mo
     assert code == 2 and "'tokenizers'" in err and "pip install 'qkvnp[hf]'" in err
 
 
-def test_an_llmc_file_takes_ids_or_bytes_and_prints_ids(tmp_path, capsys):
-    # oracle: qkvnp.generate on load_llmc's model of the file save_llmc wrote
+def test_an_llmc_file_takes_ids_or_bytes_and_prints_ids(directory, tmp_path, capsys):
+    # oracle: qkvnp.generate on load_llmc's model of the file save_llmc wrote; with
+    # --tokenizer, the decode of its tokens
     from qkvnp.models.decoder import Decoder, DecoderConfig
 
     cfg = DecoderConfig.gpt2(vocab_size=300, emb_dim=16, num_layers=1, num_heads=2,
@@ -142,6 +143,13 @@ def test_an_llmc_file_takes_ids_or_bytes_and_prints_ids(tmp_path, capsys):
         assert code == 0, err
         tokens = __import__("qkvnp").generate(model, np.array([prompt]), 5)
         assert out.split() == [str(t) for t in tokens[0]]
+    words, tokenizer = directory[0], directory[2]
+    code, out, err = _generate(capsys, "--model", path, "--tokenizer", str(words), "--prompt",
+                               PROMPT, "--max-new-tokens", "5")
+    assert code == 0, err
+    ids = tokenizer.encode(PROMPT).ids
+    tokens = __import__("qkvnp").generate(model, np.array([ids]), 5, eos_id=0)
+    assert out == tokenizer.decode(tokens[0].tolist()) + "\n"
 
 
 def test_chat_renders_the_template_of_tokenizer_config(directory, capsys, tmp_path):
