@@ -29,6 +29,8 @@ the name transformers keeps (``transformer.wte.weight``,
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .._checks import as_numpy
@@ -60,13 +62,15 @@ _DROPOUT = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout",
 
 
 def _architecture(source, config):
-    """The ``model_type`` of ``source``, or a ``ValueError`` naming its architecture."""
+    """The ``model_type`` of ``source`` (None: a directory's config), or a ``ValueError``."""
     name = type(source).__name__
-    if name in HF_ARCHITECTURES:
+    if source is not None and name in HF_ARCHITECTURES:
         return HF_ARCHITECTURES[name]
     named = config.get("architectures") or []
     if len(named) == 1 and named[0] in HF_ARCHITECTURES:
         return HF_ARCHITECTURES[named[0]]
+    if source is None and not named and config.get("model_type") in HF_ARCHITECTURES.values():
+        return config["model_type"]
     shown = named[0] if named else f"{name} (model_type {config.get('model_type')!r})"
     raise ValueError(f"from_hf does not support the architecture {shown}; supported: "
                      f"{sorted(HF_ARCHITECTURES)}")
@@ -218,9 +222,8 @@ def _family_config(r):
     return DecoderConfig(**fields), fields["tie_embeddings"]
 
 
-def _config(source, family):
-    """The DecoderConfig of ``source``'s config, every entry read or refused."""
-    config = source.config.to_dict()
+def _config(config, family):
+    """The DecoderConfig of a config dict, every entry read or refused."""
     reader = _Reader(config, family)
     cfg, _ = _gpt2_config(reader) if family == "gpt2" else _family_config(reader)
     if family == "gpt2" and not reader.config.get("tie_word_embeddings", True):
@@ -289,7 +292,17 @@ def _moe_specs(hf, ours, cfg):
              lambda array: [w.T for w in array])]
 
 
-def _llama_specs(cfg):
+def _moe_file_specs(hf, ours, cfg):
+    """A checkpoint file's experts: one ``(out, in)`` matrix each, as ``save_pretrained`` writes."""
+    specs = [(hf + "mlp.gate.weight", [ours + "mlp.router.W"], lambda a: a[0].T, lambda a: [a.T])]
+    for i in range(cfg.num_experts):
+        for p, w in (("gate", "W_gate"), ("up", "W_up"), ("down", "W_down")):
+            specs.append((f"{hf}mlp.experts.{i}.{p}_proj.weight", [f"{ours}mlp.experts.{i}.{w}"],
+                          lambda a: a[0].T, lambda a: [a.T]))
+    return specs
+
+
+def _llama_specs(cfg, files=False):
     """``(hf name, qkvnp names, to_hf, from_hf)`` of the Llama-like families' parameters."""
     specs = [("model.embed_tokens.weight", ["embed.weight"], lambda a: a[0], lambda a: [a])]
 
@@ -310,7 +323,7 @@ def _llama_specs(cfg):
             specs += [same(f"{hf}self_attn.{p}_norm.weight", f"{ours}self_attn.{p}_norm.weight")
                       for p in ("q", "k")]
         if cfg.mlp == "moe":
-            specs += _moe_specs(hf, ours, cfg)
+            specs += (_moe_file_specs if files else _moe_specs)(hf, ours, cfg)
         else:
             specs += [linear(f"{hf}mlp.{p}_proj.weight", f"{ours}mlp.{p}_proj.W")
                       for p in ("gate", "up", "down")]
@@ -327,14 +340,93 @@ def _llama_specs(cfg):
     return specs
 
 
-def _specs(cfg):
+def _specs(cfg, files=False):
     if cfg.family is None:
         raise ValueError("to_hf needs the model's family (DecoderConfig.family, set by the "
                          "presets and from_hf) to know transformers' names")
-    return _gpt2_specs(cfg) if cfg.family == "gpt2" else _llama_specs(cfg)
+    # NOTE: files keep Qwen3-MoE's experts apart; transformers' modules fuse them
+    return _gpt2_specs(cfg) if cfg.family == "gpt2" else _llama_specs(cfg, files)
 
 
 # ---------------------------------------------------------------- in and out
+
+
+class _StateDict:
+    """A model object's state dict as the tensors :func:`_fill` reads."""
+
+    def __init__(self, state):
+        self.arrays = {name: as_numpy(value, f"state_dict[{name!r}]")
+                       for name, value in state.items()}
+        self.where, self.files_layout = "the state dict", False
+
+    def names(self):
+        return set(self.arrays)
+
+    def shape(self, name):
+        return self.arrays[name].shape
+
+    def array(self, name):
+        return self.arrays[name]
+
+    def release(self, name):
+        del self.arrays[name]
+
+
+def _unpacked(unpack, array, names, params, hf, where):
+    """``unpack(array)``'s parts, each checked against its parameter's shape."""
+    try:
+        parts = list(unpack(array))
+    except (ValueError, IndexError):
+        parts = []
+    shapes = [params[name].shape for name in names]
+    if [part.shape for part in parts] != shapes:
+        raise ValueError(f"from_hf: {where}'s {hf!r} has shape {tuple(array.shape)}, which "
+                         f"does not give qkvnp's {names[:3]} of shapes {shapes[:3]}")
+    return parts
+
+
+def _check_names(cfg, tensors, family):
+    """Every tensor the config needs is there, no other, and the table fits: before allocating."""
+    specs = _specs(cfg, tensors.files_layout)
+    names = tensors.names()
+    if cfg.tie_embeddings:
+        names.discard("lm_head.weight")  # the same tensor as the table
+    missing = [hf for hf, *_ in specs if hf not in names]
+    if missing:
+        raise ValueError(f"from_hf: {tensors.where} has no {missing[0]!r}"
+                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    unknown = sorted(names - {hf for hf, *_ in specs})
+    if unknown:
+        raise ValueError(f"from_hf: {tensors.where}'s entries {unknown[:5]} are unknown to "
+                         f"qkvnp's Decoder for {family}; refused rather than dropped")
+    table = specs[0][0]  # the token table: (V, E) as the config says
+    if tuple(tensors.shape(table)) != (cfg.vocab_size, cfg.emb_dim):
+        raise ValueError(f"from_hf: {tensors.where}'s {table!r} has shape "
+                         f"{tuple(tensors.shape(table))}, the config says "
+                         f"({cfg.vocab_size}, {cfg.emb_dim})")
+    return specs
+
+
+def _fill(model, tensors, family):
+    """Write each of ``tensors``' arrays into the model's, in place: all checked first.
+
+    NOTE: one tensor at a time, converted (transposed, widened, cast) straight
+    into its parameter and then released: the model is held once, never a
+    second copy of it.
+    """
+    specs, params = _check_names(model.config, tensors, family), model.params
+    for hf, ours, _, unpack in specs:  # shapes only: zero-stride stand-ins, nothing read
+        stand_in = np.broadcast_to(np.empty((), np.float32), tensors.shape(hf))
+        _unpacked(unpack, stand_in, ours, params, hf, tensors.where)
+    for hf, ours, _, unpack in specs:
+        array = tensors.array(hf)
+        for name, part in zip(ours, _unpacked(unpack, array, ours, params, hf, tensors.where)):
+            np.copyto(params[name], part, casting="unsafe")
+            if not np.isfinite(params[name]).all():
+                raise ValueError(f"from_hf: {tensors.where}'s {hf!r} holds NaN or inf")
+        del array, part
+        tensors.release(hf)
+    return model
 
 
 def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
@@ -342,10 +434,13 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
 
     Parameters
     ----------
-    source : transformers model
+    source : transformers model, or str or os.PathLike
         One of :data:`HF_ARCHITECTURES`, or anything with ``.config``
         (``to_dict()``, whose ``architectures`` or the object's class name
-        says which) and ``.state_dict()`` of tensors or arrays.
+        says which) and ``.state_dict()`` of tensors or arrays; or a
+        directory as ``save_pretrained`` writes it: ``config.json`` and
+        ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
+        (read by :mod:`qkvnp.interop.safetensors`, memory-mapped; no torch needed).
     dtype : float dtype, keyword-only
         The Decoder's dtype (bfloat16 tensors go through float32, exactly).
 
@@ -360,33 +455,40 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
         For another architecture (naming it and the supported ones), for a
         config option the Decoder cannot express (naming it: RoPE scaling,
         ``scale_attn_by_inverse_layer_idx``, a sliding window without
-        ``layer_types``...), and for a state-dict entry it does not know.
+        ``layer_types``...), for a tensor it does not know, lacks, or whose
+        shape does not fit, and for NaN or inf; from a directory also for a
+        ``config.json`` with missing or absurd sizes, an index naming a
+        tensor twice or naming one its shard lacks, and a malformed
+        safetensors file (:class:`~qkvnp.interop.safetensors.SafetensorsError`):
+        each message names the file. Everything but NaN is checked before
+        the model is allocated.
+    FileNotFoundError
+        A directory without ``config.json`` or weights, or a missing shard.
 
     Notes
     -----
     Dropout rates (``attention_dropout``, GPT-2's ``*_pdrop``) are not carried:
     the Decoder has no dropout, which is the evaluation mode's forward.
+
+    The model is built with :meth:`Decoder.empty` and each tensor converted
+    straight into its array: loading N parameters holds about N x the
+    dtype's size, plus one tensor (``docs/checkpoints.md``).
     """
     from ..models.decoder import Decoder
 
-    family = _architecture(source, source.config.to_dict())
-    cfg = _config(source, family)
-    model = Decoder(cfg, rng=0, dtype=dtype)
-    hf_state = {name: as_numpy(value, f"state_dict[{name!r}]")
-                for name, value in source.state_dict().items()}
-    if cfg.tie_embeddings:
-        hf_state.pop("lm_head.weight", None)  # the same tensor as the table
-    state: dict[str, Any] = {}
-    for hf, names, _, unpack in _specs(cfg):
-        if hf not in hf_state:
-            raise ValueError(f"from_hf: the state dict has no {hf!r}")
-        state.update(zip(names, unpack(hf_state.pop(hf))))
-    unknown = sorted(hf_state)
-    if unknown:
-        raise ValueError(f"from_hf: state dict entries {unknown[:5]} are unknown to qkvnp's "
-                         f"Decoder for {family}; refused rather than dropped")
-    model.load_state_dict(state)
-    return model
+    if isinstance(source, (str, os.PathLike)):
+        from .hf_directory import open_directory
+
+        config, tensors = open_directory(source)
+        with tensors:
+            family = _architecture(None, config)
+            cfg = _config(config, family)
+            _check_names(cfg, tensors, family)
+            return _fill(Decoder.empty(cfg, dtype=dtype), tensors, family)
+    config = source.config.to_dict()
+    family = _architecture(source, config)
+    cfg = _config(config, family)
+    return _fill(Decoder.empty(cfg, dtype=dtype), _StateDict(source.state_dict()), family)
 
 
 def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:

@@ -67,6 +67,34 @@ def _positive_float(value, name, allow_none=False):
         raise ValueError(f"DecoderConfig.{name} must be a finite number > 0, got {value!r}")
 
 
+
+class _Unset:
+    """A draw of :class:`_Unfilled`: ``astype`` gives ``np.empty`` of its shape."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def astype(self, dtype, **_):
+        return np.empty(self.shape, dtype)
+
+
+class _Unfilled(np.random.Generator):
+    """The Generator of :meth:`Decoder.empty`: every draw is unfilled memory.
+
+    NOTE: the layers initialise with ``rng.uniform(...).astype(dtype)`` or
+    ``rng.standard_normal(...).astype(dtype)``; these two are the draws.
+    """
+
+    def __init__(self):
+        super().__init__(np.random.PCG64(0))
+
+    def uniform(self, low=0.0, high=1.0, size=None):  # type: ignore[override]
+        return _Unset(size)
+
+    def standard_normal(self, size=None, dtype=np.float64, out=None):  # type: ignore[override]
+        return _Unset(size)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """What makes a family: every option of :class:`Decoder`, checked when made.
@@ -439,6 +467,17 @@ class Decoder(Model):
         else:
             self.head = Linear(config.emb_dim, config.vocab_size, False, rng=rng, dtype=dtype)
         self.zero_grad()
+
+    @classmethod
+    def empty(cls, config: DecoderConfig, *, dtype: DTypeLike = np.float64) -> Decoder:
+        """A Decoder whose weight matrices are allocated (``np.empty``) and not filled: fill them.
+
+        What a loader builds before writing a checkpoint into ``params`` in
+        place (:func:`qkvnp.interop.from_hf`): no random number is drawn and
+        no page of a matrix is touched until it is written, so a model is
+        held once. The norms start at their usual ones and zeros.
+        """
+        return cls(config, rng=_Unfilled(), dtype=dtype)
 
     def _norm(self, dim=None):
         """A LayerNorm or RMSNorm of the config over ``dim`` (default ``E``)."""
