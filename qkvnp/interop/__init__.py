@@ -2,12 +2,18 @@
 
 One module a peer: :mod:`qkvnp.interop.pytorch` for PyTorch's modules and
 the book's (:func:`from_torch`, :func:`to_torch`); :mod:`qkvnp.interop.hf`
-for Hugging Face transformers' decoders (:func:`from_hf`, :func:`to_hf`). Every name is
+for Hugging Face transformers' decoders (:func:`from_hf`, :func:`to_hf`), and their
+directories (:func:`from_hf` of a path, :func:`save_hf`) through
+:mod:`qkvnp.interop.safetensors`, qkvnp's own reader and writer of the format
+(:class:`SafetensorsFile`, :func:`load_safetensors`, :func:`save_safetensors`). Every name is
 re-exported here: ``from qkvnp.interop import from_torch``.
 """
 from __future__ import annotations
 
-from .hf import HF_ARCHITECTURES, from_hf, to_hf
+from .hf import HF_ARCHITECTURES, from_hf, save_hf, to_hf
 from .pytorch import LAYOUTS, from_torch, to_torch
+from .safetensors import SafetensorsError, SafetensorsFile, load_safetensors, save_safetensors
 
-__all__ = ["LAYOUTS", "from_torch", "to_torch", "HF_ARCHITECTURES", "from_hf", "to_hf"]
+__all__ = ["LAYOUTS", "from_torch", "to_torch", "HF_ARCHITECTURES", "from_hf", "to_hf",
+           "save_hf", "SafetensorsError", "SafetensorsFile", "load_safetensors",
+           "save_safetensors"]

@@ -29,6 +29,7 @@ the name transformers keeps (``transformer.wte.weight``,
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any
     from .._typing import DTypeLike
 
-__all__ = ["HF_ARCHITECTURES", "from_hf", "to_hf"]
+__all__ = ["HF_ARCHITECTURES", "from_hf", "to_hf", "save_hf"]
 
 #: The transformers classes :func:`from_hf` accepts, and their ``model_type``.
 HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
@@ -126,11 +127,13 @@ def _rope(reader, parameters, where="rope_parameters"):
 def _gpt2_config(r):
     from ..models.decoder import DecoderConfig
 
-    r.expect("activation_function", ("gelu_new", "gelu_pytorch_tanh"))
-    r.expect("scale_attn_weights", (True,))
-    r.expect("scale_attn_by_inverse_layer_idx", (False,))
-    r.expect("reorder_and_upcast_attn", (False,))
-    r.expect("add_cross_attention", (False,))
+    # the defaults are GPT2Config's: a config.json may leave them out
+    r.expect("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+    r.expect("scale_attn_weights", (True,), True)
+    r.expect("scale_attn_by_inverse_layer_idx", (False,), False)
+    r.expect("reorder_and_upcast_attn", (False,), False)
+    r.expect("add_cross_attention", (False,), False)
+    r.get("n_ctx")  # older configs' copy of n_positions, unread by transformers
     for key in ("summary_type", "summary_use_proj", "summary_activation",
                 "summary_proj_to_labels"):  # GPT2DoubleHeadsModel's head, not this model's
         r.get(key)
@@ -145,7 +148,8 @@ def _llama_like_config(r):
     """Llama, Mistral, Qwen3, Qwen3-MoE and Gemma 3's common entries, as DecoderConfig fields."""
     family = r.family
     act_key = "hidden_activation" if family == "gemma3_text" else "hidden_act"
-    r.expect(act_key, ("gelu_pytorch_tanh",) if family == "gemma3_text" else ("silu",))
+    act = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
+    r.expect(act_key, (act,), act)
     bias = bool(r.get("attention_bias", False))
     fields = dict(vocab_size=r.get("vocab_size"), emb_dim=r.get("hidden_size"),
                   num_layers=r.get("num_hidden_layers"), num_heads=r.get("num_attention_heads"),
@@ -227,8 +231,6 @@ def _config(config, family):
     reader = _Reader(config, family)
     cfg, _ = _gpt2_config(reader) if family == "gpt2" else _family_config(reader)
     if family == "gpt2" and not reader.config.get("tie_word_embeddings", True):
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     reader.finish()
     return cfg
@@ -385,6 +387,23 @@ def _unpacked(unpack, array, names, params, hf, where):
     return parts
 
 
+def _legacy_rope(config, family):
+    """A config.json's ``rope_theta``/``rope_scaling`` (before transformers 5) as ``rope_parameters``."""
+    if "rope_parameters" in config or family == "gpt2":
+        return config
+    config = dict(config)
+    full = dict(config.pop("rope_scaling", None) or {})
+    full["rope_theta"] = config.pop("rope_theta", 1e6 if family == "gemma3_text" else 1e4)
+    full.setdefault("rope_type", full.pop("type", "default"))
+    if family == "gemma3_text":
+        local = config.pop("rope_local_base_freq", 10000.0)
+        config["rope_parameters"] = {"full_attention": full, "sliding_attention":
+                                     {"rope_type": "default", "rope_theta": local}}
+    else:
+        config["rope_parameters"] = full
+    return config
+
+
 def _check_names(cfg, tensors, family):
     """Every tensor the config needs is there, no other, and the table fits: before allocating."""
     specs = _specs(cfg, tensors.files_layout)
@@ -482,7 +501,7 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
         config, tensors = open_directory(source)
         with tensors:
             family = _architecture(None, config)
-            cfg = _config(config, family)
+            cfg = _config(_legacy_rope(config, family), family)
             _check_names(cfg, tensors, family)
             return _fill(Decoder.empty(cfg, dtype=dtype), tensors, family)
     config = source.config.to_dict()
@@ -519,3 +538,124 @@ def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
     arrays = model.grads if grads else model.params
     return {hf: np.array(pack([arrays[name] for name in names]))
             for hf, names, pack, _ in _specs(model.config)}
+
+
+# ---------------------------------------------------------------- a directory out
+
+
+def _rope_parameters(base, scaling):
+    return dict(scaling, rope_theta=base) if scaling else {"rope_type": "default",
+                                                           "rope_theta": base}
+
+
+def _gemma_entries(cfg):
+    """Gemma 3's own entries of a config dict."""
+    scalar = cfg.scale ** -2  # the score scale is query_pre_attn_scalar ** -0.5
+    if float(round(scalar)) ** -0.5 == cfg.scale:
+        scalar = round(scalar)
+    local = cfg.rope_base if cfg.rope_local_base is None else cfg.rope_local_base
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+            "final_logit_softcapping": cfg.final_softcap, "attn_logit_softcapping": None,
+            "rope_parameters": {"full_attention": _rope_parameters(cfg.rope_base,
+                                                                   cfg.rope_scaling),
+                                "sliding_attention": _rope_parameters(local, None)}}
+
+
+def _hf_config(cfg, dtype_name):
+    """transformers' ``config.json`` of ``cfg``, refused unless it reads back as ``cfg``."""
+    family = cfg.family
+    if family == "gpt2":
+        config = {"vocab_size": cfg.vocab_size, "n_embd": cfg.emb_dim, "n_layer": cfg.num_layers,
+                  "n_head": cfg.num_heads, "n_positions": cfg.context_length,
+                  "n_inner": cfg.hidden_dim, "layer_norm_epsilon": cfg.norm_eps,
+                  "activation_function": "gelu_new"}
+        if cfg.vocab_size <= 50256:  # GPT2Config's default token ids lie outside a small vocabulary
+            config.update(bos_token_id=None, eos_token_id=None)
+    else:
+        config = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim,
+                  "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+                  "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                  "intermediate_size": cfg.hidden_dim, "rms_norm_eps": cfg.norm_eps,
+                  "max_position_embeddings": cfg.context_length, "hidden_act": "silu",
+                  "attention_bias": cfg.qkv_bias,
+                  "rope_parameters": _rope_parameters(cfg.rope_base, cfg.rope_scaling)}
+    sliding = "sliding_attention" in cfg.layer_types
+    if family == "mistral":
+        config["sliding_window"] = cfg.sliding_window if sliding else None
+    if family in ("qwen3", "qwen3_moe", "gemma3_text"):
+        config.update(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window)
+    if family in ("qwen3", "qwen3_moe"):
+        config["use_sliding_window"] = sliding
+    if family == "qwen3_moe":
+        config.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                      norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.moe_hidden_dim)
+    if family == "gemma3_text":
+        del config["hidden_act"]
+        config.update(_gemma_entries(cfg))
+    config.update(tie_word_embeddings=cfg.tie_embeddings, model_type=family, dtype=dtype_name,
+                  architectures=[name for name, kind in HF_ARCHITECTURES.items()
+                                 if kind == family])
+    back = _config(dict(config), family)
+    differ = [f.name for f in dataclasses.fields(cfg) if getattr(back, f.name) != getattr(cfg, f.name)]
+    if differ:
+        raise ValueError(f"save_hf: the DecoderConfig's {differ} cannot be written as a "
+                         f"transformers {family} config")
+    return config
+
+
+def save_hf(model: Any, path: str | os.PathLike, *, dtype: Any = None) -> None:
+    """Write a Decoder as a directory transformers' ``from_pretrained(path)`` loads.
+
+    Parameters
+    ----------
+    model : Decoder
+        With ``config.family`` set (the presets and :func:`from_hf` set it).
+    path : str or os.PathLike
+        The directory: made if absent (its parent must exist); an existing
+        one's ``config.json`` and ``model.safetensors`` are replaced.
+    dtype : numpy float dtype or "bfloat16", keyword-only, optional
+        The stored dtype (default the model's; ``"bfloat16"`` rounds to nearest even).
+
+    Raises
+    ------
+    ValueError
+        A model without a family, a configuration transformers' config of
+        that family cannot express, a ``path`` that is a file or holds a
+        sharded checkpoint (``model.safetensors.index.json``): before
+        anything is written.
+
+    Notes
+    -----
+    Writes ``model.safetensors`` (``{"format": "pt"}`` metadata, Qwen3-MoE's
+    experts one by one, a tied table once under the name transformers
+    keeps) and ``config.json`` (``architectures``, ``model_type``,
+    ``dtype``). Each file is written atomically, weights first: a reader
+    never sees half a file, and an interrupted save leaves at worst new
+    weights beside the old ``config.json``, which :func:`from_hf` refuses by
+    name if their sizes disagree. Token ids (``bos_token_id``...) are not
+    written: the Decoder does not hold them.
+    """
+    import json
+
+    from .._io import atomic_write
+    from .safetensors import save_safetensors
+
+    cfg = model.config
+    specs = _specs(cfg, files=True)
+    stored = np.dtype(model.dtype) if dtype is None else dtype
+    name = "bfloat16" if isinstance(stored, str) and stored == "bfloat16" else np.dtype(stored).name
+    config = _hf_config(cfg, name)
+    directory = os.fspath(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"save_hf: {directory!r} is a file; give a directory")
+    if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        raise ValueError(f"save_hf: {directory!r} holds a sharded checkpoint "
+                         "(model.safetensors.index.json); give another directory")
+    os.makedirs(directory, exist_ok=True)
+    params = model.params
+    tensors = {hf: pack([params[n] for n in names]) for hf, names, pack, _ in specs}
+    save_safetensors(tensors, os.path.join(directory, "model.safetensors"), dtype=dtype,
+                     metadata={"format": "pt"})
+    with atomic_write(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")

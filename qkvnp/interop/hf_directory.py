@@ -185,12 +185,12 @@ def open_directory(path: str | os.PathLike) -> tuple[dict, CheckpointTensors]:
     _check_sizes(config, config_path)
     single = os.path.join(directory, "model.safetensors")
     index_path = single + ".index.json"
+    if os.path.isfile(single):  # first, as transformers looks
+        f = SafetensorsFile(single)
+        return config, CheckpointTensors({name: f for name in f.names}, single)
     if os.path.isfile(index_path):
         files = _open_shards(directory, index_path)
         return config, CheckpointTensors(files, index_path)
-    if os.path.isfile(single):
-        f = SafetensorsFile(single)
-        return config, CheckpointTensors({name: f for name in f.names}, single)
     raise FileNotFoundError(f"from_hf: {directory!r} has no model.safetensors or "
                             "model.safetensors.index.json (other formats, .bin or .pth, "
                             "are not read)")

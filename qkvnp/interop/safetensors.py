@@ -290,19 +290,27 @@ def _bfloat16_bits(array):
     return out
 
 
-def _stored(name, value, dtype):
-    """``(code, contiguous little-endian array)`` of one tensor to write."""
-    array = np.asarray(value)
+def _code(name, array, dtype):
+    """``(code, numpy dtype written)`` of one tensor: its own, or ``dtype`` for a float."""
     if dtype is not None and array.dtype.kind == "f":
         if isinstance(dtype, str) and dtype == "bfloat16":
-            return "BF16", _bfloat16_bits(array)
-        array = array.astype(dtype)
-    code = _CODES.get(array.dtype.newbyteorder("<") if array.dtype.byteorder == ">"
-                      else array.dtype)
+            return "BF16", np.dtype("<u2")
+        array_dtype = np.dtype(dtype)
+    else:
+        array_dtype = array.dtype
+    code = _CODES.get(array_dtype.newbyteorder("<") if array_dtype.byteorder == ">"
+                      else array_dtype)
     if code is None:
-        raise TypeError(f"save_safetensors: tensor {name!r} has dtype {array.dtype}, which "
-                        f"safetensors does not store (codes: {sorted(SAFETENSORS_DTYPES)})")
-    return code, np.ascontiguousarray(array, array.dtype.newbyteorder("<"))
+        raise TypeError(f"save_safetensors: tensor {name!r} would be stored as {array_dtype}, "
+                        f"which safetensors lacks (codes: {sorted(SAFETENSORS_DTYPES)})")
+    return code, array_dtype.newbyteorder("<")
+
+
+def _bytes(array, code, stored):
+    """The tensor's bytes as stored: contiguous, little-endian, BF16 rounded."""
+    if code == "BF16":
+        return _bfloat16_bits(array)
+    return np.ascontiguousarray(array, stored)
 
 
 def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike, *,
@@ -332,17 +340,19 @@ def save_safetensors(tensors: Mapping[str, Any], path: str | os.PathLike, *,
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
                                         for k, v in metadata.items()):
         raise TypeError("save_safetensors: metadata must map strings to strings")
-    stored = {name: _stored(name, tensors[name], dtype) for name in sorted(tensors)}
+    arrays = {name: np.asarray(tensors[name]) for name in sorted(tensors)}
+    codes = {name: _code(name, array, dtype) for name, array in arrays.items()}
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name, (code, array) in stored.items():
-        header[name] = {"dtype": code, "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
+    for name, array in arrays.items():
+        nbytes = array.size * codes[name][1].itemsize
+        header[name] = {"dtype": codes[name][0], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the reference pads
     with atomic_write(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for _, array in stored.values():
-            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+        for name, array in arrays.items():  # NOTE: one tensor converted at a time
+            f.write(memoryview(_bytes(array, *codes[name]).reshape(-1).view(np.uint8)))

@@ -68,18 +68,8 @@ def _positive_float(value, name, allow_none=False):
 
 
 
-class _Unset:
-    """A draw of :class:`_Unfilled`: ``astype`` gives ``np.empty`` of its shape."""
-
-    def __init__(self, shape):
-        self.shape = shape
-
-    def astype(self, dtype, **_):
-        return np.empty(self.shape, dtype)
-
-
 class _Unfilled(np.random.Generator):
-    """The Generator of :meth:`Decoder.empty`: every draw is unfilled memory.
+    """The Generator of :meth:`Decoder.empty`: every draw a zero-size stand-in, its shape noted.
 
     NOTE: the layers initialise with ``rng.uniform(...).astype(dtype)`` or
     ``rng.standard_normal(...).astype(dtype)``; these two are the draws.
@@ -87,13 +77,25 @@ class _Unfilled(np.random.Generator):
 
     def __init__(self):
         super().__init__(np.random.PCG64(0))
+        self.shapes = {}  # id(stand-in) -> (stand-in, the shape it stands for)
 
     def uniform(self, low=0.0, high=1.0, size=None):  # type: ignore[override]
-        return _Unset(size)
+        return _StandIn(self, size)
 
     def standard_normal(self, size=None, dtype=np.float64, out=None):  # type: ignore[override]
-        return _Unset(size)
+        return _StandIn(self, size)
 
+
+class _StandIn:
+    """A draw of :class:`_Unfilled`: ``astype`` gives a zero-size array, noted with the shape."""
+
+    def __init__(self, draws, shape):
+        self.draws, self.shape = draws, shape
+
+    def astype(self, dtype, **_):
+        stand_in = np.empty(0, dtype)
+        self.draws.shapes[id(stand_in)] = (stand_in, self.shape)
+        return stand_in
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -474,10 +476,20 @@ class Decoder(Model):
 
         What a loader builds before writing a checkpoint into ``params`` in
         place (:func:`qkvnp.interop.from_hf`): no random number is drawn and
-        no page of a matrix is touched until it is written, so a model is
-        held once. The norms start at their usual ones and zeros.
+        no page of a matrix (or of a gradient) is touched until it is
+        written, so a loaded model is held once. The norms start at their
+        usual ones and zeros.
         """
-        return cls(config, rng=_Unfilled(), dtype=dtype)
+        draws = _Unfilled()
+        model = cls(config, rng=draws, dtype=dtype)
+        # NOTE: built on zero-size stand-ins, then each matrix and its gradient made once:
+        # the layers' constructors re-zero their gradients at every level of nesting
+        params = model.params
+        for name, value in params.items():
+            if id(value) in draws.shapes:
+                params[name] = np.empty(draws.shapes[id(value)][1], model.dtype)
+        model.zero_grad()
+        return model
 
     def _norm(self, dim=None):
         """A LayerNorm or RMSNorm of the config over ``dim`` (default ``E``)."""
