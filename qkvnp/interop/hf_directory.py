@@ -52,9 +52,9 @@ def read_json(path: str, what: str) -> Any:
         return out
 
     with open(path, "rb") as f:
-        text = f.read(_MAX_JSON_BYTES + 1)
-    if len(text) > _MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {what} is larger than {_MAX_JSON_BYTES} bytes")
+        if os.fstat(f.fileno()).st_size > _MAX_JSON_BYTES:
+            raise ValueError(f"{path}: {what} is larger than {_MAX_JSON_BYTES} bytes")
+        text = f.read()
     try:
         value = json.loads(text.decode("utf-8"), object_pairs_hook=unique)
     except UnicodeDecodeError as error:
