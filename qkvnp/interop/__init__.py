@@ -4,7 +4,7 @@ One module a peer: :mod:`qkvnp.interop.pytorch` for PyTorch's modules and
 the book's (:func:`from_torch`, :func:`to_torch`); :mod:`qkvnp.interop.hf`
 for Hugging Face transformers' decoders (:func:`from_hf`, :func:`to_hf`), and their
 directories (:func:`from_hf` of a path, :func:`save_hf`) through
-:mod:`qkvnp.interop.safetensors`, qkvnp's own reader and writer of the format
+``qkvnp.interop.safetensors``, qkvnp's own reader and writer of the format
 (:class:`SafetensorsFile`, :func:`load_safetensors`, :func:`save_safetensors`). Every name is
 re-exported here: ``from qkvnp.interop import from_torch``.
 """

@@ -459,7 +459,7 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
         says which) and ``.state_dict()`` of tensors or arrays; or a
         directory as ``save_pretrained`` writes it: ``config.json`` and
         ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
-        (read by :mod:`qkvnp.interop.safetensors`, memory-mapped; no torch needed).
+        (read by ``qkvnp.interop.safetensors``, memory-mapped; no torch needed).
     dtype : float dtype, keyword-only
         The Decoder's dtype (bfloat16 tensors go through float32, exactly).
 
@@ -489,7 +489,7 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
     Dropout rates (``attention_dropout``, GPT-2's ``*_pdrop``) are not carried:
     the Decoder has no dropout, which is the evaluation mode's forward.
 
-    The model is built with :meth:`Decoder.empty` and each tensor converted
+    The model is built with ``Decoder.empty`` and each tensor converted
     straight into its array: loading N parameters holds about N x the
     dtype's size, plus one tensor (``docs/checkpoints.md``).
     """

@@ -44,7 +44,7 @@ def read_json(path: str, what: str) -> Any:
     A key given twice is refused (``json`` would keep the last one silently).
     """
     def unique(pairs):
-        out: dict = {}
+        out = {}
         for key, value in pairs:
             if key in out:
                 raise ValueError(f"{path}: {what} names {key!r} twice")

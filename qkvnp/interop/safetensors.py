@@ -57,7 +57,7 @@ class SafetensorsError(ValueError):
 
 def _unique_keys(pairs):
     """A JSON object's dict, refusing a key given twice (``json`` would keep the last)."""
-    out: dict = {}
+    out = {}
     for key, value in pairs:
         if key in out:
             raise ValueError(f"the name {key!r} is given twice")
@@ -152,7 +152,7 @@ class SafetensorsFile:
     ------
     SafetensorsError
         Before anything is mapped or allocated, naming the file and the
-        fault: a header length past the file or above :data:`MAX_HEADER_BYTES`,
+        fault: a header length past the file or above ``MAX_HEADER_BYTES`` (100 MiB),
         a header that is not JSON or names a tensor twice, an unknown dtype,
         a shape that is not integers >= 0, offsets whose size is not shape x
         dtype, that overlap, leave a gap or run past the file.
@@ -222,6 +222,8 @@ class SafetensorsFile:
         dtype, shape, begin, end, _ = self._entry(name)
         if begin == end:
             return np.empty(shape, dtype)
+        if self._map is None:
+            raise ValueError(f"{self.path} is closed")
         count = (end - begin) // dtype.itemsize
         return np.frombuffer(self._map, dtype, count, self._start + begin).reshape(shape)
 
