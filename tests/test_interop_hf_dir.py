@@ -42,7 +42,7 @@ def transformers():
 
 
 def hf_model(torch, transformers, family, seed=0):
-    """A small float32 transformers model, weights moved away from the init's near-uniform logits."""
+    """A small float32 transformers model, moved away from the init's near-uniform logits."""
     torch.manual_seed(seed)
     model = getattr(transformers, CLASSES[family])(hf_config(transformers, family)).eval()
     with torch.no_grad():
@@ -112,7 +112,8 @@ def test_save_hf_loads_in_transformers_with_our_logits(torch, transformers, tmp_
 def test_save_hf_in_bfloat16_rounds_as_torch(torch, transformers, tmp_path):
     ours = from_hf(hf_model(torch, transformers, "qwen3"), dtype=np.float32)
     save_hf(ours, tmp_path, dtype="bfloat16")
-    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert theirs.dtype == torch.bfloat16
     state = theirs.state_dict()

@@ -388,7 +388,7 @@ def _unpacked(unpack, array, names, params, hf, where):
 
 
 def _legacy_rope(config, family):
-    """A config.json's ``rope_theta``/``rope_scaling`` (before transformers 5) as ``rope_parameters``."""
+    """A pre-5 config.json's ``rope_theta`` and ``rope_scaling`` as ``rope_parameters``."""
     if "rope_parameters" in config or family == "gpt2":
         return config
     config = dict(config)
@@ -592,11 +592,14 @@ def _hf_config(cfg, dtype_name):
     if family == "gemma3_text":
         del config["hidden_act"]
         config.update(_gemma_entries(cfg))
+    # NOTE: transformers 5 reads "dtype", earlier versions "torch_dtype"
     config.update(tie_word_embeddings=cfg.tie_embeddings, model_type=family, dtype=dtype_name,
+                  torch_dtype=dtype_name,
                   architectures=[name for name, kind in HF_ARCHITECTURES.items()
                                  if kind == family])
     back = _config(dict(config), family)
-    differ = [f.name for f in dataclasses.fields(cfg) if getattr(back, f.name) != getattr(cfg, f.name)]
+    differ = [field.name for field in dataclasses.fields(cfg)
+              if getattr(back, field.name) != getattr(cfg, field.name)]
     if differ:
         raise ValueError(f"save_hf: the DecoderConfig's {differ} cannot be written as a "
                          f"transformers {family} config")
@@ -629,11 +632,12 @@ def save_hf(model: Any, path: str | os.PathLike, *, dtype: Any = None) -> None:
     Writes ``model.safetensors`` (``{"format": "pt"}`` metadata, Qwen3-MoE's
     experts one by one, a tied table once under the name transformers
     keeps) and ``config.json`` (``architectures``, ``model_type``,
-    ``dtype``). Each file is written atomically, weights first: a reader
-    never sees half a file, and an interrupted save leaves at worst new
-    weights beside the old ``config.json``, which :func:`from_hf` refuses by
-    name if their sizes disagree. Token ids (``bos_token_id``...) are not
-    written: the Decoder does not hold them.
+    ``dtype`` and, for transformers before 5, ``torch_dtype``). Each file is
+    written atomically, weights first: a reader never sees half a file, and
+    an interrupted save leaves at worst new weights beside the old
+    ``config.json``, which :func:`from_hf` refuses by name if their sizes
+    disagree. Token ids (``bos_token_id``...) are not written: the Decoder
+    does not hold them.
     """
     import json
 

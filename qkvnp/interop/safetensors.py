@@ -228,7 +228,7 @@ class SafetensorsFile:
         return np.frombuffer(self._map, dtype, count, self._start + begin).reshape(shape)
 
     def array(self, name: str) -> np.ndarray:
-        """Tensor ``name`` readable by numpy: floats and ints as stored (a view), BF16 widened to float32."""
+        """Tensor ``name`` for numpy: as stored (a view), BF16 widened to float32 (a copy)."""
         array = self.raw(name)
         if self._entry(name)[4] == "BF16":
             # NOTE: every bfloat16 is a float32 whose low 16 bits are zero
