@@ -16,7 +16,7 @@ process:
   64 MiB`` for N parameters;
 - ``cat``: ``cat`` of the weights to ``/dev/null``, the page cache warm (one
   untimed read first): the time of reading the bytes;
-- ``touch``: ``np.ones`` of the model's bytes, the time a fresh process takes to
+- ``touch``: ``np.ones`` of the loaded model's bytes, the time a fresh process takes to
   get that much memory from the system: on a virtual machine whose host backs
   pages lazily, a floor under any load that makes its own arrays.
 
@@ -49,7 +49,7 @@ def _peak_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def _child(what, directory, dtype):
+def _child(what, directory, dtype, touch_count=0):
     """Run one measurement in this (fresh) process; print its JSON."""
     sys.path.insert(0, CHECKOUT)
     import numpy as np
@@ -61,18 +61,18 @@ def _child(what, directory, dtype):
     if what == "load":
         model = from_hf(directory, dtype=np.dtype(dtype))
         count = sum(p.size for p in model.params.values())
-    else:  # touch: as many bytes as the weights file, fresh
-        count = os.path.getsize(os.path.join(directory, "model.safetensors")) // 4
-        np.ones(count, np.float32)
+    else:  # touch: as many bytes as the loaded model's, fresh
+        count = touch_count
+        np.ones(count, np.dtype(dtype))
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "peak": _peak_bytes(), "base": base,
                       "params": int(count)}))
 
 
-def _run_child(what, directory, dtype):
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", what,
-                          "--dir", directory, "--dtype", dtype], check=True,
-                         capture_output=True, text=True).stdout
+def _run_child(what, directory, dtype, count=0):
+    command = [sys.executable, os.path.abspath(__file__), "--child", what, "--dir", directory,
+               "--dtype", dtype, "--count", str(count)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -113,7 +113,7 @@ def measure(directory, rounds=5, dtype="float32"):
     for _ in range(rounds):
         loads.append(_run_child("load", directory, dtype))
         cats.append(_cat_seconds(directory))
-        touches.append(_run_child("touch", directory, dtype)["seconds"])
+        touches.append(_run_child("touch", directory, dtype, loads[0]["params"])["seconds"])
     params = loads[0]["params"]
     itemsize = 8 if dtype == "float64" else 4
     return {"params": params, "load_s": statistics.median(r["seconds"] for r in loads),
@@ -130,9 +130,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--child", choices=["load", "touch"], help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.child, args.dir, args.dtype)
+        _child(args.child, args.dir, args.dtype, args.count)
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         directory = args.dir or make_gpt2(os.path.join(scratch, "gpt2-124m"))

@@ -431,12 +431,14 @@ def _fill(model, tensors, family):
 
     NOTE: one tensor at a time, converted (transposed, widened, cast) straight
     into its parameter and then released: the model is held once, never a
-    second copy of it.
+    second copy of it. The largest go first, while the model's pages are
+    still untouched: the one tensor in flight adds least to the peak then.
     """
     specs, params = _check_names(model.config, tensors, family), model.params
     for hf, ours, _, unpack in specs:  # shapes only: zero-stride stand-ins, nothing read
         stand_in = np.broadcast_to(np.empty((), np.float32), tensors.shape(hf))
         _unpacked(unpack, stand_in, ours, params, hf, tensors.where)
+    specs.sort(key=lambda spec: -int(np.prod(tensors.shape(spec[0]), dtype=np.int64)))
     for hf, ours, _, unpack in specs:
         array = tensors.array(hf)
         for name, part in zip(ours, _unpacked(unpack, array, ours, params, hf, tensors.where)):

@@ -232,7 +232,9 @@ class SafetensorsFile:
         array = self.raw(name)
         if self._entry(name)[4] == "BF16":
             # NOTE: every bfloat16 is a float32 whose low 16 bits are zero
-            return (array.astype(np.uint32) << 16).view(np.float32)
+            wide = array.astype(np.uint32)
+            wide <<= 16  # in place: one array of the tensor's size, not two
+            return wide.view(np.float32)
         return array
 
     def release(self, name: str) -> None:
