@@ -31,8 +31,8 @@ from qkvnp.models.decoder import Decoder, DecoderConfig
 
 from test_interop_hf import CLASSES, FAMILIES, V, hf_config
 
-#: float32 logits of order 1-10, two implementations' sums in other orders
-ATOL_FLOAT32 = 2e-4
+#: float32 logits of order 1, two implementations' sums in other orders (worst seen: 1.0e-6)
+ATOL_FLOAT32 = 1e-5
 KINDS = {"float32": {}, "bfloat16": {}, "sharded": {"max_shard_size": "20KB"}}
 
 
