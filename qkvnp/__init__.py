@@ -13,7 +13,8 @@ from .kernels import get_num_threads, num_threads, set_num_threads
 from .layers.kv_cache import KVCache
 from .models.generation import generate
 from .models.gpt import GPTModel
-from .models.decoder import Decoder, DecoderConfig
+from .models.decoder import Decoder
+from .models.decoder_config import DecoderConfig
 from .layers import (GELU, Dropout, Embedding, FeedForward, GatedFeedForward, LayerNorm, Linear,
                      Model, MultiHeadAttention, RMSNorm, SelfAttention, Sequential, SiLU,
                      TransformerBlock)

@@ -53,7 +53,8 @@ PUBLIC = {
         "check_symmetry_layer", "check_symmetry_op", "sweep_eps", "sweep_steps",
     ],
     "qkvnp.interop": [
-        "HF_ARCHITECTURES", "LAYOUTS", "from_hf", "from_torch", "to_hf", "to_torch",
+        "HF_ARCHITECTURES", "LAYOUTS", "SafetensorsError", "SafetensorsFile", "from_hf",
+        "from_torch", "load_safetensors", "save_hf", "save_safetensors", "to_hf", "to_torch",
     ],
     "qkvnp.optim": [
         "Adam", "AdamW", "Optimizer", "SGD",

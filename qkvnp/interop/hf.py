@@ -29,6 +29,9 @@ the name transformers keeps (``transformer.wte.weight``,
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 
 from .._checks import as_numpy
@@ -38,7 +41,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any
     from .._typing import DTypeLike
 
-__all__ = ["HF_ARCHITECTURES", "from_hf", "to_hf"]
+__all__ = ["HF_ARCHITECTURES", "from_hf", "to_hf", "save_hf"]
 
 #: The transformers classes :func:`from_hf` accepts, and their ``model_type``.
 HF_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
@@ -60,13 +63,15 @@ _DROPOUT = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout",
 
 
 def _architecture(source, config):
-    """The ``model_type`` of ``source``, or a ``ValueError`` naming its architecture."""
+    """The ``model_type`` of ``source`` (None: a directory's config), or a ``ValueError``."""
     name = type(source).__name__
-    if name in HF_ARCHITECTURES:
+    if source is not None and name in HF_ARCHITECTURES:
         return HF_ARCHITECTURES[name]
     named = config.get("architectures") or []
     if len(named) == 1 and named[0] in HF_ARCHITECTURES:
         return HF_ARCHITECTURES[named[0]]
+    if source is None and not named and config.get("model_type") in HF_ARCHITECTURES.values():
+        return config["model_type"]
     shown = named[0] if named else f"{name} (model_type {config.get('model_type')!r})"
     raise ValueError(f"from_hf does not support the architecture {shown}; supported: "
                      f"{sorted(HF_ARCHITECTURES)}")
@@ -122,11 +127,13 @@ def _rope(reader, parameters, where="rope_parameters"):
 def _gpt2_config(r):
     from ..models.decoder import DecoderConfig
 
-    r.expect("activation_function", ("gelu_new", "gelu_pytorch_tanh"))
-    r.expect("scale_attn_weights", (True,))
-    r.expect("scale_attn_by_inverse_layer_idx", (False,))
-    r.expect("reorder_and_upcast_attn", (False,))
-    r.expect("add_cross_attention", (False,))
+    # the defaults are GPT2Config's: a config.json may leave them out
+    r.expect("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+    r.expect("scale_attn_weights", (True,), True)
+    r.expect("scale_attn_by_inverse_layer_idx", (False,), False)
+    r.expect("reorder_and_upcast_attn", (False,), False)
+    r.expect("add_cross_attention", (False,), False)
+    r.get("n_ctx")  # older configs' copy of n_positions, unread by transformers
     for key in ("summary_type", "summary_use_proj", "summary_activation",
                 "summary_proj_to_labels"):  # GPT2DoubleHeadsModel's head, not this model's
         r.get(key)
@@ -141,7 +148,8 @@ def _llama_like_config(r):
     """Llama, Mistral, Qwen3, Qwen3-MoE and Gemma 3's common entries, as DecoderConfig fields."""
     family = r.family
     act_key = "hidden_activation" if family == "gemma3_text" else "hidden_act"
-    r.expect(act_key, ("gelu_pytorch_tanh",) if family == "gemma3_text" else ("silu",))
+    act = "gelu_pytorch_tanh" if family == "gemma3_text" else "silu"
+    r.expect(act_key, (act,), act)
     bias = bool(r.get("attention_bias", False))
     fields = dict(vocab_size=r.get("vocab_size"), emb_dim=r.get("hidden_size"),
                   num_layers=r.get("num_hidden_layers"), num_heads=r.get("num_attention_heads"),
@@ -218,14 +226,11 @@ def _family_config(r):
     return DecoderConfig(**fields), fields["tie_embeddings"]
 
 
-def _config(source, family):
-    """The DecoderConfig of ``source``'s config, every entry read or refused."""
-    config = source.config.to_dict()
+def _config(config, family):
+    """The DecoderConfig of a config dict, every entry read or refused."""
     reader = _Reader(config, family)
     cfg, _ = _gpt2_config(reader) if family == "gpt2" else _family_config(reader)
     if family == "gpt2" and not reader.config.get("tie_word_embeddings", True):
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     reader.finish()
     return cfg
@@ -289,7 +294,17 @@ def _moe_specs(hf, ours, cfg):
              lambda array: [w.T for w in array])]
 
 
-def _llama_specs(cfg):
+def _moe_file_specs(hf, ours, cfg):
+    """A checkpoint file's experts: one ``(out, in)`` matrix each, as ``save_pretrained`` writes."""
+    specs = [(hf + "mlp.gate.weight", [ours + "mlp.router.W"], lambda a: a[0].T, lambda a: [a.T])]
+    for i in range(cfg.num_experts):
+        for p, w in (("gate", "W_gate"), ("up", "W_up"), ("down", "W_down")):
+            specs.append((f"{hf}mlp.experts.{i}.{p}_proj.weight", [f"{ours}mlp.experts.{i}.{w}"],
+                          lambda a: a[0].T, lambda a: [a.T]))
+    return specs
+
+
+def _llama_specs(cfg, files=False):
     """``(hf name, qkvnp names, to_hf, from_hf)`` of the Llama-like families' parameters."""
     specs = [("model.embed_tokens.weight", ["embed.weight"], lambda a: a[0], lambda a: [a])]
 
@@ -310,7 +325,7 @@ def _llama_specs(cfg):
             specs += [same(f"{hf}self_attn.{p}_norm.weight", f"{ours}self_attn.{p}_norm.weight")
                       for p in ("q", "k")]
         if cfg.mlp == "moe":
-            specs += _moe_specs(hf, ours, cfg)
+            specs += (_moe_file_specs if files else _moe_specs)(hf, ours, cfg)
         else:
             specs += [linear(f"{hf}mlp.{p}_proj.weight", f"{ours}mlp.{p}_proj.W")
                       for p in ("gate", "up", "down")]
@@ -327,14 +342,112 @@ def _llama_specs(cfg):
     return specs
 
 
-def _specs(cfg):
+def _specs(cfg, files=False):
     if cfg.family is None:
         raise ValueError("to_hf needs the model's family (DecoderConfig.family, set by the "
                          "presets and from_hf) to know transformers' names")
-    return _gpt2_specs(cfg) if cfg.family == "gpt2" else _llama_specs(cfg)
+    # NOTE: files keep Qwen3-MoE's experts apart; transformers' modules fuse them
+    return _gpt2_specs(cfg) if cfg.family == "gpt2" else _llama_specs(cfg, files)
 
 
 # ---------------------------------------------------------------- in and out
+
+
+class _StateDict:
+    """A model object's state dict as the tensors :func:`_fill` reads."""
+
+    def __init__(self, state):
+        self.arrays = {name: as_numpy(value, f"state_dict[{name!r}]")
+                       for name, value in state.items()}
+        self.where, self.files_layout = "the state dict", False
+
+    def names(self):
+        return set(self.arrays)
+
+    def shape(self, name):
+        return self.arrays[name].shape
+
+    def array(self, name):
+        return self.arrays[name]
+
+    def release(self, name):
+        del self.arrays[name]
+
+
+def _unpacked(unpack, array, names, params, hf, where):
+    """``unpack(array)``'s parts, each checked against its parameter's shape."""
+    try:
+        parts = list(unpack(array))
+    except (ValueError, IndexError):
+        parts = []
+    shapes = [params[name].shape for name in names]
+    if [part.shape for part in parts] != shapes:
+        raise ValueError(f"from_hf: {where}'s {hf!r} has shape {tuple(array.shape)}, which "
+                         f"does not give qkvnp's {names[:3]} of shapes {shapes[:3]}")
+    return parts
+
+
+def _legacy_rope(config, family):
+    """A pre-5 config.json's ``rope_theta`` and ``rope_scaling`` as ``rope_parameters``."""
+    if "rope_parameters" in config or family == "gpt2":
+        return config
+    config = dict(config)
+    full = dict(config.pop("rope_scaling", None) or {})
+    full["rope_theta"] = config.pop("rope_theta", 1e6 if family == "gemma3_text" else 1e4)
+    full.setdefault("rope_type", full.pop("type", "default"))
+    if family == "gemma3_text":
+        local = config.pop("rope_local_base_freq", 10000.0)
+        config["rope_parameters"] = {"full_attention": full, "sliding_attention":
+                                     {"rope_type": "default", "rope_theta": local}}
+    else:
+        config["rope_parameters"] = full
+    return config
+
+
+def _check_names(cfg, tensors, family):
+    """Every tensor the config needs is there, no other, and the table fits: before allocating."""
+    specs = _specs(cfg, tensors.files_layout)
+    names = tensors.names()
+    if cfg.tie_embeddings:
+        names.discard("lm_head.weight")  # the same tensor as the table
+    missing = [hf for hf, *_ in specs if hf not in names]
+    if missing:
+        raise ValueError(f"from_hf: {tensors.where} has no {missing[0]!r}"
+                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    unknown = sorted(names - {hf for hf, *_ in specs})
+    if unknown:
+        raise ValueError(f"from_hf: {tensors.where}'s entries {unknown[:5]} are unknown to "
+                         f"qkvnp's Decoder for {family}; refused rather than dropped")
+    table = specs[0][0]  # the token table: (V, E) as the config says
+    if tuple(tensors.shape(table)) != (cfg.vocab_size, cfg.emb_dim):
+        raise ValueError(f"from_hf: {tensors.where}'s {table!r} has shape "
+                         f"{tuple(tensors.shape(table))}, the config says "
+                         f"({cfg.vocab_size}, {cfg.emb_dim})")
+    return specs
+
+
+def _fill(model, tensors, family):
+    """Write each of ``tensors``' arrays into the model's, in place: all checked first.
+
+    NOTE: one tensor at a time, converted (transposed, widened, cast) straight
+    into its parameter and then released: the model is held once, never a
+    second copy of it. The largest go first, while the model's pages are
+    still untouched: the one tensor in flight adds least to the peak then.
+    """
+    specs, params = _check_names(model.config, tensors, family), model.params
+    for hf, ours, _, unpack in specs:  # shapes only: zero-stride stand-ins, nothing read
+        stand_in = np.broadcast_to(np.empty((), np.float32), tensors.shape(hf))
+        _unpacked(unpack, stand_in, ours, params, hf, tensors.where)
+    specs.sort(key=lambda spec: -int(np.prod(tensors.shape(spec[0]), dtype=np.int64)))
+    for hf, ours, _, unpack in specs:
+        array = tensors.array(hf)
+        for name, part in zip(ours, _unpacked(unpack, array, ours, params, hf, tensors.where)):
+            np.copyto(params[name], part, casting="unsafe")
+            if not np.isfinite(params[name]).all():
+                raise ValueError(f"from_hf: {tensors.where}'s {hf!r} holds NaN or inf")
+        del array, part
+        tensors.release(hf)
+    return model
 
 
 def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
@@ -342,10 +455,13 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
 
     Parameters
     ----------
-    source : transformers model
+    source : transformers model, or str or os.PathLike
         One of :data:`HF_ARCHITECTURES`, or anything with ``.config``
         (``to_dict()``, whose ``architectures`` or the object's class name
-        says which) and ``.state_dict()`` of tensors or arrays.
+        says which) and ``.state_dict()`` of tensors or arrays; or a
+        directory as ``save_pretrained`` writes it: ``config.json`` and
+        ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
+        (read by ``qkvnp.interop.safetensors``, memory-mapped; no torch needed).
     dtype : float dtype, keyword-only
         The Decoder's dtype (bfloat16 tensors go through float32, exactly).
 
@@ -360,33 +476,40 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
         For another architecture (naming it and the supported ones), for a
         config option the Decoder cannot express (naming it: RoPE scaling,
         ``scale_attn_by_inverse_layer_idx``, a sliding window without
-        ``layer_types``...), and for a state-dict entry it does not know.
+        ``layer_types``...), for a tensor it does not know, lacks, or whose
+        shape does not fit, and for NaN or inf; from a directory also for a
+        ``config.json`` with missing or absurd sizes, an index naming a
+        tensor twice or naming one its shard lacks, and a malformed
+        safetensors file (:class:`~qkvnp.interop.safetensors.SafetensorsError`):
+        each message names the file. Everything but NaN is checked before
+        the model is allocated.
+    FileNotFoundError
+        A directory without ``config.json`` or weights, or a missing shard.
 
     Notes
     -----
     Dropout rates (``attention_dropout``, GPT-2's ``*_pdrop``) are not carried:
     the Decoder has no dropout, which is the evaluation mode's forward.
+
+    The model is built with ``Decoder.empty`` and each tensor converted
+    straight into its array: loading N parameters holds about N x the
+    dtype's size, plus one tensor (``docs/checkpoints.md``).
     """
     from ..models.decoder import Decoder
 
-    family = _architecture(source, source.config.to_dict())
-    cfg = _config(source, family)
-    model = Decoder(cfg, rng=0, dtype=dtype)
-    hf_state = {name: as_numpy(value, f"state_dict[{name!r}]")
-                for name, value in source.state_dict().items()}
-    if cfg.tie_embeddings:
-        hf_state.pop("lm_head.weight", None)  # the same tensor as the table
-    state: dict[str, Any] = {}
-    for hf, names, _, unpack in _specs(cfg):
-        if hf not in hf_state:
-            raise ValueError(f"from_hf: the state dict has no {hf!r}")
-        state.update(zip(names, unpack(hf_state.pop(hf))))
-    unknown = sorted(hf_state)
-    if unknown:
-        raise ValueError(f"from_hf: state dict entries {unknown[:5]} are unknown to qkvnp's "
-                         f"Decoder for {family}; refused rather than dropped")
-    model.load_state_dict(state)
-    return model
+    if isinstance(source, (str, os.PathLike)):
+        from .hf_directory import open_directory
+
+        config, tensors = open_directory(source)
+        with tensors:
+            family = _architecture(None, config)
+            cfg = _config(_legacy_rope(config, family), family)
+            _check_names(cfg, tensors, family)
+            return _fill(Decoder.empty(cfg, dtype=dtype), tensors, family)
+    config = source.config.to_dict()
+    family = _architecture(source, config)
+    cfg = _config(config, family)
+    return _fill(Decoder.empty(cfg, dtype=dtype), _StateDict(source.state_dict()), family)
 
 
 def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
@@ -435,3 +558,128 @@ def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
     arrays = model.grads if grads else model.params
     return {hf: np.array(pack([arrays[name] for name in names]))
             for hf, names, pack, _ in _specs(model.config)}
+
+
+# ---------------------------------------------------------------- a directory out
+
+
+def _rope_parameters(base, scaling):
+    return dict(scaling, rope_theta=base) if scaling else {"rope_type": "default",
+                                                           "rope_theta": base}
+
+
+def _gemma_entries(cfg):
+    """Gemma 3's own entries of a config dict."""
+    scalar = cfg.scale ** -2  # the score scale is query_pre_attn_scalar ** -0.5
+    if float(round(scalar)) ** -0.5 == cfg.scale:
+        scalar = round(scalar)
+    local = cfg.rope_base if cfg.rope_local_base is None else cfg.rope_local_base
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+            "final_logit_softcapping": cfg.final_softcap, "attn_logit_softcapping": None,
+            "rope_parameters": {"full_attention": _rope_parameters(cfg.rope_base,
+                                                                   cfg.rope_scaling),
+                                "sliding_attention": _rope_parameters(local, None)}}
+
+
+def _hf_config(cfg, dtype_name):
+    """transformers' ``config.json`` of ``cfg``, refused unless it reads back as ``cfg``."""
+    family = cfg.family
+    if family == "gpt2":
+        config = {"vocab_size": cfg.vocab_size, "n_embd": cfg.emb_dim, "n_layer": cfg.num_layers,
+                  "n_head": cfg.num_heads, "n_positions": cfg.context_length,
+                  "n_inner": cfg.hidden_dim, "layer_norm_epsilon": cfg.norm_eps,
+                  "activation_function": "gelu_new"}
+        if cfg.vocab_size <= 50256:  # GPT2Config's default token ids lie outside a small vocabulary
+            config.update(bos_token_id=None, eos_token_id=None)
+    else:
+        config = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.emb_dim,
+                  "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+                  "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                  "intermediate_size": cfg.hidden_dim, "rms_norm_eps": cfg.norm_eps,
+                  "max_position_embeddings": cfg.context_length, "hidden_act": "silu",
+                  "attention_bias": cfg.qkv_bias,
+                  "rope_parameters": _rope_parameters(cfg.rope_base, cfg.rope_scaling)}
+    sliding = "sliding_attention" in cfg.layer_types
+    if family == "mistral":
+        config["sliding_window"] = cfg.sliding_window if sliding else None
+    if family in ("qwen3", "qwen3_moe", "gemma3_text"):
+        config.update(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window)
+    if family in ("qwen3", "qwen3_moe"):
+        config["use_sliding_window"] = sliding
+    if family == "qwen3_moe":
+        config.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                      norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.moe_hidden_dim)
+    if family == "gemma3_text":
+        del config["hidden_act"]
+        config.update(_gemma_entries(cfg))
+    # NOTE: transformers 5 reads "dtype", earlier versions "torch_dtype"
+    config.update(tie_word_embeddings=cfg.tie_embeddings, model_type=family, dtype=dtype_name,
+                  torch_dtype=dtype_name,
+                  architectures=[name for name, kind in HF_ARCHITECTURES.items()
+                                 if kind == family])
+    back = _config(dict(config), family)
+    differ = [field.name for field in dataclasses.fields(cfg)
+              if getattr(back, field.name) != getattr(cfg, field.name)]
+    if differ:
+        raise ValueError(f"save_hf: the DecoderConfig's {differ} cannot be written as a "
+                         f"transformers {family} config")
+    return config
+
+
+def save_hf(model: Any, path: str | os.PathLike, *, dtype: Any = None) -> None:
+    """Write a Decoder as a directory transformers' ``from_pretrained(path)`` loads.
+
+    Parameters
+    ----------
+    model : Decoder
+        With ``config.family`` set (the presets and :func:`from_hf` set it).
+    path : str or os.PathLike
+        The directory: made if absent (its parent must exist); an existing
+        one's ``config.json`` and ``model.safetensors`` are replaced.
+    dtype : numpy float dtype or "bfloat16", keyword-only, optional
+        The stored dtype (default the model's; ``"bfloat16"`` rounds to nearest even).
+
+    Raises
+    ------
+    ValueError
+        A model without a family, a configuration transformers' config of
+        that family cannot express, a ``path`` that is a file or holds a
+        sharded checkpoint (``model.safetensors.index.json``): before
+        anything is written.
+
+    Notes
+    -----
+    Writes ``model.safetensors`` (``{"format": "pt"}`` metadata, Qwen3-MoE's
+    experts one by one, a tied table once under the name transformers
+    keeps) and ``config.json`` (``architectures``, ``model_type``,
+    ``dtype`` and, for transformers before 5, ``torch_dtype``). Each file is
+    written atomically, weights first: a reader never sees half a file, and
+    an interrupted save leaves at worst new weights beside the old
+    ``config.json``, which :func:`from_hf` refuses by name if their sizes
+    disagree. Token ids (``bos_token_id``...) are not written: the Decoder
+    does not hold them.
+    """
+    import json
+
+    from .._io import atomic_write
+    from .safetensors import save_safetensors
+
+    cfg = model.config
+    specs = _specs(cfg, files=True)
+    stored = np.dtype(model.dtype) if dtype is None else dtype
+    name = "bfloat16" if isinstance(stored, str) and stored == "bfloat16" else np.dtype(stored).name
+    config = _hf_config(cfg, name)
+    directory = os.fspath(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"save_hf: {directory!r} is a file; give a directory")
+    if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        raise ValueError(f"save_hf: {directory!r} holds a sharded checkpoint "
+                         "(model.safetensors.index.json); give another directory")
+    os.makedirs(directory, exist_ok=True)
+    params = model.params
+    tensors = {hf: pack([params[n] for n in names]) for hf, names, pack, _ in specs}
+    save_safetensors(tensors, os.path.join(directory, "model.safetensors"), dtype=dtype,
+                     metadata={"format": "pt"})
+    with atomic_write(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")

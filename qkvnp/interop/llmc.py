@@ -30,6 +30,7 @@ the table, and llm.c's LayerNorm epsilon is 1e-5 (not in the file).
 """
 from __future__ import annotations
 
+import mmap
 import os
 
 import numpy as np
@@ -114,16 +115,29 @@ def _check_sizes(name, sizes):
                          f"its vocabulary V={V}")
 
 
-def _tensors(path, version, sizes):
-    """The 16 tensors as read-only views of a memory map, in the file's order."""
+def _tensors(file, version, sizes):
+    """The 16 tensors as read-only views of a memory map of ``file``, in the file's order,
+    and the map (whose pages :func:`_release` lets go)."""
     stored = np.dtype("<f4") if version == 3 else np.dtype("<u2")
-    data = np.memmap(os.fspath(path), dtype=stored, mode="r", offset=_HEADER_BYTES)
+    mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    data = np.frombuffer(mapped, dtype=stored, offset=_HEADER_BYTES)
     out, start = [], 0
     for shape in _tensor_shapes(*sizes):
         count = int(np.prod(shape))
         out.append(data[start:start + count].reshape(shape))
         start += count
-    return out
+    return out, mapped
+
+
+def _release(mapped):
+    """Let the kernel drop the file's pages from this process (read again if touched).
+
+    NOTE: a page of the map read once stays resident, counted in the process's
+    memory, beside the model it was copied into: released after each tensor,
+    the peak is the model and one tensor, not the model and the file.
+    """
+    if hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def _widen(array, dtype):
@@ -134,31 +148,31 @@ def _widen(array, dtype):
 
 
 def _decoder_state(tensors, sizes, dtype):
-    """The Decoder's state dict from the 16 tensors (``(out, in)`` matrices transposed)."""
+    """The Decoder's ``(name, array)`` pairs from the 16 tensors, one at a time (``(out, in)``
+    matrices transposed), so that at most one converted tensor is alive beside the model."""
     maxT, V, L, NH, C, Vp = sizes
     (wte, wpe, ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b,
      fcw, fcb, fcprojw, fcprojb, lnfw, lnfb) = tensors
-    state = {"embed.weight": _widen(wte[:V], dtype),  # (Vp, C) -> (V, C): padding dropped
-             "pos_embed.weight": _widen(wpe, dtype),
-             "final_norm.scale": _widen(lnfw, dtype), "final_norm.shift": _widen(lnfb, dtype)}
+    yield "embed.weight", _widen(wte[:V], dtype)  # (Vp, C) -> (V, C): padding dropped
+    yield "pos_embed.weight", _widen(wpe, dtype)
+    yield "final_norm.scale", _widen(lnfw, dtype)
+    yield "final_norm.shift", _widen(lnfb, dtype)
     for i in range(L):
         block = f"blocks.{i}."
         qkv_weight, qkv_bias = _widen(qkvw[i], dtype), _widen(qkvb[i], dtype)  # (3C, C), (3C,)
         for j, role in enumerate("qkv"):
-            state[block + f"self_attn.{role}_proj.W"] = qkv_weight[j * C:(j + 1) * C].T  # (C, C)
-            state[block + f"self_attn.{role}_proj.b"] = qkv_bias[j * C:(j + 1) * C]
-        state.update({
-            block + "self_attn.o_proj.W": _widen(attprojw[i], dtype).T,
-            block + "self_attn.o_proj.b": _widen(attprojb[i], dtype),
-            block + "attn_norm.scale": _widen(ln1w[i], dtype),
-            block + "attn_norm.shift": _widen(ln1b[i], dtype),
-            block + "mlp_norm.scale": _widen(ln2w[i], dtype),
-            block + "mlp_norm.shift": _widen(ln2b[i], dtype),
-            block + "mlp.layers.0.W": _widen(fcw[i], dtype).T,        # (4C, C) -> (C, 4C)
-            block + "mlp.layers.0.b": _widen(fcb[i], dtype),
-            block + "mlp.layers.2.W": _widen(fcprojw[i], dtype).T,    # (C, 4C) -> (4C, C)
-            block + "mlp.layers.2.b": _widen(fcprojb[i], dtype)})
-    return state
+            yield block + f"self_attn.{role}_proj.W", qkv_weight[j * C:(j + 1) * C].T  # (C, C)
+            yield block + f"self_attn.{role}_proj.b", qkv_bias[j * C:(j + 1) * C]
+        yield block + "self_attn.o_proj.W", _widen(attprojw[i], dtype).T
+        yield block + "self_attn.o_proj.b", _widen(attprojb[i], dtype)
+        yield block + "attn_norm.scale", _widen(ln1w[i], dtype)
+        yield block + "attn_norm.shift", _widen(ln1b[i], dtype)
+        yield block + "mlp_norm.scale", _widen(ln2w[i], dtype)
+        yield block + "mlp_norm.shift", _widen(ln2b[i], dtype)
+        yield block + "mlp.layers.0.W", _widen(fcw[i], dtype).T  # (4C, C) -> (C, 4C)
+        yield block + "mlp.layers.0.b", _widen(fcb[i], dtype)
+        yield block + "mlp.layers.2.W", _widen(fcprojw[i], dtype).T  # (C, 4C) -> (4C, C)
+        yield block + "mlp.layers.2.b", _widen(fcprojb[i], dtype)
 
 
 def load_llmc(path: str | os.PathLike[str], *, dtype: DTypeLike = np.float32) -> Any:
@@ -201,9 +215,17 @@ def load_llmc(path: str | os.PathLike[str], *, dtype: DTypeLike = np.float32) ->
     maxT, V, L, NH, C, Vp = sizes
     cfg = DecoderConfig.gpt2(vocab_size=V, emb_dim=C, num_layers=L, num_heads=NH,
                              context_length=maxT, norm_eps=_NORM_EPS)
-    state = _decoder_state(_tensors(path, version, sizes), sizes, dtype)
-    model = Decoder(cfg, rng=0, dtype=dtype)
-    model.load_state_dict(state)
+    model = Decoder.empty(cfg, dtype=dtype)  # allocated, not filled: held once
+    params, filled = model.params, set()
+    with open(os.fspath(path), "rb") as file:
+        tensors, mapped = _tensors(file, version, sizes)
+        for name, value in _decoder_state(tensors, sizes, dtype):
+            np.copyto(params[name], value, casting="unsafe")
+            filled.add(name)
+            _release(mapped)
+        del tensors, value  # the views of the map, so that it can close
+    if filled != set(params):  # every parameter has its tensor (the layout's own check)
+        raise RuntimeError(f"load_llmc filled {sorted(filled)} of {sorted(params)}")
     return model
 
 

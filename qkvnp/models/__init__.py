@@ -3,8 +3,9 @@
 ==================  ===========================================================
 ``gpt``             :class:`~qkvnp.GPTModel`, the book's chapter 4 GPT
 ``generation``      :func:`~qkvnp.generate`, its KV-cached sampling loop
-``decoder``         :class:`~qkvnp.Decoder` and :class:`~qkvnp.DecoderConfig`, one
-                    decoder for GPT-2, Llama 3, Qwen3, Qwen3-MoE, Gemma 3, Mistral
+``decoder``         :class:`~qkvnp.Decoder`, one decoder for GPT-2, Llama 3,
+                    Qwen3, Qwen3-MoE, Gemma 3, Mistral
+``decoder_config``  :class:`~qkvnp.DecoderConfig` and the families' presets
 ==================  ===========================================================
 """
 
