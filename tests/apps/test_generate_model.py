@@ -16,10 +16,7 @@ from qkvnp.apps.cli import main
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
-interop = pytest.importorskip("qkvnp.interop")
-if not hasattr(interop, "save_hf"):  # the safetensors reader lands with from_hf(path)
-    pytest.skip("qkvnp.interop.from_hf(path) and save_hf are not on this branch yet",
-                allow_module_level=True)
+from qkvnp import interop  # noqa: E402
 
 PROMPT = "The quick brown fox, où"
 
@@ -126,6 +123,19 @@ def test_without_the_tokenizers_package_the_extra_is_named(directory, capsys, mo
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
     code, out, err = _generate(capsys, "--model", str(path), "--prompt", "x")
     assert code == 2 and "'tokenizers'" in err and "pip install 'qkvnp[hf]'" in err
+
+
+def test_without_jinja2_chat_names_the_extra(directory, capsys, monkeypatch, tmp_path):
+    import json
+    import shutil
+
+    chat = tmp_path / "chat"
+    shutil.copytree(directory[0], chat)
+    (chat / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 1 }}"}))
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    monkeypatch.setitem(sys.modules, "jinja2.sandbox", None)
+    code, out, err = _generate(capsys, "--model", str(chat), "--prompt", "x", "--chat")
+    assert code == 2 and "'jinja2'" in err and "pip install 'qkvnp[hf]'" in err and out == ""
 
 
 def test_an_llmc_file_takes_ids_or_bytes_and_prints_ids(directory, tmp_path, capsys):

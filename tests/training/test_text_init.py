@@ -22,10 +22,7 @@ from qkvnp.training.checkpoint import CheckpointError
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
-interop = pytest.importorskip("qkvnp.interop")
-if not hasattr(interop, "save_hf"):  # the safetensors reader lands with from_hf(path)
-    pytest.skip("qkvnp.interop.from_hf(path) and save_hf are not on this branch yet",
-                allow_module_level=True)
+from qkvnp import interop  # noqa: E402
 
 SETTINGS = dict(steps=12, context=16, batch_size=4, lr=3e-3, warmup=2, seed=1, eval_every=4,
                 eval_windows=8, sample_every=6, sample_length=8)
@@ -156,6 +153,18 @@ def test_bad_options_are_refused_by_name_before_training(init, tmp_path, capsys,
     out, err = capsys.readouterr()
     assert message in err and "step " not in out
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_without_the_tokenizers_package_the_extra_is_named(init, capsys, monkeypatch):
+    import sys
+
+    model_path, text = init
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
+    assert main(["train", "--task", "text", "--init", model_path, "--text", text]
+                + _argv(SETTINGS)) == 2
+    out, err = capsys.readouterr()
+    assert "pip install 'qkvnp[hf]'" in err and "nothing was trained" in err
+    assert "step " not in out
 
 
 def test_a_newcomers_first_commands_end_to_end(tmp_path, capsys):
