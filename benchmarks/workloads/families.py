@@ -251,7 +251,9 @@ def serve():
                                          spec.get("weights"), spec.get("threads", 1))
                     reply = {"library": runner.library}
                 except ImportError as error:
-                    reply = {"missing": f"{error} (pip install torch transformers)"}
+                    reply = {"missing": "PyTorch is not installed (pip install 'qkvnp[torch]')"
+                             if error.name == "torch" else
+                             f"{error} (transformers comes with pip install 'qkvnp[test]')"}
             elif op == "outputs":
                 reply = {"outputs": [runner.call() for _ in range(command["calls"])]}
             elif op == "calibrate":
