@@ -6,7 +6,8 @@ same output, grouped-query attention equals repeated key/value heads, the
 planted bug fails with the softmax diagnosis and the fixed backward passes,
 the book's printed first context vector, tied Q = K below separate on the
 partner task, the tiny GPT's held-out loss below the bigram baseline's, the losses of a transformers
-model trained in qkvnp equal PyTorch's steps). The
+model trained in qkvnp equal PyTorch's steps, a model directory written by
+transformers generates its greedy tokens). The
 docs build runs the same scripts through sphinx-gallery. matplotlib is optional: an example draws its figure (on the Agg backend)
 only when matplotlib imports.
 """
@@ -40,6 +41,8 @@ EXPECTED = {
     "plot_load_torch_weights.py": [r"^\[\[0\.319 +0\.4858\]"],
     # checked below: qkvnp's loss goes down; with transformers, the logits and losses agree
     "plot_finetune_transformers_model.py": [r"^qkvnp's loss: \d\.\d+ at step 1, \d\.\d+ at step 30$"],
+    # checked below: with transformers, its greedy tokens
+    "plot_generate_from_a_directory.py": [r"'config\.json', .*'model\.safetensors'"],
     "plot_tied_vs_separate_qk.py": [r"separate: held-out accuracy", r"tied_qk: held-out accuracy"],
     # the script asserts that every diagonal of the bias is -slope * offset
     "plot_alibi_bias.py": [r"slopes: 0\.5 0\.25 0\.125 0\.0625 0\.03125",
@@ -99,8 +102,16 @@ def test_example_runs_and_prints_its_check(name, tmp_path):
             # float64 both sides; transformers' float32 spots (RoPE angles, RMSNorm,
             # softmax) bound the agreement near float32's rounding
             logits = float(re.search(r"from transformers: (\S+)", result.stdout)[1])
-            losses = float(re.search(r"from PyTorch: (\S+)", result.stdout)[1])
-            assert logits < 1e-6 and losses < 1e-6
+            early, every = map(float, re.search(r"from PyTorch: (\S+) \(steps 1-10\), (\S+)",
+                                                result.stdout).groups())
+            # the rounding grows as the steps feed it back: about 1e-7 over the first
+            # ten steps, up to about 2e-3 by the thirtieth, of losses near 3 to 5
+            assert logits < 1e-6 and early < 1e-6 and every < 1e-2
+    if name == "plot_generate_from_a_directory.py":
+        compared = "as transformers' greedy generate" in result.stdout
+        assert compared != ("not installed: qkvnp writes the directory" in result.stdout)
+        if compared:
+            assert "as transformers' greedy generate: True" in result.stdout
     if name == "plot_load_torch_weights.py":
         torch_ran = "largest difference from PyTorch" in result.stdout
         assert torch_ran != ("PyTorch is not installed" in result.stdout)
