@@ -89,17 +89,41 @@ def rope_tables(positions: Any, inverse_frequency: Any, attention_factor: float,
     return cos.astype(dtype), sin.astype(dtype)
 
 
-def _rotate(x, cos, sin, transpose=False):
-    """``R x`` (or ``R^T x``) over the halves of ``x`` ``(B, H, T, D)``, into a new array."""
-    D = x.shape[-1]
-    x1, x2 = x[..., :D // 2], x[..., D // 2:]  # (B, H, T, D) -> 2 x (B, H, T, D/2)
-    if transpose:
-        sin = -sin
-    out = np.empty(x.shape, x.dtype)
-    np.multiply(x1, cos, out=out[..., :D // 2])
-    out[..., :D // 2] -= x2 * sin
-    np.multiply(x2, cos, out=out[..., D // 2:])
-    out[..., D // 2:] += x1 * sin
+def _full_tables(rope, heads):
+    """RoPE's tables over whole heads, ``cos`` and ``(-sin, sin)`` of shape ``(B or 1, heads, T, D)``,
+    laid out as ``(B or 1, T, heads, D)``: the layout of a projection's rows, so that the
+    rotation runs along whole rows (one inner loop of ``heads D``, not ``D/2``)."""
+    cos, sin = rope  # (B or 1, 1, T, D/2)
+    full = []
+    for table in (np.concatenate((cos, cos), -1), np.concatenate((-sin, sin), -1)):
+        rows = table.transpose(0, 2, 1, 3)  # (b, 1, T, D) -> (b, T, 1, D)
+        rows = np.ascontiguousarray(np.broadcast_to(rows, rows.shape[:2] + (heads,)
+                                                    + rows.shape[3:]))  # (b, T, heads, D)
+        full.append(rows.transpose(0, 2, 1, 3))  # a view (b, heads, T, D)
+    return tuple(full)
+
+
+def _rotate(x, cos, signed_sin, transpose=False):
+    """``R x`` (or ``R^T x``) of ``x`` ``(B, H, T, D)``: ``x cos + (x2, x1) (-sin, sin)`` (``-`` for ``R^T``).
+
+    The output keeps ``x``'s memory layout (a projection's rows)."""
+    half = x.shape[-1] // 2
+    out = np.multiply(x, cos)  # (B, H, T, D), x's layout
+    swapped = np.empty_like(out)
+    swapped[..., :half], swapped[..., half:] = x[..., half:], x[..., :half]
+    swapped *= signed_sin
+    if transpose:  # R^T: (y1 cos + y2 sin, y2 cos - y1 sin)
+        out -= swapped
+    else:  # R: (x1 cos - x2 sin, x2 cos + x1 sin)
+        out += swapped
+    return out
+
+
+def _rows_layout(a):
+    """A copy of ``a`` ``(B, H, T, D)`` laid out as ``(B, T, H, D)`` (a projection's rows), as a view ``(B, H, T, D)``."""
+    B, H, T, D = a.shape
+    out = np.empty((B, T, H, D), a.dtype).transpose(0, 2, 1, 3)
+    out[...] = a
     return out
 
 
@@ -111,7 +135,11 @@ def _activation(name):
 
 def block_forward(x: FloatArray, w: BlockWeights, keep: Any,
                   rope: Any) -> tuple[FloatArray, Any]:
-    """One pre-norm block on ``x`` ``(B, T, E)``: ``(out (B, T, E), cache)``; ``rope`` ``(cos, sin)`` or None."""
+    """One pre-norm block on ``x`` ``(B, T, E)``: ``(out (B, T, E), cache)``.
+
+    ``rope``: None, or the queries' and the keys' :func:`_full_tables`
+    ``(cos_q, sin_q, cos_k, sin_k)``.
+    """
     s = w.spec
     B, T, E = x.shape
     H, K = s["num_heads"], s["num_kv_heads"]
@@ -126,7 +154,7 @@ def block_forward(x: FloatArray, w: BlockWeights, keep: Any,
         q, q_norm = rms_norm_forward_fused(q, w.q_norm, s["qk_eps"], s["qk_unit_offset"])
         k, k_norm = rms_norm_forward_fused(k, w.k_norm, s["qk_eps"], s["qk_unit_offset"])
     if rope is not None:
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k = _rotate(q, *rope[:2]), _rotate(k, *rope[2:])
     out, core = fast_attention_forward(q, k, v, keep, False, s["scale"], enable_gqa=K != H)
     merged = out.transpose(0, 2, 1, 3).reshape(B * T, H * D)  # (B, H, T, D) -> (N, H D)
     x = x + (merged @ w.W_o).reshape(B, T, E)  # (N, H D) -> (N, E) -> (B, T, E)
@@ -181,8 +209,10 @@ def _backward_heads(dx, dq, dk, dv, c, grads):
     H, K = s["num_heads"], s["num_kv_heads"]
     D = dq.shape[-1]
     rope = c.rope
+    dq, dk = _rows_layout(dq), _rows_layout(dk)  # the rows' layout: RoPE and QK-norm along rows
     if rope is not None:
-        dq, dk = _rotate(dq, *rope, transpose=True), _rotate(dk, *rope, transpose=True)
+        dq = _rotate(dq, *rope[:2], transpose=True)
+        dk = _rotate(dk, *rope[2:], transpose=True)
     if s["qk_norm"]:
         dq, grads["self_attn.q_norm.weight"] = rms_norm_backward_fused(dq, c.q_norm)
         dk, grads["self_attn.k_norm.weight"] = rms_norm_backward_fused(dk, c.k_norm)
@@ -225,6 +255,14 @@ def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any) -> tuple[
     """
     shares = _shares(x, weights)
     out = np.empty(x.shape, x.dtype)  # each share writes its rows
+    full: dict = {}  # RoPE's tables over whole heads, once a call for blocks that share them
+    for rope, w in zip(ropes, weights):
+        key = (id(rope), w.spec["num_heads"], w.spec["num_kv_heads"])
+        if rope is not None and key not in full:
+            full[key] = _full_tables(rope, key[1]) + _full_tables(rope, key[2])
+    ropes = [None if rope is None else full[(id(rope), w.spec["num_heads"],
+                                             w.spec["num_kv_heads"])]
+             for rope, w in zip(ropes, weights)]
     caches: list = [None] * len(shares)
 
     def task(work):

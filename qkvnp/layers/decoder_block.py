@@ -424,7 +424,7 @@ class DecoderBlock(Model):
                 "mlp_eps": self.mlp_norm.eps, "mlp_unit_offset": self.mlp_norm.unit_offset,
                 "qk_eps": qk.eps, "qk_unit_offset": qk.unit_offset, "qk_norm": attn.qk_norm,
                 "rope": attn.rope, "scale": attn.head_dim ** -0.5 if attn.scale is None
-                else attn.scale, "activation": mlp.activation}
+                else attn.scale, "activation": getattr(mlp, "activation")}
 
     def _decode_path(self, x, keep):
         """``"fast"`` or ``"reference"``: :func:`qkvnp.kernels.choose_decode_path` on this block."""

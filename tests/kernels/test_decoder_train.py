@@ -182,18 +182,30 @@ def test_two_threads_training_one_model():
 
     def train(ids, dlogits):
         try:
-            with num_threads(2), block_sizes(batch_split_flops=0):
-                model.forward(ids)
-                barrier.wait()  # both forwards done before either backward
-                model.backward(dlogits.astype(np.float32))
+            model.forward(ids)
+            barrier.wait()  # both forwards done before either backward
+            model.backward(dlogits.astype(np.float32))
         except BaseException as error:  # noqa: BLE001 -- reported below
             errors.append(error)
 
     workers = [threading.Thread(target=train, args=pair) for pair in inputs]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
+    with num_threads(2), block_sizes(batch_split_flops=0):  # process-wide settings: set once
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
     assert not errors
     for name, grad in model.grads.items():
         _close(grad, serial[name], np.float32)
+
+
+def test_retain_cache_gives_the_same_gradients_twice():
+    model = Decoder(_config("qwen3"), rng=1, dtype=np.float32)
+    ids, dlogits = _inputs()
+    once = _step(model, ids, dlogits)[1]
+    model.zero_grad()
+    model.forward(ids)
+    model.backward(dlogits.astype(np.float32), retain_cache=True)
+    model.backward(dlogits.astype(np.float32))
+    for name, grad in model.grads.items():
+        _close(grad, 2 * once[name], np.float32)
