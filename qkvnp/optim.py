@@ -21,8 +21,6 @@ from collections import namedtuple
 
 import numpy as np
 
-from .kernels._runtime import run
-
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Mapping
@@ -477,32 +475,25 @@ class Adam(Optimizer):
         # (the same rounding), into two arrays of this call's own, not temporaries
         step_size = lr / (1 - beta1**step)  # lr / (1 - beta1^t)
         bias2 = (1 - beta2**step) ** 0.5
-        update_all = group.update
-
-        def chunks(starts):  # one worker's chunks, with a scratch array of its own
-            scratch_all = np.empty(min(grad.size, _CHUNK), grad.dtype)
-            for start in starts:
-                chunk = slice(start, start + _CHUNK)
-                g, m, v = grad[chunk], exp_avg[chunk], exp_avg_sq[chunk]
-                update, scratch = update_all[chunk], scratch_all[:g.size]
-                np.subtract(g, m, out=scratch)
-                scratch *= 1 - beta1
-                m += scratch  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
-                v *= beta2  # v_t = beta2 * v_{t-1} + ...
-                np.multiply(g, 1 - beta2, out=scratch)
-                scratch *= g
-                v += scratch  # ... + (1 - beta2) * g^2
-                np.sqrt(v, out=scratch)
-                scratch /= bias2
-                scratch += eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
-                np.multiply(m, step_size, out=update)
-                update /= scratch  # step_size * m_t / denom
-
+        scratch_all, update_all = np.empty(min(grad.size, _CHUNK), grad.dtype), group.update
         # NOTE: chunk by chunk, so that the eleven passes run in cache and not through
         # memory (benchmarks/NOTES.md, "AdamW by chunks"); elementwise, so the same bits
-        # whichever thread runs a chunk: the chunks are shared among the worker threads
-        # (benchmarks/NOTES.md, "The Qwen3-like decoder")
-        run(chunks, list(range(0, grad.size, _CHUNK)), flops=11 * grad.size)
+        for start in range(0, grad.size, _CHUNK):
+            chunk = slice(start, start + _CHUNK)
+            g, m, v, update = grad[chunk], exp_avg[chunk], exp_avg_sq[chunk], update_all[chunk]
+            scratch = scratch_all[:g.size]
+            np.subtract(g, m, out=scratch)
+            scratch *= 1 - beta1
+            m += scratch  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
+            v *= beta2  # v_t = beta2 * v_{t-1} + ...
+            np.multiply(g, 1 - beta2, out=scratch)
+            scratch *= g
+            v += scratch  # ... + (1 - beta2) * g^2
+            np.sqrt(v, out=scratch)
+            scratch /= bias2
+            scratch += eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
+            np.multiply(m, step_size, out=update)
+            update /= scratch  # step_size * m_t / denom
         for param, update in zip(params, group.update_views):
             param -= update  # theta_t = theta_{t-1} - step_size * m_t / denom
 

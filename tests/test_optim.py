@@ -480,25 +480,3 @@ def test_adamw_chunks_give_the_same_bits(monkeypatch):
     whole, chunked = run(10**6), run(4)  # one chunk; 12 chunks, the last partial
     for name in whole:
         assert whole[name].tobytes() == chunked[name].tobytes()
-
-
-def test_adamw_chunks_shared_among_threads_give_the_same_bits():
-    """The flat update's chunks run by the worker threads: elementwise, so the same bits as one thread."""
-    from qkvnp.kernels import block_sizes, num_threads
-    from qkvnp.optim import AdamW, _CHUNK
-
-    rng = np.random.default_rng(0)
-    shapes = {"a": (3 * _CHUNK + 5,), "b": (7, 11)}
-    results = []
-    for threads in (1, 2):
-        params = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in
-                  shapes.items()} if not results else {n: p.copy() for n, p in start.items()}
-        start = {name: p.copy() for name, p in params.items()}
-        optimizer = AdamW(params, lr=1e-2, weight_decay=0.1)
-        grads_rng = np.random.default_rng(1)
-        with num_threads(threads), block_sizes(min_parallel_flops=0):
-            for _ in range(3):
-                optimizer.step({name: grads_rng.standard_normal(p.shape).astype(np.float32)
-                                for name, p in params.items()})
-        results.append(params)
-    assert all(np.array_equal(results[0][name], results[1][name]) for name in shapes)

@@ -19,8 +19,6 @@ import math
 
 import numpy as np
 
-from ._runtime import run
-
 __all__ = ["cross_entropy_probs_fused"]
 
 _LOG2_E = 1.0 / math.log(2.0)
@@ -66,37 +64,22 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     >>> bool(np.isclose(loss, np.log(4))), probs[0]
     (True, array([0.25, 0.25, 0.25, 0.25]))
     """
+    kind = logits.dtype.type
     C = logits.shape[-1]
     rows = logits.reshape(-1, C)  # (..., C) -> (N, C)
-    probs = np.empty(rows.shape, logits.dtype)  # each share writes its rows
-    picked = np.empty(rows.shape[0], logits.dtype)  # z_y - m, then log softmax(z)_y, (N,)
-    flat_targets = targets.reshape(-1)
-    N = rows.shape[0]
-    # NOTE: row by row the same operations whichever thread runs them: the same bits;
-    # the rows shared among the worker threads (benchmarks/NOTES.md, "The Qwen3-like decoder")
-    shares = [slice(lo, min(lo + _ROWS, N)) for lo in range(0, N, _ROWS)]
-    run(lambda work: [_rows_softmax(rows[s], flat_targets[s], probs[s], picked[s]) for s in work],
-        shares, flops=8 * rows.size)
+    positions = np.arange(rows.shape[0])  # (N,)
+    # NOTE: the row maximum read at argmax: measured faster than max
+    top = rows[positions, rows.argmax(axis=1)]  # m, (N, C) -> (N,)
+    shifted = rows - top[:, None]  # z - m, (N, C), every entry <= 0
+    picked = shifted[positions, targets.reshape(-1)]  # z_y - m, (N,)
+    probs = shifted
+    probs *= kind(_LOG2_E)
+    with np.errstate(under="ignore"):
+        np.exp2(probs, out=probs)  # exp(z - m), (N, C)
+    ones = np.ones((C, 1), logits.dtype)
+    sums = probs @ ones  # row sums, (N, C) @ (C, 1) -> (N, 1)
+    probs /= sums  # softmax, (N, C)
+    picked -= np.log(sums[:, 0])  # log softmax(z)_y, (N,)
     # NOTE: no counted position -> loss 0 by definition, as the reference path.
     loss = -np.sum(picked, where=counted.reshape(-1)) / count if count else 0.0  # (N,) -> ()
     return np.asarray(loss, dtype=logits.dtype), probs.reshape(logits.shape)
-
-
-#: Rows of a share of :func:`cross_entropy_probs_fused`'s work.
-_ROWS = 64
-
-
-def _rows_softmax(rows, targets, probs, picked):
-    """``softmax`` of ``rows`` ``(n, C)`` into ``probs``, ``log softmax(z)_y`` into ``picked`` ``(n,)``."""
-    kind = rows.dtype.type
-    positions = np.arange(rows.shape[0])  # (n,)
-    # NOTE: the row maximum read at argmax: measured faster than max
-    top = rows[positions, rows.argmax(axis=1)]  # m, (n, C) -> (n,)
-    np.subtract(rows, top[:, None], out=probs)  # z - m, (n, C), every entry <= 0
-    picked[...] = probs[positions, targets]  # z_y - m, (n,)
-    probs *= kind(_LOG2_E)
-    with np.errstate(under="ignore"):
-        np.exp2(probs, out=probs)  # exp(z - m), (n, C)
-    sums = probs @ np.ones((rows.shape[1], 1), rows.dtype)  # row sums, (n, C) @ (C, 1) -> (n, 1)
-    probs /= sums  # softmax, (n, C)
-    picked -= np.log(sums[:, 0])  # log softmax(z)_y, (n,)
