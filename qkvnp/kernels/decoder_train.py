@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any
     from .._typing import FloatArray
 
-__all__ = ["SPEC_KEYS", "BlockWeights", "block_weights", "rope_tables", "block_forward", "block_backward",
+__all__ = ["SPEC_KEYS", "HeadWeights", "BlockWeights", "block_weights", "rope_tables", "block_forward", "block_backward",
            "stack_forward", "stack_backward", "StackCache"]
 
 BlockWeights = namedtuple("BlockWeights", "attn_norm mlp_norm q_norm k_norm W_qkv W_o W_gate_up "
@@ -57,7 +57,9 @@ BlockWeights = namedtuple("BlockWeights", "attn_norm mlp_norm q_norm k_norm W_qk
 BlockWeights.__doc__ = """One block's weights, copied for a call: the norms' gains and the joined projections."""
 _BlockCache = namedtuple("_BlockCache", "weights rows norm1 q_norm k_norm rope core merged norm2 "
                                         "rows2 act act_cache up hidden")
-StackCache = namedtuple("StackCache", "shares caches ropes shape")
+StackCache = namedtuple("StackCache", "shares caches ropes shape head")
+HeadWeights = namedtuple("HeadWeights", "norm eps unit_offset W")
+HeadWeights.__doc__ = """The final RMSNorm's gain, eps and unit offset and the head's ``W`` ``(E, V)``, copied for a call."""
 StackCache.__doc__ = """What :func:`stack_backward` reads: the shares, each one's block caches, RoPE's tables."""
 
 #: ``spec`` keys of :func:`block_weights`.
@@ -246,15 +248,23 @@ def _share_of(a, share):
     return a if a is None or np.shape(a)[0] == 1 else a[share]
 
 
-def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any) -> tuple[FloatArray, Any]:
+def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any,
+                  head: Any = None) -> tuple[FloatArray, Any]:
     """The blocks in order on ``x`` ``(B, T, E)``, each share of the batch in a worker: ``(out, StackCache)``.
 
     ``weights``: one :func:`block_weights` a block; ``keeps``: block ``l``'s
     keep mask ``(B or 1, 1, T, T)`` (every row seeing a key); ``ropes``: block
-    ``l``'s ``(cos, sin)`` ``(B or 1, 1, T, D/2)`` (:func:`rope_tables`) or None.
+    ``l``'s ``(cos, sin)`` ``(B or 1, 1, T, D/2)`` (:func:`rope_tables`) or None;
+    ``head``: a :class:`HeadWeights`, the final norm and the head run in the
+    shares too (the output is then the logits ``(B, T, V)``), or None.
+
+    NOTE: the head in the shares, not on OpenBLAS's own threads: after a
+    product on those, their spinning threads slowed the split backward that
+    follows by half (benchmarks/NOTES.md, "The Qwen3-like decoder").
     """
     shares = _shares(x, weights)
-    out = np.empty(x.shape, x.dtype)  # each share writes its rows
+    out = np.empty(x.shape[:-1] + ((x.shape[-1],) if head is None else (head.W.shape[1],)),
+                   x.dtype)  # each share writes its rows
     full: dict = {}  # RoPE's tables over whole heads, once a call for blocks that share them
     for rope, w in zip(ropes, weights):
         key = (id(rope), w.spec["num_heads"], w.spec["num_kv_heads"])
@@ -272,14 +282,20 @@ def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any) -> tuple[
                 part = None if rope is None else tuple(_share_of(t, share) for t in rope)
                 h, cache = block_forward(h, w, _share_of(keep, share), part)
                 mine.append(cache)
+            if head is not None:
+                h, norm = rms_norm_forward_fused(h, head.norm, head.eps, head.unit_offset)
+                rows = h.reshape(-1, h.shape[-1])  # (b, T, E) -> (b T, E)
+                mine.append((norm, rows))
+                h = (rows @ head.W).reshape(h.shape[:-1] + (head.W.shape[1],))  # -> (b, T, V)
             out[share], caches[i] = h, mine
 
     run(task, list(enumerate(shares)))
-    return out, StackCache(shares, caches, ropes, x.shape)
+    return out, StackCache(shares, caches, ropes, x.shape, head)
 
 
 def stack_backward(dout: FloatArray, cache: Any) -> tuple[FloatArray, list]:
-    """Backward of :func:`stack_forward`: ``(dx (B, T, E), grads)``, one dict a block.
+    """Backward of :func:`stack_forward`: ``(dx (B, T, E), grads)``, one dict a block
+    (and, with a head, a last one: ``head.W`` and ``final_norm.weight``).
 
     Each share's blocks backward in its worker; the shares' parameter
     gradients are added in share order after all have finished.
@@ -287,10 +303,19 @@ def stack_backward(dout: FloatArray, cache: Any) -> tuple[FloatArray, list]:
     dx = np.empty(cache.shape, dout.dtype)
     results: list = [None] * len(cache.shares)
 
+    head = cache.head
+
     def task(work):
         for i, share in work:
-            d, grads = dout[share], []
-            for block_cache in reversed(cache.caches[i]):
+            d, grads, mine = dout[share], [], cache.caches[i]
+            if head is not None:  # in the forward this was: z = rms_norm(x) W
+                (norm, rows), mine = mine[-1], mine[:-1]
+                d_rows = d.reshape(-1, d.shape[-1])  # (b, T, V) -> (b T, V)
+                final = {"head.W": rows.T @ d_rows}  # (E, b T) @ (b T, V) -> (E, V)
+                d = (d_rows @ head.W.T).reshape(d.shape[:-1] + (rows.shape[1],))  # (b, T, E)
+                d, final["final_norm.weight"] = rms_norm_backward_fused(d, norm)
+                grads.append(final)
+            for block_cache in reversed(mine):
                 d, block_grads = block_backward(d, block_cache)
                 grads.append(block_grads)
             dx[share], results[i] = d, grads[::-1]

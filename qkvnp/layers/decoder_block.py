@@ -479,8 +479,13 @@ class DecoderBlock(Model):
         return y
 
 
-def train_blocks_forward(blocks: Any, x: FloatArray, keeps: Any, positions: Any) -> Any:
+def train_blocks_forward(blocks: Any, x: FloatArray, keeps: Any, positions: Any,
+                         final_norm: Any = None, head: Any = None) -> Any:
     """The blocks on ``x`` ``(B, T, E)`` by ``qkvnp.kernels.decoder_train``: ``(out, cache)``, or None.
+
+    With ``final_norm`` (an RMSNorm) and ``head`` (a plain Linear without
+    bias), both run in the kernel's shares too and ``out`` is the logits
+    ``(B, T, V)``; their gradients go to them in :func:`train_blocks_backward`.
 
     None when :func:`qkvnp.kernels.choose_train_path` says ``"reference"``
     (the caller then runs the blocks' own forwards). ``keeps``: one keep mask
@@ -508,14 +513,25 @@ def train_blocks_forward(blocks: Any, x: FloatArray, keeps: Any, positions: Any)
             tables[key] = kernel.rope_tables(positions, attn.inverse_frequency,
                                              attn.attention_factor, x.dtype)
         rope.append(None if key is None else tables[key])
-    return kernel.stack_forward(x, weights, keeps, rope)
+    last = None
+    if final_norm is not None:
+        last = kernel.HeadWeights(final_norm.params["weight"].copy(), final_norm.eps,
+                                  final_norm.unit_offset, head.params["W"].copy())
+    return kernel.stack_forward(x, weights, keeps, rope, last)
 
 
-def train_blocks_backward(blocks: Any, dout: FloatArray, cache: Any) -> FloatArray:
-    """Backward of :func:`train_blocks_forward`: each block's gradients accumulated; returns ``dx``."""
+def train_blocks_backward(blocks: Any, dout: FloatArray, cache: Any, final_norm: Any = None,
+                          head: Any = None) -> FloatArray:
+    """Backward of :func:`train_blocks_forward` (the same ``final_norm`` and ``head``): each
+    block's gradients accumulated; returns ``dx`` ``(B, T, E)``."""
     from ..kernels.decoder_train import stack_backward
 
     dx, grads = stack_backward(dout, cache)
+    blocks = list(blocks)
+    if cache.head is not None:
+        final = grads.pop()
+        final_norm._accumulate("weight", final["final_norm.weight"])
+        head._accumulate("W", final["head.W"])
     for block, block_grads in zip(blocks, grads):
         for name, grad in block_grads.items():
             path, param = name.rsplit(".", 1)

@@ -544,13 +544,16 @@ class Decoder(Model):
         keeps = _keep_masks(valid, T, 0, 0, {block.window for block in self.blocks})
         x = self._embed(ids, positions, True)  # (B, T, E)
         fused = train_blocks_forward(self.blocks, x, [keeps[block.window] for block in
-                                                      self.blocks], positions[:, None, :])
+                                                      self.blocks], positions[:, None, :],
+                                     *self._fused_head())  # (B, T, E) or (B, T, V)
         if fused is not None:  # qkvnp.kernels.decoder_train, when choose_train_path says so
-            x, fused = fused  # (B, T, E)
+            x, fused = fused  # (B, T, V) when the final norm and the head ran there too
         for block in self.blocks if fused is None else ():
             x = block.forward(x, keeps[block.window], positions[:, None, :])  # (B, T, E)
-        x = self.final_norm.forward(x, check=False)
-        logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+        logits = x
+        if fused is None or fused.head is None:
+            x = self.final_norm.forward(x, check=False)
+            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
         cap_cache = None
         if self.config.final_softcap is not None:
             logits, cap_cache = softcap_forward(logits, self.config.final_softcap)  # (B, T, V)
@@ -567,11 +570,13 @@ class Decoder(Model):
         dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
         if cap_cache is not None:
             dlogits = softcap_backward(dlogits, cap_cache)  # (B, T, V)
-        # NOTE: a tied head adds its gradient into the table's, beside the lookup's below
-        dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
-        dx = self.final_norm.backward(dx, retain_cache, check=False)
-        if fused is not None:
-            dx = train_blocks_backward(self.blocks, dx, fused)  # (B, T, E)
+        dx = dlogits
+        if fused is None or fused.head is None:
+            # NOTE: a tied head adds its gradient into the table's, beside the lookup's below
+            dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
+            dx = self.final_norm.backward(dx, retain_cache, check=False)
+        if fused is not None:  # the blocks (and the head and the final norm when they ran there)
+            dx = train_blocks_backward(self.blocks, dx, fused, self.final_norm, self.head)
         for block in reversed(list(self.blocks)) if fused is None else ():
             dx = block.backward(dx, retain_cache)  # (B, T, E)
         if self.config.positions == "learned":
@@ -581,6 +586,14 @@ class Decoder(Model):
         self.embed.backward(dx, retain_cache, check=False)
         self._release_cache(retain_cache)
         return None
+
+    def _fused_head(self):
+        """``(final_norm, head)`` when both can run in the fused blocks' shares, else ``(None, None)``."""
+        head = self.head
+        if type(self.final_norm) is RMSNorm and type(head) is Linear and not head.bias and \
+                self.config.final_softcap is None:
+            return self.final_norm, head
+        return None, None
 
     def decode(self, ids: IntArray, kv_caches: Any, *, attention_mask: ArrayLike | None = None,
                position_ids: ArrayLike | None = None) -> FloatArray:

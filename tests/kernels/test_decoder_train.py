@@ -94,12 +94,17 @@ def test_kernel_equals_the_blocks(kind, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float32_decoder_takes_the_fused_path_and_agrees(threads, monkeypatch):
-    model = Decoder(_config("qwen3"), rng=1, dtype=np.float32)
+@pytest.mark.parametrize("tie", [False, True])  # a plain head runs in the shares, a tied one not
+def test_float32_decoder_takes_the_fused_path_and_agrees(threads, tie, monkeypatch):
+    import dataclasses
+
+    config = dataclasses.replace(_config("qwen3"), tie_embeddings=tie)
+    model = Decoder(config, rng=1, dtype=np.float32)
     ids, dlogits = _inputs()
     with num_threads(threads), block_sizes(batch_split_flops=0):
         logits, grads = _step(model, ids, dlogits)
         assert model._used_cache[2] is not None  # the fused blocks ran
+        assert (model._used_cache[2].head is None) == tie
         expected, expected_grads = _reference_step(model, ids, dlogits, monkeypatch)
     _close(logits, expected, np.float32)
     for name in grads:
