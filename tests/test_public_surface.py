@@ -43,7 +43,7 @@ PUBLIC = {
     "qkvnp.kernels": [
         "BLOCK_SIZE_DEFAULTS", "Dispatch", "IMPLS", "MAX_NUM_THREADS", "PATH_TOLERANCES",
         "TILED_VARIANTS", "blas_threads", "block_sizes", "buffer_owner", "check_impl",
-        "choose_decode_path", "choose_path", "get_block_sizes", "get_num_threads", "held_buffer_bytes",
+        "choose_decode_path", "choose_path", "choose_train_path", "get_block_sizes", "get_num_threads", "held_buffer_bytes",
         "num_threads", "release_buffers", "set_block_sizes", "set_num_threads",
     ],
     "qkvnp.gradcheck": [

@@ -55,6 +55,7 @@ __all__ = [
     "check_impl",
     "choose_path",
     "choose_decode_path",
+    "choose_train_path",
     "set_num_threads",
     "get_num_threads",
     "MAX_NUM_THREADS",
@@ -280,4 +281,37 @@ def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | Non
         why = "a query row sees no key (padding): the reference defines its output"
     if why is None:
         return Dispatch("auto", "fast", "fast: a pre-norm RMSNorm block with a gated MLP")
+    return Dispatch("auto", "reference", "reference: " + why)
+
+
+def choose_train_path(block_specs: Sequence[Any], dtype: DTypeLike, keeps: Sequence[Any],
+                      core_paths: Sequence[str]) -> Dispatch:
+    """The path of a decoder's blocks in training (forward and backward), and why.
+
+    ``"fused"`` (``qkvnp.kernels.decoder_train``: joined projections, the
+    batch split over the worker threads) when every block's spec is a dict
+    (``DecoderBlock.train_spec``: a ``"pre"`` block of RMSNorms, a gated
+    MLP, no soft-cap, plain bias-free projections; otherwise the reason as a
+    string), the dtype is float32, every query row of each ``keeps`` mask
+    sees a key and the attention core of each block would run ``"fast"``
+    (``core_paths``, :func:`choose_path`'s); otherwise ``"reference"`` (the
+    layers' own calls), the first reason named.
+
+    NOTE: float32 only: the float64 decoder is the oracle of the parity tests
+    (measured reason: benchmarks/NOTES.md, "The Qwen3-like decoder").
+
+    Examples
+    --------
+    >>> choose_train_path(["a 'post' block"], np.float32, [True], ["fast"]).reason
+    "reference: a 'post' block"
+    """
+    why = next((spec for spec in block_specs if isinstance(spec, str)), None)
+    if why is None and np.dtype(dtype) != np.float32:
+        why = f"the fused blocks run float32, not {np.dtype(dtype).name}"
+    elif why is None and any(path != "fast" for path in core_paths):
+        why = "an attention core would not run the fast path"
+    elif why is None and not all(np.asarray(keep).any(axis=-1).all() for keep in keeps):
+        why = "a query row sees no key (padding): the reference defines its output"
+    if why is None:
+        return Dispatch("auto", "fused", "fused: pre-norm RMSNorm blocks with gated MLPs")
     return Dispatch("auto", "reference", "reference: " + why)

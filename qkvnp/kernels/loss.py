@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from ._runtime import single_threaded_blas
+
 __all__ = ["cross_entropy_probs_fused"]
 
 _LOG2_E = 1.0 / math.log(2.0)
@@ -77,7 +79,10 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     with np.errstate(under="ignore"):
         np.exp2(probs, out=probs)  # exp(z - m), (N, C)
     ones = np.ones((C, 1), logits.dtype)
-    sums = probs @ ones  # row sums, (N, C) @ (C, 1) -> (N, 1)
+    # NOTE: at one BLAS thread: OpenBLAS's threads spin after a call and slowed the
+    # worker threads that run next by half (benchmarks/NOTES.md, "The Qwen3-like decoder")
+    with single_threaded_blas():
+        sums = probs @ ones  # row sums, (N, C) @ (C, 1) -> (N, 1)
     probs /= sums  # softmax, (N, C)
     picked -= np.log(sums[:, 0])  # log softmax(z)_y, (N,)
     # NOTE: no counted position -> loss 0 by definition, as the reference path.

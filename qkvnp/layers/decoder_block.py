@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any
     from .._typing import DTypeLike, FloatArray
 
-__all__ = ["DecoderAttention", "DecoderBlock", "BLOCK_PLACEMENTS"]
+__all__ = ["DecoderAttention", "DecoderBlock", "BLOCK_PLACEMENTS", "train_blocks_forward",
+           "train_blocks_backward"]
 
 #: Where :class:`DecoderBlock` puts its norms: before each branch (GPT-2, Llama, Qwen3),
 #: after each residual sum (the original transformer), or both sides of each branch (Gemma 3).
@@ -398,6 +399,33 @@ class DecoderBlock(Model):
             x = x + h
         return x
 
+    def train_spec(self) -> Any:
+        """What ``qkvnp.kernels.decoder_train`` needs of this block (a dict), or why it cannot run it (a str)."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = [self.attn_norm, self.mlp_norm] + ([attn.q_norm, attn.k_norm] if attn.qk_norm
+                                                   else [])
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + tuple(
+            getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+        if self.placement != "pre":
+            return f"the fused blocks are 'pre' blocks, not {self.placement!r}"
+        if not all(type(norm) is RMSNorm for norm in norms) or \
+                type(mlp).__name__ != "GatedFeedForward":
+            return "the fused blocks have RMSNorms and a gated MLP"
+        if attn.softcap is not None:
+            return "the fused blocks have no attention soft-cap"
+        if not all(type(layer) is Linear and not layer.bias for layer in projections):
+            return "a projection is not a plain Linear without bias (an adapter, a bias)"
+        qk = attn.q_norm if attn.qk_norm else self.attn_norm
+        if attn.qk_norm and (attn.k_norm.eps, attn.k_norm.unit_offset) != (qk.eps,
+                                                                           qk.unit_offset):
+            return "the QK-norms differ"
+        return {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
+                "eps": self.attn_norm.eps, "unit_offset": self.attn_norm.unit_offset,
+                "mlp_eps": self.mlp_norm.eps, "mlp_unit_offset": self.mlp_norm.unit_offset,
+                "qk_eps": qk.eps, "qk_unit_offset": qk.unit_offset, "qk_norm": attn.qk_norm,
+                "rope": attn.rope, "scale": attn.head_dim ** -0.5 if attn.scale is None
+                else attn.scale, "activation": getattr(mlp, "activation")}
+
     def _decode_path(self, x, keep):
         """``"fast"`` or ``"reference"``: :func:`qkvnp.kernels.choose_decode_path` on this block."""
         from ..kernels import choose_decode_path
@@ -449,3 +477,66 @@ class DecoderBlock(Model):
         if self.window is not None:
             kv_cache.keep_last(self.window - 1)
         return y
+
+
+def train_blocks_forward(blocks: Any, x: FloatArray, keeps: Any, positions: Any,
+                         final_norm: Any = None, head: Any = None) -> Any:
+    """The blocks on ``x`` ``(B, T, E)`` by ``qkvnp.kernels.decoder_train``: ``(out, cache)``, or None.
+
+    With ``final_norm`` (an RMSNorm) and ``head`` (a plain Linear without
+    bias), both run in the kernel's shares too and ``out`` is the logits
+    ``(B, T, V)``; their gradients go to them in :func:`train_blocks_backward`.
+
+    None when :func:`qkvnp.kernels.choose_train_path` says ``"reference"``
+    (the caller then runs the blocks' own forwards). ``keeps``: one keep mask
+    a block; ``positions`` ``(B, 1, T)``. No block keeps a cache: the caller
+    keeps the returned one for :func:`train_blocks_backward`.
+    """
+    from ..kernels import choose_train_path
+    from ..kernels import decoder_train as kernel
+
+    blocks = list(blocks)
+    specs = [block.train_spec() for block in blocks]
+    B, T = x.shape[0], x.shape[1]
+    core_paths = [choose_path("auto", B * block.self_attn.num_heads, T, T, x.dtype).path
+                  for block in blocks]
+    # NOTE: measured reason: benchmarks/NOTES.md, "The Qwen3-like decoder"
+    if choose_train_path(specs, x.dtype, keeps, core_paths).path != "fused":
+        return None
+    weights, tables, rope = [], {}, []
+    for block, spec in zip(blocks, specs):
+        weights.append(kernel.block_weights(block.params, spec))
+        attn = block.self_attn
+        key = None if not attn.rope else (attn.inverse_frequency.tobytes(),
+                                          attn.attention_factor)
+        if key is not None and key not in tables:  # RoPE's tables once a call
+            tables[key] = kernel.rope_tables(positions, attn.inverse_frequency,
+                                             attn.attention_factor, x.dtype)
+        rope.append(None if key is None else tables[key])
+    last = None
+    if final_norm is not None:
+        last = kernel.HeadWeights(final_norm.params["weight"].copy(), final_norm.eps,
+                                  final_norm.unit_offset, head.params["W"].copy())
+    return kernel.stack_forward(x, weights, keeps, rope, last)
+
+
+def train_blocks_backward(blocks: Any, dout: FloatArray, cache: Any, final_norm: Any = None,
+                          head: Any = None) -> FloatArray:
+    """Backward of :func:`train_blocks_forward` (the same ``final_norm`` and ``head``): each
+    block's gradients accumulated; returns ``dx`` ``(B, T, E)``."""
+    from ..kernels.decoder_train import stack_backward
+
+    dx, grads = stack_backward(dout, cache)
+    blocks = list(blocks)
+    if cache.head is not None:
+        final = grads.pop()
+        final_norm._accumulate("weight", final["final_norm.weight"])
+        head._accumulate("W", final["head.W"])
+    for block, block_grads in zip(blocks, grads):
+        for name, grad in block_grads.items():
+            path, param = name.rsplit(".", 1)
+            layer = block
+            for part in path.split("."):
+                layer = getattr(layer, part)
+            layer._accumulate(param, grad)
+    return dx

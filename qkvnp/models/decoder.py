@@ -19,7 +19,8 @@ import numpy as np
 from .._checks import as_upstream_grad, check_indices, check_state_value, layer_dtype, make_rng
 from ..layers.base import LoadResult, Model
 from ..layers.basic import Embedding, Linear
-from ..layers.decoder_block import DecoderAttention, DecoderBlock
+from ..layers.decoder_block import DecoderAttention, DecoderBlock, train_blocks_backward, \
+    train_blocks_forward
 from ..layers.kv_cache import KVCache
 from ..layers.mlp import GatedFeedForward
 from ..layers.moe import MoEFeedForward
@@ -288,14 +289,21 @@ class Decoder(Model):
         T = ids.shape[1]
         keeps = _keep_masks(valid, T, 0, 0, {block.window for block in self.blocks})
         x = self._embed(ids, positions, True)  # (B, T, E)
-        for block in self.blocks:
+        fused = train_blocks_forward(self.blocks, x, [keeps[block.window] for block in
+                                                      self.blocks], positions[:, None, :],
+                                     *self._fused_head())  # (B, T, E) or (B, T, V)
+        if fused is not None:  # qkvnp.kernels.decoder_train, when choose_train_path says so
+            x, fused = fused  # (B, T, V) when the final norm and the head ran there too
+        for block in self.blocks if fused is None else ():
             x = block.forward(x, keeps[block.window], positions[:, None, :])  # (B, T, E)
-        x = self.final_norm.forward(x, check=False)
-        logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
+        logits = x
+        if fused is None or fused.head is None:
+            x = self.final_norm.forward(x, check=False)
+            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
         cap_cache = None
         if self.config.final_softcap is not None:
             logits, cap_cache = softcap_forward(logits, self.config.final_softcap)  # (B, T, V)
-        self._cache = (logits.shape, cap_cache)
+        self._cache = (logits.shape, cap_cache, fused)
         return logits
 
     def backward(self, dlogits: FloatArray, retain_cache: bool = False) -> Any:
@@ -304,14 +312,18 @@ class Decoder(Model):
         if state.cache is None and state.decoded:
             raise RuntimeError("Decoder.backward after decode: decoding keeps nothing for a "
                                "backward; call forward(ids) first")
-        shape, cap_cache = self._need_cache()
+        shape, cap_cache, fused = self._need_cache()
         dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
         if cap_cache is not None:
             dlogits = softcap_backward(dlogits, cap_cache)  # (B, T, V)
-        # NOTE: a tied head adds its gradient into the table's, beside the lookup's below
-        dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
-        dx = self.final_norm.backward(dx, retain_cache, check=False)
-        for block in reversed(list(self.blocks)):
+        dx = dlogits
+        if fused is None or fused.head is None:
+            # NOTE: a tied head adds its gradient into the table's, beside the lookup's below
+            dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
+            dx = self.final_norm.backward(dx, retain_cache, check=False)
+        if fused is not None:  # the blocks (and the head and the final norm when they ran there)
+            dx = train_blocks_backward(self.blocks, dx, fused, self.final_norm, self.head)
+        for block in reversed(list(self.blocks)) if fused is None else ():
             dx = block.backward(dx, retain_cache)  # (B, T, E)
         if self.config.positions == "learned":
             self.pos_embed.backward(dx, retain_cache, check=False)
@@ -320,6 +332,14 @@ class Decoder(Model):
         self.embed.backward(dx, retain_cache, check=False)
         self._release_cache(retain_cache)
         return None
+
+    def _fused_head(self):
+        """``(final_norm, head)`` when both can run in the fused blocks' shares, else ``(None, None)``."""
+        head = self.head
+        if type(self.final_norm) is RMSNorm and type(head) is Linear and not head.bias and \
+                self.config.final_softcap is None:
+            return self.final_norm, head
+        return None, None
 
     def decode(self, ids: IntArray, kv_caches: Any, *, attention_mask: ArrayLike | None = None,
                position_ids: ArrayLike | None = None) -> FloatArray:
