@@ -38,26 +38,31 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
 __all__ = ["DecoderConfig", "Decoder", "NORM_KINDS", "MLP_KINDS", "POSITION_KINDS", "LAYER_TYPES"]
 
 
-class _Unfilled(np.random.Generator):
+def _unfilled():
     """The Generator of :meth:`Decoder.empty`: every draw a zero-size stand-in, its shape noted.
 
     NOTE: the layers initialise with ``rng.uniform(...).astype(dtype)`` or
-    ``rng.standard_normal(...).astype(dtype)``; these two are the draws.
+    ``rng.standard_normal(...).astype(dtype)``; these two are the draws. The
+    class is made at the call: subclassing ``np.random.Generator`` at import
+    would import numpy's random module (compiled) with ``import qkvnp``.
     """
 
-    def __init__(self):
-        super().__init__(np.random.PCG64(0))
-        self.shapes = {}  # id(stand-in) -> (stand-in, the shape it stands for)
+    class Unfilled(np.random.Generator):
+        def __init__(self):
+            super().__init__(np.random.PCG64(0))
+            self.shapes = {}  # id(stand-in) -> (stand-in, the shape it stands for)
 
-    def uniform(self, low=0.0, high=1.0, size=None):  # type: ignore[override]
-        return _StandIn(self, size)
+        def uniform(self, low=0.0, high=1.0, size=None):  # type: ignore[override]
+            return _StandIn(self, size)
 
-    def standard_normal(self, size=None, dtype=np.float64, out=None):  # type: ignore[override]
-        return _StandIn(self, size)
+        def standard_normal(self, size=None, dtype=np.float64, out=None):  # type: ignore[override]
+            return _StandIn(self, size)
+
+    return Unfilled()
 
 
 class _StandIn:
-    """A draw of :class:`_Unfilled`: ``astype`` gives a zero-size array, noted with the shape."""
+    """A draw of :func:`_unfilled`'s Generator: ``astype`` gives a zero-size array, noted with the shape."""
 
     def __init__(self, draws, shape):
         self.draws, self.shape = draws, shape
@@ -186,7 +191,7 @@ class Decoder(Model):
         written, so a loaded model is held once. The norms start at their
         usual ones and zeros.
         """
-        draws = _Unfilled()
+        draws = _unfilled()
         model = cls(config, rng=draws, dtype=dtype)
         # NOTE: built on zero-size stand-ins, then each matrix and its gradient made once:
         # the layers' constructors re-zero their gradients at every level of nesting

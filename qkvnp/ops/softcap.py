@@ -66,10 +66,10 @@ def softcap_forward(x: FloatArray, cap: float) -> tuple[FloatArray, SoftcapCache
     Examples
     --------
     >>> out, cache = softcap_forward(np.array([0.0, 30.0, -1e6]), 30.0)
-    >>> np.round(out, 4)
-    array([  0.    ,  22.8478, -30.    ])
-    >>> np.round(softcap_backward(np.ones(3), cache), 4)
-    array([1.    , 0.42  , 0.    ])
+    >>> np.round(out, 4).tolist()
+    [0.0, 22.8478, -30.0]
+    >>> np.round(softcap_backward(np.ones(3), cache), 4).tolist()
+    [1.0, 0.42, 0.0]
     """
     cap = check_softcap(cap, "cap", allow_none=False)
     x = as_float_array(x, "x")
