@@ -28,6 +28,26 @@ _IMPORT_SNIPPET = (
 )
 
 
+def _in_stdlib(name):
+    """Whether top-level module ``name`` is the standard library's.
+
+    ``sys.stdlib_module_names`` from Python 3.10; before, where the module's
+    file lies (the standard library's folder, not its site-packages), or
+    built in.
+    """
+    names = getattr(sys, "stdlib_module_names", None)
+    if names is not None:
+        return name in names
+    import importlib.util
+    import sysconfig
+
+    spec = importlib.util.find_spec(name)
+    origin = getattr(spec, "origin", None) or ""
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    return origin in ("built-in", "frozen") or (
+        os.path.realpath(origin).startswith(stdlib + os.sep) and "site-packages" not in origin)
+
+
 def _import_in_fresh_process(module):
     # NOTE: without PYTHONDONTWRITEBYTECODE (set on some machines, this one
     # included): the warm-up import writes qkvnp's .pyc files, as `pip install`
@@ -64,10 +84,9 @@ def measure_import_time(repeats=7):
         numpy_times.append(elapsed)
         elapsed, qkvnp_modules = _import_in_fresh_process("qkvnp")
         qkvnp_times.append(elapsed)
-    stdlib = getattr(sys, "stdlib_module_names", frozenset())
     extra = sorted({
         name.split(".")[0] for name in qkvnp_modules - numpy_modules
-        if name.split(".")[0] not in stdlib and name.split(".")[0] not in ("qkvnp", "numpy")
+        if not _in_stdlib(name.split(".")[0]) and name.split(".")[0] not in ("qkvnp", "numpy")
         and not name.startswith("_")
     })
     numpy_ms = 1e3 * float(np.median(numpy_times))
