@@ -30,7 +30,9 @@ from ..ops.variants import rope_backward, rope_forward, variant_attention_backwa
 from ..ops.rope_scaling import rope_inverse_frequency
 from .base import Layer, Model
 from .basic import Linear
+from .mlp import GatedFeedForward
 from .norms import RMSNorm
+from .transformer import FeedForward
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -51,8 +53,20 @@ def _inference(layer, x):
     """``layer.forward(x)`` keeping nothing for a backward (a decoding step), in it or its sub-layers.
 
     NOTE: through the layer's own forward, so that a replaced sub-layer (a
-    LoRA adapter on ``q_proj``) decodes as it trains.
+    LoRA adapter on ``q_proj``) decodes as it trains; but a plain
+    :class:`Linear` is its product alone, and a feed-forward goes through
+    its sub-layers here, since a Linear's forward copies its weights for a
+    backward, every token (benchmarks/NOTES.md, "The decoder's decoding step").
     """
+    if type(layer) is Linear:
+        out = x @ layer.params["W"]  # (..., in) -> (..., out)
+        return out + layer.params["b"] if layer.bias else out
+    if type(layer) is FeedForward:  # GPT-2's: first, GELU, second
+        first, gelu, second = layer.layers
+        return _inference(second, _inference(gelu, _inference(first, x)))
+    if type(layer) is GatedFeedForward:  # act(x W_gate) * (x W_up), then W_down
+        act = _inference(layer.act_fn, _inference(layer.gate_proj, x))  # (..., F)
+        return _inference(layer.down_proj, act * _inference(layer.up_proj, x))  # (..., E)
     out = layer.forward(x, check=False)
     for sub in [layer] + [sub for _, sub in getattr(layer, "named_layers", lambda: [])()]:
         sub._cache = None
