@@ -21,11 +21,11 @@ from collections import namedtuple
 import numpy as np
 
 from .. import functional as F
-from .._checks import check_int, make_rng
+from .._checks import check_bool, check_int, is_real_number, make_rng
 from ..kernels import choose_path
 from ..kernels.fast import attention_backward as fast_attention_backward
 from ..kernels.fast import attention_forward as fast_attention_forward
-from ..ops.variants import rope_backward, rope_forward, variant_attention_backward, \
+from ..ops.variants import check_softcap, rope_backward, rope_forward, variant_attention_backward, \
     variant_attention_forward
 from ..ops.rope_scaling import rope_inverse_frequency
 from .base import Layer, Model
@@ -154,7 +154,15 @@ class DecoderAttention(Model):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads must divide num_heads={self.num_heads}, got "
                              f"{self.num_kv_heads}")
-        self.scale, self.softcap, self.rope, self.rope_base = scale, softcap, rope, rope_base
+        if scale is not None and not is_real_number(scale):
+            raise TypeError(f"scale must be None (1/sqrt(head_dim)) or a number, got "
+                            f"{type(scale).__name__} {scale!r}")
+        if scale is not None and not 0 < scale < np.inf:
+            raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a positive finite "
+                             f"number, got {scale!r}")
+        self.scale = None if scale is None else float(scale)
+        self.softcap = check_softcap(softcap)
+        self.rope, self.rope_base = check_bool(rope, "rope"), rope_base
         self.qk_norm = bool(qk_norm)
         self.rope_scaling = rope_scaling
         self.inverse_frequency: Any = None  # (D/2,) float64, with RoPE

@@ -156,3 +156,13 @@ def test_lora_adapters_on_the_projections_train_and_decode():
     caches = [qkvnp.KVCache() for _ in range(model.num_layers)]
     steps = [model.decode(ids[:, :2], caches), model.decode(ids[:, 2:], caches)]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("scale", -1.0, ValueError), ("scale", float("nan"), ValueError), ("scale", "a", TypeError),
+    ("softcap", 0.0, ValueError), ("rope", "yes", TypeError)])
+def test_decoder_attention_refuses_a_bad_option_by_name(option, value, error):
+    from qkvnp.layers import DecoderAttention
+
+    with pytest.raises(error, match=option):
+        DecoderAttention(8, 2, 4, 2, **{option: value})
