@@ -32,6 +32,7 @@ from .base import Layer, Model
 from .basic import Linear
 from .mlp import GatedFeedForward
 from .norms import RMSNorm
+from .tied import TiedLinear
 from .transformer import FeedForward
 
 TYPE_CHECKING = False
@@ -39,8 +40,8 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any
     from .._typing import DTypeLike, FloatArray
 
-__all__ = ["DecoderAttention", "DecoderBlock", "BLOCK_PLACEMENTS", "train_blocks_forward",
-           "train_blocks_backward"]
+__all__ = ["DecoderAttention", "DecoderBlock", "BLOCK_PLACEMENTS", "inference_forward",
+           "train_blocks_forward", "train_blocks_backward"]
 
 #: Where :class:`DecoderBlock` puts its norms: before each branch (GPT-2, Llama, Qwen3),
 #: after each residual sum (the original transformer), or both sides of each branch (Gemma 3).
@@ -49,24 +50,26 @@ BLOCK_PLACEMENTS = ("pre", "post", "sandwich")
 AttentionCache = namedtuple("AttentionCache", "q_heads k_heads v_heads q_rope k_rope core merge")
 
 
-def _inference(layer, x):
+def inference_forward(layer, x):
     """``layer.forward(x)`` keeping nothing for a backward (a decoding step), in it or its sub-layers.
 
     NOTE: through the layer's own forward, so that a replaced sub-layer (a
     LoRA adapter on ``q_proj``) decodes as it trains; but a plain
-    :class:`Linear` is its product alone, and a feed-forward goes through
+    :class:`Linear` (or a tied head) is its product alone, and a feed-forward goes through
     its sub-layers here, since a Linear's forward copies its weights for a
     backward, every token (benchmarks/NOTES.md, "The decoder's decoding step").
     """
     if type(layer) is Linear:
         out = x @ layer.params["W"]  # (..., in) -> (..., out)
         return out + layer.params["b"] if layer.bias else out
+    if type(layer) is TiedLinear:  # the embedding table, transposed: (..., E) -> (..., V)
+        return x @ layer.embedding.params["weight"].T
     if type(layer) is FeedForward:  # GPT-2's: first, GELU, second
         first, gelu, second = layer.layers
-        return _inference(second, _inference(gelu, _inference(first, x)))
+        return inference_forward(second, inference_forward(gelu, inference_forward(first, x)))
     if type(layer) is GatedFeedForward:  # act(x W_gate) * (x W_up), then W_down
-        act = _inference(layer.act_fn, _inference(layer.gate_proj, x))  # (..., F)
-        return _inference(layer.down_proj, act * _inference(layer.up_proj, x))  # (..., E)
+        act = inference_forward(layer.act_fn, inference_forward(layer.gate_proj, x))  # (..., F)
+        return inference_forward(layer.down_proj, act * inference_forward(layer.up_proj, x))  # (..., E)
     out = layer.forward(x, check=False)
     for sub in [layer] + [sub for _, sub in getattr(layer, "named_layers", lambda: [])()]:
         sub._cache = None
@@ -279,12 +282,12 @@ class DecoderAttention(Model):
         ``(B, T, E)``.
         """
         def project(layer, heads):  # (B, T, E) -> (B, heads, T, D)
-            return F.split_heads_forward(_inference(layer, x), heads)[0]
+            return F.split_heads_forward(inference_forward(layer, x), heads)[0]
 
         q, k = project(self.q_proj, self.num_heads), project(self.k_proj, self.num_kv_heads)
         v = project(self.v_proj, self.num_kv_heads)
         if self.qk_norm:
-            q, k = _inference(self.q_norm, q), _inference(self.k_norm, k)
+            q, k = inference_forward(self.q_norm, q), inference_forward(self.k_norm, k)
         q, k = self._rope(q, positions)[0], self._rope(k, positions)[0]
         staged = kv_cache.stage(self, k, v)
         out = variant_attention_forward(q, staged.keys, staged.values, keep, False, self.scale,
@@ -292,7 +295,7 @@ class DecoderAttention(Model):
                                         enable_gqa=self.num_kv_heads != self.num_heads,
                                         check=False)[0]  # (B, H, T, D)
         out = F.merge_heads_forward(out)[0]  # (B, H, T, D) -> (B, T, H D)
-        y = _inference(self.o_proj, out)  # (B, T, H D) -> (B, T, E)
+        y = inference_forward(self.o_proj, out)  # (B, T, H D) -> (B, T, E)
         kv_cache.commit(staged)
         if window is not None:
             kv_cache.keep_last(window - 1)
@@ -405,10 +408,10 @@ class DecoderBlock(Model):
             return self.self_attn.decode_step(h, kv_cache, keep, positions, self.window)
 
         def norm(layer, h):
-            return _inference(layer, h)
+            return inference_forward(layer, h)
 
         def mlp(h):
-            return _inference(self.mlp, h)
+            return inference_forward(self.mlp, h)
 
         for name, branch in (("attn", attn), ("mlp", mlp)):
             first = getattr(self, f"{name}_norm")

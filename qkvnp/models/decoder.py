@@ -19,8 +19,8 @@ import numpy as np
 from .._checks import as_upstream_grad, check_indices, check_state_value, layer_dtype, make_rng
 from ..layers.base import LoadResult, Model
 from ..layers.basic import Embedding, Linear
-from ..layers.decoder_block import DecoderAttention, DecoderBlock, train_blocks_backward, \
-    train_blocks_forward
+from ..layers.decoder_block import DecoderAttention, DecoderBlock, inference_forward, \
+    train_blocks_backward, train_blocks_forward
 from ..layers.kv_cache import KVCache
 from ..layers.mlp import GatedFeedForward
 from ..layers.moe import MoEFeedForward
@@ -384,15 +384,9 @@ class Decoder(Model):
                                (block.window,))[block.window]  # (B, 1, T, S)
             x = block.decode_step(x, cache, keep, positions[:, None, :])  # (B, T, E)
         x = self.final_norm.forward(x, check=False)
-        # NOTE: a plain or tied head's product alone: its forward would copy the (V, E)
-        # table for a backward, every token (benchmarks/NOTES.md, "The decoder's decoding step")
-        if isinstance(self.head, TiedLinear):
-            logits = x @ self.embed.params["weight"].T  # (B, T, E) -> (B, T, V)
-        elif type(self.head) is Linear:
-            logits = x @ self.head.params["W"]  # (B, T, E) -> (B, T, V)
-        else:  # through the head's forward: an adapted head (LoRA) decodes as it trains
-            logits = self.head.forward(x, check=False)  # (B, T, E) -> (B, T, V)
-            self.head._cache = None
+        # through the head's own forward only when adapted (LoRA): a plain or tied head is
+        # its product alone, as the blocks' Linears are in decoding
+        logits = inference_forward(self.head, x)  # (B, T, E) -> (B, T, V)
         if self.config.final_softcap is not None:
             logits = softcap_forward(logits, self.config.final_softcap)[0]  # (B, T, V)
         state = self._state_to_write()  # nothing kept for a backward
