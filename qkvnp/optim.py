@@ -403,8 +403,8 @@ class Adam(Optimizer):
     def _flatten(self):
         """Lay the state out flat: per dtype, one array per buffer; ``state``'s entries are views.
 
-        NOTE: the update then runs its formula lines once over all the
-        parameters of a dtype instead of once per parameter (eleven numpy
+        NOTE: the update then runs its formula lines chunk by chunk over all
+        the parameters of a dtype instead of once per parameter (eleven numpy
         calls each), faster for models of a few small parameters such as
         kv-recall's (measured in benchmarks/NOTES.md). Elementwise ``+ - * /`` and
         ``sqrt`` round each entry the same whatever the array, so the
@@ -418,20 +418,16 @@ class Adam(Optimizer):
             shapes = [self.params[name].shape for name in names]
             ends = np.cumsum([math.prod(shape) for shape in shapes]).tolist()
             starts = [0] + ends[:-1]
-
-            def views(flat):
-                return [flat[lo:hi].reshape(shape) for lo, hi, shape in zip(starts, ends, shapes)]
-
             flats = {}
             for buffer in self._buffers:
                 flats[buffer] = np.empty(ends[-1], dtype)
-                for name, view in zip(names, views(flats[buffer])):
+                for name, lo, hi, shape in zip(names, starts, ends, shapes):
                     key = f"{buffer}/{name}"
+                    view = flats[buffer][lo:hi].reshape(shape)
                     view[...] = self.state[key]
                     self.state[key] = self._views[key] = view
-            grad, update = np.empty(ends[-1], dtype), np.empty(ends[-1], dtype)
-            self._groups.append(_FlatGroup(names, flats["exp_avg"], flats["exp_avg_sq"], grad,
-                                           views(grad), update, views(update)))
+            self._groups.append(_FlatGroup(names, flats["exp_avg"], flats["exp_avg_sq"],
+                                           _chunk_pieces(starts, ends)))
 
     def load_state_dict(self, state: Mapping[str, ArrayLike]) -> None:
         super().load_state_dict(state)
@@ -444,6 +440,11 @@ class Adam(Optimizer):
         grads = self._check_grads(grads)
         if any(self.state[key] is not view for key, view in self._views.items()):
             self._flatten()  # a state array was replaced: lay the new values out
+        buffers = [buffer for group in self._groups for buffer in (group.exp_avg, group.exp_avg_sq)]
+        if _overlapping(list(grads.values()), list(self.params.values()) + buffers):
+            # NOTE: a gradient that shares memory with a parameter or a buffer
+            # (``step(model.params)``) would be read after a chunk wrote it
+            grads = {name: grad.copy() for name, grad in grads.items()}
         self.step_count += 1
         for group in self._groups:
             self._update_group(group, grads)
@@ -451,64 +452,139 @@ class Adam(Optimizer):
     step.__doc__ = Optimizer.step.__doc__
 
     def _update_group(self, group, grads):
-        """The update of every parameter of ``group`` (one dtype), on its flat arrays."""
-        lr, (beta1, beta2), eps, decay = self.lr, self.betas, self.eps, self.weight_decay
+        """The update of every parameter of ``group`` (one dtype), chunk by chunk.
+
+        A chunk gathers its entries of the gradients, updates its part of the
+        buffers and writes its part of the parameters: each array is read
+        (and the parameters and buffers written) once a step, in cache.
+        Chunks are independent, so they are shared among the kernels' worker
+        threads; elementwise, so the same bits however they are shared.
+        """
+        from .kernels._runtime import run
+
         params = [self.params[name] for name in group.names]
-        for name, view in zip(group.names, group.grad_views):
-            view[...] = grads[name]  # g, flat
-        grad, exp_avg, exp_avg_sq = group.grad, group.exp_avg, group.exp_avg_sq
+        # read only: views, or copies if not contiguous
+        flat_grads = [grads[name].reshape(-1) for name in group.names]
+        flat_params = [param.reshape(-1) if param.flags.c_contiguous else param.ravel()
+                       for param in params]  # written: views, or copies written back below
+        constants = self._constants(params[0].dtype.type)
+
+        def task(chunks):
+            scratch = np.empty((3, _CHUNK), params[0].dtype)  # g, a temporary, the update
+            for chunk in chunks:
+                self._update_chunk(chunk, flat_grads, flat_params, group, constants, scratch)
+
+        # NOTE: about 15 operations an entry, so the pool's own threshold decides
+        run(task, group.chunks, flops=15 * group.exp_avg.size)
+        for param, flat in zip(params, flat_params):
+            if not param.flags.c_contiguous:
+                param[...] = flat.reshape(param.shape)
+
+    def _constants(self, kind):
+        """The step's scalars, of the parameters' dtype ``kind``.
+
+        NOTE: numpy 1 computed a 0-d float32 array times a Python float in
+        float64 (value-based casting); scalars of the parameters' dtype do not.
+        """
+        lr, (beta1, beta2), eps, decay = self.lr, self.betas, self.eps, self.weight_decay
         step = float(self.step_count)
-        if decay != 0:
-            # NOTE: scalars of the parameters' dtype: numpy 1 computed a 0-d float32
-            # parameter times a Python float in float64 (value-based casting)
-            kind = grad.dtype.type
-            for param, view in zip(params, group.grad_views):
-                if self._decoupled:
-                    param *= kind(1 - lr * decay)  # theta <- theta * (1 - lr * lambda)  (AdamW)
-                else:
-                    view += kind(decay) * param  # g <- g + lambda * theta  (Adam's L2)
+        return _AdamConstants(
+            decay=kind(decay) if decay != 0 and not self._decoupled else None,
+            shrink=kind(1 - lr * decay) if decay != 0 and self._decoupled else None,
+            beta1=beta1, beta2=beta2, eps=eps,
+            step_size=lr / (1 - beta1**step),  # lr / (1 - beta1^t)
+            bias2=(1 - beta2**step) ** 0.5)  # sqrt(1 - beta2^t)
+
+    @staticmethod
+    def _update_chunk(chunk, grads, params, group, c, scratch):
+        """The formula lines on the entries ``chunk.start:chunk.stop`` of the group."""
+        start, stop, pieces = chunk
+        g, temp, update = scratch[:, :stop - start]
+        m, v = group.exp_avg[start:stop], group.exp_avg_sq[start:stop]
+        for i, lo, hi, at in pieces:
+            g[at:at + hi - lo] = grads[i][lo:hi]  # g, this chunk's entries
+            if c.decay is not None:  # g <- g + lambda * theta  (Adam's L2)
+                np.multiply(params[i][lo:hi], c.decay, out=temp[at:at + hi - lo])
+                g[at:at + hi - lo] += temp[at:at + hi - lo]
         # NOTE: m is updated as torch's lerp(m, g, 1 - beta1) for beta1 > 0.5,
         # m + (1 - beta1) (g - m): beta1 m + (1 - beta1) g up to rounding. torch's
         # CPU kernels fuse some of these lines (FMA), so single entries may differ
         # from torch by an ulp; trajectories agree to ~1e-15 (tests/test_optim.py).
         # NOTE: each line's operations in the same order as the formula beside it
-        # (the same rounding), into two arrays of this call's own, not temporaries
-        step_size = lr / (1 - beta1**step)  # lr / (1 - beta1^t)
-        bias2 = (1 - beta2**step) ** 0.5
-        scratch_all, update_all = np.empty(min(grad.size, _CHUNK), grad.dtype), group.update
-        # NOTE: chunk by chunk, so that the eleven passes run in cache and not through
-        # memory (benchmarks/NOTES.md, "AdamW by chunks"); elementwise, so the same bits
-        for start in range(0, grad.size, _CHUNK):
-            chunk = slice(start, start + _CHUNK)
-            g, m, v, update = grad[chunk], exp_avg[chunk], exp_avg_sq[chunk], update_all[chunk]
-            scratch = scratch_all[:g.size]
-            np.subtract(g, m, out=scratch)
-            scratch *= 1 - beta1
-            m += scratch  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
-            v *= beta2  # v_t = beta2 * v_{t-1} + ...
-            np.multiply(g, 1 - beta2, out=scratch)
-            scratch *= g
-            v += scratch  # ... + (1 - beta2) * g^2
-            np.sqrt(v, out=scratch)
-            scratch /= bias2
-            scratch += eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
-            np.multiply(m, step_size, out=update)
-            update /= scratch  # step_size * m_t / denom
-        for param, update in zip(params, group.update_views):
-            param -= update  # theta_t = theta_{t-1} - step_size * m_t / denom
+        # (the same rounding), into the chunk's own arrays, not temporaries
+        np.subtract(g, m, out=temp)
+        temp *= 1 - c.beta1
+        m += temp  # m_t = beta1 * m_{t-1} + (1 - beta1) * g
+        v *= c.beta2  # v_t = beta2 * v_{t-1} + ...
+        np.multiply(g, 1 - c.beta2, out=temp)
+        temp *= g
+        v += temp  # ... + (1 - beta2) * g^2
+        np.sqrt(v, out=temp)
+        temp /= c.bias2
+        temp += c.eps  # denom = sqrt(v_t / (1 - beta2^t)) + eps
+        np.multiply(m, c.step_size, out=update)
+        update /= temp  # step_size * m_t / denom
+        for i, lo, hi, at in pieces:
+            theta = params[i][lo:hi]
+            if c.shrink is not None:
+                theta *= c.shrink  # theta <- theta * (1 - lr * lambda)  (AdamW)
+            theta -= update[at:at + hi - lo]  # theta_t = theta_{t-1} - step_size * m_t / denom
 
 
-#: Entries of the flat arrays updated together (five float32 chunks: 640 KiB, in L2).
+#: Entries of the flat arrays updated together (six float32 chunks: 768 KiB, in L2).
 _CHUNK = 32768
 
-_FlatGroup = namedtuple("_FlatGroup", "names exp_avg exp_avg_sq grad grad_views update update_views")
-_FlatGroup.__doc__ = """The flat arrays of :class:`Adam`'s parameters of one dtype.
+_AdamConstants = namedtuple("_AdamConstants", "decay shrink beta1 beta2 eps step_size bias2")
 
-names : the parameters' names, in ``params``' order. exp_avg, exp_avg_sq,
-grad, update : flat arrays of all their entries (the state buffers,
-the gradients gathered, the step's update); ``grad_views``,
-``update_views`` : the parameter-shaped views of ``grad`` and ``update``
-(``state`` holds those of the buffers).
+
+def _chunk_pieces(starts, ends):
+    """The flat range ``[0, ends[-1])`` cut in chunks of ``_CHUNK`` entries.
+
+    Each chunk is ``(start, stop, pieces)``, a piece ``(i, lo, hi, at)``:
+    entries ``lo:hi`` of parameter ``i`` (flattened) are the chunk's entries
+    ``at:at + hi - lo``.
+    """
+    chunks, i = [], 0
+    for start in range(0, ends[-1], _CHUNK):
+        stop = min(start + _CHUNK, ends[-1])
+        pieces = []
+        while i < len(ends) and starts[i] < stop:
+            lo, hi = max(starts[i], start), min(ends[i], stop)
+            if hi > lo:
+                pieces.append((i, lo - starts[i], hi - starts[i], lo - start))
+            if ends[i] > stop:
+                break  # the parameter goes on in the next chunk
+            i += 1
+        chunks.append((start, stop, tuple(pieces)))
+    return chunks
+
+
+def _byte_span(array):
+    """The addresses ``[lo, hi)`` that ``array``'s entries lie within (numpy's ``byte_bounds``)."""
+    lo = hi = array.__array_interface__["data"][0]
+    for size, stride in zip(array.shape, array.strides):
+        lo, hi = lo + min(0, stride * (size - 1)), hi + max(0, stride * (size - 1))
+    return lo, hi + array.itemsize
+
+
+def _overlapping(reads, writes):
+    """Whether an array of ``reads`` may share memory with one of ``writes`` (spans, sorted)."""
+    spans = sorted([(*_byte_span(a), 0) for a in reads if a.size]
+                   + [(*_byte_span(a), 1) for a in writes if a.size])
+    reach = {0: -1, 1: -1}  # the furthest end seen of each kind so far
+    for lo, hi, kind in spans:
+        if reach[1 - kind] > lo:
+            return True
+        reach[kind] = max(reach[kind], hi)
+    return False
+
+
+_FlatGroup = namedtuple("_FlatGroup", "names exp_avg exp_avg_sq chunks")
+_FlatGroup.__doc__ = """The flat buffers of :class:`Adam`'s parameters of one dtype.
+
+names : the parameters' names, in ``params``' order. exp_avg, exp_avg_sq :
+flat arrays of all their entries (``state`` holds parameter-shaped views of
+them). chunks : :func:`_chunk_pieces` of the flat range.
 """
 
 

@@ -480,3 +480,69 @@ def test_adamw_chunks_give_the_same_bits(monkeypatch):
     whole, chunked = run(10**6), run(4)  # one chunk; 12 chunks, the last partial
     for name in whole:
         assert whole[name].tobytes() == chunked[name].tobytes()
+
+
+@pytest.mark.parametrize("cls, decay", [(Adam, 1e-2), (AdamW, 1e-2)])
+def test_adam_chunks_on_the_worker_threads_give_the_per_parameter_bits(cls, decay, monkeypatch):
+    """Oracle: adam_per_parameter, bitwise. Chunks of 5 entries cut the parameters
+    anywhere (one chunk holding the ends of three), and every chunk job goes to the
+    pool's two threads; a transposed (not contiguous) parameter is updated in place."""
+    import qkvnp.optim as optim
+    from qkvnp.kernels import block_sizes, num_threads
+
+    monkeypatch.setattr(optim, "_CHUNK", 5)
+    rng = np.random.default_rng(3)
+    params = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=2), "c": rng.normal(size=()),
+              "t": rng.normal(size=(6, 3)).T, "e": rng.normal(size=13)}
+    assert not params["t"].flags.c_contiguous
+    oracle = {name: p.copy() for name, p in params.items()}  # C-contiguous copies
+    state = {f"{buffer}/{name}": np.zeros(p.shape) for buffer in ("exp_avg", "exp_avg_sq")
+             for name, p in params.items()}
+    transposed = params["t"]
+    optimizer = cls(params, lr=0.01, weight_decay=decay)
+    with num_threads(2), block_sizes(min_parallel_flops=0):
+        for step in range(1, 6):
+            grads = {name: rng.normal(size=p.shape) for name, p in params.items()}
+            adam_per_parameter(oracle, state, grads, step, 0.01, (0.9, 0.999), 1e-8, decay,
+                               cls is AdamW)
+            optimizer.step(grads)
+    assert params["t"] is transposed  # in place, not replaced
+    for name in params:
+        assert params[name].tobytes() == oracle[name].tobytes(), name
+
+
+def test_adam_with_the_parameters_as_their_own_gradients_reads_each_before_writing():
+    """Oracle: the same step given copies of the parameters as gradients, bitwise.
+
+    The update reads the gradients chunk by chunk; gradients that share memory
+    with the parameters it writes (``step(params)``, or one gradient a view of
+    another parameter) must be read as they were before the step."""
+    rng = np.random.default_rng(4)
+    base = rng.normal(size=(4, 6))
+    params = {"w": base, "v": rng.normal(size=9)}
+    copies = {name: p.copy() for name, p in params.items()}
+    mine, theirs = AdamW(params, lr=0.1), AdamW(copies, lr=0.1)
+    for _ in range(3):
+        theirs.step({"w": copies["v"][:6].repeat(4).reshape(4, 6).copy(), "v": copies["v"].copy()})
+        mine.step({"w": np.broadcast_to(params["v"][:6].repeat(4).reshape(4, 6), (4, 6)),
+                   "v": params["v"]})
+    for name in params:
+        assert params[name].tobytes() == copies[name].tobytes(), name
+
+
+def test_adam_chunk_pieces_cover_every_entry_once():
+    """Oracle: counting. Each entry of each parameter lies in exactly one piece,
+    at the chunk position its flat index gives."""
+    from qkvnp.optim import _CHUNK, _chunk_pieces
+
+    sizes = [1, _CHUNK - 1, 3, 2 * _CHUNK + 5, 1, _CHUNK]
+    ends = np.cumsum(sizes).tolist()
+    starts = [0] + ends[:-1]
+    seen = np.zeros(ends[-1], int)
+    for start, stop, pieces in _chunk_pieces(starts, ends):
+        assert 0 < stop - start <= _CHUNK
+        for i, lo, hi, at in pieces:
+            assert 0 <= lo < hi <= sizes[i]
+            assert starts[i] + lo == start + at
+            seen[starts[i] + lo:starts[i] + hi] += 1
+    assert (seen == 1).all()
