@@ -1,7 +1,8 @@
 """The book's GPT, qkvnp against PyTorch: ``python benchmarks/gpt_compare.py [--json out.json]``.
 
 Shape key: V vocabulary, C context length, E embedding, H heads, L layers,
-B batch (:class:`workloads.gpt.GPTConfig`, written ``(V, C, E, H, L, B)``).
+B batch, T tokens of a training window (:class:`workloads.gpt.GPTConfig`,
+written ``(V, C, E, H, L, B, T)``; six numbers mean T = C).
 
 Measures the GPT's speed and memory targets on this host, each library in a process
 of its own (the harness's protocol of ``harness/workers.py``: the parent asks the
@@ -14,8 +15,11 @@ over the rounds of the time per call):
   against the book's ``GPTModel`` written in torch (:mod:`rivals.gpt_torch`),
   float32, dropout 0, PyTorch at 2 threads, qkvnp with its default threads,
   at ``tiny`` (256, 64, 64, 4, 2, 8), target 1.5x PyTorch's, and ``small``
-  (256, 128, 128, 4, 4, 8), target 1.0x. The losses of the first steps from
-  the same weights must agree first (relative 1e-5), or nothing is timed;
+  (256, 128, 128, 4, 4, 8), target 1.0x (the default configurations); and, on
+  request, ``gpt2`` (50257, 1024, 768, 12, 12, 4, 64), the book's
+  ``GPT_CONFIG_124M`` (untied head, 163M parameters) on batches of 4 x 64
+  tokens, target 1.0x. The losses of the first steps from the same weights
+  must agree first (relative 1e-5), or nothing is timed;
 - **the matrix products** of the step (:func:`workloads.gpt.step_products`) on
   random arrays of the same shapes, timed in qkvnp's worker: their share of
   qkvnp's step, and the speedup qkvnp would have over PyTorch if nothing but
@@ -31,6 +35,15 @@ over the rounds of the time per call):
 
 Without PyTorch, qkvnp's side is still measured and the ratios are left
 blank. Results belong in ``RESULTS.md``, dated.
+
+The 124M step at one thread each, then at two (qkvnp's default threads,
+PyTorch's 2); a step takes seconds, so a run takes minutes::
+
+    python benchmarks/gpt_compare.py --configs gpt2 --no-generation --threads 1 --torch-threads 1
+    python benchmarks/gpt_compare.py --configs gpt2 --no-generation
+
+Each configuration's weights and batches are written once to a temporary
+``.npz`` file (650 MB at ``gpt2``), read by both workers, then removed.
 """
 import argparse
 import json
@@ -55,7 +68,8 @@ __all__ = ["TARGETS", "check_losses", "run_training", "run_generation",
            "measure_step_memory", "run", "format_report", "main"]
 
 #: qkvnp / PyTorch: at least (speed), at most (memory).
-TARGETS = {"train/tiny": 1.5, "train/small": 1.0, "memory": 1.25, "generate": 1.0}
+TARGETS = {"train/tiny": 1.5, "train/small": 1.0, "train/gpt2": 1.0, "memory": 1.25,
+           "generate": 1.0}
 
 
 def check_losses(losses, expected):
@@ -79,22 +93,48 @@ def _stats(seconds, calls, per_call=1):
             "calls_per_round": calls, "per_s": per_call * 1e3 / median}
 
 
+def _shape(config):
+    """``config`` as seven numbers, T written out."""
+    return list(config._replace(tokens=config.seq_len))
+
+
+def _products_floor(times, threads):
+    """Seconds the step's products need at least, from the worker's ``products`` reply.
+
+    NOTE: on two cores, numpy's threads on each product, or one thread each
+    with the products split perfectly between the cores (qkvnp's pool runs
+    one-thread BLAS calls side by side), whichever is faster; at ``threads``
+    1, the products on one thread.
+    """
+    if threads == 1:
+        return min(times["seconds"], times["one_thread_seconds"])
+    return min(times["seconds"], times["one_thread_seconds"] / min(2, os.cpu_count()))
+
+
 def _setup(workers, task, config, data_path, args, directory):
-    """Set every worker up; return (workers that run, their results, why PyTorch is missing)."""
+    """Set every worker up; return (workers that run, their results, why PyTorch is missing).
+
+    ``data_path`` (:func:`workloads.gpt.make_data`'s ``.npz``) is removed once
+    the workers have read it: each holds what it needs, and a big model's
+    file need not stay on disk beside the next one's.
+    """
     running, results, missing = {}, {}, None
-    for library, worker in workers.items():
-        reply = worker.request("setup", spec={"library": library, "task": task,
-                                              "config": list(config), "data": data_path,
-                                              "threads": args.threads,
-                                              "torch_threads": args.torch_threads})
-        if "missing" in reply:
-            missing = reply["missing"]
-            continue
-        path = os.path.join(directory, f"{library}-{task}.npz")
-        worker.request("result", path=path)
-        with np.load(path, allow_pickle=False) as stored:
-            results[library] = dict(stored)
-        running[library] = worker
+    try:
+        for library, worker in workers.items():
+            reply = worker.request("setup", spec={"library": library, "task": task,
+                                                  "config": list(config), "data": data_path,
+                                                  "threads": args.threads,
+                                                  "torch_threads": args.torch_threads})
+            if "missing" in reply:
+                missing = reply["missing"]
+                continue
+            path = os.path.join(directory, f"{library}-{task}.npz")
+            worker.request("result", path=path)
+            with np.load(path, allow_pickle=False) as stored:
+                results[library] = dict(stored)
+            running[library] = worker
+    finally:
+        os.remove(data_path)
     return running, results, missing
 
 
@@ -122,7 +162,7 @@ def run_training(name, config, workers, args, directory):
         ``ratio`` (qkvnp's steps/s / PyTorch's), ``target``, ``met``,
         ``products`` and, for a missed target, ``profile``.
     """
-    record = {"workload": "train", "config": name, "shape": list(config), "status": "ok",
+    record = {"workload": "train", "config": name, "shape": _shape(config), "status": "ok",
               "reason": None, "check": None, "qkvnp": None, "torch": None, "ratio": None,
               "target": TARGETS.get(f"train/{name}"), "met": None, "products": None}
     data_path = os.path.join(directory, f"data-{name}.npz")
@@ -145,10 +185,7 @@ def run_training(name, config, workers, args, directory):
         products = step_products(config)
         flops = products_flops(products)
         times = running["qkvnp"].request("products", repeats=args.repeats)
-        # NOTE: the floor on two cores: numpy's threads on each product, or one
-        # thread each with the products split perfectly between the cores
-        # (qkvnp's pool runs one-thread BLAS calls side by side), whichever is faster
-        seconds = min(times["seconds"], times["one_thread_seconds"] / min(2, os.cpu_count()))
+        seconds = _products_floor(times, args.threads)
         step = record["qkvnp"]["ms"] / 1e3
         record["products"] = {"count": sum(c for c, *_ in products), "calls": len(products),
                               "flops": flops, "ms": 1e3 * times["seconds"],
@@ -169,7 +206,7 @@ def run_training(name, config, workers, args, directory):
 def run_generation(name, config, workers, args, directory):
     """Check, then time, greedy generation at batch 1: tokens per second of both libraries."""
     config = config._replace(batch=1)
-    record = {"workload": "generate", "config": name, "shape": list(config), "status": "ok",
+    record = {"workload": "generate", "config": name, "shape": _shape(config), "status": "ok",
               "reason": None, "new_tokens": None, "same_tokens": None, "qkvnp": None,
               "torch": None, "ratio": None, "met": None,
               "target": TARGETS["generate"] if name == "small" else None}
@@ -221,15 +258,16 @@ def run(args, progress=None):
                                   torch_threads=args.torch_threads),
               "threads": "at 1 thread" if args.threads == 1 else "with its default threads",
               "train": [], "generate": [], "memory": []}
-    workers = {name: Worker(name, CHILD_PATH, module="benchmarks.workloads.gpt") for name in ("qkvnp", "torch")}
+    workers = {name: Worker(name, CHILD_PATH, module="benchmarks.workloads.gpt")
+               for name in ("qkvnp", "torch")}
     try:
         with tempfile.TemporaryDirectory(prefix="qkvnp-gpt-bench-") as directory:
             for name, config in args.configs:
-                progress(f"training step, {name} {tuple(config)}")
+                progress(f"training step, {name} {tuple(_shape(config))}")
                 report["train"].append(run_training(name, config, workers, args, directory))
             if args.generate:
                 name, config = args.generate
-                progress(f"generation, {name} {tuple(config._replace(batch=1))}")
+                progress(f"generation, {name} {tuple(_shape(config._replace(batch=1)))}")
                 report["generate"].append(run_generation(name, config, workers, args,
                                                          directory))
     finally:
@@ -240,7 +278,7 @@ def run(args, progress=None):
             progress(f"memory of a step, {name}")
             measured = {lib: measure_step_memory(lib, config, args.threads, args.torch_threads)
                         for lib in ("qkvnp", "torch")}
-            record = {"config": name, "shape": list(config),
+            record = {"config": name, "shape": _shape(config),
                       "target": TARGETS["memory"] if name in CONFIGS else None,
                       "ratio": None, "met": None, **measured}
             if all("peak_mib" in measured[lib] for lib in measured):
@@ -252,6 +290,10 @@ def run(args, progress=None):
 
 
 # ---------------------------------------------------------------- report
+
+
+def _threads(count):
+    return f"{count} thread" + ("" if count == 1 else "s")
 
 
 def _cell(stats, key="ms"):
@@ -293,13 +335,13 @@ def format_report(report):
     lines = [f"GPT benchmark {env['date_utc']} UTC: qkvnp {env['qkvnp']} ({env['commit']}) "
              f"against the book's GPTModel in PyTorch {env['torch'] or '(not installed)'}",
              f"{env['cpu']}, {env['cores']} cores, load average {env['load_average']}; "
-             f"float32, dropout 0; PyTorch at {env['torch_threads']} threads, qkvnp "
+             f"float32, dropout 0; PyTorch at {_threads(env['torch_threads'])}, qkvnp "
              f"{report['threads']}; one library per process", ""]
     if report["train"]:
         lines.append("Training: one step (zero grads, forward, cross-entropy, backward, AdamW "
                      "lr 4e-4 wd 0.1, loss as a float); ms per step, median [quartiles]")
     for record in report["train"]:
-        lines.append(f"  {record['config']} (V,C,E,H,L,B)={tuple(record['shape'])}: "
+        lines.append(f"  {record['config']} (V,C,E,H,L,B,T)={tuple(record['shape'])}: "
                      f"{record['status']}")
         if record["status"] != "ok" or record["reason"]:
             lines.append(f"    {record['reason']}")
@@ -373,18 +415,23 @@ def format_report(report):
 
 
 def _config(text):
+    """``(text, GPTConfig)`` of a configuration's name or of V,C,E,H,L,B[,T]."""
     if text in CONFIGS:
         return text, CONFIGS[text]
     try:
         values = [int(v) for v in text.split(",")]
+        if len(values) not in (6, 7):
+            raise ValueError
         config = GPTConfig(*values)
-    except (ValueError, TypeError):
+    except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected one of {sorted(CONFIGS)} or V,C,E,H,L,B (six integers), got {text!r}"
-        ) from None
+            f"expected one of {sorted(CONFIGS)} or V,C,E,H,L,B[,T] (six or seven integers), "
+            f"got {text!r}") from None
     if min(values) < 1 or config.width % config.heads:
         raise argparse.ArgumentTypeError(f"expected positive sizes with E divisible by H, got "
                                          f"{text!r}")
+    if config.seq_len > config.context:
+        raise argparse.ArgumentTypeError(f"expected T at most the context C, got {text!r}")
     return text, config
 
 
@@ -406,10 +453,10 @@ def main(argv=None):
         prog="python benchmarks/gpt_compare.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", type=_config,
                         default=[("tiny", CONFIGS["tiny"]), ("small", CONFIGS["small"])],
-                        metavar="NAME|V,C,E,H,L,B", help="training configurations "
-                        "(default: tiny small)")
+                        metavar="NAME|V,C,E,H,L,B[,T]", help="training configurations: "
+                        f"{', '.join(CONFIGS)} or sizes (default: tiny small)")
     parser.add_argument("--generate", type=_config, default=("small", CONFIGS["small"]),
-                        metavar="NAME|V,C,E,H,L,B", help="generation configuration, batch 1 "
+                        metavar="NAME|V,C,E,H,L,B[,T]", help="generation configuration, batch 1 "
                         "(default: small)")
     parser.add_argument("--no-generation", dest="generate", action="store_const", const=None)
     parser.add_argument("--no-memory", dest="memory", action="store_false")
@@ -417,9 +464,11 @@ def main(argv=None):
                         help="no cProfile of qkvnp's step when a training target is missed")
     parser.add_argument("--threads", type=int, choices=(1,), default=None,
                         help="qkvnp at one thread (BLAS and its pool), as "
-                        "`python -m qkvnp train --task text` runs; default its own")
+                        "`python -m qkvnp train --task text` runs; default its own. With "
+                        "--torch-threads 1: the one-thread comparison")
     parser.add_argument("--torch-threads", type=_at_least(1), default=TORCH_THREADS,
-                        help=f"PyTorch's threads ({TORCH_THREADS}, the targets')")
+                        help=f"PyTorch's threads ({TORCH_THREADS}, the targets', beside qkvnp's "
+                        "default threads)")
     parser.add_argument("--repeats", type=_at_least(1), default=7, help="timed rounds (7)")
     parser.add_argument("--warmup", type=_at_least(0), default=1, help="untimed rounds (1)")
     parser.add_argument("--pause", type=_at_least(0.0, float), default=0.3,

@@ -73,7 +73,7 @@ def measure(config, rounds):
     model = GPTModel(config.vocab, config.context, config.width, config.heads, config.layers,
                      rng=0, dtype=np.float32)
     optimizer = AdamW(model.params, lr=4e-4, weight_decay=0.1)
-    shape = (config.batch, config.context)
+    shape = (config.batch, config.seq_len)  # (B, T)
     inputs = rng.integers(0, config.vocab, shape)
     targets = rng.integers(0, config.vocab, shape)
     times = {"transaction": [], "pass-through": []}

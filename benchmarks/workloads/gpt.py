@@ -1,13 +1,14 @@
 """The GPT benchmark's workloads, and the worker process that runs one library's.
 
-Shape key: V vocabulary, C context length (the T of every training window),
-E embedding, H heads, D = E // H, L layers, B batch (:class:`GPTConfig`).
+Shape key: V vocabulary, C context length (the model's positions), T tokens of
+every training window (at most C; C unless the config says otherwise), E
+embedding, H heads, D = E // H, L layers, B batch (:class:`GPTConfig`).
 
 Two workloads, each in qkvnp and in torch, from the same weights:
 
 ``train``
     One AdamW step (``lr`` 4e-4, ``weight_decay`` 0.1, the book's) of the
-    book's GPT on a batch of ``B`` windows of ``C`` tokens, float32,
+    book's GPT on a batch of ``B`` windows of ``T`` tokens, float32,
     dropout 0: zero the gradients, forward, cross-entropy over every
     position, backward, optimizer step, the loss read as a float. qkvnp:
     :class:`qkvnp.GPTModel`, :mod:`qkvnp.losses`, :class:`qkvnp.optim.AdamW`.
@@ -47,11 +48,25 @@ __all__ = ["GPTConfig", "CONFIGS", "LR", "WEIGHT_DECAY", "CHECK_STEPS", "LOSS_TO
            "serve",
            "memory_child"]
 
-GPTConfig = namedtuple("GPTConfig", "vocab context width heads layers batch")
-GPTConfig.__doc__ = "V vocabulary, C context, E width, H heads, L layers, B batch."
 
-#: The two training configurations that have targets; generation uses ``small`` with B = 1.
-CONFIGS = {"tiny": GPTConfig(256, 64, 64, 4, 2, 8), "small": GPTConfig(256, 128, 128, 4, 4, 8)}
+class GPTConfig(namedtuple("GPTConfig", "vocab context width heads layers batch tokens",
+                           defaults=(None,))):
+    """V vocabulary, C context, E width, H heads, L layers, B batch, T tokens a window.
+
+    ``tokens`` None (the default, and what six numbers give) means T = C.
+    """
+    __slots__ = ()
+
+    @property
+    def seq_len(self):
+        """T: the tokens of a training window, ``tokens`` or else the context."""
+        return self.context if self.tokens is None else self.tokens
+
+
+#: The training configurations that have targets; generation uses ``small`` with B = 1.
+#: ``gpt2`` is the book's ``GPT_CONFIG_124M`` (untied head, 163M parameters) at 4 x 64 tokens.
+CONFIGS = {"tiny": GPTConfig(256, 64, 64, 4, 2, 8), "small": GPTConfig(256, 128, 128, 4, 4, 8),
+           "gpt2": GPTConfig(50257, 1024, 768, 12, 12, 4, 64)}
 LR, WEIGHT_DECAY = 4e-4, 0.1
 #: Batches drawn beforehand and cycled through.
 BATCHES = 8
@@ -77,7 +92,7 @@ def book_config(config):
 def make_data(config, seed=0):
     """Weights (the book's names), training batches and a prompt, as a flat dict of arrays.
 
-    Keys: ``param/<book name>``, ``inputs`` and ``targets`` ``(BATCHES, B, C)``
+    Keys: ``param/<book name>``, ``inputs`` and ``targets`` ``(BATCHES, B, T)``
     (targets are the inputs shifted by one token), ``prompt`` ``(1, PROMPT_TOKENS)``.
     """
     from qkvnp import GPTModel
@@ -86,8 +101,8 @@ def make_data(config, seed=0):
     model = GPTModel.from_config(book_config(config), rng=seed, dtype=DTYPE)
     data = {"param/" + name: value for name, value in to_torch(model, "book.GPTModel").items()}
     rng = np.random.default_rng(seed + 1)
-    windows = rng.integers(0, config.vocab, size=(BATCHES, config.batch, config.context + 1))
-    data["inputs"], data["targets"] = windows[..., :-1], windows[..., 1:]  # (BATCHES, B, C)
+    windows = rng.integers(0, config.vocab, size=(BATCHES, config.batch, config.seq_len + 1))
+    data["inputs"], data["targets"] = windows[..., :-1], windows[..., 1:]  # (BATCHES, B, T)
     data["prompt"] = rng.integers(0, config.vocab, size=(1, min(PROMPT_TOKENS, config.context)))
     return data
 
@@ -104,7 +119,10 @@ class _Qkvnp:
         from qkvnp import GPTModel
         from qkvnp.interop import from_torch
 
-        self.task, self.data = task, data
+        self.task = task
+        # NOTE: the batches and the prompt only: the weights (650 MB at gpt2) are copied
+        # into the model below and need not stay alive beside it
+        self.data = {key: data[key] for key in ("inputs", "targets", "prompt")}
         self.model = GPTModel.from_config(book_config(config), rng=0, dtype=DTYPE)
         from_torch(self.model, _weights(data), "book.GPTModel")
         self.index = 0
@@ -138,7 +156,7 @@ class _Qkvnp:
         self.index += 1
         model = self.model
         model.zero_grad()
-        logits = model.forward(inputs)  # (B, C) -> (B, C, V)
+        logits = model.forward(inputs)  # (B, T) -> (B, T, V)
         loss, cache = self.loss_forward(logits, targets)
         model.backward(self.loss_backward(1.0, cache))
         self.optimizer.step(model.grads)
@@ -189,7 +207,7 @@ class _Torch:
         targets = self.targets[self.index % BATCHES]
         self.index += 1
         self.optimizer.zero_grad()
-        logits = self.model(inputs)  # (B, C) -> (B, C, V)
+        logits = self.model(inputs)  # (B, T) -> (B, T, V)
         loss = self.torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         self.optimizer.step()
@@ -270,23 +288,23 @@ def step_products(config):
     """The matrix products of one training step: ``(count, m, k, n)``, count (m, k) @ (k, n) each.
 
     Forward, per block: the query, key, value and output projections
-    ``(B*C, E) @ (E, E)``, per (batch, head) ``Q K^T`` ``(C, D) @ (D, C)`` and
-    ``P V`` ``(C, C) @ (C, D)``, the feed-forward ``(B*C, E) @ (E, 4E)`` and
-    ``(B*C, 4E) @ (4E, E)``; then the head ``(B*C, E) @ (E, V)``. Backward:
+    ``(B*T, E) @ (E, E)``, per (batch, head) ``Q K^T`` ``(T, D) @ (D, T)`` and
+    ``P V`` ``(T, T) @ (T, D)``, the feed-forward ``(B*T, E) @ (E, 4E)`` and
+    ``(B*T, 4E) @ (4E, E)``; then the head ``(B*T, E) @ (E, V)``. Backward:
     each ``(m, k) @ (k, n)`` gives ``(m, n) @ (n, k)`` (the left operand's
     gradient) and ``(k, m) @ (m, n)`` (the right one's).
 
     >>> len(step_products(GPTConfig(256, 64, 64, 4, 2, 8)))  # (2 * 8 + 1) * 3
     51
     """
-    V, C, E, H, L, B = config
-    D = E // H
+    V, _, E, H, L, B, _ = config
+    T, D = config.seq_len, E // H
     forward = []
     for _ in range(L):
-        forward += [(1, B * C, E, E)] * 3 + [(B * H, C, D, C), (B * H, C, C, D),
-                                             (1, B * C, E, E), (1, B * C, E, 4 * E),
-                                             (1, B * C, 4 * E, E)]
-    forward.append((1, B * C, E, V))
+        forward += [(1, B * T, E, E)] * 3 + [(B * H, T, D, T), (B * H, T, T, D),
+                                             (1, B * T, E, E), (1, B * T, E, 4 * E),
+                                             (1, B * T, 4 * E, E)]
+    forward.append((1, B * T, E, V))
     backward = [(count, m, n, k) for count, m, k, n in forward] + \
         [(count, k, m, n) for count, m, k, n in forward]
     return forward + backward

@@ -22,14 +22,15 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(
 from benchmarks import gpt_compare  # noqa: E402  (benchmarks/gpt_compare.py)
 from benchmarks.harness import workers  # noqa: E402
 from benchmarks.rivals.gpt_torch import book_gpt, generate_cached  # noqa: E402
-from benchmarks.workloads.gpt import (LOSS_TOLERANCE, GPTConfig, book_config,  # noqa: E402
-                                      make_data, products_flops, step_products)
+from benchmarks.workloads.gpt import (BATCHES, LOSS_TOLERANCE, GPTConfig,  # noqa: E402
+                                      book_config, make_data, products_flops, step_products)
 
 import qkvnp  # noqa: E402
 from qkvnp.interop import to_torch  # noqa: E402
 
 TINY = GPTConfig(64, 16, 16, 2, 1, 2)
-TINY_ARGS = ["--configs", "64,16,16,2,1,2", "--generate", "64,16,16,2,1,2", "--repeats", "1",
+TRAIN = GPTConfig(64, 16, 16, 2, 1, 2, 8)  # the command trains on windows shorter than C
+TINY_ARGS = ["--configs", "64,16,16,2,1,2,8", "--generate", "64,16,16,2,1,2", "--repeats", "1",
              "--warmup", "0", "--pause", "0", "--round-time", "0.001", "--no-memory",
              "--torch-threads", "1"]  # seconds on a busy machine (2 threads: 25 s)
 
@@ -46,13 +47,56 @@ def _has_torch():
     GPTConfig(256, 64, 64, 4, 2, 8),    # the issue's tiny configuration
     GPTConfig(256, 128, 128, 4, 4, 8),  # the issue's small one
     GPTConfig(7, 5, 6, 3, 3, 2),        # odd sizes
+    GPTConfig(64, 32, 16, 2, 1, 2, 8),  # windows of T = 8 tokens, shorter than the context
+    GPTConfig(50257, 1024, 768, 12, 12, 4, 64),  # gpt2: the book's 124M at 4 x 64 tokens
 ])
 def test_step_products_count_the_flops_of_a_gpt_step(config):
-    # oracle: forward = 2 * B*C * (12 L E^2 + E V) (projections, feed-forward,
-    # head) + 4 L B C^2 E (Q K^T and P V over all heads); backward = 2 x forward
-    V, C, E, H, L, B = config
-    forward = 2 * B * C * (12 * L * E * E + E * V) + 4 * L * B * C * C * E
+    # oracle: forward = 2 * B*T * (12 L E^2 + E V) (projections, feed-forward,
+    # head) + 4 L B T^2 E (Q K^T and P V over all heads); backward = 2 x forward;
+    # T is the window, whatever the context C
+    V, C, E, H, L, B, _ = config
+    T = C if config.tokens is None else config.tokens
+    forward = 2 * B * T * (12 * L * E * E + E * V) + 4 * L * B * T * T * E
     assert products_flops(step_products(config)) == 3 * forward
+
+
+def test_step_products_have_t_rows_a_window():
+    # oracle: the shapes by hand at B 2, T 8, E 16, H 2 (D 8), V 64: the
+    # projections have B*T = 16 rows, the heads' scores are (T, T)
+    products = step_products(GPTConfig(64, 32, 16, 2, 1, 2, 8))
+    assert products[:5] == [(1, 16, 16, 16)] * 3 + [(4, 8, 8, 8), (4, 8, 8, 8)]
+    assert products[8] == (1, 16, 16, 64)  # the head
+
+
+def test_seven_numbers_give_the_window_and_six_the_context():
+    # oracle: the config as written, T defaulting to C
+    name, config = gpt_compare._config("64,32,16,2,1,2,8")
+    assert name == "64,32,16,2,1,2,8" and config == GPTConfig(64, 32, 16, 2, 1, 2, 8)
+    assert config.seq_len == 8
+    _, config = gpt_compare._config("64,32,16,2,1,2")
+    assert config.tokens is None and config.seq_len == 32
+    _, config = gpt_compare._config("gpt2")
+    assert tuple(config) == (50257, 1024, 768, 12, 12, 4, 64)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("64,32,16,2,1,2,33", "T at most the context"),  # a window longer than the context
+    ("64,32,16,2,1", "six or seven integers"),        # too few
+    ("64,32,16,2,1,2,8,1", "six or seven integers"),  # too many
+])
+def test_bad_window_is_refused_by_name(text, message, capsys):
+    with pytest.raises(SystemExit):
+        gpt_compare.main(["--configs", text])
+    assert message in capsys.readouterr().err
+
+
+def test_make_data_gives_windows_of_t_tokens():
+    # oracle: the shapes asked for, and targets equal to the inputs shifted by one
+    config = GPTConfig(64, 32, 16, 2, 1, 2, 8)
+    data = make_data(config)
+    assert data["inputs"].shape == data["targets"].shape == (BATCHES, 2, 8)
+    np.testing.assert_array_equal(data["inputs"][..., 1:], data["targets"][..., :-1])
+    assert data["param/pos_emb.weight"].shape == (32, 16)  # the model keeps C positions
 
 
 def _book_model(torch, config, seed=0):
@@ -140,10 +184,11 @@ def test_command_on_a_tiny_config(tmp_path, capsys):
         report = json.load(stream)
     assert os.listdir(tmp_path) == ["gpt.json"]  # no temporary file left behind
     (train,), (generate,) = report["train"], report["generate"]
-    assert train["shape"] == list(TINY) and generate["shape"] == list(TINY._replace(batch=1))
+    assert train["shape"] == list(TRAIN)
+    assert generate["shape"] == list(TINY._replace(batch=1, tokens=16))  # T written out
     assert train["status"] == generate["status"] == "ok"
     assert len(train["qkvnp"]["times_ms"]) == 1 and train["qkvnp"]["per_s"] > 0
-    assert train["products"]["flops"] == products_flops(step_products(TINY))
+    assert train["products"]["flops"] == products_flops(step_products(TRAIN))
     assert train["products"]["handoff_us"] > 0  # a round trip to a second thread takes time
     assert generate["new_tokens"] == TINY.context - make_data(TINY)["prompt"].shape[1]
     if _has_torch():
@@ -208,6 +253,16 @@ def test_doctests_of_the_gpt_benchmark_modules():
                           cwd=os.path.dirname(benchmarks), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout, done.stdout
+
+
+def test_products_floor_at_one_thread_is_the_one_thread_time(monkeypatch):
+    # oracle: by hand: at --threads 1 nothing runs beside the products, so
+    # their one-thread time is the floor; otherwise two cores may halve it
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    times = {"seconds": 3.0, "one_thread_seconds": 4.0}
+    assert gpt_compare._products_floor(times, threads=1) == 3.0
+    assert gpt_compare._products_floor(dict(times, seconds=5.0), threads=1) == 4.0
+    assert gpt_compare._products_floor(times, threads=None) == 2.0
 
 
 def test_a_missed_target_prints_the_one_core_budget_and_the_hand_off():
