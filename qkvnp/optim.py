@@ -531,8 +531,9 @@ class Adam(Optimizer):
             theta -= update[at:at + hi - lo]  # theta_t = theta_{t-1} - step_size * m_t / denom
 
 
-#: Entries of the flat arrays updated together (six float32 chunks: 768 KiB, in L2).
-_CHUNK = 32768
+#: Entries of the flat arrays updated together. NOTE: on 163 M parameters and two
+#: threads 2**17 measured faster than 2**15 (shorter numpy calls wait on the GIL)
+_CHUNK = 131072
 
 _AdamConstants = namedtuple("_AdamConstants", "decay shrink beta1 beta2 eps step_size bias2")
 
