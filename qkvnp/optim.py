@@ -427,7 +427,7 @@ class Adam(Optimizer):
                     view[...] = self.state[key]
                     self.state[key] = self._views[key] = view
             self._groups.append(_FlatGroup(names, flats["exp_avg"], flats["exp_avg_sq"],
-                                           _chunk_pieces(starts, ends)))
+                                           starts, ends, {}))
 
     def load_state_dict(self, state: Mapping[str, ArrayLike]) -> None:
         super().load_state_dict(state)
@@ -460,7 +460,7 @@ class Adam(Optimizer):
         Chunks are independent, so they are shared among the kernels' worker
         threads; elementwise, so the same bits however they are shared.
         """
-        from .kernels._runtime import run
+        from .kernels._runtime import get_num_threads, run
 
         params = [self.params[name] for name in group.names]
         # read only: views, or copies if not contiguous
@@ -469,13 +469,19 @@ class Adam(Optimizer):
                        for param in params]  # written: views, or copies written back below
         constants = self._constants(params[0].dtype.type)
 
+        # NOTE: on 163 M parameters, chunks of 2**15 entries measured faster at one
+        # thread (in L2) and of 2**17 at two (shorter numpy calls wait on the GIL)
+        size = _CHUNK if get_num_threads() == 1 else 4 * _CHUNK
+        if size not in group.plans:
+            group.plans[size] = _chunk_pieces(group.starts, group.ends, size)
+
         def task(chunks):
-            scratch = np.empty((3, _CHUNK), params[0].dtype)  # g, a temporary, the update
+            scratch = np.empty((3, size), params[0].dtype)  # g, a temporary, the update
             for chunk in chunks:
                 self._update_chunk(chunk, flat_grads, flat_params, group, constants, scratch)
 
         # NOTE: about 15 operations an entry, so the pool's own threshold decides
-        run(task, group.chunks, flops=15 * group.exp_avg.size)
+        run(task, group.plans[size], flops=15 * group.exp_avg.size)
         for param, flat in zip(params, flat_params):
             if not param.flags.c_contiguous:
                 param[...] = flat.reshape(param.shape)
@@ -531,23 +537,22 @@ class Adam(Optimizer):
             theta -= update[at:at + hi - lo]  # theta_t = theta_{t-1} - step_size * m_t / denom
 
 
-#: Entries of the flat arrays updated together. NOTE: on 163 M parameters and two
-#: threads 2**17 measured faster than 2**15 (shorter numpy calls wait on the GIL)
-_CHUNK = 131072
+#: Entries of the flat arrays updated together (at one thread; four times as many on more).
+_CHUNK = 32768
 
 _AdamConstants = namedtuple("_AdamConstants", "decay shrink beta1 beta2 eps step_size bias2")
 
 
-def _chunk_pieces(starts, ends):
-    """The flat range ``[0, ends[-1])`` cut in chunks of ``_CHUNK`` entries.
+def _chunk_pieces(starts, ends, size):
+    """The flat range ``[0, ends[-1])`` cut in chunks of ``size`` entries.
 
     Each chunk is ``(start, stop, pieces)``, a piece ``(i, lo, hi, at)``:
     entries ``lo:hi`` of parameter ``i`` (flattened) are the chunk's entries
     ``at:at + hi - lo``.
     """
     chunks, i = [], 0
-    for start in range(0, ends[-1], _CHUNK):
-        stop = min(start + _CHUNK, ends[-1])
+    for start in range(0, ends[-1], size):
+        stop = min(start + size, ends[-1])
         pieces = []
         while i < len(ends) and starts[i] < stop:
             lo, hi = max(starts[i], start), min(ends[i], stop)
@@ -580,12 +585,13 @@ def _overlapping(reads, writes):
     return False
 
 
-_FlatGroup = namedtuple("_FlatGroup", "names exp_avg exp_avg_sq chunks")
+_FlatGroup = namedtuple("_FlatGroup", "names exp_avg exp_avg_sq starts ends plans")
 _FlatGroup.__doc__ = """The flat buffers of :class:`Adam`'s parameters of one dtype.
 
 names : the parameters' names, in ``params``' order. exp_avg, exp_avg_sq :
 flat arrays of all their entries (``state`` holds parameter-shaped views of
-them). chunks : :func:`_chunk_pieces` of the flat range.
+them). starts, ends : each parameter's range in them. plans : chunk size ->
+:func:`_chunk_pieces` of the flat range, made at the first step that uses it.
 """
 
 

@@ -484,9 +484,10 @@ def test_adamw_chunks_give_the_same_bits(monkeypatch):
 
 @pytest.mark.parametrize("cls, decay", [(Adam, 1e-2), (AdamW, 1e-2)])
 def test_adam_chunks_on_the_worker_threads_give_the_per_parameter_bits(cls, decay, monkeypatch):
-    """Oracle: adam_per_parameter, bitwise. Chunks of 5 entries cut the parameters
-    anywhere (one chunk holding the ends of three), and every chunk job goes to the
-    pool's two threads; a transposed (not contiguous) parameter is updated in place."""
+    """Oracle: adam_per_parameter, bitwise. Chunks of 20 entries (four times 5 on two
+    threads) cut the parameters anywhere (the first holds three whole and the start of
+    a fourth), and the chunk jobs go to the pool's two threads; a transposed (not
+    contiguous) parameter is updated in place."""
     import qkvnp.optim as optim
     from qkvnp.kernels import block_sizes, num_threads
 
@@ -539,7 +540,7 @@ def test_adam_chunk_pieces_cover_every_entry_once():
     ends = np.cumsum(sizes).tolist()
     starts = [0] + ends[:-1]
     seen = np.zeros(ends[-1], int)
-    for start, stop, pieces in _chunk_pieces(starts, ends):
+    for start, stop, pieces in _chunk_pieces(starts, ends, _CHUNK):
         assert 0 < stop - start <= _CHUNK
         for i, lo, hi, at in pieces:
             assert 0 <= lo < hi <= sizes[i]

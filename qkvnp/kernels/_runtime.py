@@ -66,6 +66,9 @@ __all__ = [
     "current_owner",
     "OwnerScope",
     "blocks",
+    "blas_section",
+    "in_blas_section",
+    "split_threads",
     "threads_for",
     "run",
     "matmul",
@@ -426,6 +429,50 @@ def blocks(lead, group_bytes, threads):
         per = min(per, max(1, -(-n * outer // threads)))
     return [index + (slice(start, min(start + per, n)),)
             for index in np.ndindex(*lead[:k - 1]) for start in range(0, n, per)]
+
+
+class blas_section:
+    """Context manager: the calling thread's products run on OpenBLAS's own threads inside.
+
+    A model whose products are large enough for OpenBLAS's threads (the
+    book's GPT at the 124M size) enters it around its blocks; a layer kernel
+    inside then keeps its batch whole (:func:`split_threads`) unless its
+    attention core alone would use the pool. Thread-local; nests.
+
+    >>> with blas_section():
+    ...     in_blas_section()
+    True
+    """
+
+    def __enter__(self):
+        _LOCAL.blas_sections = getattr(_LOCAL, "blas_sections", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.blas_sections -= 1
+        return False
+
+
+def in_blas_section():
+    """True inside a :class:`blas_section` of the calling thread."""
+    return getattr(_LOCAL, "blas_sections", 0) > 0
+
+
+def split_threads(flops, core_flops):
+    """The worker threads a layer's batch split gets: ``threads_for(flops, "batch_split_flops")``.
+
+    ``flops`` counts the layer's forward (projections, core, output
+    projection), ``core_flops`` its attention core alone. Inside a
+    :class:`blas_section`, 1 when the core is below ``min_parallel_flops``:
+    the projections then run on OpenBLAS's threads like the model's other
+    products. NOTE: shares on the pool between OpenBLAS-threaded products
+    measured a third slower a step than no split, on the 124M GPT at
+    (4, 64) and two threads (OpenBLAS's idle threads spin while the pool
+    works; benchmarks/NOTES.md).
+    """
+    if in_blas_section() and core_flops < _SIZES["min_parallel_flops"]:
+        return 1
+    return threads_for(flops, "batch_split_flops")
 
 
 def threads_for(flops, setting="min_parallel_flops"):

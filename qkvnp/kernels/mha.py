@@ -46,7 +46,7 @@ from ..functional import column_sums
 from ..ops.gqa import split_head_axis
 from ..ops.masks import additive_mask, causal_mask_offset, prepare_mask
 from . import fast, mha_small, projections, tiled
-from ._runtime import matmul, run, threads_for
+from ._runtime import matmul, run, split_threads, threads_for
 from .buffers import recycled_empty
 from .projections import weights_apart
 
@@ -526,11 +526,12 @@ def _batch_shares(params, inputs, num_heads, out_proj):
     H = num_heads if out_proj else 1
     D = E // num_heads if out_proj else E
     T, S = query.shape[-2], key.shape[-2]
+    core = 4 * (N // T) * H * T * S * D
     flops = (2 * N * W_query.size + 2 * N_kv * (W_key.size + params["W_value"].size)
-             + 4 * (N // T) * H * T * S * D + (2 * N * params["W_out"].size if out_proj else 0))
+             + core + (2 * N * params["W_out"].size if out_proj else 0))
     first = query.shape[0]
     weight = 1.5 if W_query.itemsize == 8 else 1.0  # float64 (see batch_split_flops)
-    threads = min(threads_for(flops * weight, "batch_split_flops"), first)
+    threads = min(split_threads(flops * weight, core * weight), first)
     bounds = [first * i // threads for i in range(threads + 1)]
     return tuple(slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
 

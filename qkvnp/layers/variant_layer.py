@@ -24,7 +24,7 @@ from ..ops.masks import causal_offset, check_is_causal, prepare_mask
 from ..ops.positions import alibi_bias, alibi_slopes, check_max_distance, relative_position_bucket
 from ..ops.variants import check_window
 from ..kernels import tiled_variants
-from ..kernels._runtime import run, threads_for
+from ..kernels._runtime import run, split_threads
 from .reference import inputs_by_role
 
 __all__ = ["VariantOptions", "VariantLayerCache", "SplitVariantCache", "active_variants",
@@ -184,11 +184,12 @@ def _batch_shares(params, inputs, num_heads, out_proj, need_weights, dropout_p, 
     W_query = params["W_query"]
     N, N_kv = query.size // query.shape[-1], key.size // key.shape[-1]  # rows
     T, S, D = query.shape[-2], key.shape[-2], W_query.shape[1] // num_heads
+    core = 4 * (N // T) * num_heads * T * S * D
     flops = (2 * N * W_query.size + 2 * N_kv * (params["W_key"].size + params["W_value"].size)
-             + 4 * (N // T) * num_heads * T * S * D + 2 * N * params["W_out"].size)
+             + core + 2 * N * params["W_out"].size)
     weight = 1.5 if W_query.itemsize == 8 else 1.0  # float64 (see batch_split_flops)
     first = query.shape[0]
-    threads = min(threads_for(flops * weight, "batch_split_flops"), first)
+    threads = min(split_threads(flops * weight, core * weight), first)
     if threads < 2:
         return whole
     bounds = [first * i // threads for i in range(threads + 1)]

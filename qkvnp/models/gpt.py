@@ -10,7 +10,6 @@ the derivations are in ``docs/derivations_gpt.md``.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from .._checks import (as_upstream_grad, check_bool, check_int, check_indices, layer_dtype,
                       make_rng)
 from ..ops.dropout import check_dropout_p
-from ..kernels._runtime import get_block_sizes, single_threaded_blas
+from ..kernels._runtime import blas_section, get_block_sizes, single_threaded_blas
 from ..layers.kv_cache import KVCache
 from ..layers.base import Model
 from ..layers.basic import Embedding, Linear
@@ -502,7 +501,8 @@ class GPTModel(Model):
     def _blas_threads(self, x):
         """OpenBLAS at one thread (:class:`single_threaded_blas`) for the blocks and the
         head when the step's largest product, ``2 * rows * E * max(4 E, V)`` flops, is
-        below the ``min_parallel_flops`` setting; else a no-op (BLAS's own count).
+        below the ``min_parallel_flops`` setting; else a :class:`blas_section` (BLAS's own
+        count, and the blocks' attention on it too, not split over the pool).
 
         NOTE: OpenBLAS spreads even these small products over its threads, which
         then spin while the step's NumPy passes that follow want the cores: on a
@@ -516,7 +516,7 @@ class GPTModel(Model):
         largest = 2 * rows * self.emb_dim * max(4 * self.emb_dim, self.vocab_size)
         if largest < get_block_sizes()["min_parallel_flops"]:
             return single_threaded_blas()
-        return contextlib.nullcontext()
+        return blas_section()  # the blocks' attention keeps its batch whole (split_threads)
 
     def _need_cache(self):
         """The forward's logits shape, or a ``RuntimeError`` saying what to call."""

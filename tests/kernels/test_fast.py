@@ -1205,3 +1205,45 @@ def test_the_cached_columns_of_ones_and_zeros_stay_small():
     assert fast_small._zeros_column(100_000, f64) is not fast_small._zeros_column(100_000, f64)
     # the longest kept column has CACHED_COLUMN entries: 64 of them fit in 2 MiB
     assert 64 * fast_small.CACHED_COLUMN * 8 <= 2 << 20
+
+
+@pytest.mark.parametrize("core_large", [False, True])
+def test_blas_section_keeps_the_batch_whole_unless_the_core_uses_the_pool(core_large):
+    """Oracle: the reference layer, and the shares the layer kept. Inside a
+    ``blas_section`` (a model whose products run on OpenBLAS's threads), a layer
+    whose core is below ``min_parallel_flops`` keeps its batch whole, where
+    outside it the same call splits; a core at or above it still splits."""
+    reference, other = layer_pair(MultiHeadAttention, embed_dim=8, num_heads=2, rng=0,
+                                  dtype=np.float64)
+    x = np.random.default_rng(5).normal(size=(4, 6, 8))
+    settings_ = dict(batch_split_flops=0, min_parallel_flops=0 if core_large else 1 << 40)
+    with kernels.num_threads(2), kernels.block_sizes(**settings_):
+        check_layers(reference, other, [x], {"is_causal": True})
+        outside = other._used_cache.shares
+        with kernels._runtime.blas_section():
+            check_layers(reference, other, [x], {"is_causal": True})
+            inside = getattr(other._used_cache, "shares", None)
+    assert outside == (slice(0, 2), slice(2, 4))
+    assert inside == (outside if core_large else None)  # None: one share, the plain cache
+
+
+def test_gpt_model_runs_its_blocks_in_a_blas_section(monkeypatch):
+    """Oracle: the section flag seen by the blocks' attention kernel. The book's
+    GPT enters a ``blas_section`` when its largest product reaches
+    ``min_parallel_flops`` (its products on OpenBLAS's threads), and a
+    single-threaded BLAS section below it."""
+    from qkvnp import GPTModel
+
+    seen = []
+    original = kernels.mha._batch_shares
+    monkeypatch.setattr(kernels.mha, "_batch_shares", lambda *a: (
+        seen.append(kernels._runtime.in_blas_section()), original(*a))[1])
+    model = GPTModel.from_config({"vocab_size": 16, "context_length": 8, "emb_dim": 8,
+                                  "n_heads": 2, "n_layers": 1, "drop_rate": 0.0,
+                                  "qkv_bias": False}, rng=0)
+    ids = np.zeros((2, 8), int)
+    for threshold, expected in ((1, True), (1 << 40, False)):
+        seen.clear()
+        with kernels.block_sizes(min_parallel_flops=threshold):
+            model.forward(ids)
+        assert seen and all(flag == expected for flag in seen)
