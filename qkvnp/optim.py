@@ -460,7 +460,7 @@ class Adam(Optimizer):
         Chunks are independent, so they are shared among the kernels' worker
         threads; elementwise, so the same bits however they are shared.
         """
-        from .kernels._runtime import get_num_threads, run
+        from .kernels._runtime import run, threads_for
 
         params = [self.params[name] for name in group.names]
         # read only: views, or copies if not contiguous
@@ -469,9 +469,10 @@ class Adam(Optimizer):
                        for param in params]  # written: views, or copies written back below
         constants = self._constants(params[0].dtype.type)
 
-        # NOTE: on 163 M parameters, chunks of 2**15 entries measured faster at one
-        # thread (in L2) and of 2**17 at two (shorter numpy calls wait on the GIL)
-        size = _CHUNK if get_num_threads() == 1 else 4 * _CHUNK
+        flops = 15 * group.exp_avg.size  # about 15 operations an entry
+        # NOTE: on 163 M parameters, chunks of 2**15 entries measured faster on one
+        # thread (in L2) and of 2**17 on two (shorter numpy calls wait on the GIL)
+        size = _CHUNK if threads_for(flops) == 1 else 4 * _CHUNK
         if size not in group.plans:
             group.plans[size] = _chunk_pieces(group.starts, group.ends, size)
 
@@ -480,8 +481,7 @@ class Adam(Optimizer):
             for chunk in chunks:
                 self._update_chunk(chunk, flat_grads, flat_params, group, constants, scratch)
 
-        # NOTE: about 15 operations an entry, so the pool's own threshold decides
-        run(task, group.plans[size], flops=15 * group.exp_avg.size)
+        run(task, group.plans[size], flops=flops)
         for param, flat in zip(params, flat_params):
             if not param.flags.c_contiguous:
                 param[...] = flat.reshape(param.shape)
