@@ -463,12 +463,10 @@ class Adam(Optimizer):
         from .kernels._runtime import run, threads_for
 
         params = [self.params[name] for name in group.names]
-        # read only: views, or copies if not contiguous
-        flat_grads = [grads[name].reshape(-1) for name in group.names]
+        flat_grads = [grads[name].reshape(-1) for name in group.names]  # read: copies if need be
         flat_params = [param.reshape(-1) if param.flags.c_contiguous else param.ravel()
                        for param in params]  # written: views, or copies written back below
         constants = self._constants(params[0].dtype.type)
-
         flops = 15 * group.exp_avg.size  # about 15 operations an entry
         # NOTE: on 163 M parameters, chunks of 2**15 entries measured faster on one
         # thread (in L2) and of 2**17 on two (shorter numpy calls wait on the GIL)
@@ -487,11 +485,9 @@ class Adam(Optimizer):
                 param[...] = flat.reshape(param.shape)
 
     def _constants(self, kind):
-        """The step's scalars, of the parameters' dtype ``kind``.
+        """The step's scalars, those that multiply parameters of the parameters' dtype ``kind``.
 
-        NOTE: numpy 1 computed a 0-d float32 array times a Python float in
-        float64 (value-based casting); scalars of the parameters' dtype do not.
-        """
+        NOTE: numpy 1 computed a 0-d float32 array times a Python float in float64."""
         lr, (beta1, beta2), eps, decay = self.lr, self.betas, self.eps, self.weight_decay
         step = float(self.step_count)
         return _AdamConstants(
@@ -565,18 +561,11 @@ def _chunk_pieces(starts, ends, size):
     return chunks
 
 
-def _byte_span(array):
-    """The addresses ``[lo, hi)`` that ``array``'s entries lie within (numpy's ``byte_bounds``)."""
-    lo = hi = array.__array_interface__["data"][0]
-    for size, stride in zip(array.shape, array.strides):
-        lo, hi = lo + min(0, stride * (size - 1)), hi + max(0, stride * (size - 1))
-    return lo, hi + array.itemsize
-
-
 def _overlapping(reads, writes):
     """Whether an array of ``reads`` may share memory with one of ``writes`` (spans, sorted)."""
-    spans = sorted([(*_byte_span(a), 0) for a in reads if a.size]
-                   + [(*_byte_span(a), 1) for a in writes if a.size])
+    bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds  # numpy 1, 2
+    spans = sorted([(*bounds(a), 0) for a in reads if a.size]
+                   + [(*bounds(a), 1) for a in writes if a.size])
     reach = {0: -1, 1: -1}  # the furthest end seen of each kind so far
     for lo, hi, kind in spans:
         if reach[1 - kind] > lo:
