@@ -102,7 +102,9 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
     """One pre-norm block on the new tokens ``x`` ``(B, T, E)``; returns ``(B, T, E)``.
 
     ``params``: the block's parameters under its names (``self_attn.q_proj.W``,
-    ...); ``spec``: ``num_heads``, ``num_kv_heads``, ``eps``, ``unit_offset``,
+    ...); ``spec``: ``num_heads``, ``num_kv_heads``, ``norms`` (each norm's
+    ``(eps, unit_offset)`` by its name: ``attn_norm``, ``mlp_norm``, and
+    ``self_attn.q_norm``, ``self_attn.k_norm`` with ``qk_norm``),
     ``qk_norm``, ``inverse_frequency`` (None: no RoPE), ``attention_factor``,
     ``scale``, ``activation``;
     ``stage(k, v)`` gives the cached and new keys and values ``(B, K, S, D)``.
@@ -110,8 +112,8 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
     p = params
     B, T, _ = x.shape
     H, K = spec["num_heads"], spec["num_kv_heads"]
-    eps, offset = spec["eps"], spec["unit_offset"]
-    h = rms_norm_infer(x, p["attn_norm.weight"], eps, offset)
+    norms = spec["norms"]
+    h = rms_norm_infer(x, p["attn_norm.weight"], *norms["attn_norm"])
 
     def project(name, heads):  # (B, T, E) -> (B, heads, T, D)
         y = h @ p[f"self_attn.{name}.W"]
@@ -121,8 +123,8 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
 
     q, k, v = project("q_proj", H), project("k_proj", K), project("v_proj", K)
     if spec["qk_norm"]:
-        q = rms_norm_infer(q, p["self_attn.q_norm.weight"], eps, offset)
-        k = rms_norm_infer(k, p["self_attn.k_norm.weight"], eps, offset)
+        q = rms_norm_infer(q, p["self_attn.q_norm.weight"], *norms["self_attn.q_norm"])
+        k = rms_norm_infer(k, p["self_attn.k_norm.weight"], *norms["self_attn.k_norm"])
     if spec["inverse_frequency"] is not None:
         frequency, factor = spec["inverse_frequency"], spec["attention_factor"]
         q, k = rope_infer(q, positions, frequency, factor), rope_infer(k, positions, frequency,
@@ -134,6 +136,6 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
     if "self_attn.o_proj.b" in p:
         attn += p["self_attn.o_proj.b"]
     x = x + attn
-    h = rms_norm_infer(x, p["mlp_norm.weight"], eps, offset)
+    h = rms_norm_infer(x, p["mlp_norm.weight"], *norms["mlp_norm"])
     return x + gated_mlp_infer(h, p["mlp.gate_proj.W"], p["mlp.up_proj.W"],
                                p["mlp.down_proj.W"], spec["activation"])

@@ -472,16 +472,16 @@ class DecoderBlock(Model):
         from ..kernels.decode import decode_block_fast
 
         attn = self.self_attn
+        norms = {"attn_norm": self.attn_norm, "mlp_norm": self.mlp_norm}
+        if attn.qk_norm:
+            norms.update({"self_attn.q_norm": attn.q_norm, "self_attn.k_norm": attn.k_norm})
         spec = {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
-                "eps": self.attn_norm.eps, "unit_offset": self.attn_norm.unit_offset,
+                "norms": {name: (norm.eps, norm.unit_offset) for name, norm in norms.items()},
                 "qk_norm": attn.qk_norm,
                 "inverse_frequency": attn.inverse_frequency if attn.rope else None,
                 "attention_factor": attn.attention_factor,
                 "scale": attn.head_dim ** -0.5 if attn.scale is None else attn.scale,
                 "activation": self.mlp.activation}
-        if attn.qk_norm and (attn.q_norm.eps != spec["eps"] or
-                             attn.q_norm.unit_offset != spec["unit_offset"]):
-            raise ValueError("the QK-norm's eps and unit offset must be the block norms'")
         staged = []
 
         def stage(k, v):

@@ -147,3 +147,27 @@ def test_silu_fused_saturates_without_warning():
         out, _ = silu_forward_fused(x)
     assert out.dtype == np.float32 and np.isfinite(out).all()
     np.testing.assert_allclose(out, [0.0, -90.0 * np.exp(-90.0), 0.0, 90.0, 1000.0], atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_fast_reads_each_norms_own_eps(dtype, monkeypatch):
+    """Oracle: the reference path (forced). A block whose attention norm, MLP norm
+    and QK-norms each have an eps of their own (large enough to move the output
+    far beyond the tolerance): the fast step must read each norm's, as the layers do."""
+    cfg = DecoderConfig.qwen3(vocab_size=40, emb_dim=16, num_layers=1, num_heads=4,
+                              num_kv_heads=2, hidden_dim=24, head_dim=8)
+    model = Decoder(cfg, rng=0, dtype=dtype)
+    block = model.blocks[0]
+    for norm, eps in ((block.attn_norm, 0.5), (block.mlp_norm, 2.0),
+                      (block.self_attn.q_norm, 0.1), (block.self_attn.k_norm, 3.0)):
+        norm.eps = eps
+    ids = np.random.default_rng(6).integers(0, 40, (2, 5))
+
+    def run():
+        return model.decode(ids, [KVCache()])[:, -1]
+
+    fast = run()
+    from qkvnp.layers.decoder_block import DecoderBlock
+    assert block._decode_path(np.zeros((2, 5, 16), dtype), np.ones((2, 1, 5, 5), bool)) == "fast"
+    monkeypatch.setattr(DecoderBlock, "_decode_path", lambda self, x, keep: "reference")
+    _close(fast, run(), dtype)
