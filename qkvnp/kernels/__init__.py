@@ -247,30 +247,44 @@ def _choose_variants(impl, variants, groups, T, S, dtype, need_weights, score_bo
 
 
 def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | None,
-                       dtype: DTypeLike, keep: Any, plain_projections: bool = True) -> Dispatch:
+                       dtype: DTypeLike, keep: Any, plain_projections: bool = True,
+                       gated: bool = True) -> Dispatch:
     """The path of a decoder block's decoding step, and why.
 
     ``"fast"`` (``qkvnp.kernels.decode.decode_block_fast``) for a
-    ``"pre"`` block of RMSNorms and a gated MLP (``"silu"`` or
-    ``"gelu_tanh"``), without an attention soft-cap, in a real float dtype,
-    when every query row of ``keep`` ``(B, 1, T, S)`` sees a key and the
-    projections are plain ``Linear`` layers (``plain_projections``: a LoRA
-    adapter runs its own forward); otherwise
-    ``"reference"`` (the layers' own calls), the first reason named.
+    ``"pre"`` block of RMSNorms or LayerNorms (``norm`` ``"rms"`` or
+    ``"layer"``) and a gated MLP (``gated``; activation ``mlp`` ``"silu"``
+    or ``"gelu_tanh"``) or the plain MLP of GPT-2 (``gated=False``;
+    ``"gelu_tanh"`` only: the exact ``"gelu"`` is not there), without an
+    attention soft-cap, in a real float dtype, when every query row of
+    ``keep`` ``(B, 1, T, S)`` sees a key and the projections are plain
+    ``Linear`` layers (``plain_projections``: a LoRA adapter runs its own
+    forward); otherwise ``"reference"`` (the layers' own calls), the first
+    reason named.
 
     Examples
     --------
     >>> keep = np.ones((1, 1, 1, 3), bool)
     >>> choose_decode_path("pre", "rms", "silu", None, np.float32, keep).path
     'fast'
+    >>> choose_decode_path("pre", "layer", "gelu_tanh", None, np.float32, keep, gated=False).reason
+    'fast: a pre-norm block of LayerNorms and the plain tanh-GELU MLP'
+    >>> choose_decode_path("pre", "layer", "gelu", None, np.float32, keep, gated=False).reason
+    "reference: the fast step's plain MLP runs the tanh GELU, not 'gelu'"
     >>> choose_decode_path("sandwich", "rms", "silu", None, np.float32, keep).reason
     "reference: the fast step runs 'pre' blocks, not 'sandwich'"
     """
+    norms = {"rms": "RMSNorms", "layer": "LayerNorms"}
     why = None
     if placement != "pre":
         why = f"the fast step runs 'pre' blocks, not {placement!r}"
-    elif norm != "rms" or mlp not in ("silu", "gelu_tanh"):
-        why = f"the fast step runs RMSNorm and a gated MLP, not {norm!r} and {mlp!r}"
+    elif norm not in norms:
+        why = f"the fast step runs RMSNorm or LayerNorm, not {norm!r}"
+    elif gated and mlp not in ("silu", "gelu_tanh"):
+        why = f"the fast step runs a gated MLP of 'silu' or 'gelu_tanh' or GPT-2's plain one, " \
+              f"not {mlp!r}"
+    elif not gated and mlp != "gelu_tanh":
+        why = f"the fast step's plain MLP runs the tanh GELU, not {mlp!r}"
     elif softcap is not None:
         why = "the fast step has no attention soft-cap"
     elif not plain_projections:
@@ -280,7 +294,8 @@ def choose_decode_path(placement: str, norm: str, mlp: str, softcap: float | Non
     elif not np.asarray(keep).any(axis=-1).all():
         why = "a query row sees no key (padding): the reference defines its output"
     if why is None:
-        return Dispatch("auto", "fast", "fast: a pre-norm RMSNorm block with a gated MLP")
+        kind = "a gated MLP" if gated else "the plain tanh-GELU MLP"
+        return Dispatch("auto", "fast", f"fast: a pre-norm block of {norms[norm]} and {kind}")
     return Dispatch("auto", "reference", "reference: " + why)
 
 

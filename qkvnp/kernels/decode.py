@@ -4,15 +4,18 @@ Shape key: B batch, T new tokens, S keys (cached + new), E embedding, H query
 heads, K key/value heads, G = H / K, D head dim, F the MLP's width.
 
 Replaces, for :meth:`qkvnp.layers.decoder_block.DecoderBlock.decode_step`
-of a pre-norm RMSNorm block with a gated MLP (Llama, Qwen3, Mistral), the
-reference ops it runs one by one: ``rms_norm_forward`` (and QK-norm),
-``linear_forward``, ``split_heads_forward``, ``rope_forward`` (layout
-``"half"``), ``variant_attention_forward`` (GQA, a boolean keep mask, no
-soft-cap), ``merge_heads_forward`` and ``gated_mlp_forward``. Same formulas,
-in the arrays' own dtype throughout (the reference's RoPE multiplies by
-float64 angles), without the per-call checks, caches and layer calls that
-cost more than the arithmetic at batch 1 (``benchmarks/NOTES.md``, "The
-decoder's decoding step"). Tested against the reference in
+of a pre-norm block with RMSNorms and a gated MLP (Llama, Qwen3, Mistral)
+or with LayerNorms and the plain tanh-GELU MLP (GPT-2), the reference ops
+it runs one by one: ``rms_norm_forward`` (and QK-norm) or
+``layer_norm_forward``, ``linear_forward`` (with or without bias),
+``split_heads_forward``, ``rope_forward`` (layout ``"half"``; none for
+learned positions), ``variant_attention_forward`` (GQA, a boolean keep
+mask, no soft-cap), ``merge_heads_forward``, and ``gated_mlp_forward`` or
+:class:`qkvnp.FeedForward`'s ``Linear``, ``gelu_forward`` (tanh) and
+``Linear``. Same formulas, in the arrays' own dtype throughout (the
+reference's RoPE multiplies by float64 angles), without the per-call
+checks, caches and layer calls that cost more than the arithmetic at batch
+1 (``benchmarks/NOTES.md``, "The decoder's decoding step"). Tested against the reference in
 ``tests/kernels/test_decode.py``; :func:`qkvnp.kernels.choose_decode_path`
 decides when it runs.
 """
@@ -20,13 +23,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .pointwise import gelu_tanh_forward_fused
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
     from typing import Any, Callable
     from .._typing import FloatArray
 
-__all__ = ["rms_norm_infer", "rope_infer", "gqa_attention_infer", "gated_mlp_infer",
-           "decode_block_fast"]
+__all__ = ["rms_norm_infer", "layer_norm_infer", "rope_infer", "gqa_attention_infer",
+           "gated_mlp_infer", "feed_forward_infer", "decode_block_fast"]
 
 
 def rms_norm_infer(x: FloatArray, weight: FloatArray, eps: float,
@@ -36,6 +41,26 @@ def rms_norm_infer(x: FloatArray, weight: FloatArray, eps: float,
     mean_square = np.einsum("...i,...i->...", x, x)[..., None] * dtype(1 / x.shape[-1])  # (..., 1)
     scale = weight + dtype(1) if unit_offset else weight
     return x * (dtype(1) / np.sqrt(mean_square + dtype(eps))) * scale
+
+
+def layer_norm_infer(x: FloatArray, weight: FloatArray, bias: FloatArray,
+                     eps: float) -> FloatArray:
+    """``layer_norm_forward``'s output alone: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+    The biased variance (over ``E``), as :class:`qkvnp.LayerNorm`, whose
+    ``scale`` and ``shift`` are ``weight`` and ``bias``; the row means as
+    products with a column of ``1/E``, as its fused pass
+    (``layer_norm_forward_fused``) computes them.
+    """
+    E = x.shape[-1]
+    dtype = x.dtype.type
+    row_mean = np.full((E, 1), 1.0 / E, x.dtype)  # (E, 1)
+    centered = x - x @ row_mean  # (..., E)
+    variance = (centered * centered) @ row_mean  # (..., E) -> (..., 1)
+    centered *= dtype(1) / np.sqrt(variance + dtype(eps))
+    centered *= weight
+    centered += bias
+    return centered
 
 
 def rope_infer(x: FloatArray, positions: Any, inverse_frequency: Any,
@@ -97,23 +122,49 @@ def gated_mlp_infer(x: FloatArray, W_gate: FloatArray, W_up: FloatArray, W_down:
     return gate @ W_down  # (..., F) -> (..., E)
 
 
+def feed_forward_infer(x: FloatArray, W_first: FloatArray, b_first: FloatArray | None,
+                       W_second: FloatArray, b_second: FloatArray | None) -> FloatArray:
+    """:class:`qkvnp.FeedForward`'s output: ``gelu(x W_first + b_first) W_second + b_second``.
+
+    The tanh GELU (GPT-2's ``gelu_new``) by :class:`qkvnp.GELU`'s own pass
+    (``gelu_tanh_forward_fused``); a bias of None is none.
+    """
+    hidden = x @ W_first  # (..., E) -> (..., F)
+    if b_first is not None:
+        hidden += b_first
+    out = gelu_tanh_forward_fused(hidden)[0] @ W_second  # (..., F) -> (..., E)
+    if b_second is not None:
+        out += b_second
+    return out
+
+
 def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
                       keep: Any, positions: Any) -> FloatArray:
     """One pre-norm block on the new tokens ``x`` ``(B, T, E)``; returns ``(B, T, E)``.
 
     ``params``: the block's parameters under its names (``self_attn.q_proj.W``,
-    ...); ``spec``: ``num_heads``, ``num_kv_heads``, ``norms`` (each norm's
-    ``(eps, unit_offset)`` by its name: ``attn_norm``, ``mlp_norm``, and
-    ``self_attn.q_norm``, ``self_attn.k_norm`` with ``qk_norm``),
-    ``qk_norm``, ``inverse_frequency`` (None: no RoPE), ``attention_factor``,
-    ``scale``, ``activation``;
-    ``stage(k, v)`` gives the cached and new keys and values ``(B, K, S, D)``.
+    ``attn_norm.weight`` or ``attn_norm.scale`` and ``.shift``,
+    ``mlp.gate_proj.W`` or ``mlp.layers.0.W`` and ``.b``, ...; a bias that is
+    absent is none); ``spec``: ``num_heads``, ``num_kv_heads``, ``norm``
+    (the block norms' kind, ``"rms"`` or ``"layer"``), ``norms`` (each
+    norm's name -> ``(eps, unit_offset)``, ``unit_offset`` RMSNorm's; the
+    QK-norms are RMSNorms), ``qk_norm``, ``inverse_frequency`` (None: no
+    RoPE), ``attention_factor``, ``scale``, ``mlp`` (``"gated"`` or
+    ``"plain"``) and ``activation`` (the gated MLP's; the plain one's is
+    tanh-GELU); ``stage(k, v)`` gives the cached and new keys and values
+    ``(B, K, S, D)``.
     """
     p = params
     B, T, _ = x.shape
     H, K = spec["num_heads"], spec["num_kv_heads"]
-    norms = spec["norms"]
-    h = rms_norm_infer(x, p["attn_norm.weight"], *norms["attn_norm"])
+
+    def norm(name, h, kind):  # (..., E) -> (..., E)
+        eps, unit_offset = spec["norms"][name]
+        if kind == "layer":
+            return layer_norm_infer(h, p[f"{name}.scale"], p[f"{name}.shift"], eps)
+        return rms_norm_infer(h, p[f"{name}.weight"], eps, unit_offset)
+
+    h = norm("attn_norm", x, spec["norm"])
 
     def project(name, heads):  # (B, T, E) -> (B, heads, T, D)
         y = h @ p[f"self_attn.{name}.W"]
@@ -123,8 +174,7 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
 
     q, k, v = project("q_proj", H), project("k_proj", K), project("v_proj", K)
     if spec["qk_norm"]:
-        q = rms_norm_infer(q, p["self_attn.q_norm.weight"], *norms["self_attn.q_norm"])
-        k = rms_norm_infer(k, p["self_attn.k_norm.weight"], *norms["self_attn.k_norm"])
+        q, k = norm("self_attn.q_norm", q, "rms"), norm("self_attn.k_norm", k, "rms")
     if spec["inverse_frequency"] is not None:
         frequency, factor = spec["inverse_frequency"], spec["attention_factor"]
         q, k = rope_infer(q, positions, frequency, factor), rope_infer(k, positions, frequency,
@@ -136,6 +186,9 @@ def decode_block_fast(x: FloatArray, params: Any, spec: Any, stage: Callable,
     if "self_attn.o_proj.b" in p:
         attn += p["self_attn.o_proj.b"]
     x = x + attn
-    h = rms_norm_infer(x, p["mlp_norm.weight"], *norms["mlp_norm"])
+    h = norm("mlp_norm", x, spec["norm"])
+    if spec["mlp"] == "plain":
+        return x + feed_forward_infer(h, p["mlp.layers.0.W"], p.get("mlp.layers.0.b"),
+                                      p["mlp.layers.2.W"], p.get("mlp.layers.2.b"))
     return x + gated_mlp_infer(h, p["mlp.gate_proj.W"], p["mlp.up_proj.W"],
                                p["mlp.down_proj.W"], spec["activation"])

@@ -33,7 +33,7 @@ from .basic import Linear
 from .mlp import GatedFeedForward
 from .norms import RMSNorm
 from .tied import TiedLinear
-from .transformer import FeedForward
+from .transformer import GELU, FeedForward, LayerNorm
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -455,48 +455,63 @@ class DecoderBlock(Model):
         """``"fast"`` or ``"reference"``: :func:`qkvnp.kernels.choose_decode_path` on this block."""
         from ..kernels import choose_decode_path
 
-        norm = "rms" if all(isinstance(getattr(self, f"{name}_norm"), RMSNorm)
-                            for name in ("attn", "mlp")) else "other"
-        mlp = getattr(self.mlp, "activation", "other") if type(self.mlp).__name__ == \
-            "GatedFeedForward" else "other"
+        kinds = [type(layer) for _, layer in self._norms()]  # the QK-norms after the block's
+        norm = {RMSNorm: "rms", LayerNorm: "layer"}.get(kinds[0], "other")
+        if kinds[1] is not kinds[0] or any(kind is not RMSNorm for kind in kinds[2:]):
+            norm = "other"
+        mlp, gated, sublayers = type(self.mlp).__name__, True, ()
+        if type(self.mlp) is GatedFeedForward:
+            mlp = self.mlp.activation
+            sublayers = (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj)
+        elif type(self.mlp) is FeedForward and type(self.mlp.layers[1]) is GELU:
+            first, gelu, second = self.mlp.layers
+            mlp, gated, sublayers = ("gelu_tanh" if gelu.approximate == "tanh" else "gelu",
+                                     False, (first, second))
         # NOTE: measured reason of the fused step: benchmarks/NOTES.md, "The decoder's decoding step"
         attn = self.self_attn
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + tuple(
-            getattr(self.mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + sublayers
         plain = all(type(layer) is Linear for layer in projections)
         return choose_decode_path(self.placement, norm, mlp, attn.softcap, x.dtype, keep,
-                                  plain).path
+                                  plain, gated).path
+
+    def _norms(self):
+        """``(name, norm)`` of the block norms and, with QK-norm, the attention's."""
+        attn = self.self_attn
+        return [("attn_norm", self.attn_norm), ("mlp_norm", self.mlp_norm)] + (
+            [("self_attn.q_norm", attn.q_norm), ("self_attn.k_norm", attn.k_norm)]
+            if attn.qk_norm else [])
 
     def _decode_fast(self, x, kv_cache, keep, positions):
         """:func:`qkvnp.kernels.decode.decode_block_fast` on this block's parameters and cache."""
         from ..kernels.decode import decode_block_fast
 
-        attn = self.self_attn
-        norms = {"attn_norm": self.attn_norm, "mlp_norm": self.mlp_norm}
-        if attn.qk_norm:
-            norms.update({"self_attn.q_norm": attn.q_norm, "self_attn.k_norm": attn.k_norm})
+        attn, gated = self.self_attn, type(self.mlp) is GatedFeedForward
         spec = {"num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads,
-                "norms": {name: (norm.eps, norm.unit_offset) for name, norm in norms.items()},
+                "norm": "layer" if type(self.attn_norm) is LayerNorm else "rms",
+                "norms": {name: (layer.eps, getattr(layer, "unit_offset", False))
+                          for name, layer in self._norms()},
                 "qk_norm": attn.qk_norm,
                 "inverse_frequency": attn.inverse_frequency if attn.rope else None,
                 "attention_factor": attn.attention_factor,
                 "scale": attn.head_dim ** -0.5 if attn.scale is None else attn.scale,
-                "activation": self.mlp.activation}
+                "mlp": "gated" if gated else "plain",
+                "activation": self.mlp.activation if gated else "gelu_tanh"}
         staged = []
 
         def stage(k, v):
             staged.append(kv_cache.stage(attn, k, v))
             return staged[0].keys, staged[0].values
 
+        sublayers = (("mlp.gate_proj", self.mlp.gate_proj), ("mlp.up_proj", self.mlp.up_proj),
+                     ("mlp.down_proj", self.mlp.down_proj)) if gated else (
+            ("mlp.layers.0", self.mlp.layers[0]), ("mlp.layers.2", self.mlp.layers[2]))
         params = {f"{prefix}.{name}": value for prefix, layer in (
             ("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
             ("self_attn.v_proj", attn.v_proj), ("self_attn.o_proj", attn.o_proj),
-            ("attn_norm", self.attn_norm), ("mlp_norm", self.mlp_norm),
-            ("mlp.gate_proj", self.mlp.gate_proj), ("mlp.up_proj", self.mlp.up_proj),
-            ("mlp.down_proj", self.mlp.down_proj)) for name, value in layer.params.items()}
-        if attn.qk_norm:
-            params["self_attn.q_norm.weight"] = attn.q_norm.params["weight"]
-            params["self_attn.k_norm.weight"] = attn.k_norm.params["weight"]
+            ("attn_norm", self.attn_norm), ("mlp_norm", self.mlp_norm)) + sublayers
+            for name, value in layer.params.items()}
+        params.update((f"{name}.weight", layer.params["weight"]) for name, layer in self._norms()
+                      if name.startswith("self_attn."))
         y = decode_block_fast(x, params, spec, stage, keep, positions)
         kv_cache.commit(staged[0])
         if self.window is not None:
