@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from qkvnp.apps.cli import main
+from text_task_args import CORPUS, cli_args
 from qkvnp.training import text as text_task
 from qkvnp.training.checkpoint import CheckpointError, write_npz_atomic
 
-TEXT = ("the cat sat on the mat. the dog sat on the log. " * 40).encode()
 # NOTE: settings other than the defaults, so that a resume that took the defaults would differ
 SETTINGS = dict(steps=6, context=8, emb_dim=8, num_heads=2, num_layers=1, dropout=0.1,
                 batch_size=3, lr=0.01, warmup=2, weight_decay=0.05, seed=3, eval_every=2,
@@ -32,24 +32,10 @@ SETTINGS = dict(steps=6, context=8, emb_dim=8, num_heads=2, num_layers=1, dropou
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _argv(settings=SETTINGS):
-    argv = []
-    for name, value in settings.items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_bytes(TEXT)
-    return str(path)
-
-
 @pytest.fixture
 def finished(runs, corpus):
     """The model and printed lines of the uninterrupted run."""
-    code = main(["train", "--task", "text", "--text", corpus] + _argv())
+    code = main(["train", "--task", "text", "--text", corpus] + cli_args(SETTINGS))
     assert code == 0
     return runs[-1]
 
@@ -110,7 +96,7 @@ FAMILY_SETTINGS = {**{k: v for k, v in SETTINGS.items() if k != "dropout"}, "fam
 def test_a_family_resume_given_only_resume_is_the_uninterrupted_run_bit_for_bit(corpus,
                                                                                  tmp_path, runs):
     # oracle: as for the GPT above, the run of a qwen3 Decoder that never stopped
-    assert main(["train", "--task", "text", "--text", corpus] + _argv(FAMILY_SETTINGS)) == 0
+    assert main(["train", "--task", "text", "--text", corpus] + cli_args(FAMILY_SETTINGS)) == 0
     model, rows, _, lines = runs[-1]
     part = str(tmp_path / "part.npz")
     text_task.train_text(text_task.TextConfig(text=corpus, **FAMILY_SETTINGS), save=part,
@@ -148,7 +134,7 @@ def test_save_is_checked_before_the_first_step(corpus, tmp_path, capsys, target)
             "empty": ""}.get(target, target)
     if target == "/dev/null" and not os.path.exists("/dev/null"):
         pytest.skip("no /dev/null")
-    code = main(["train", "--task", "text", "--text", corpus, "--save", save] + _argv())
+    code = main(["train", "--task", "text", "--text", corpus, "--save", save] + cli_args(SETTINGS))
     captured = capsys.readouterr()
     assert code == 2, captured.err
     assert "--save" in captured.err
@@ -164,7 +150,7 @@ def test_save_every_is_refused_as_for_the_other_tasks(corpus, tmp_path, capsys, 
                                                      options, message):
     # oracle: the kv-recall task's messages for the same options (one rule for both)
     monkeypatch.chdir(tmp_path)
-    code = main(["train", "--task", "text", "--text", corpus] + _argv() + options)
+    code = main(["train", "--task", "text", "--text", corpus] + cli_args(SETTINGS) + options)
     captured = capsys.readouterr()
     assert code == 2 and message in captured.err
     assert "step" not in captured.out
@@ -180,7 +166,7 @@ def test_ctrl_c_without_save_writes_a_step_checkpoint_as_kv_recall_does(corpus, 
     settings = dict(SETTINGS, steps=1_000_000, eval_every=1, sample_every=1_000_000)
     process = subprocess.Popen(
         [sys.executable, "-m", "qkvnp", "train", "--task", "text", "--text", corpus]
-        + _argv(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        + cli_args(settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=str(tmp_path), env=env)
     for line in process.stdout:
         if line.startswith("step"):
@@ -202,7 +188,7 @@ def test_ctrl_c_without_save_writes_a_step_checkpoint_as_kv_recall_does(corpus, 
 def test_a_diverging_text_run_is_a_training_divergence_not_a_usage_error(corpus, capsys, lr):
     # oracle: the kv-recall task's divergence: one "error: training diverged" line, status 1
     settings = dict(SETTINGS, lr=lr, dtype="float32")
-    code = main(["train", "--task", "text", "--text", corpus] + _argv(settings))
+    code = main(["train", "--task", "text", "--text", corpus] + cli_args(settings))
     err = capsys.readouterr().err
     assert code == 1, err
     assert err.startswith("error: training diverged at step") and "usage:" not in err
@@ -217,7 +203,7 @@ def saved(tmp_path_factory):
     """A valid checkpoint of a tiny run, its bytes, and its model."""
     directory = tmp_path_factory.mktemp("saved")
     corpus = directory / "text.txt"
-    corpus.write_bytes(TEXT)
+    corpus.write_bytes(CORPUS)
     path = str(directory / "run.npz")
     config = text_task.TextConfig(text=str(corpus), **dict(SETTINGS, steps=2))
     text_task.train_text(config, save=path, stream=io.StringIO())
@@ -348,7 +334,7 @@ def test_another_tasks_checkpoint_is_named_for_what_it_is(corpus, tmp_path, caps
     assert f"{kv!r} is a checkpoint of train --task kv-recall, not a text checkpoint" in err
     text = str(tmp_path / "text.npz")
     assert main(["train", "--task", "text", "--text", corpus, "--save", text]
-                + _argv(dict(SETTINGS, steps=1))) == 0
+                + cli_args(dict(SETTINGS, steps=1))) == 0
     capsys.readouterr()
     assert main(["train", "--resume", text]) == 2
     assert f"{text!r} is a checkpoint of train --task text" in capsys.readouterr().err

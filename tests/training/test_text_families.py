@@ -14,35 +14,21 @@ import numpy as np
 import pytest
 
 import qkvnp
+from text_task_args import cli_args
 from qkvnp.apps.cli import main
 from qkvnp.models.decoder import DecoderConfig
 from qkvnp.training import text as text_task
 from qkvnp.training.text_family import FAMILIES, decoder_config
 
-TEXT = ("the cat sat on the mat. the dog sat on the log. " * 40).encode()
 SMALL = dict(context=8, emb_dim=8, num_heads=2, num_layers=2, batch_size=3, eval_windows=4,
              sample_length=6, warmup=2, eval_every=2, sample_every=2, lr=0.01, seed=3)
-
-
-def _argv(**settings):
-    argv = []
-    for name, value in settings.items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_bytes(TEXT)
-    return str(path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_trains_saves_and_generates(family, corpus, tmp_path, capsys):
     save = str(tmp_path / "run.npz")
     assert main(["train", "--task", "text", "--text", corpus, "--family", family, "--steps", "2",
-                 "--save", save] + _argv(**SMALL)) == 0
+                 "--save", save] + cli_args(SMALL)) == 0
     out = capsys.readouterr().out
     assert f"model: Decoder({family}: vocab 256, context 8, width 8, 2 heads of 4" in out
     assert out.count("sample at step") == 1
@@ -80,7 +66,7 @@ def test_the_sizes_map_onto_the_presets_as_documented():
 
 def test_a_resume_refuses_another_family_naming_it(corpus, tmp_path, capsys):
     save = str(tmp_path / "run.npz")
-    base = ["train", "--task", "text", "--text", corpus, "--steps", "2"] + _argv(**SMALL)
+    base = ["train", "--task", "text", "--text", corpus, "--steps", "2"] + cli_args(SMALL)
     assert main(base + ["--family", "llama3", "--save", save]) == 0
     capsys.readouterr()
     assert main(base + ["--family", "qwen3", "--steps", "3", "--resume", save]) == 2

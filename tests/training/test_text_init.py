@@ -18,6 +18,7 @@ from model_dirs import TEXT, model_dir
 from qkvnp.apps.cli import main
 from qkvnp.training import text as text_task
 from qkvnp.training.checkpoint import CheckpointError
+from text_task_args import cli_args
 
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -35,13 +36,6 @@ def init(tmp_path_factory):
     model_dir(path / "model", "llama")
     (path / "text.txt").write_text(TEXT * 3, encoding="utf-8")
     return str(path / "model"), str(path / "text.txt")
-
-
-def _argv(settings):
-    argv = []
-    for name, value in settings.items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
 
 
 def _hf_logits(path, ids):
@@ -126,7 +120,7 @@ def test_the_command_line_fine_tunes_with_lora_and_writes_the_directory(init, tm
     out = str(tmp_path / "tuned")
     assert main(["train", "--task", "text", "--init", model_path, "--text", text,
                  "--lora-rank", "2", "--lora-targets", "q_proj,o_proj", "--save-hf", out]
-                + _argv(dict(SETTINGS, steps=4))) == 0
+                + cli_args(dict(SETTINGS, steps=4))) == 0
     printed = capsys.readouterr().out
     assert "LoRA rank 2 on q_proj,o_proj" in printed and f"wrote {out}" in printed
     assert main(["generate", "--model", out, "--prompt", "The quick", "--max-new-tokens",
@@ -161,7 +155,7 @@ def test_without_the_tokenizers_package_the_extra_is_named(init, capsys, monkeyp
     model_path, text = init
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
     assert main(["train", "--task", "text", "--init", model_path, "--text", text]
-                + _argv(SETTINGS)) == 2
+                + cli_args(SETTINGS)) == 2
     out, err = capsys.readouterr()
     assert "pip install 'qkvnp[hf]'" in err and "nothing was trained" in err
     assert "step " not in out
@@ -178,7 +172,7 @@ def test_a_newcomers_first_commands_end_to_end(tmp_path, capsys):
                     batch_size=4, eval_every=3, eval_windows=4, sample_every=6,
                     sample_length=8)
     assert main(["train", "--task", "text", "--family", "llama3", "--text", str(text),
-                 "--save-hf", first] + _argv(settings)) == 0
+                 "--save-hf", first] + cli_args(settings)) == 0
     capsys.readouterr()
     ids = np.frombuffer(b"The quick brown", np.uint8)[None].astype(np.int64)
     ours = interop.from_hf(first, dtype=np.float32).forward(ids)
@@ -188,6 +182,6 @@ def test_a_newcomers_first_commands_end_to_end(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("The quick")
     assert main(["train", "--task", "text", "--init", first, "--text", str(text), "--save-hf",
                  str(tmp_path / "second")]
-                + _argv({k: v for k, v in settings.items()
+                + cli_args({k: v for k, v in settings.items()
                          if k not in ("emb_dim", "num_heads", "num_layers")})) == 0
     assert "ByteTokenizer()" in capsys.readouterr().out

@@ -17,16 +17,8 @@ import pytest
 from qkvnp.apps.cli import main
 from qkvnp.training import text as text_task
 
-TEXT = ("the cat sat on the mat. the dog sat on the log. " * 40).encode()
 SMALL = ["--context", "8", "--emb-dim", "8", "--num-heads", "2", "--num-layers", "1",
          "--batch-size", "4", "--eval-windows", "4", "--sample-length", "10", "--warmup", "2"]
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_bytes(TEXT)
-    return str(path)
 
 
 def test_bigram_loss_equals_a_naive_count():
