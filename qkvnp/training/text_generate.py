@@ -4,8 +4,8 @@ Shape key: T prompt tokens (bytes; a fine-tune's, its model's tokenizer's), V vo
 
 The checkpoint holds its configuration; the prompt is encoded as UTF-8
 bytes, cropped to the model's context, and continued by :func:`qkvnp.generate`.
-The command (:mod:`qkvnp.apps.generate`) comes here for a checkpoint; its
-``add_arguments`` are the options a checkpoint takes.
+The command (:mod:`qkvnp.apps.generate`, which defines the options) comes
+here for a checkpoint.
 """
 import argparse
 import sys
@@ -18,22 +18,7 @@ from ..interop.tokenizer import ByteTokenizer
 from .text import load_text_checkpoint, text_config_of
 from .text_init import init_tokenizer
 
-__all__ = ["add_arguments", "run"]
-
-
-def add_arguments(parser):
-    """The options of ``generate``."""
-    parser.add_argument("--resume", metavar="CKPT", required=True,
-                        help="a checkpoint of train --task text")
-    parser.add_argument("--prompt", default=None, help="the text to continue (default: a newline)")
-    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                        help="how many bytes to write after the prompt (default 200)")
-    parser.add_argument("--temperature", type=float, default=None, metavar="T",
-                        help="0 = greedy (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K",
-                        help="sample among the K likeliest bytes only (default: all 256)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S",
-                        help="the sampling generator's seed (default 0)")
+__all__ = ["run"]
 
 
 def run(args):
