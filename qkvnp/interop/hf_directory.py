@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from .safetensors import SafetensorsFile
+from .safetensors import SafetensorsFile, RepeatedKeyError, unique_keys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -43,20 +43,14 @@ def read_json(path: str, what: str) -> Any:
 
     A key given twice is refused (``json`` would keep the last one silently).
     """
-    def unique(pairs):
-        out = {}
-        for key, value in pairs:
-            if key in out:
-                raise ValueError(f"{path}: {what} names {key!r} twice")
-            out[key] = value
-        return out
-
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size > _MAX_JSON_BYTES:
             raise ValueError(f"{path}: {what} is larger than {_MAX_JSON_BYTES} bytes")
         text = f.read()
     try:
-        value = json.loads(text.decode("utf-8"), object_pairs_hook=unique)
+        value = json.loads(text.decode("utf-8"), object_pairs_hook=unique_keys)
+    except RepeatedKeyError as error:
+        raise ValueError(f"{path}: {what} names {error.key!r} twice") from None
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: {what} is not valid JSON: {error}") from None
     except json.JSONDecodeError as error:

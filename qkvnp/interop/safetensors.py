@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any, Mapping
 
 __all__ = ["SAFETENSORS_DTYPES", "MAX_HEADER_BYTES", "SafetensorsError", "SafetensorsFile",
-           "load_safetensors", "save_safetensors"]
+           "load_safetensors", "save_safetensors", "RepeatedKeyError", "unique_keys"]
 
 #: The stored dtypes read and written, and their numpy dtype (BF16 is held as its bits, uint16).
 SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8",
@@ -55,12 +55,22 @@ class SafetensorsError(ValueError):
     """A file that is not a valid safetensors file; the message names the file and the fault."""
 
 
-def _unique_keys(pairs):
-    """A JSON object's dict, refusing a key given twice (``json`` would keep the last)."""
+class RepeatedKeyError(ValueError):
+    """A JSON object names ``key`` twice (:func:`unique_keys`; the safetensors header, and
+    ``config.json`` and the shards' index read by :mod:`qkvnp.interop.hf_directory`)."""
+
+    def __init__(self, key):
+        super().__init__(f"the name {key!r} is given twice")
+        self.key = key
+
+
+def unique_keys(pairs):
+    """``json``'s ``object_pairs_hook``: the object's dict, refusing a key given twice
+    (``json`` would keep the last) with a ``ValueError`` whose ``key`` names it."""
     out = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"the name {key!r} is given twice")
+            raise RepeatedKeyError(key)
         out[key] = value
     return out
 
@@ -77,7 +87,7 @@ def _read_header(f, path, size):
         raise SafetensorsError(f"{path}: header length {n} runs past the end of the file "
                                f"({size} bytes)")
     try:
-        header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=_unique_keys)
+        header = json.loads(f.read(n).decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError) as error:
         raise SafetensorsError(f"{path}: the header is not valid JSON: {error}") from None
     if not isinstance(header, dict):
