@@ -78,7 +78,13 @@ def test_a_resume_given_only_resume_is_the_uninterrupted_run_bit_for_bit(corpus,
     model, rows, _, lines = finished
     part = _stopped_at(corpus, tmp_path, 3)
     assert main(["train", "--task", "text", "--resume", part]) == 0
-    resumed, resumed_rows, code, resumed_lines = runs[-1]
+    _check_resumed_from_step_3(runs[-1], model, rows, lines)
+
+
+def _check_resumed_from_step_3(resumed_run, model, rows, lines):
+    """A run resumed after step 3 printed the uninterrupted run's later lines, its rows
+    and its final parameters, bit for bit."""
+    resumed, resumed_rows, code, resumed_lines = resumed_run
     assert code == 0
     assert resumed_lines == [line for line in lines if _step_of(line) > 3]
     assert any(line.startswith("sample at step 4") for line in resumed_lines)
@@ -102,14 +108,9 @@ def test_a_family_resume_given_only_resume_is_the_uninterrupted_run_bit_for_bit(
     text_task.train_text(text_task.TextConfig(text=corpus, **FAMILY_SETTINGS), save=part,
                          stop_at=3, stream=io.StringIO())
     assert main(["train", "--task", "text", "--resume", part]) == 0
-    resumed, resumed_rows, code, resumed_lines = runs[-1]
-    assert code == 0 and type(resumed).__name__ == "Decoder"
-    assert resumed_lines == [line for line in lines if _step_of(line) > 3]
-    assert any(line.startswith("sample at step 4") for line in resumed_lines)
-    assert resumed_rows == rows
-    assert sorted(resumed.params) == sorted(model.params)
-    for name, value in model.params.items():
-        np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
+    _check_resumed_from_step_3(runs[-1], model, rows, lines)
+    assert type(runs[-1][0]).__name__ == "Decoder"
+
 
 def test_a_resume_refuses_an_explicit_other_lr_naming_it(corpus, tmp_path, capsys):
     # oracle: the kv-recall task's rule: a setting given on the command line that differs
