@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import json
 import os
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -29,6 +28,7 @@ import pytest
 from qkvnp.interop import SafetensorsFile, from_hf, save_hf, save_safetensors, to_hf
 from qkvnp.models.decoder import Decoder, DecoderConfig
 
+from loading_memory import HAS_VMHWM, load_growth, traced_peak
 from test_interop_hf import CLASSES, FAMILIES, V, hf_config
 
 #: float32 logits of order 1, two implementations' sums in other orders (worst seen: 1.0e-6)
@@ -193,14 +193,9 @@ def shard(path):
 
 def refused(path, error, message):
     """``from_hf(path)`` raises ``error`` matching ``message``, allocating under 1 MiB."""
-    tracemalloc.start()
-    try:
-        with pytest.raises(error, match=message) as info:
-            from_hf(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 ** 20, f"{peak} bytes allocated before refusing"
+    with traced_peak() as peak, pytest.raises(error, match=message) as info:
+        from_hf(path)
+    assert peak[0] < 2 ** 20, f"{peak[0]} bytes allocated before refusing"
     return str(info.value)
 
 
@@ -343,38 +338,17 @@ def test_save_hf_then_from_hf_without_transformers(tmp_path):
         np.testing.assert_array_equal(back.params[name], value, err_msg=name)
 
 
-LOAD_PEAK = """
-import sys
-import numpy as np
-from qkvnp.interop import from_hf
-
-def high_water():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-base = high_water()
-model = from_hf(sys.argv[1], dtype=np.float32)
-print(high_water() - base, sum(p.size for p in model.params.values()))
-"""
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+@pytest.mark.skipif(not HAS_VMHWM, reason="reads Linux's VmHWM")
 def test_loading_holds_the_model_once(tmp_path):
     """Oracle: the process's peak resident memory grows by under 1.25 x 4N bytes + 8 MiB.
 
     A random Decoder overwritten by the checkpoint, or a second copy of the
     weights, would hold 2 x 4N.
     """
-    import subprocess
-    import sys
-
     cfg = DecoderConfig.gpt2(vocab_size=8192, emb_dim=256, num_layers=8, num_heads=4,
                              context_length=64)
     save_hf(Decoder(cfg, rng=0, dtype=np.float32), tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(tmp_path)], check=True,
-                         capture_output=True, text=True, cwd=root).stdout.split()
-    grown, params = int(out[0]), int(out[1])
+    grown, params = load_growth("from_hf", "from_hf(sys.argv[1], dtype=np.float32)", tmp_path)
     assert params > 8_000_000
     assert grown < 1.25 * 4 * params + 8 * 2 ** 20, f"{grown / 2**20:.0f} MiB for " \
         f"{4 * params / 2**20:.0f} MiB of weights"

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import qkvnp.interop.llmc as llmc
+from loading_memory import HAS_VMHWM, load_growth
 from qkvnp.interop import from_hf, load_llmc, save_llmc
 from qkvnp.layers import apply_lora
 from qkvnp.models.decoder import Decoder, DecoderConfig
@@ -306,39 +307,18 @@ def test_a_failed_write_leaves_no_file_and_an_old_file_as_it_was(tmp_path, monke
     assert os.listdir(tmp_path) == []
 
 
-LOAD_PEAK = """
-import sys
-import numpy as np
-from qkvnp.interop import load_llmc
-
-def high_water():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-base = high_water()
-model = load_llmc(sys.argv[1])
-print(high_water() - base, sum(p.size for p in model.params.values()))
-"""
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+@pytest.mark.skipif(not HAS_VMHWM, reason="reads Linux's VmHWM")
 def test_loading_holds_the_model_once(tmp_path):
     """Oracle: the process's peak resident memory grows by under 1.25 x 4N bytes + 8 MiB.
 
     A random Decoder overwritten by the file, a dict of converted copies, or
     the file's mapped pages kept resident beside the model would hold 2 x 4N.
     """
-    import subprocess
-    import sys
-
     cfg = DecoderConfig.gpt2(vocab_size=8192, emb_dim=256, num_layers=8, num_heads=4,
                              context_length=64, norm_eps=1e-5)
     path = tmp_path / "model.bin"
     save_llmc(Decoder(cfg, rng=0, dtype=np.float32), path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", LOAD_PEAK, str(path)], check=True,
-                         capture_output=True, text=True, cwd=root).stdout.split()
-    grown, params = int(out[0]), int(out[1])
+    grown, params = load_growth("load_llmc", "load_llmc(sys.argv[1])", path)
     assert params > 8_000_000
     assert grown < 1.25 * 4 * params + 8 * 2 ** 20, f"{grown / 2**20:.0f} MiB for " \
         f"{4 * params / 2**20:.0f} MiB of weights"

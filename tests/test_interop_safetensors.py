@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import tracemalloc
 
 import numpy as np
 import pytest
 
+from loading_memory import traced_peak
 from qkvnp.interop import SafetensorsError, SafetensorsFile, load_safetensors, save_safetensors
 from qkvnp.interop.safetensors import MAX_HEADER_BYTES
 
@@ -161,15 +161,10 @@ HOSTILE = {  # case: (header, data, length or None, what the message says)
 def test_hostile_files_are_refused_naming_the_file(tmp_path, case):
     header, data, length, message = HOSTILE[case]
     path = crafted(tmp_path, header, data, length)
-    tracemalloc.start()
-    try:
-        with pytest.raises(SafetensorsError, match=message) as info:
-            SafetensorsFile(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    with traced_peak() as peak, pytest.raises(SafetensorsError, match=message) as info:
+        SafetensorsFile(path)
     assert str(path) in str(info.value)
-    assert peak < 2 ** 20, f"{peak} bytes allocated before refusing"
+    assert peak[0] < 2 ** 20, f"{peak[0]} bytes allocated before refusing"
     assert isinstance(info.value, ValueError)
 
 

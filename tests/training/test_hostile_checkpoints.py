@@ -12,12 +12,12 @@ import json
 import math
 import os
 import struct
-import tracemalloc
 import zipfile
 
 import numpy as np
 import pytest
 
+from loading_memory import traced_peak
 from qkvnp.apps.cli import main
 from qkvnp.training.checkpoint import CheckpointError, load_checkpoint, write_npz_atomic
 from qkvnp.training.loop import TrainConfig, checkpoint_layout, train
@@ -176,13 +176,9 @@ def test_a_stored_config_of_dim_ten_million_is_refused_before_anything_is_built(
         config = json.loads(str(arrays["meta/config"]))
         arrays["meta/config"] = np.array(json.dumps({**config, "dim": 10**7}))
     _rewrite(saved, huge)
-    tracemalloc.start()
-    try:
+    with traced_peak() as peak:
         refused(saved, "meta/config", capsys, match="dim must be <= 4096, got 10000000")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 20 * 2**20
+    assert peak[0] < 20 * 2**20
 
 
 @pytest.mark.parametrize("change, entry", [
@@ -281,14 +277,9 @@ def _cheap_refusal(path, monkeypatch):
         patch.setattr(zipfile.ZipExtFile, "read1", counting(zipfile.ZipExtFile.read1))
         with pytest.raises(CheckpointError) as info:
             load_checkpoint(path, checkpoint_layout)
-    tracemalloc.start()
-    try:
-        with pytest.raises(CheckpointError):
-            load_checkpoint(path, checkpoint_layout)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return bytes_read, peak, str(info.value)
+    with traced_peak() as peak, pytest.raises(CheckpointError):
+        load_checkpoint(path, checkpoint_layout)
+    return bytes_read, peak[0], str(info.value)
 
 
 def _only_headers_read(bytes_read, entry, header):
