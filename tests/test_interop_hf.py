@@ -303,3 +303,44 @@ def test_gemma3_attention_softcap_is_refused_as_transformers_ignores_it(torch):
     config.attn_logit_softcapping = 50.0
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
         from_hf(transformers.Gemma3ForCausalLM(config))
+
+
+def _legacy(config):
+    """A transformers 4 config dict of a 5 one: ``rope_theta``, ``rope_scaling`` (and
+    Gemma 3's ``rope_local_base_freq``) where 5 writes ``rope_parameters``."""
+    config = dict(config)
+    rope = config.pop("rope_parameters")
+    if "full_attention" in rope:
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    return config
+
+
+@pytest.mark.parametrize("family", ["llama3_scaled", "gemma3_scaled", "qwen3"])
+def test_a_transformers_4_config_loads_as_its_5_form(torch, hf_float64, family, tmp_path):
+    """Oracle: from_hf of the same model with transformers 5's config. The same weights
+    under a transformers 4 config (``rope_theta``, ``rope_scaling``), given as a model
+    object and as a directory, give the same logits to the bit."""
+    import json
+
+    hf = hf_float64(family)
+    modern = from_hf(hf)
+    legacy = _legacy(hf.config.to_dict())
+    assert "rope_parameters" not in legacy
+
+    class Config:
+        to_dict = staticmethod(lambda: legacy)
+
+    # a transformers 4 model object: its class's name, its config dict, its tensors
+    Source = type(CLASSES[family], (), {"config": Config, "state_dict": staticmethod(hf.state_dict)})
+
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    ids = np.random.default_rng(4).integers(3, V, size=(2, 7))
+    expected = modern.forward(ids)
+    for source in (Source(), tmp_path):
+        model = from_hf(source)
+        np.testing.assert_array_equal(model.forward(ids).astype(expected.dtype), expected)

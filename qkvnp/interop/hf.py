@@ -426,15 +426,17 @@ def _check_names(cfg, tensors, family):
     return specs
 
 
-def _fill(model, tensors, family):
+def _fill(model, tensors, specs):
     """Write each of ``tensors``' arrays into the model's, in place: all checked first.
+
+    ``specs`` are :func:`_check_names`' of the model's config and ``tensors``.
 
     NOTE: one tensor at a time, converted (transposed, widened, cast) straight
     into its parameter and then released: the model is held once, never a
     second copy of it. The largest go first, while the model's pages are
     still untouched: the one tensor in flight adds least to the peak then.
     """
-    specs, params = _check_names(model.config, tensors, family), model.params
+    params = model.params
     for hf, ours, _, unpack in specs:  # shapes only: zero-stride stand-ins, nothing read
         stand_in = np.broadcast_to(np.empty((), np.float32), tensors.shape(hf))
         _unpacked(unpack, stand_in, ours, params, hf, tensors.where)
@@ -481,8 +483,9 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
         ``config.json`` with missing or absurd sizes, an index naming a
         tensor twice or naming one its shard lacks, and a malformed
         safetensors file (:class:`~qkvnp.interop.safetensors.SafetensorsError`):
-        each message names the file. Everything but NaN is checked before
-        the model is allocated.
+        each message names the file. The names and the table's size are
+        checked before the model is allocated, every tensor's shape before
+        any tensor is read.
     FileNotFoundError
         A directory without ``config.json`` or weights, or a missing shard.
 
@@ -497,19 +500,19 @@ def from_hf(source: Any, *, dtype: DTypeLike = np.float64) -> Any:
     """
     from ..models.decoder import Decoder
 
+    def build(source, config, tensors):
+        family = _architecture(source, config)
+        cfg = _config(_legacy_rope(config, family), family)  # a transformers 4 config too
+        specs = _check_names(cfg, tensors, family)  # before allocating
+        return _fill(Decoder.empty(cfg, dtype=dtype), tensors, specs)
+
     if isinstance(source, (str, os.PathLike)):
         from .hf_directory import open_directory
 
         config, tensors = open_directory(source)
         with tensors:
-            family = _architecture(None, config)
-            cfg = _config(_legacy_rope(config, family), family)
-            _check_names(cfg, tensors, family)
-            return _fill(Decoder.empty(cfg, dtype=dtype), tensors, family)
-    config = source.config.to_dict()
-    family = _architecture(source, config)
-    cfg = _config(config, family)
-    return _fill(Decoder.empty(cfg, dtype=dtype), _StateDict(source.state_dict()), family)
+            return build(None, config, tensors)
+    return build(source, source.config.to_dict(), _StateDict(source.state_dict()))
 
 
 def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
