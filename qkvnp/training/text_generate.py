@@ -13,7 +13,6 @@ import sys
 import numpy as np
 
 from ..models.generation import generate
-from .checkpoint import CheckpointError
 from ..interop.tokenizer import ByteTokenizer
 from .text import load_text_checkpoint, text_config_of
 from .text_init import init_tokenizer
@@ -32,7 +31,7 @@ def run(args):
         tokenizer = ByteTokenizer()
         if checkpoint.config.get("init") is not None:  # a fine-tune: its model's tokenizer
             tokenizer = init_tokenizer(text_config_of(checkpoint.config)[0], model.vocab_size)
-    except (FileNotFoundError, CheckpointError, ImportError) as exc:
+    except (FileNotFoundError, ValueError, ImportError) as exc:  # CheckpointError is one
         print(f"error: --resume: {exc}", file=sys.stderr)
         return 2
     try:

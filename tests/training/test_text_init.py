@@ -185,3 +185,20 @@ def test_a_newcomers_first_commands_end_to_end(tmp_path, capsys):
                 + cli_args({k: v for k, v in settings.items()
                          if k not in ("emb_dim", "num_heads", "num_layers")})) == 0
     assert "ByteTokenizer()" in capsys.readouterr().out
+
+
+def test_generate_from_a_fine_tune_whose_tokenizer_is_unreadable_is_one_error_line(
+        init, tmp_path, capsys):
+    # oracle: the command's contract: a file it cannot use is one error: line, status 2
+    model_path, text = init
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in os.listdir(model_path):
+        (copy / name).write_bytes(open(os.path.join(model_path, name), "rb").read())
+    config = text_task.TextConfig(text=text, init=str(copy), **dict(SETTINGS, steps=2))
+    saved = str(tmp_path / "tuned.npz")
+    text_task.train_text(config, save=saved, stream=io.StringIO())
+    (copy / "tokenizer.json").write_text("{not json")
+    assert main(["generate", "--resume", saved, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --resume:") and err.count("\n") == 1
