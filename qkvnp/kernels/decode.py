@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pointwise import gelu_tanh_forward_fused
+from .pointwise import gelu_tanh_forward_fused, layer_norm_forward_fused
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -47,20 +47,10 @@ def layer_norm_infer(x: FloatArray, weight: FloatArray, bias: FloatArray,
                      eps: float) -> FloatArray:
     """``layer_norm_forward``'s output alone: ``(x - mean) / sqrt(var + eps) * weight + bias``.
 
-    The biased variance (over ``E``), as :class:`qkvnp.LayerNorm`, whose
-    ``scale`` and ``shift`` are ``weight`` and ``bias``; the row means as
-    products with a column of ``1/E``, as its fused pass
-    (``layer_norm_forward_fused``) computes them.
+    :class:`qkvnp.LayerNorm`'s fused pass (``layer_norm_forward_fused``; its
+    ``scale`` and ``shift`` are ``weight`` and ``bias``), its cache dropped.
     """
-    E = x.shape[-1]
-    dtype = x.dtype.type
-    row_mean = np.full((E, 1), 1.0 / E, x.dtype)  # (E, 1)
-    centered = x - x @ row_mean  # (..., E)
-    variance = (centered * centered) @ row_mean  # (..., E) -> (..., 1)
-    centered *= dtype(1) / np.sqrt(variance + dtype(eps))
-    centered *= weight
-    centered += bias
-    return centered
+    return layer_norm_forward_fused(x, weight, bias, eps)[0]
 
 
 def rope_infer(x: FloatArray, positions: Any, inverse_frequency: Any,

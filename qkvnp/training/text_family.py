@@ -89,8 +89,8 @@ def decoder_config(config):
     """The :class:`~qkvnp.DecoderConfig` of ``config``'s family with its sizes (vocabulary 256)."""
     from ..models.decoder import DecoderConfig
 
-    family, head_dim = config.family, _sizes(config)[0]
-    hidden, moe_hidden = _sizes(config)[1:]
+    family = config.family
+    head_dim, hidden, moe_hidden = _sizes(config)
     shared = dict(vocab_size=256, emb_dim=config.emb_dim, num_layers=config.num_layers,
                   num_heads=config.num_heads, context_length=config.context)
     if family == "gpt2":

@@ -42,7 +42,7 @@ def run(args):
         idx = np.array(prompt, dtype=np.int64)[None, -model.context_length:]
         temperature = 0.8 if args.temperature is None else args.temperature
         out = generate(model.eval(), idx, args.max_new_tokens, temperature=temperature,
-                       top_k=args.top_k, top_p=getattr(args, "top_p", None), rng=args.seed)
+                       top_k=args.top_k, top_p=args.top_p, rng=args.seed)
     except (ValueError, OSError) as exc:
         raise argparse.ArgumentError(None, str(exc)) from None
     continuation = tokenizer.decode(out[0, idx.shape[1]:].tolist())
