@@ -3,7 +3,8 @@
 Oracle: the blocks' own forward and backward (the reference path, the
 layers' calls of the reference ops), in float64 to 1e-12 and float32 to
 1e-5 relative, on Llama- and Qwen3-like configurations (GQA, QK-norm,
-RoPE with YaRN's attention factor, a window, Gemma's unit offset). Then the
+RoPE with YaRN's attention factor, a window, Gemma's unit offset, the
+GeGLU MLP, learned positions without RoPE). Then the
 seam (:func:`qkvnp.kernels.choose_train_path`) and the shared-state proofs:
 the batch split over worker threads gives the same bits as one share at
 any timing, a refused call changes nothing, and two threads training one
@@ -32,8 +33,10 @@ def _config(kind):
         return DecoderConfig.llama3(rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                  "original_max_position_embeddings": 16},
                                     **common)
-    # a window and Gemma's (1 + weight) on pre-norm blocks, QK-norm
-    return DecoderConfig(norm_unit_offset=True, qk_norm=True, sliding_window=5,
+    if kind == "geglu-learned":  # the tanh-GELU gate, learned positions (no RoPE)
+        return DecoderConfig(mlp="geglu", positions="learned", **common)
+    # a window and Gemma's (1 + weight) on pre-norm blocks, QK-norm, the GELU gate
+    return DecoderConfig(norm_unit_offset=True, qk_norm=True, sliding_window=5, mlp="geglu",
                          layer_types=("sliding_attention", "full_attention"), **common)
 
 
@@ -61,7 +64,7 @@ def _reference_step(model, ids, dlogits, monkeypatch):
         return _step(model, ids, dlogits)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama-yarn", "window-offset"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama-yarn", "window-offset", "geglu-learned"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_kernel_equals_the_blocks(kind, dtype, monkeypatch):
     """The stack's forward and backward (the kernel called directly) against the blocks' own."""
