@@ -548,9 +548,9 @@ def to_hf(model: Any, *, grads: bool = False) -> dict[str, Any]:
     >>> state["transformer.h.0.attn.c_attn.weight"].shape, "lm_head.weight" in state
     ((8, 24), False)
     """
-    from ..layers.lora import LoRALinear
+    from ..layers.lora import adapted_layers
 
-    adapted = [name for name, layer in model.named_layers() if isinstance(layer, LoRALinear)]
+    adapted = adapted_layers(model)
     if adapted:
         # NOTE: refused rather than merged in silence: with grads=True no gradient of the
         # frozen W exists, and merged weights would hide that the model was adapted

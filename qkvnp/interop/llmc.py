@@ -36,7 +36,7 @@ import os
 import numpy as np
 
 from .._io import atomic_write
-from ..layers import LoRALinear
+from ..layers.lora import adapted_layers
 from ..models.decoder import Decoder, DecoderConfig
 from ..models.gpt import GPTModel
 
@@ -233,7 +233,7 @@ def load_llmc(path: str | os.PathLike[str], *, dtype: DTypeLike = np.float32) ->
 
 
 def _refuse_lora(model):
-    adapted = [name for name, sub in model.named_layers() if isinstance(sub, LoRALinear)]
+    adapted = adapted_layers(model)
     if adapted:
         raise ValueError(f"save_llmc: the model has LoRA adapters at {adapted}, which llm.c's "
                          "file has no place for: merge them first (qkvnp.layers.merge_lora(model))")

@@ -72,7 +72,8 @@ import numpy as np
 
 from .._checks import check_state_value
 from ..models.gpt import GPTModel
-from ..layers import LoRALinear, MultiHeadAttention, SelfAttention
+from ..layers import MultiHeadAttention, SelfAttention
+from ..layers.lora import adapted_layers
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -95,7 +96,7 @@ def _check_layout(layer, layout):
         if not isinstance(layer, GPTModel):
             raise ValueError(f"layout {layout!r} loads a qkvnp.GPTModel, got "
                              f"{type(layer).__name__}")
-        adapted = [name for name, sub in layer.named_layers() if isinstance(sub, LoRALinear)]
+        adapted = adapted_layers(layer)
         if adapted:
             raise ValueError(f"the GPTModel has LoRA adapters at {adapted}, which the book's "
                              f"GPTModel has no place for: merge them first "

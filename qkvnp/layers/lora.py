@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any, Sequence
     from .._typing import FloatArray
 
-__all__ = ["LoRALinear", "LoRACache", "apply_lora", "merge_lora", "adapter_params", "adapter_grads"]
+__all__ = ["LoRALinear", "LoRACache", "apply_lora", "merge_lora", "adapted_layers",
+           "adapter_params", "adapter_grads"]
 
 #: What :meth:`LoRALinear.backward` reads: the rows of ``x``, the frozen ``W``, the
 #: adapters as the forward read them, ``h = x A`` and the output's shape.
@@ -282,6 +283,18 @@ def merge_lora(model: Model) -> list[str]:
             done.append(name)
     model.zero_grad()
     return done
+
+
+def adapted_layers(model: Model) -> list[str]:
+    """The dotted names of ``model``'s :class:`LoRALinear` layers (empty if none).
+
+    What a writer of another library's weights refuses until :func:`merge_lora`.
+
+    >>> from qkvnp import GPTModel
+    >>> adapted_layers(GPTModel(16, 8, 8, 2, 1, rng=0))
+    []
+    """
+    return [name for name, layer in model.named_layers() if isinstance(layer, LoRALinear)]
 
 
 def _adapters(model, kind):
