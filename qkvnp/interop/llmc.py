@@ -39,6 +39,7 @@ from .._io import atomic_write
 from ..layers.lora import adapted_layers
 from ..models.decoder import Decoder, DecoderConfig
 from ..models.gpt import GPTModel
+from .safetensors import widen_bfloat16
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -68,7 +69,7 @@ def _tensor_shapes(maxT, V, L, NH, C, Vp):
 
 
 def _read_header(path):
-    """``(version, sizes, file size)`` of the file at ``path``, every check passed.
+    """``(version, sizes)`` of the file at ``path``, every check passed.
 
     ``sizes`` is ``(maxT, V, L, NH, C, Vp)``. Reads 1024 bytes and stats the
     file: nothing in proportion to the sizes is allocated.
@@ -143,7 +144,7 @@ def _release(mapped):
 def _widen(array, dtype):
     """A stored tensor in ``dtype``: float32 as is; bfloat16 bits widened exactly (``bits << 16``)."""
     if array.dtype == np.dtype("<u2"):
-        array = (array.astype(np.uint32) << 16).view(np.float32)
+        array = widen_bfloat16(array)
     return np.asarray(array, dtype=dtype)
 
 

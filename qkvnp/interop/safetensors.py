@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` 
     from typing import Any, Mapping
 
 __all__ = ["SAFETENSORS_DTYPES", "MAX_HEADER_BYTES", "SafetensorsError", "SafetensorsFile",
-           "load_safetensors", "save_safetensors", "RepeatedKeyError", "unique_keys"]
+           "load_safetensors", "save_safetensors", "RepeatedKeyError", "unique_keys",
+           "widen_bfloat16"]
 
 #: The stored dtypes read and written, and their numpy dtype (BF16 is held as its bits, uint16).
 SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8",
@@ -49,6 +50,19 @@ SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "
 #: The longest header read (the reference reader's cap too): a larger length is refused.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _CODES = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items() if k != "BF16"}
+
+
+def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bfloat16 ``bits`` (``uint16``), exactly: a new array.
+
+    NOTE: every bfloat16 is a float32 whose low 16 bits are zero.
+
+    >>> widen_bfloat16(np.array([0x3F80, 0xC000], np.uint16))
+    array([ 1., -2.], dtype=float32)
+    """
+    wide = bits.astype(np.uint32)
+    wide <<= 16  # in place: one array of the tensor's size, not two
+    return wide.view(np.float32)
 
 
 class SafetensorsError(ValueError):
@@ -240,12 +254,7 @@ class SafetensorsFile:
     def array(self, name: str) -> np.ndarray:
         """Tensor ``name`` for numpy: as stored (a view), BF16 widened to float32 (a copy)."""
         array = self.raw(name)
-        if self._entry(name)[4] == "BF16":
-            # NOTE: every bfloat16 is a float32 whose low 16 bits are zero
-            wide = array.astype(np.uint32)
-            wide <<= 16  # in place: one array of the tensor's size, not two
-            return wide.view(np.float32)
-        return array
+        return widen_bfloat16(array) if self._entry(name)[4] == "BF16" else array
 
     def release(self, name: str) -> None:
         """Let the kernel drop tensor ``name``'s pages from this process (read again if used)."""
