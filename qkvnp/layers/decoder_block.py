@@ -434,7 +434,7 @@ class DecoderBlock(Model):
         if self.placement != "pre":
             return f"the fused blocks are 'pre' blocks, not {self.placement!r}"
         if not all(type(norm) is RMSNorm for norm in norms) or \
-                type(mlp).__name__ != "GatedFeedForward":
+                type(mlp) is not GatedFeedForward:
             return "the fused blocks have RMSNorms and a gated MLP"
         if attn.softcap is not None:
             return "the fused blocks have no attention soft-cap"

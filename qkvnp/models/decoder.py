@@ -383,7 +383,7 @@ class Decoder(Model):
             keep = _keep_masks(valid[:, cache.start:], T, past, cache.start,
                                (block.window,))[block.window]  # (B, 1, T, S)
             x = block.decode_step(x, cache, keep, positions[:, None, :])  # (B, T, E)
-        x = self.final_norm.forward(x, check=False)
+        x = inference_forward(self.final_norm, x)  # nothing kept for a backward
         # through the head's own forward only when adapted (LoRA): a plain or tied head is
         # its product alone, as the blocks' Linears are in decoding
         logits = inference_forward(self.head, x)  # (B, T, E) -> (B, T, V)
@@ -392,7 +392,6 @@ class Decoder(Model):
         state = self._state_to_write()  # nothing kept for a backward
         state.cache = state.used_cache = None
         state.decoded = True
-        self.final_norm._cache = None
         return logits
 
     def state_dict(self) -> dict[str, FloatArray]:
