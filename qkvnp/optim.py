@@ -467,10 +467,10 @@ class Adam(Optimizer):
         flat_params = [param.reshape(-1) if param.flags.c_contiguous else param.ravel()
                        for param in params]  # written: views, or copies written back below
         constants = self._constants(params[0].dtype.type)
-        flops = 15 * group.exp_avg.size  # about 15 operations an entry
+        threads = threads_for(group.exp_avg.size, "min_parallel_entries")
         # NOTE: on 163 M parameters, chunks of 2**15 entries measured faster on one
         # thread (in L2) and of 2**17 on two (shorter numpy calls wait on the GIL)
-        size = _CHUNK if threads_for(flops) == 1 else 4 * _CHUNK
+        size = _CHUNK if threads == 1 else 4 * _CHUNK
         if size not in group.plans:
             group.plans[size] = _chunk_pieces(group.starts, group.ends, size)
 
@@ -479,7 +479,10 @@ class Adam(Optimizer):
             for chunk in chunks:
                 self._update_chunk(chunk, flat_grads, flat_params, group, constants, scratch)
 
-        run(task, group.plans[size], flops=flops)
+        if threads == 1:
+            task(group.plans[size])
+        else:
+            run(task, group.plans[size])  # the chunks dealt to the worker threads
         for param, flat in zip(params, flat_params):
             if not param.flags.c_contiguous:
                 param[...] = flat.reshape(param.shape)

@@ -501,7 +501,7 @@ def test_adam_chunks_on_the_worker_threads_give_the_per_parameter_bits(cls, deca
              for name, p in params.items()}
     transposed = params["t"]
     optimizer = cls(params, lr=0.01, weight_decay=decay)
-    with num_threads(2), block_sizes(min_parallel_flops=0):
+    with num_threads(2), block_sizes(min_parallel_entries=0):
         for step in range(1, 6):
             grads = {name: rng.normal(size=p.shape) for name, p in params.items()}
             adam_per_parameter(oracle, state, grads, step, 0.01, (0.9, 0.999), 1e-8, decay,
@@ -510,6 +510,26 @@ def test_adam_chunks_on_the_worker_threads_give_the_per_parameter_bits(cls, deca
     assert params["t"] is transposed  # in place, not replaced
     for name in params:
         assert params[name].tobytes() == oracle[name].tobytes(), name
+
+
+def test_adam_goes_to_the_worker_threads_from_min_parallel_entries_on(monkeypatch):
+    """Oracle: the setting's definition. A group of ``min_parallel_entries`` entries or
+    more hands its chunks to ``_runtime.run`` (the pool), a smaller one updates them in
+    the calling thread; one thread never hands off."""
+    from qkvnp.kernels import _runtime, block_sizes, num_threads
+
+    handed = []
+    real_run = _runtime.run
+    monkeypatch.setattr(_runtime, "run", lambda task, work, flops=None: (
+        handed.append(len(work)), real_run(task, work, flops)))
+    params = {"w": np.zeros(100), "b": np.zeros(28)}
+    grads = {name: np.ones(p.shape) for name, p in params.items()}
+    optimizer = AdamW(params, lr=0.1)
+    for threads, limit, expected in ((2, 128, [1]), (2, 129, []), (1, 0, [])):
+        handed.clear()
+        with num_threads(threads), block_sizes(min_parallel_entries=limit):
+            optimizer.step(grads)
+        assert handed == expected, (threads, limit)
 
 
 def test_adam_with_the_parameters_as_their_own_gradients_reads_each_before_writing():

@@ -103,6 +103,10 @@ BLOCK_SIZE_DEFAULTS = {
     # OpenBLAS's threads (see matmul). NOTE: 2**27 measured faster than 2**24
     # on layers that do not split their batch (benchmarks/NOTES.md).
     "min_parallel_flops": 1 << 27,
+    # Fewest entries of an elementwise job (AdamW's update) for which the worker
+    # threads are used. NOTE: AdamW at two threads measured 1.3-1.45x faster from
+    # 2**19 float32 entries, slower at 2**18 (benchmarks/NOTES.md).
+    "min_parallel_entries": 1 << 19,
     # Fewest floating-point operations of a layer's fast forward (projections,
     # core, output projection) for which the layer splits its batch over the
     # worker threads, each running the whole layer on its share: one hand-off
@@ -143,7 +147,7 @@ BLOCK_SIZE_DEFAULTS = {
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "causal_row_block": 1,
             "min_split": 1,
-            "min_parallel_flops": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
+            "min_parallel_flops": 0, "min_parallel_entries": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
             "recycle_bytes": 0, "recycle_unowned_bytes": 0, "recycle_min_bytes": 0,
             "tiled_min_length": 1,
             "causal_tiled_min_length": 1,
