@@ -244,8 +244,9 @@ def _shares(x, weights):
 
 
 def _share_of(a, share):
-    """Rows ``share`` of ``a`` ``(B, ...)``, or ``a`` itself when it broadcasts over the batch."""
-    return a if a is None or np.shape(a)[0] == 1 else a[share]
+    """Rows ``share`` of ``a`` ``(B, ...)``, or ``a`` itself when it broadcasts over the batch
+    (a leading 1, or no batch axis: a ``(T, S)`` keep mask)."""
+    return a if a is None or np.ndim(a) < 4 or np.shape(a)[0] == 1 else a[share]
 
 
 def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any,
@@ -253,7 +254,7 @@ def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any,
     """The blocks in order on ``x`` ``(B, T, E)``, each share of the batch in a worker: ``(out, StackCache)``.
 
     ``weights``: one :func:`block_weights` a block; ``keeps``: block ``l``'s
-    keep mask ``(B or 1, 1, T, T)`` (every row seeing a key); ``ropes``: block
+    keep mask ``(B or 1, 1, T, T)`` or ``(T, T)`` (every row seeing a key); ``ropes``: block
     ``l``'s ``(cos, sin)`` ``(B or 1, 1, T, D/2)`` (:func:`rope_tables`) or None;
     ``head``: a :class:`HeadWeights`, the final norm and the head run in the
     shares too (the output is then the logits ``(B, T, V)``), or None.

@@ -27,6 +27,7 @@ from ..layers.moe import MoEFeedForward
 from ..layers.norms import RMSNorm
 from ..layers.tied import TiedLinear
 from ..layers.transformer import FeedForward, LayerNorm, Sequential
+from ..ops.masks import causal_mask
 from ..ops.softcap import softcap_backward, softcap_forward
 from .decoder_config import LAYER_TYPES, MLP_KINDS, NORM_KINDS, POSITION_KINDS, DecoderConfig
 
@@ -84,14 +85,23 @@ def _check_attention_mask(attention_mask, shape):
     return mask.astype(bool)
 
 
-def _keep_masks(valid, T, past, start, windows):
+def _keep_masks(valid, T, past, start, windows, shared=False):
     """``{window: keep (B, 1, T, S)}``: causal, real keys only, and within each window.
 
     Query ``t`` is token ``past + t`` of the sequence, key ``s`` is token
     ``start + s``; ``valid`` ``(B, S)`` says which keys are real tokens.
+    With ``shared``, a sequence seen whole (``past = start = 0``, ``S = T``)
+    of real tokens only gets :func:`~qkvnp.ops.masks.causal_mask`'s shared
+    ``(T, T)`` array (for ``window`` None) and ``(T, T)`` windowed ones.
     """
     query = past + np.arange(T)[:, None]  # (T, 1)
     key = start + np.arange(valid.shape[-1])[None, :]  # (1, S)
+    if shared and past == start == 0 and valid.shape[-1] == T and valid.all():
+        # NOTE: the attention cores recognise the shared causal mask and skip its
+        # -inf entries (an exp of -inf is numpy's slow path; benchmarks/NOTES.md)
+        keep = causal_mask(T, T)  # (T, T), read-only
+        return {window: keep if window is None else keep & (query - key < window)
+                for window in windows}
     keep = (key <= query)[None, None] & valid[:, None, None, :]  # (B, 1, T, S)
     # NOTE: a left-padded query row sees no key: its attention output is 0
     # (qkvnp's fully masked row), finite but meaningless, as its logits are
@@ -292,7 +302,7 @@ class Decoder(Model):
         """
         ids, valid, positions = self._inputs(ids, attention_mask, position_ids, 0)
         T = ids.shape[1]
-        keeps = _keep_masks(valid, T, 0, 0, {block.window for block in self.blocks})
+        keeps = _keep_masks(valid, T, 0, 0, {block.window for block in self.blocks}, shared=True)
         x = self._embed(ids, positions, True)  # (B, T, E)
         fused = train_blocks_forward(self.blocks, x, [keeps[block.window] for block in
                                                       self.blocks], positions[:, None, :],

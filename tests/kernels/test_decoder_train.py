@@ -138,6 +138,30 @@ def test_padding_and_float64_stay_on_the_layers():
     assert model64._cache[2] is None
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "window-offset"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_shared_causal_mask_gives_the_bits_of_the_batch_masks(kind, dtype, monkeypatch):
+    """Oracle: the same step with every block's keep mask as ``(B, 1, T, T)`` arrays (what
+    padding gives), bitwise. Without padding the forward passes the shared ``(T, T)``
+    causal mask (and its windowed masks), which the cores recognise: the same math."""
+    from qkvnp.models import decoder
+    from qkvnp.ops.masks import causal_mask
+
+    valid = np.ones((B, T), bool)
+    assert decoder._keep_masks(valid, T, 0, 0, {None}, shared=True)[None] is causal_mask(T, T)
+    assert decoder._keep_masks(valid[:, :-1], T, 0, 0, {None}, shared=True)[None].ndim == 4
+    model = Decoder(_config(kind), rng=1, dtype=dtype)
+    ids, dlogits = _inputs()
+    shared = _step(model, ids, dlogits)
+    real = decoder._keep_masks
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder, "_keep_masks",
+                      lambda *args, shared=False: real(*args, shared=False))
+        batch = _step(model, ids, dlogits)
+    assert np.array_equal(shared[0], batch[0])
+    assert all(np.array_equal(shared[1][name], batch[1][name]) for name in batch[1])
+
+
 def test_split_gives_the_same_bits_at_any_timing(monkeypatch):
     """Shares in worker threads, their gradients added in share order: bit-identical runs.
 
