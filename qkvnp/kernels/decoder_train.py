@@ -41,8 +41,8 @@ import numpy as np
 from ._runtime import run, threads_for
 from .fast import attention_backward as fast_attention_backward
 from .fast import attention_forward as fast_attention_forward
-from .pointwise import gelu_tanh_backward_fused, gelu_tanh_forward_fused, \
-    rms_norm_backward_fused, rms_norm_forward_fused, silu_backward_fused, silu_forward_fused
+from .pointwise import gated_backward_fused, gated_forward_fused, rms_norm_backward_fused, \
+    rms_norm_forward_fused
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -56,7 +56,7 @@ BlockWeights = namedtuple("BlockWeights", "attn_norm mlp_norm q_norm k_norm W_qk
                                           "W_down spec")
 BlockWeights.__doc__ = """One block's weights, copied for a call: the norms' gains and the joined projections."""
 _BlockCache = namedtuple("_BlockCache", "weights rows norm1 q_norm k_norm rope core merged norm2 "
-                                        "rows2 act act_cache up hidden")
+                                        "rows2 gated hidden")
 StackCache = namedtuple("StackCache", "shares caches ropes shape head")
 HeadWeights = namedtuple("HeadWeights", "norm eps unit_offset W")
 HeadWeights.__doc__ = """The final RMSNorm's gain, eps and unit offset and the head's ``W`` ``(E, V)``, copied for a call."""
@@ -129,12 +129,6 @@ def _rows_layout(a):
     return out
 
 
-def _activation(name):
-    if name == "silu":
-        return silu_forward_fused, silu_backward_fused
-    return gelu_tanh_forward_fused, gelu_tanh_backward_fused
-
-
 def block_forward(x: FloatArray, w: BlockWeights, keep: Any,
                   rope: Any) -> tuple[FloatArray, Any]:
     """One pre-norm block on ``x`` ``(B, T, E)``: ``(out (B, T, E), cache)``.
@@ -163,13 +157,10 @@ def block_forward(x: FloatArray, w: BlockWeights, keep: Any,
     h, norm2 = rms_norm_forward_fused(x, w.mlp_norm, s["mlp_eps"], s["mlp_unit_offset"])
     rows2 = h.reshape(B * T, E)
     gate_up = rows2 @ w.W_gate_up  # (N, E) -> (N, 2F)
-    F_ = gate_up.shape[1] // 2
-    act, act_cache = _activation(s["activation"])[0](gate_up[:, :F_])  # (N, F)
-    up = gate_up[:, F_:]
-    hidden = act * up  # (N, F)
+    hidden, gated = gated_forward_fused(gate_up, s["activation"])  # (N, 2F) -> (N, F)
     y = x + (hidden @ w.W_down).reshape(B, T, E)  # (N, F) -> (N, E) -> (B, T, E)
-    return y, _BlockCache(w, rows, norm1, q_norm, k_norm, rope, core, merged, norm2, rows2, act,
-                          act_cache, up, hidden)
+    return y, _BlockCache(w, rows, norm1, q_norm, k_norm, rope, core, merged, norm2, rows2, gated,
+                          hidden)
 
 
 def block_backward(dy: FloatArray, cache: Any) -> tuple[FloatArray, dict]:
@@ -184,10 +175,7 @@ def block_backward(dy: FloatArray, cache: Any) -> tuple[FloatArray, dict]:
     grads["mlp.down_proj.W"] = c.hidden.T @ dy_rows  # (F, N) @ (N, E) -> (F, E)
     dhidden = dy_rows @ w.W_down.T  # (N, E) -> (N, F)
     F_ = dhidden.shape[1]
-    dgate_up = np.empty((B * T, 2 * F_), dy.dtype)  # (N, 2F)
-    np.multiply(dhidden, c.act, out=dgate_up[:, F_:])  # d up = dh * act
-    dhidden *= c.up  # d act = dh * up
-    dgate_up[:, :F_] = _activation(s["activation"])[1](dhidden, c.act_cache)
+    dgate_up = gated_backward_fused(dhidden, c.gated)  # (N, F) -> (N, 2F): d up = dh act, d gate
     dW_gate_up = c.rows2.T @ dgate_up  # (E, N) @ (N, 2F) -> (E, 2F)
     grads["mlp.gate_proj.W"], grads["mlp.up_proj.W"] = dW_gate_up[:, :F_], dW_gate_up[:, F_:]
     dh = (dgate_up @ w.W_gate_up.T).reshape(B, T, E)  # (N, 2F) -> (N, E) -> (B, T, E)

@@ -21,6 +21,7 @@ otherwise (the gradient checker's complex step).
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 
 import numpy as np
 
@@ -30,12 +31,18 @@ from ..ops.reductions import column_sums
 from ..ops.rms_norm import RMSNormCache
 from ..ops.silu import SiluCache
 
-__all__ = ["rms_norm_forward_fused", "rms_norm_backward_fused", "silu_forward_fused", "silu_backward_fused", "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
+__all__ = ["gated_forward_fused", "gated_backward_fused", "GatedCache", "rms_norm_forward_fused", "rms_norm_backward_fused", "silu_forward_fused", "silu_backward_fused", "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
 _LOG2_E = 1.0 / math.log(2.0)
+#: Elements of one row chunk of the gated pair (256 KiB of float32): with the
+#: chunk's few arrays it stays in a core's L2 from one pass to the next.
+_GATED_CHUNK = 1 << 16
+
+GatedCache = namedtuple("GatedCache", "act act_cache up")
+GatedCache.__doc__ = """What :func:`gated_backward_fused` reads: ``act`` ``(N, F)``, the activation's cache, ``up`` ``(N, F)``."""
 
 
 def _row_means(a):
@@ -97,17 +104,38 @@ def gelu_tanh_forward_fused(x):
     overflows (x below about -9.3 in float32) ``s`` is 0 and the output
     ``-0.0``: no NaN, no warning.
     """
-    kind = x.dtype.type
+    sigmoid = np.empty_like(x)  # (...), x's layout
+    _gelu_tanh_sigmoid(x, sigmoid)
     with np.errstate(over="ignore", under="ignore"):
-        sigmoid = x * x  # (...)
-        sigmoid *= kind(-2.0 * _LOG2_E * _SQRT_2_OVER_PI * _GELU_CUBIC)
-        sigmoid += kind(-2.0 * _LOG2_E * _SQRT_2_OVER_PI)
-        sigmoid *= x  # -2u log2(e)
-        np.exp2(sigmoid, out=sigmoid)  # exp(-2u), inf for very negative x
-        sigmoid += 1.0
-        np.divide(1.0, sigmoid, out=sigmoid)  # s = 1 / (1 + exp(-2u)) = (1 + t) / 2
         out = x * sigmoid  # (...)
     return out, GeluCache(x, None, "tanh", sigmoid)
+
+
+def _gelu_tanh_sigmoid(x, s):
+    """``s = sigmoid(2u) = 1 / (1 + 2^(-2u log2 e))`` into ``s`` (the shape of ``x``), in place."""
+    kind = x.dtype.type
+    with np.errstate(over="ignore", under="ignore"):
+        np.multiply(x, x, out=s)
+        s *= kind(-2.0 * _LOG2_E * _SQRT_2_OVER_PI * _GELU_CUBIC)
+        s += kind(-2.0 * _LOG2_E * _SQRT_2_OVER_PI)
+        s *= x  # -2u log2(e)
+        np.exp2(s, out=s)  # exp(-2u), inf for very negative x
+        s += 1.0
+        np.divide(1.0, s, out=s)  # s = 1 / (1 + exp(-2u)) = (1 + t) / 2
+
+
+def _gelu_tanh_local(dout, x, s, local, spread):
+    """``local = dout (s + 2 x s (1 - s) c (1 + 3 a x^2))`` into ``local``; ``spread`` is scratch of its shape."""
+    kind = x.dtype.type
+    np.multiply(x, x, out=local)
+    local *= kind(6.0 * _GELU_CUBIC * _SQRT_2_OVER_PI)
+    local += kind(2.0 * _SQRT_2_OVER_PI)  # 2 c (1 + 3 a x^2)
+    np.subtract(1.0, s, out=spread)
+    spread *= s  # s (1 - s)
+    local *= spread
+    local *= x
+    local += s  # dy/dx
+    local *= dout
 
 
 def gelu_tanh_reference_cache(cache):
@@ -131,20 +159,32 @@ def gelu_tanh_backward_fused(dout, cache):
     ``dy/dx = s + 2 x s (1 - s) c (1 + 3 a x^2)``, the reference's
     ``(1 + t)/2 + x (1 - t^2) c (1 + 3 a x^2) / 2`` written in ``s``.
     """
-    x, sigmoid, kind = cache.x, cache.sigmoid, cache.x.dtype.type
+    x, sigmoid = cache.x, cache.sigmoid
     if sigmoid is None:  # the reference op's cache
         sigmoid = cache.inner + 1.0  # (...)
         sigmoid *= 0.5  # s = (1 + t) / 2
-    local = x * x  # (...)
-    local *= kind(6.0 * _GELU_CUBIC * _SQRT_2_OVER_PI)
-    local += kind(2.0 * _SQRT_2_OVER_PI)  # 2 c (1 + 3 a x^2)
-    spread = 1.0 - sigmoid  # (...)
-    spread *= sigmoid  # s (1 - s)
-    local *= spread
-    local *= x
-    local += sigmoid  # dy/dx
-    local *= dout
+    local = np.empty_like(x)  # (...)
+    _gelu_tanh_local(dout, x, sigmoid, local, np.empty_like(sigmoid))
     return local
+
+
+def _silu_sigmoid(x, s):
+    """``s = 1 / (1 + exp(-x))`` into ``s`` (the shape of ``x``), four passes in place."""
+    np.negative(x, out=s)
+    # NOTE: below -88 (float32) exp(-x) overflows to inf and s to 0: the limit, no NaN
+    with np.errstate(over="ignore"):
+        np.exp(s, out=s)
+    s += 1
+    np.reciprocal(s, out=s)
+
+
+def _silu_local(dout, x, s, local):
+    """``local = dout * s * (1 + x (1 - s))`` into ``local``: SiLU's backward."""
+    np.subtract(1, s, out=local)  # 1 - s
+    local *= x
+    local += 1
+    local *= s
+    local *= dout
 
 
 def silu_forward_fused(x):
@@ -155,22 +195,15 @@ def silu_forward_fused(x):
     formula for both signs instead of the reference's two branches
     (``benchmarks/NOTES.md``, "SiLU's fused passes").
     """
-    # NOTE: below -88 (float32) exp(-x) overflows to inf and s to 0: the limit, no NaN
-    with np.errstate(over="ignore"):
-        s = np.exp(-x)  # (...)
-    s += 1
-    np.reciprocal(s, out=s)
+    s = np.empty_like(x)  # (...), x's layout
+    _silu_sigmoid(x, s)
     return x * s, SiluCache(x, s)
 
 
 def silu_backward_fused(dout, cache):
     """``silu_backward``: ``dout * (s + x s (1 - s))``, written as ``dout * s * (1 + x (1 - s))`` in place."""
-    x, s = cache.x, cache.sigmoid
-    local = np.subtract(1, s, dtype=s.dtype)  # 1 - s
-    local *= x
-    local += 1
-    local *= s
-    local *= dout
+    local = np.empty_like(cache.sigmoid)  # (...)
+    _silu_local(dout, cache.x, cache.sigmoid, local)
     return local
 
 
@@ -204,3 +237,102 @@ def rms_norm_backward_fused(dout, cache):
     g -= rms_term
     g *= rstd
     return g, dweight
+
+
+def _row_chunks(N, F):
+    """Row slices of ``N`` rows of width ``F``, ``_GATED_CHUNK`` elements each (at least a row)."""
+    rows = max(1, _GATED_CHUNK // max(F, 1))
+    return [slice(lo, min(lo + rows, N)) for lo in range(0, N, rows)], rows
+
+
+def _row_bufsize(F):
+    """numpy's ufunc buffer size for rows of ``F`` elements: at most a row, a multiple of 16.
+
+    NOTE: with the default (8192 elements) numpy gathers a strided
+    ``(rows, F)`` view (a half of ``gate_up``) into its buffer before each
+    pass and scatters it back; with a buffer no longer than a row it runs on
+    the rows in place, measured twice as fast (benchmarks/NOTES.md). The
+    buffer size changes no result: the same loops on the same values.
+    """
+    return min(np.getbufsize(), max(16, F - F % 16))
+
+
+def gated_forward_fused(gate_up, activation):
+    """The gated activation ``hidden = act(gate) * up`` of ``gate_up = [gate | up]`` ``(N, 2F)``, by row chunks.
+
+    Parameters
+    ----------
+    gate_up : ndarray, shape (N, 2F)
+        The product ``x [W_gate | W_up]``, real float, owned by the caller and
+        not edited before the backward (the cache keeps views of it).
+    activation : {"silu", "gelu_tanh"}
+        SwiGLU's or GeGLU's activation.
+
+    Returns
+    -------
+    hidden : ndarray, shape (N, F)
+    cache : GatedCache
+        ``act`` ``(N, F)``, the activation's cache (a :class:`SiluCache` or a
+        :class:`GeluCache` of the ``gate`` view, as :func:`silu_forward_fused`
+        and :func:`gelu_tanh_forward_fused` make them) and the ``up`` view.
+
+    Notes
+    -----
+    The same passes per element as ``silu_forward_fused(gate)`` (or
+    ``gelu_tanh_forward_fused``) followed by ``act * up``, so the same bits;
+    run on row chunks of ``_GATED_CHUNK`` elements so that each pass finds
+    the chunk in cache, writing into the arrays the call allocates.
+
+    Examples
+    --------
+    >>> gate_up = np.array([[0.0, 2.0, 3.0, 5.0]])
+    >>> hidden, cache = gated_forward_fused(gate_up, "silu")
+    >>> np.allclose(hidden, gate_up[:, :2] / (1 + np.exp(-gate_up[:, :2])) * gate_up[:, 2:])
+    True
+    """
+    N, F = gate_up.shape[0], gate_up.shape[1] // 2
+    gate, up = gate_up[:, :F], gate_up[:, F:]  # views (N, F)
+    sigmoid = np.empty((N, F), gate_up.dtype)  # the activation's sigmoid, (N, F)
+    act, hidden = np.empty_like(sigmoid), np.empty_like(sigmoid)  # (N, F)
+    fill = _silu_sigmoid if activation == "silu" else _gelu_tanh_sigmoid
+    chunks = _row_chunks(N, F)[0]
+    with np.errstate(over="ignore", under="ignore"):  # as the fused activations
+        np.setbufsize(_row_bufsize(F))  # restored when errstate exits
+        for rows in chunks:
+            fill(gate[rows], sigmoid[rows])
+            np.multiply(gate[rows], sigmoid[rows], out=act[rows])
+            np.multiply(act[rows], up[rows], out=hidden[rows])
+    act_cache = SiluCache(gate, sigmoid) if activation == "silu" else \
+        GeluCache(gate, None, "tanh", sigmoid)
+    return hidden, GatedCache(act, act_cache, up)
+
+
+def gated_backward_fused(dhidden, cache):
+    """Backward of :func:`gated_forward_fused`: ``dgate_up = [d gate | d up]`` ``(N, 2F)``.
+
+    ``dhidden`` ``(N, F)`` is the caller's own array and is overwritten (it
+    ends as ``d act``). With ``d act = dhidden * up`` and ``d up = dhidden *
+    act``, ``d gate`` is the activation's backward of ``d act``: the same
+    passes as ``np.multiply(dhidden, act, out=...)``, ``dhidden *= up`` and
+    :func:`silu_backward_fused` (or :func:`gelu_tanh_backward_fused`), so
+    the same bits, by row chunks written straight into ``dgate_up``.
+    """
+    act, act_cache, up = cache
+    N, F = dhidden.shape
+    dgate_up = np.empty((N, 2 * F), dhidden.dtype)  # (N, 2F)
+    dgate, dup = dgate_up[:, :F], dgate_up[:, F:]  # views (N, F)
+    x, sigmoid = act_cache.x, act_cache.sigmoid
+    chunks, rows = _row_chunks(N, F)
+    spread = None if isinstance(act_cache, SiluCache) else np.empty((min(rows, N), F), dhidden.dtype)
+    with np.errstate():
+        np.setbufsize(_row_bufsize(F))  # restored when errstate exits
+        for part in chunks:
+            np.multiply(dhidden[part], act[part], out=dup[part])  # d up = dh * act
+            dact = dhidden[part]
+            dact *= up[part]  # d act = dh * up
+            if spread is None:
+                _silu_local(dact, x[part], sigmoid[part], dgate[part])
+            else:
+                _gelu_tanh_local(dact, x[part], sigmoid[part], dgate[part],
+                                 spread[:part.stop - part.start])
+    return dgate_up

@@ -163,3 +163,83 @@ def test_kv_cache_decoding_refuses_a_nan_parameter(name):
     caches = [qkvnp.KVCache() for _ in range(2)]
     with np.errstate(all="ignore"), pytest.raises(ValueError, match="NaN or inf"):
         model.decode(np.array([[1, 2, 3]]), caches)
+
+
+def _gated_whole_passes(gate_up, dhidden, activation):
+    """The gated activation as the decoder's block ran it before the chunked pair: whole-array passes.
+
+    Each line is one pass of the former ``silu_forward_fused`` /
+    ``gelu_tanh_forward_fused`` + ``act * up`` and of the backward sequence.
+    """
+    F_ = gate_up.shape[1] // 2
+    x, up = gate_up[:, :F_], gate_up[:, F_:]
+    kind = x.dtype.type
+    c, a, log2e = np.sqrt(2 / np.pi), 0.044715, 1 / np.log(2.0)
+    with np.errstate(over="ignore", under="ignore"):
+        if activation == "silu":
+            s = np.exp(-x)
+            s += 1
+            np.reciprocal(s, out=s)
+        else:
+            s = x * x
+            s *= kind(-2.0 * log2e * c * a)
+            s += kind(-2.0 * log2e * c)
+            s *= x
+            np.exp2(s, out=s)
+            s += 1.0
+            np.divide(1.0, s, out=s)
+        act = x * s
+    hidden = act * up
+    dgate_up = np.empty_like(gate_up)
+    np.multiply(dhidden, act, out=dgate_up[:, F_:])
+    dact = dhidden * up
+    if activation == "silu":
+        local = np.subtract(1, s, dtype=s.dtype)
+        local *= x
+        local += 1
+        local *= s
+    else:
+        local = x * x
+        local *= kind(6.0 * a * c)
+        local += kind(2.0 * c)
+        spread = 1.0 - s
+        spread *= s
+        local *= spread
+        local *= x
+        local += s
+    local *= dact
+    dgate_up[:, :F_] = local
+    return hidden, act, s, dgate_up
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("chunk", [None, 3])  # the default chunk (one here); 3 rows, a remainder of 2
+def test_gated_pair_equals_the_whole_array_passes_bit_for_bit(activation, dtype, chunk, rng,
+                                                              monkeypatch):
+    """Oracle: the same formulas as whole-array passes (``_gated_whole_passes``), equal bits.
+
+    Row chunks, in-place passes and numpy's buffer size change which memory
+    the passes run in, never a value; the extremes (exp overflowing, -0.0) included.
+    """
+    from qkvnp.kernels import pointwise
+
+    N, F_ = 11, 40
+    if chunk is not None:
+        monkeypatch.setattr(pointwise, "_GATED_CHUNK", chunk * F_)
+    gate_up = (rng.normal(size=(N, 2 * F_)) * 4).astype(dtype)
+    gate_up[0, :6] = [-100.0, 100.0, -9.5, 0.0, -0.0, 1e-30]
+    dhidden = rng.normal(size=(N, F_)).astype(dtype)
+    want_hidden, want_act, want_s, want_dgate_up = _gated_whole_passes(gate_up, dhidden.copy(),
+                                                                        activation)
+    buffer_size = np.getbufsize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hidden, cache = pointwise.gated_forward_fused(gate_up, activation)
+        dgate_up = pointwise.gated_backward_fused(dhidden.copy(), cache)
+    assert np.getbufsize() == buffer_size  # numpy's setting restored
+    assert hidden.shape == (N, F_) and dgate_up.shape == (N, 2 * F_)
+    assert hidden.dtype == dgate_up.dtype == dtype
+    for got, want in [(hidden, want_hidden), (cache.act, want_act),
+                      (cache.act_cache.sigmoid, want_s), (dgate_up, want_dgate_up)]:
+        np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
