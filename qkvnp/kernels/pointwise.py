@@ -296,12 +296,15 @@ def gated_forward_fused(gate_up, activation):
     act, hidden = np.empty_like(sigmoid), np.empty_like(sigmoid)  # (N, F)
     fill = _silu_sigmoid if activation == "silu" else _gelu_tanh_sigmoid
     chunks = _row_chunks(N, F)[0]
-    with np.errstate(over="ignore", under="ignore"):  # as the fused activations
-        np.setbufsize(_row_bufsize(F))  # restored when errstate exits
-        for rows in chunks:
-            fill(gate[rows], sigmoid[rows])
-            np.multiply(gate[rows], sigmoid[rows], out=act[rows])
-            np.multiply(act[rows], up[rows], out=hidden[rows])
+    previous = np.setbufsize(_row_bufsize(F))  # this thread's, put back below
+    try:
+        with np.errstate(over="ignore", under="ignore"):  # as the fused activations
+            for rows in chunks:
+                fill(gate[rows], sigmoid[rows])
+                np.multiply(gate[rows], sigmoid[rows], out=act[rows])
+                np.multiply(act[rows], up[rows], out=hidden[rows])
+    finally:
+        np.setbufsize(previous)
     act_cache = SiluCache(gate, sigmoid) if activation == "silu" else \
         GeluCache(gate, None, "tanh", sigmoid)
     return hidden, GatedCache(act, act_cache, up)
@@ -324,8 +327,8 @@ def gated_backward_fused(dhidden, cache):
     x, sigmoid = act_cache.x, act_cache.sigmoid
     chunks, rows = _row_chunks(N, F)
     spread = None if isinstance(act_cache, SiluCache) else np.empty((min(rows, N), F), dhidden.dtype)
-    with np.errstate():
-        np.setbufsize(_row_bufsize(F))  # restored when errstate exits
+    previous = np.setbufsize(_row_bufsize(F))  # this thread's, put back below
+    try:
         for part in chunks:
             np.multiply(dhidden[part], act[part], out=dup[part])  # d up = dh * act
             dact = dhidden[part]
@@ -335,4 +338,6 @@ def gated_backward_fused(dhidden, cache):
             else:
                 _gelu_tanh_local(dact, x[part], sigmoid[part], dgate[part],
                                  spread[:part.stop - part.start])
+    finally:
+        np.setbufsize(previous)
     return dgate_up
