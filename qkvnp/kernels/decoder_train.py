@@ -271,12 +271,16 @@ def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any,
                 part = None if rope is None else tuple(_share_of(t, share) for t in rope)
                 h, cache = block_forward(h, w, _share_of(keep, share), part)
                 mine.append(cache)
-            if head is not None:
-                h, norm = rms_norm_forward_fused(h, head.norm, head.eps, head.unit_offset)
-                rows = h.reshape(-1, h.shape[-1])  # (b, T, E) -> (b T, E)
-                mine.append((norm, rows))
-                h = (rows @ head.W).reshape(h.shape[:-1] + (head.W.shape[1],))  # -> (b, T, V)
-            out[share], caches[i] = h, mine
+            caches[i] = mine
+            if head is None:
+                out[share] = h
+                continue
+            h, norm = rms_norm_forward_fused(h, head.norm, head.eps, head.unit_offset)
+            rows = h.reshape(-1, h.shape[-1])  # (b, T, E) -> (b T, E)
+            mine.append((norm, rows))
+            T = h.shape[1]
+            logits = out.reshape(-1, out.shape[-1])[share.start * T:share.stop * T]  # (b T, V), a view
+            np.matmul(rows, head.W, out=logits)  # (b T, E) @ (E, V) -> (b T, V)
 
     run(task, list(enumerate(shares)))
     return out, StackCache(shares, caches, ropes, x.shape, head)
