@@ -315,8 +315,24 @@ def stack_backward(dout: FloatArray, cache: Any) -> tuple[FloatArray, list]:
 
     run(task, list(enumerate(cache.shares)))
     total = results[0]  # each block's gradients are this call's own arrays
-    for more in results[1:]:  # share order: the same sums whatever the timing
-        for block, extra in zip(total, more):
-            for name, grad in extra.items():
-                block[name] += grad
+    if len(results) > 1:
+        _add_shares(total, results[1:])
     return dx, total
+
+
+def _add_shares(total, rest):
+    """Add each later share's gradients into ``total``'s, in share order (the same sums
+    whatever the timing), the arrays dealt among the worker threads, largest first."""
+    names = sorted(((block, name) for block, grads in enumerate(total) for name in grads),
+                   key=lambda item: -total[item[0]][item[1]].size)
+
+    def add(part):
+        for block, name in part:
+            for more in rest:
+                total[block][name] += more[block][name]
+
+    entries = sum(grads[name].size for grads in total for name in grads)
+    if threads_for(entries * len(rest), "min_parallel_entries") == 1:
+        add(names)
+    else:
+        run(add, names)
