@@ -10,15 +10,15 @@ constants: they get no gradient.
 
 The reference ops are in ``qkvnp.ops.losses``; this module is their
 public entry, and picks the fused passes of ``qkvnp.kernels.loss`` for
-the cross-entropy of real floating logits.
+the cross-entropy of real floating logits, forward and backward.
 """
 from __future__ import annotations
 
 import numpy as np  # noqa: F401 (the doctests' np)
 
 from .ops import losses as _reference
-from .ops.losses import (CrossEntropyCache, MSECache, accuracy, cross_entropy_backward,
-                         cross_entropy_inputs, cross_entropy_probs, mse_backward, mse_forward)
+from .ops.losses import (CrossEntropyCache, MSECache, accuracy, cross_entropy_inputs,
+                         cross_entropy_probs, mse_backward, mse_forward)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the hints' names, for type checkers only: ``import qkvnp`` costs numpy
@@ -52,10 +52,23 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
     return loss, CrossEntropyCache(probs, safe_targets, counted, count)
 
 
-# NOTE: the reference op's docstring (arguments, results, errors, the formula
+def cross_entropy_backward(dloss: float | FloatArray, cache: CrossEntropyCache) -> FloatArray:
+    # the reference op's docstring, below: one text for both
+    probs = cache.probs
+    if probs.dtype.kind != "f":  # the gradient checker's complex step: the reference's path
+        return _reference.cross_entropy_backward(dloss, cache)
+    # NOTE: real floating probabilities take the fused pass of qkvnp.kernels.loss
+    # (the reference's formula and bits), after the reference op's own check of dloss
+    from .kernels.loss import cross_entropy_backward_fused
+
+    return cross_entropy_backward_fused(_reference._check_dloss(dloss, probs.dtype), cache)
+
+
+# NOTE: the reference ops' docstrings (arguments, results, errors, the formula
 # and its derived backward), which this entry keeps; only the path differs
 if _reference.cross_entropy_forward.__doc__:  # None under python -OO
     cross_entropy_forward.__doc__ = _reference.cross_entropy_forward.__doc__.replace(
         "subtracted first (``scipy.special.log_softmax``).",
         "subtracted first (real floating logits take the fused passes of\n"
         "        ``qkvnp.kernels.loss``, others ``scipy.special.log_softmax``).")
+    cross_entropy_backward.__doc__ = _reference.cross_entropy_backward.__doc__

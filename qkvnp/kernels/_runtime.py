@@ -90,6 +90,11 @@ BLOCK_SIZE_DEFAULTS = {
     # skipping the keys none of its rows sees (the masked triangle, in steps).
     # NOTE: 256 measured faster than one chunk and than 128 (benchmarks/NOTES.md).
     "causal_row_block": 256,
+    # The fused cross-entropy (qkvnp.kernels.loss) goes through the rows of
+    # its (N, C) logits in chunks of about this many bytes (at least one row),
+    # so that its passes run in cache. NOTE: at (1024, 4096) float32, 512 KiB
+    # to 2 MiB measured fastest, 256 KiB slower (benchmarks/NOTES.md).
+    "loss_block_bytes": 1 << 20,
     # Fewest rows (or columns) per thread for which a projection matmul splits.
     "min_split": 64,
     # Fewest floating-point operations of a projection that runs on OpenBLAS's
@@ -146,8 +151,9 @@ BLOCK_SIZE_DEFAULTS = {
     "heap_mmap_threshold": 32 << 20,
 }
 _MINIMUM = {"fast_block_bytes": 1, "row_block_bytes": 1, "min_row_block": 1, "causal_row_block": 1,
-            "min_split": 1,
-            "min_parallel_flops": 0, "min_parallel_entries": 0, "batch_split_flops": 0, "blas_thread_flops": 0,
+            "loss_block_bytes": 1, "min_split": 1,
+            "min_parallel_flops": 0, "min_parallel_entries": 0, "batch_split_flops": 0,
+            "blas_thread_flops": 0,
             "recycle_bytes": 0, "recycle_unowned_bytes": 0, "recycle_min_bytes": 0,
             "tiled_min_length": 1,
             "causal_tiled_min_length": 1,

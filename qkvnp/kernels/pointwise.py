@@ -245,16 +245,34 @@ def _row_chunks(N, F):
     return [slice(lo, min(lo + rows, N)) for lo in range(0, N, rows)], rows
 
 
-def _row_bufsize(F):
-    """numpy's ufunc buffer size for rows of ``F`` elements: at most a row, a multiple of 16.
+class row_buffers:
+    """Context manager: numpy's ufunc buffer at about one row of ``C`` entries inside.
 
-    NOTE: with the default (8192 elements) numpy gathers a strided
-    ``(rows, F)`` view (a half of ``gate_up``) into its buffer before each
-    pass and scatters it back; with a buffer no longer than a row it runs on
-    the rows in place, measured twice as fast (benchmarks/NOTES.md). The
-    buffer size changes no result: the same loops on the same values.
+    NOTE: with rows shorter than the buffer (8192 entries), numpy gathers a
+    strided ``(rows, C)`` view (a half of ``gate_up``) into its buffer and
+    scatters it back on every pass, and copies a per-row column such as
+    ``top[:, None]`` into it; at one row a loop both run in place, measured
+    two to three times faster (benchmarks/NOTES.md). The buffer size
+    changes no result: the same loops on the same values. This thread's
+    setting, as numpy's error state; put back on exit. Rows under 256
+    entries keep the default (a small buffer measured slower there).
     """
-    return min(np.getbufsize(), max(16, F - F % 16))
+
+    __slots__ = ("size", "previous")
+
+    def __init__(self, C):
+        self.size = C - C % 16 if 256 <= C < np.getbufsize() else None  # numpy 1: a multiple of 16
+        self.previous = None
+
+    def __enter__(self):
+        if self.size is not None:
+            self.previous = np.setbufsize(self.size)
+        return self
+
+    def __exit__(self, *exc):
+        if self.size is not None:
+            np.setbufsize(self.previous)
+        return False
 
 
 def gated_forward_fused(gate_up, activation):
@@ -296,15 +314,11 @@ def gated_forward_fused(gate_up, activation):
     act, hidden = np.empty_like(sigmoid), np.empty_like(sigmoid)  # (N, F)
     fill = _silu_sigmoid if activation == "silu" else _gelu_tanh_sigmoid
     chunks = _row_chunks(N, F)[0]
-    previous = np.setbufsize(_row_bufsize(F))  # this thread's, put back below
-    try:
-        with np.errstate(over="ignore", under="ignore"):  # as the fused activations
-            for rows in chunks:
-                fill(gate[rows], sigmoid[rows])
-                np.multiply(gate[rows], sigmoid[rows], out=act[rows])
-                np.multiply(act[rows], up[rows], out=hidden[rows])
-    finally:
-        np.setbufsize(previous)
+    with np.errstate(over="ignore", under="ignore"), row_buffers(F):  # as the fused activations
+        for rows in chunks:
+            fill(gate[rows], sigmoid[rows])
+            np.multiply(gate[rows], sigmoid[rows], out=act[rows])
+            np.multiply(act[rows], up[rows], out=hidden[rows])
     act_cache = SiluCache(gate, sigmoid) if activation == "silu" else \
         GeluCache(gate, None, "tanh", sigmoid)
     return hidden, GatedCache(act, act_cache, up)
@@ -327,8 +341,7 @@ def gated_backward_fused(dhidden, cache):
     x, sigmoid = act_cache.x, act_cache.sigmoid
     chunks, rows = _row_chunks(N, F)
     spread = None if isinstance(act_cache, SiluCache) else np.empty((min(rows, N), F), dhidden.dtype)
-    previous = np.setbufsize(_row_bufsize(F))  # this thread's, put back below
-    try:
+    with row_buffers(F):
         for part in chunks:
             np.multiply(dhidden[part], act[part], out=dup[part])  # d up = dh * act
             dact = dhidden[part]
@@ -338,6 +351,4 @@ def gated_backward_fused(dhidden, cache):
             else:
                 _gelu_tanh_local(dact, x[part], sigmoid[part], dgate[part],
                                  spread[:part.stop - part.start])
-    finally:
-        np.setbufsize(previous)
     return dgate_up

@@ -4,7 +4,7 @@ Shape key: ``...`` any leading dims (batch, positions), C classes.
 
 Users reach them through :mod:`qkvnp.losses`, which runs a real floating
 cross-entropy through the fused passes of ``qkvnp.kernels.loss``
-instead of :func:`cross_entropy_probs`.
+instead of :func:`cross_entropy_probs` and :func:`cross_entropy_backward`.
 
 Each loss ``name`` has ``name_forward(inputs) -> (loss, cache)``, where
 ``loss`` is a 0-d ndarray of the compute dtype, and
