@@ -18,10 +18,13 @@ first, medians of ``--repeats`` rounds:
   tokens must be the same first;
 - **train**: AdamW steps per second at B 8, T 128 (zero, forward,
   cross-entropy, backward, step), target at least 1.0x. The first losses
-  must agree (relative 1e-4, float32) first. Beside it, the ceiling: the
-  step's matrix products alone on random arrays in qkvnp's worker
-  (:func:`workloads.families.step_products`), their share of qkvnp's step,
-  and the ratio qkvnp would reach if they were all of it.
+  must agree (relative 1e-4, float32) first. Beside it, the ceiling: in
+  each library's worker, the step's matrix products alone on random arrays
+  (:func:`workloads.families.step_products`, numpy's against torch's) and
+  its attention cores alone (qkvnp's against torch's fused
+  ``scaled_dot_product_attention``, :func:`workloads.families.time_core`),
+  the rest of each step, and the ratio qkvnp would reach with torch's
+  products and cores in place of its own.
 
 ``--profile`` adds a cProfile of qkvnp's call of each task. Without
 transformers, qkvnp's side is measured and the ratios are left blank.
@@ -97,16 +100,26 @@ def run_task(task, threads, args, directory):
         if "torch" in workers:
             record["ratio"] = record["qkvnp"]["per_s"] / record["torch"]["per_s"]
             record["target"] = TARGETS[task]
-        if task == "train":  # the ceiling: the step's matrix products alone, in qkvnp's worker
-            record["products_ms"] = 1e3 * workers["qkvnp"].request("products", repeats=5)["seconds"]
+        if task == "train":  # the ceilings: each library's products and attention cores alone
+            for name, worker in workers.items():
+                for part in ("products", "core"):
+                    record[name][f"{part}_ms"] = 1e3 * worker.request(part, repeats=5)["seconds"]
             if "torch" in workers:
-                record["products_ratio"] = record["torch"]["ms"] / record["products_ms"]
+                record["ceiling_ratio"] = _ceiling_ratio(record["qkvnp"], record["torch"])
         if args.profile:
             record["profile"] = workers["qkvnp"].request("profile", calls=2)
     finally:
         for worker in workers.values():
             worker.close()
     return record
+
+
+def _ceiling_ratio(mine, theirs):
+    """The ratio qkvnp's step would reach with torch's products and attention cores:
+    torch's step over qkvnp's, less what its products and cores take beyond torch's."""
+    held = (mine["ms"] - (mine["products_ms"] - theirs["products_ms"])
+            - (mine["core_ms"] - theirs["core_ms"]))
+    return theirs["ms"] / held
 
 
 def run(args, progress=None):
@@ -146,17 +159,28 @@ def format_report(report):
                      f"{TARGETS[row['task']]:>5}x{verdict}  {unit}/s; "
                      + " ".join(f"{t:.1f}" for t in mine["times_ms"]) + " | "
                      + (" ".join(f"{t:.1f}" for t in theirs["times_ms"]) if theirs else "-"))
-        if "products_ms" in row:
-            lines.append(f"        the step's matrix products alone (numpy, same threads): "
-                         f"{row['products_ms']:.1f} ms = "
-                         f"{100 * row['products_ms'] / mine['ms']:.0f}% of qkvnp's step"
-                         + (f"; ceiling ratio (torch's step / products) "
-                            f"{row['products_ratio']:.2f}x" if "products_ratio" in row else ""))
+        if "products_ms" in mine:
+            lines += _ceiling_lines(mine, theirs, row.get("ceiling_ratio"))
         for name, share in row.get("profile", {}).get("top", []):
             lines.append(f"        {100 * share:5.1f}%  {name}")
     missing = {row["missing"] for row in report["rows"] if "missing" in row}
     lines += [f"transformers' side skipped: {text}" for text in missing]
     return "\n".join(lines)
+
+
+def _ceiling_lines(mine, theirs, ceiling):
+    """The step's products and attention cores alone in each library, the rest, the ceiling."""
+    if theirs is None or "products_ms" not in theirs:
+        return [f"        products alone {mine['products_ms']:.1f} ms, attention cores alone "
+                f"{mine['core_ms']:.1f} ms (numpy, same threads)"]
+    rest = {name: side["ms"] - side["products_ms"] - side["core_ms"]
+            for name, side in (("qkvnp", mine), ("torch", theirs))}
+    return [f"        products alone: numpy {mine['products_ms']:.1f} ms, torch "
+            f"{theirs['products_ms']:.1f} ({mine['products_ms'] / theirs['products_ms']:.2f}x); "
+            f"attention cores alone: qkvnp {mine['core_ms']:.1f} ms, torch's fused "
+            f"{theirs['core_ms']:.1f}",
+            f"        the rest of the step: qkvnp {rest['qkvnp']:.1f} ms, torch "
+            f"{rest['torch']:.1f}; with torch's products and cores: {ceiling:.2f}x (the ceiling)"]
 
 
 def main(argv=None):

@@ -29,7 +29,7 @@ import numpy as np
 from benchmarks.harness.timing import calls_per_round
 
 __all__ = ["QWEN3", "TINY", "PROMPT", "NEW_TOKENS", "TRAIN_BATCH", "TRAIN_TOKENS", "LR",
-           "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "serve"]
+           "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "time_core", "serve"]
 
 #: The measured configuration, transformers' ``Qwen3Config`` fields: 4 layers,
 #: E 256, 4 query and 2 key/value heads of D 64, V 4096, F 768, untied head.
@@ -194,16 +194,66 @@ def step_products(config):
     return products
 
 
-def time_products(config, repeats=5, seed=0):
-    """Best seconds of all of :func:`step_products` on random float32 arrays."""
+def time_products(config, repeats=5, seed=0, library="qkvnp"):
+    """Best seconds of all of :func:`step_products` on random float32 arrays, by numpy's
+    ``matmul`` (``library="qkvnp"``) or torch's (``"torch"``), at the caller's threads."""
     rng = np.random.default_rng(seed)
     pairs = [(rng.standard_normal(a, np.float32), rng.standard_normal(b, np.float32))
              for a, b in step_products(config)]
+    matmul = np.matmul
+    if library == "torch":
+        import torch
+
+        pairs, matmul = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in pairs], torch.matmul
     best = np.inf
     for _ in range(repeats):
         start = time.perf_counter()
         for a, b in pairs:
-            np.matmul(a, b)
+            matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_core(config, repeats=5, seed=0, library="qkvnp"):
+    """Best seconds of the step's attention cores alone, forward and backward of every layer.
+
+    The shapes of the training step, float32: queries ``(B, H, T, D)``, keys and
+    values ``(B, K, T, D)``, causal, grouped, scale ``D ** -0.5``; qkvnp's core as
+    its training blocks call it (:func:`qkvnp.kernels.fast.attention_forward` with
+    the shared causal mask) against torch's fused ``scaled_dot_product_attention``.
+    """
+    c = config
+    B, T, H, K, D = (TRAIN_BATCH, TRAIN_TOKENS, c["num_attention_heads"],
+                     c["num_key_value_heads"], c["head_dim"])
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(shape, np.float32)
+              for shape in ((B, H, T, D), (B, K, T, D), (B, K, T, D), (B, H, T, D))]
+    scale = D ** -0.5
+    if library == "torch":
+        import torch
+
+        q, k, v = (torch.from_numpy(a).requires_grad_() for a in arrays[:3])
+        dout = torch.from_numpy(arrays[3])
+
+        def layer():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out.backward(dout)
+    else:
+        from qkvnp.kernels.fast import attention_backward, attention_forward
+        from qkvnp.ops.masks import causal_mask
+
+        q, k, v, dout = arrays
+        keep = causal_mask(T, T)
+
+        def layer():
+            out, cache = attention_forward(q, k, v, keep, False, scale, enable_gqa=True)
+            attention_backward(dout, cache)
+    best = np.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(c["num_hidden_layers"]):
+            layer()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -232,7 +282,8 @@ def serve():
     losses of that many calls), ``calibrate`` and ``time`` (as
     :func:`harness.workers.time_alternating` sends them; the method is
     ignored: a runner has one call), ``profile`` (``calls``), ``products``
-    (``repeats``: :func:`time_products` at the worker's threads).
+    and ``core`` (``repeats``: :func:`time_products` and :func:`time_core`
+    in the worker's library, at its threads).
     """
     protocol = sys.stdout
     sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
@@ -267,7 +318,11 @@ def serve():
             elif op == "profile":
                 reply = _profile(runner, command["calls"])
             elif op == "products":
-                reply = {"seconds": time_products(spec["config"], command["repeats"])}
+                reply = {"seconds": time_products(spec["config"], command["repeats"],
+                                                  library=runner.library)}
+            elif op == "core":
+                reply = {"seconds": time_core(spec["config"], command["repeats"],
+                                              library=runner.library)}
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as error:

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -38,8 +39,21 @@ def test_tiny_run_agrees_and_reports(tmp_path, capsys):
             assert row["agree"] and row["torch"]["per_s"] > 0 and row["ratio"] > 0
         else:
             assert "missing" in row and "ratio" not in row
-    assert report["rows"][1]["products_ms"] > 0
+    train = report["rows"][1]
+    assert train["qkvnp"]["products_ms"] > 0 and train["qkvnp"]["core_ms"] > 0
+    if _has_transformers():  # the ceiling: torch's step over qkvnp's with torch's parts
+        mine, theirs = train["qkvnp"], train["torch"]
+        held = (mine["ms"] - mine["products_ms"] + theirs["products_ms"] - mine["core_ms"]
+                + theirs["core_ms"])
+        assert np.isclose(train["ceiling_ratio"], theirs["ms"] / held)
     assert "decode" in capsys.readouterr().out
+
+
+def test_ceiling_lines_without_torch():
+    """Oracle: the line's text, qkvnp's parts only when torch's side is missing."""
+    lines = families_bench._ceiling_lines({"products_ms": 2.0, "core_ms": 1.0}, None, None)
+    assert lines == ["        products alone 2.0 ms, attention cores alone 1.0 ms "
+                     "(numpy, same threads)"]
 
 
 def test_step_products_count():
