@@ -79,8 +79,7 @@ class _Transaction:
                 _check_addable(name, target, grad)
             targets.append((target, grad))
         with _GRADS_LOCK:  # backwards from several threads add as if serial
-            for target, grad in targets:
-                target += grad
+            _add_all(targets)
 
     def rollback(self):
         """Give every journaled object, and every Generator, the state it had before the call."""
@@ -88,6 +87,37 @@ class _Transaction:
             obj._restore_state(state)
         for generator, state in self.generators.values():
             generator.bit_generator.state = state
+
+
+def _add_all(targets):
+    """``target += grad`` for each pair, in order within each target's memory.
+
+    Pairs whose targets share a base array form one group, added in the
+    pairs' order (a tied table gets its two gradients in the order they
+    came); from the ``min_parallel_entries`` setting on, the groups are
+    dealt among the kernels' worker threads, each group whole to one thread:
+    the same sums, the same bits.
+    """
+    from ..kernels._runtime import run, threads_for
+
+    groups: dict[int, list] = {}
+    for target, grad in targets:
+        root = target
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        groups.setdefault(id(root), []).append((target, grad))
+    work = sorted(groups.values(), key=lambda group: -sum(t.size for t, _ in group))
+
+    def add(part):
+        for group in part:
+            for target, grad in group:
+                target += grad
+
+    if len(work) > 1 and threads_for(sum(t.size for t, _ in targets),
+                                     "min_parallel_entries") > 1:
+        run(add, work)
+    else:
+        add(work)
 
 
 def _check_addable(name, target, grad):

@@ -293,3 +293,38 @@ def test_a_users_model_inherits_the_transaction():
     _assert_same(_grads(model), {name: np.zeros_like(g) for name, g in model.grads.items()})
     np.testing.assert_array_equal(model.backward(dout), twin.backward(dout))
     _assert_same(_grads(model), _grads(twin))
+
+
+def test_a_commit_on_the_worker_threads_adds_the_serial_bits(monkeypatch):
+    """Oracle: the same backward committed in the calling thread, bitwise. From
+    ``min_parallel_entries`` on the kept gradients are dealt among the worker threads
+    by target; a tied table's two gradients (its lookup's and the head's) stay one
+    group, added in the order they came."""
+    from qkvnp.kernels import _runtime, block_sizes, num_threads
+    from qkvnp.layers import transaction
+    from qkvnp.models.decoder import Decoder, DecoderConfig
+
+    config = DecoderConfig.gpt2(vocab_size=29, emb_dim=16, num_layers=2, num_heads=2,
+                                context_length=8)
+    model = Decoder(config, rng=0)
+    ids = np.random.default_rng(1).integers(0, 29, (2, 8))
+    dlogits = np.random.default_rng(2).standard_normal((2, 8, 29))
+    handed = []
+    real_run = _runtime.run
+    monkeypatch.setattr(_runtime, "run", lambda task, work, flops=None: (
+        handed.append([[t for t, _ in group] for group in work]) if task.__name__ == "add"
+        else None, real_run(task, work, flops))[1])
+    results = []
+    for entries in (1 << 40, 0):
+        handed.clear()
+        model.zero_grad()
+        model.forward(ids)
+        with num_threads(2), block_sizes(min_parallel_entries=entries):
+            model.backward(dlogits)
+        results.append(_grads(model))
+        assert bool(handed) == (entries == 0)
+    table = model.embed.grads["weight"]
+    assert any(len(group) == 2 and all(t is table for t in group) for group in handed[0])
+    _assert_same(results[1], results[0])
+    assert transaction._GRADS_LOCK.acquire(blocking=False)  # released after the commit
+    transaction._GRADS_LOCK.release()
