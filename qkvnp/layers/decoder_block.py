@@ -543,9 +543,9 @@ def train_blocks_forward(blocks: Any, x: FloatArray, keeps: Any, positions: Any,
     # NOTE: measured reason: benchmarks/NOTES.md, "The Qwen3-like decoder"
     if choose_train_path(specs, x.dtype, keeps, core_paths).path != "fused":
         return None
-    weights, tables, rope = [], {}, []
-    for block, spec in zip(blocks, specs):
-        weights.append(kernel.block_weights(block.params, spec))
+    weights = _copied_weights(blocks, specs)
+    tables, rope = {}, []
+    for block in blocks:
         attn = block.self_attn
         key = None if not attn.rope else (attn.inverse_frequency.tobytes(),
                                           attn.attention_factor)
@@ -558,6 +558,27 @@ def train_blocks_forward(blocks: Any, x: FloatArray, keeps: Any, positions: Any,
         last = kernel.HeadWeights(final_norm.params["weight"].copy(), final_norm.eps,
                                   final_norm.unit_offset, head.params["W"].copy())
     return kernel.stack_forward(x, weights, keeps, rope, last)
+
+
+def _copied_weights(blocks, specs):
+    """Each block's :func:`~qkvnp.kernels.decoder_train.block_weights` (copies), the
+    blocks dealt among the worker threads from ``min_parallel_entries`` on."""
+    from ..kernels import decoder_train as kernel
+    from ..kernels._runtime import run, threads_for
+
+    params = [block.params for block in blocks]
+    weights: list = [None] * len(blocks)
+
+    def copy(part):
+        for i in part:
+            weights[i] = kernel.block_weights(params[i], specs[i])
+
+    entries = sum(value.size for p in params for value in p.values())
+    if len(blocks) > 1 and threads_for(entries, "min_parallel_entries") > 1:
+        run(copy, list(range(len(blocks))))
+    else:
+        copy(range(len(blocks)))
+    return weights
 
 
 def train_blocks_backward(blocks: Any, dout: FloatArray, cache: Any, final_norm: Any = None,

@@ -188,8 +188,9 @@ def test_split_gives_the_same_bits_at_any_timing(monkeypatch):
 
 
 def test_the_shares_gradients_added_on_the_worker_threads_give_the_serial_bits(monkeypatch):
-    """Oracle: the same split step with the shares' gradients added in the calling
-    thread, bitwise: each array is added in share order whichever thread adds it."""
+    """Oracle: the same split step with the shares' gradients added (and the blocks'
+    weights copied) in the calling thread, bitwise: each array is added in share order
+    whichever thread adds it."""
     model = Decoder(_config("qwen3"), rng=1, dtype=np.float32)
     ids, dlogits = _inputs()
     handed = []
@@ -201,7 +202,7 @@ def test_the_shares_gradients_added_on_the_worker_threads_give_the_serial_bits(m
         handed.clear()
         with num_threads(2), block_sizes(batch_split_flops=0, min_parallel_entries=entries):
             results.append(_step(model, ids, dlogits))
-        assert ("add" in handed) == (entries == 0)
+        assert ("add" in handed and "copy" in handed) == (entries == 0)
     assert np.array_equal(results[0][0], results[1][0])
     assert all(np.array_equal(results[0][1][name], results[1][1][name]) for name in results[0][1])
 
