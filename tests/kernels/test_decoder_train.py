@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from qkvnp.kernels import block_sizes, choose_train_path, num_threads
+from qkvnp.kernels import _runtime, block_sizes, choose_train_path, num_threads
 from qkvnp.kernels import decoder_train as kernel
 from qkvnp.layers import decoder_block
 from qkvnp.models.decoder import Decoder, DecoderConfig
@@ -195,8 +195,13 @@ def test_the_shares_gradients_added_on_the_worker_threads_give_the_serial_bits(m
     ids, dlogits = _inputs()
     handed = []
     original = kernel.run
-    monkeypatch.setattr(kernel, "run", lambda task, work, flops=None: (
-        handed.append(task.__name__), original(task, work, flops)))
+
+    def spy(task, work, flops=None):
+        handed.append(task.__name__)
+        return original(task, work, flops)
+
+    monkeypatch.setattr(kernel, "run", spy)
+    monkeypatch.setattr(_runtime, "run", spy)  # the weights' copies
     results = []
     for entries in (1 << 40, 0):
         handed.clear()
