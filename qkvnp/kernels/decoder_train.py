@@ -153,12 +153,15 @@ def block_forward(x: FloatArray, w: BlockWeights, keep: Any,
         q, k = _rotate(q, *rope[:2]), _rotate(k, *rope[2:])
     out, core = fast_attention_forward(q, k, v, keep, False, s["scale"], enable_gqa=K != H)
     merged = out.transpose(0, 2, 1, 3).reshape(B * T, H * D)  # (B, H, T, D) -> (N, H D)
-    x = x + (merged @ w.W_o).reshape(B, T, E)  # (N, H D) -> (N, E) -> (B, T, E)
+    attended = (merged @ w.W_o).reshape(B, T, E)  # (N, H D) -> (N, E) -> (B, T, E)
+    attended += x  # x + attention(norm(x)) W_o, into the product's own array
+    x = attended
     h, norm2 = rms_norm_forward_fused(x, w.mlp_norm, s["mlp_eps"], s["mlp_unit_offset"])
     rows2 = h.reshape(B * T, E)
     gate_up = rows2 @ w.W_gate_up  # (N, E) -> (N, 2F)
     hidden, gated = gated_forward_fused(gate_up, s["activation"])  # (N, 2F) -> (N, F)
-    y = x + (hidden @ w.W_down).reshape(B, T, E)  # (N, F) -> (N, E) -> (B, T, E)
+    y = (hidden @ w.W_down).reshape(B, T, E)  # (N, F) -> (N, E) -> (B, T, E)
+    y += x  # x + mlp(norm(x)), into the product's own array
     return y, _BlockCache(w, rows, norm1, q_norm, k_norm, rope, core, merged, norm2, rows2, gated,
                           hidden)
 
@@ -180,7 +183,8 @@ def block_backward(dy: FloatArray, cache: Any) -> tuple[FloatArray, dict]:
     grads["mlp.gate_proj.W"], grads["mlp.up_proj.W"] = dW_gate_up[:, :F_], dW_gate_up[:, F_:]
     dh = (dgate_up @ w.W_gate_up.T).reshape(B, T, E)  # (N, 2F) -> (N, E) -> (B, T, E)
     dh, grads["mlp_norm.weight"] = rms_norm_backward_fused(dh, c.norm2)
-    dx = dy + dh
+    dh += dy  # dx = dy + dh, into the norm's own array
+    dx = dh
     # in the forward this was: x = x + attention(norm(x)) W_o
     dx_rows = dx.reshape(B * T, E)
     grads["self_attn.o_proj.W"] = c.merged.T @ dx_rows  # (H D, N) @ (N, E) -> (H D, E)
