@@ -229,12 +229,12 @@ def rms_norm_backward_fused(dout, cache):
     """``rms_norm_backward``: ``dx = rstd (g - normalized mean(g normalized))``, ``g = dout gain``."""
     normalized, rstd, gain = cache
     E = normalized.shape[-1]
-    dweight = column_sums((dout * normalized).reshape(-1, E))  # (..., E) -> (E,)
+    scratch = dout * normalized  # (..., E)
+    dweight = column_sums(scratch.reshape(-1, E))  # (..., E) -> (E,)
     g = dout * gain  # dL/d normalized, (..., E)
     dot = np.einsum("...i,...i->...", g, normalized)[..., None]  # (..., 1)
     dot *= normalized.dtype.type(1 / E)
-    rms_term = normalized * dot  # (..., E)
-    g -= rms_term
+    g -= np.multiply(normalized, dot, out=scratch)  # - normalized mean(g normalized), (..., E)
     g *= rstd
     return g, dweight
 
