@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np  # noqa: F401 (the doctests' np)
 
 from .ops import losses as _reference
-from .ops.losses import (CrossEntropyCache, MSECache, accuracy, cross_entropy_inputs,
+from .ops.losses import (CrossEntropyCache, MSECache, accuracy, check_dloss, cross_entropy_inputs,
                          cross_entropy_probs, mse_backward, mse_forward)
 
 TYPE_CHECKING = False
@@ -61,7 +61,7 @@ def cross_entropy_backward(dloss: float | FloatArray, cache: CrossEntropyCache) 
     # (the reference's formula and bits), after the reference op's own check of dloss
     from .kernels.loss import cross_entropy_backward_fused
 
-    return cross_entropy_backward_fused(_reference._check_dloss(dloss, probs.dtype), cache)
+    return cross_entropy_backward_fused(check_dloss(dloss, probs.dtype), cache)
 
 
 # NOTE: the reference ops' docstrings (arguments, results, errors, the formula

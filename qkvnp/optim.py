@@ -460,7 +460,7 @@ class Adam(Optimizer):
         Chunks are independent, so they are shared among the kernels' worker
         threads; elementwise, so the same bits however they are shared.
         """
-        from .kernels._runtime import run, threads_for
+        from .kernels._runtime import run_elementwise, threads_for
 
         params = [self.params[name] for name in group.names]
         flat_grads = [grads[name].reshape(-1) for name in group.names]  # read: copies if need be
@@ -479,10 +479,7 @@ class Adam(Optimizer):
             for chunk in chunks:
                 self._update_chunk(chunk, flat_grads, flat_params, group, constants, scratch)
 
-        if threads == 1:
-            task(group.plans[size])
-        else:
-            run(task, group.plans[size])  # the chunks dealt to the worker threads
+        run_elementwise(task, group.plans[size], group.exp_avg.size)
         for param, flat in zip(params, flat_params):
             if not param.flags.c_contiguous:
                 param[...] = flat.reshape(param.shape)

@@ -516,8 +516,10 @@ def test_adam_goes_to_the_worker_threads_from_min_parallel_entries_on(monkeypatc
     """Oracle: the setting's definition. A group of ``min_parallel_entries`` entries or
     more hands its chunks to ``_runtime.run`` (the pool), a smaller one updates them in
     the calling thread; one thread never hands off."""
+    import qkvnp.optim as optim
     from qkvnp.kernels import _runtime, block_sizes, num_threads
 
+    monkeypatch.setattr(optim, "_CHUNK", 16)  # two chunks of 4 * 16 entries on two threads
     handed = []
     real_run = _runtime.run
     monkeypatch.setattr(_runtime, "run", lambda task, work, flops=None: (
@@ -525,7 +527,7 @@ def test_adam_goes_to_the_worker_threads_from_min_parallel_entries_on(monkeypatc
     params = {"w": np.zeros(100), "b": np.zeros(28)}
     grads = {name: np.ones(p.shape) for name, p in params.items()}
     optimizer = AdamW(params, lr=0.1)
-    for threads, limit, expected in ((2, 128, [1]), (2, 129, []), (1, 0, [])):
+    for threads, limit, expected in ((2, 128, [2]), (2, 129, []), (1, 0, [])):
         handed.clear()
         with num_threads(threads), block_sizes(min_parallel_entries=limit):
             optimizer.step(grads)

@@ -71,6 +71,7 @@ __all__ = [
     "split_threads",
     "threads_for",
     "run",
+    "run_elementwise",
     "matmul",
 ]
 
@@ -494,6 +495,20 @@ def threads_for(flops, setting="min_parallel_flops"):
     if flops < _SIZES[setting] or in_worker():
         return 1
     return get_num_threads()
+
+
+def run_elementwise(task, work, entries):
+    """``task(part)`` on shares of the list ``work`` in the worker threads from the
+    ``min_parallel_entries`` setting on (``entries``: the job's array entries), else
+    ``task(work)`` in the calling thread.
+
+    For elementwise jobs (AdamW's chunks, the loss's rows, sums of arrays), whose
+    cost goes with the entries they touch rather than with operations.
+    """
+    if len(work) > 1 and threads_for(entries, "min_parallel_entries") > 1:
+        run(task, work)
+    else:
+        task(work)
 
 
 def _snake_shares(work, threads):

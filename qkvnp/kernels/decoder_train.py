@@ -38,7 +38,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ._runtime import run, threads_for
+from ._runtime import run, run_elementwise, threads_for
 from .fast import attention_backward as fast_attention_backward
 from .fast import attention_forward as fast_attention_forward
 from .pointwise import gated_backward_fused, gated_forward_fused, rms_norm_backward_fused, \
@@ -336,7 +336,4 @@ def _add_shares(total, rest):
                 total[block][name] += more[block][name]
 
     entries = sum(grads[name].size for grads in total for name in grads)
-    if threads_for(entries * len(rest), "min_parallel_entries") == 1:
-        add(names)
-    else:
-        run(add, names)
+    run_elementwise(add, names, entries * len(rest))

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from ._runtime import get_block_sizes, run, single_threaded_blas, threads_for
+from ._runtime import get_block_sizes, run_elementwise, single_threaded_blas
 from .pointwise import row_buffers
 
 __all__ = ["cross_entropy_probs_fused", "cross_entropy_backward_fused"]
@@ -202,18 +202,11 @@ def _run_chunks(task, shape, itemsize):
     """``task(chunks)`` over the rows of an ``(N, C)`` problem cut in chunks of rows.
 
     A chunk holds about ``loss_block_bytes`` (at least one row); the chunks
-    go to the worker threads when there are two or more and the problem's
-    entries reach ``min_parallel_entries``, else to the calling thread, BLAS
-    at one thread either way (a dot product on OpenBLAS's threads would sum
-    in another order).
+    go to the worker threads from ``min_parallel_entries`` on
+    (:func:`qkvnp.kernels._runtime.run_elementwise`), else to the calling thread.
     """
     N, C = shape
     step = max(1, get_block_sizes()["loss_block_bytes"] // max(1, C * itemsize))
     chunks = [slice(lo, min(lo + step, N)) for lo in range(0, N, step)]
-    if not chunks:  # no rows
-        return
-    if len(chunks) > 1 and threads_for(N * C, "min_parallel_entries") > 1:
-        run(task, chunks)
-    else:
-        with single_threaded_blas():
-            task(chunks)
+    if chunks:  # none without rows
+        run_elementwise(task, chunks, N * C)

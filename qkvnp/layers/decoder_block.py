@@ -564,7 +564,7 @@ def _copied_weights(blocks, specs):
     """Each block's :func:`~qkvnp.kernels.decoder_train.block_weights` (copies), the
     blocks dealt among the worker threads from ``min_parallel_entries`` on."""
     from ..kernels import decoder_train as kernel
-    from ..kernels._runtime import run, threads_for
+    from ..kernels._runtime import run_elementwise
 
     params = [block.params for block in blocks]
     weights: list = [None] * len(blocks)
@@ -573,11 +573,8 @@ def _copied_weights(blocks, specs):
         for i in part:
             weights[i] = kernel.block_weights(params[i], specs[i])
 
-    entries = sum(value.size for p in params for value in p.values())
-    if len(blocks) > 1 and threads_for(entries, "min_parallel_entries") > 1:
-        run(copy, list(range(len(blocks))))
-    else:
-        copy(range(len(blocks)))
+    run_elementwise(copy, list(range(len(blocks))),
+                    sum(value.size for p in params for value in p.values()))
     return weights
 
 

@@ -98,7 +98,7 @@ def _add_all(targets):
     dealt among the kernels' worker threads, each group whole to one thread:
     the same sums, the same bits.
     """
-    from ..kernels._runtime import run, threads_for
+    from ..kernels._runtime import run_elementwise
 
     groups: dict[int, list] = {}
     for target, grad in targets:
@@ -113,11 +113,7 @@ def _add_all(targets):
             for target, grad in group:
                 target += grad
 
-    if len(work) > 1 and threads_for(sum(t.size for t, _ in targets),
-                                     "min_parallel_entries") > 1:
-        run(add, work)
-    else:
-        add(work)
+    run_elementwise(add, work, sum(t.size for t, _ in targets))
 
 
 def _check_addable(name, target, grad):

@@ -31,6 +31,7 @@ __all__ = [
     "cross_entropy_backward",
     "accuracy",
     "cross_entropy_inputs",
+    "check_dloss",
     "cross_entropy_probs",
     "MSECache",
     "CrossEntropyCache",
@@ -41,7 +42,7 @@ MSECache = namedtuple("MSECache", "diff")
 CrossEntropyCache = namedtuple("CrossEntropyCache", "probs targets counted count")
 
 
-def _check_dloss(dloss, dtype):
+def check_dloss(dloss, dtype):
     """``dloss`` as a 0-d array of ``dtype``: a finite real scalar (a number, 0-d or size-1 array)."""
     arr = np.asarray(dloss)
     if arr.shape != () and arr.shape != (1,):
@@ -129,7 +130,7 @@ def mse_backward(dloss: float | FloatArray, cache: MSECache) -> FloatArray:
         If ``dloss`` is not a scalar, or is NaN or inf.
     """
     diff = cache.diff
-    dloss = _check_dloss(dloss, diff.dtype)
+    dloss = check_dloss(dloss, diff.dtype)
     return dloss * (2.0 / diff.size) * diff
 
 
@@ -327,7 +328,7 @@ def cross_entropy_backward(dloss: float | FloatArray, cache: CrossEntropyCache) 
         If ``dloss`` is not a scalar, or is NaN or inf.
     """
     probs, targets, counted, count = cache
-    dloss = _check_dloss(dloss, probs.dtype)
+    dloss = check_dloss(dloss, probs.dtype)
     if count == 0:
         return np.zeros_like(probs)
     dlogits = probs.copy(order="C")  # softmax, (..., C), C order: rows below is a view

@@ -166,6 +166,29 @@ def test_small_jobs_run_serially_in_the_calling_thread():
         assert len(seen) == 2 and "qkvnp-kernels-1" in seen
 
 
+def test_elementwise_jobs_go_to_the_workers_from_min_parallel_entries_on():
+    """Oracle: the thread names and the setting's definition: below the entries, or
+    with one item of work, the calling thread runs the whole list."""
+    if not _runtime.openblas_thread_functions():
+        pytest.skip("numpy's OpenBLAS not found: the kernels never use worker threads")
+    seen = []
+
+    def task(part):
+        seen.append((threading.current_thread().name, list(part)))
+
+    me = threading.current_thread().name
+    limit = kernels.get_block_sizes()["min_parallel_entries"]
+    with qkvnp.num_threads(2):
+        for work, entries in (([0, 1, 2], limit - 1), ([0], limit)):
+            seen.clear()
+            _runtime.run_elementwise(task, work, entries)
+            assert seen == [(me, work)]
+        seen.clear()
+        _runtime.run_elementwise(task, [0, 1, 2], limit)
+        assert len(seen) == 2 and "qkvnp-kernels-1" in [name for name, _ in seen]
+        assert sorted(i for _, part in seen for i in part) == [0, 1, 2]
+
+
 def _python(code, **env):
     environment = {k: v for k, v in os.environ.items() if k != "QKVNP_NUM_THREADS"}
     environment.update(env)

@@ -106,21 +106,21 @@ def test_fused_bits_equal_the_whole_array_passes(dtype, uncounted, rows):
 
 
 class _SpyRun:
-    """Stands in for ``qkvnp.kernels.loss.run``: records the chunks it is given, then
-    calls the real :func:`qkvnp.kernels._runtime.run`."""
+    """Stands in for :func:`qkvnp.kernels._runtime.run`: records the chunks it is given,
+    then calls the real one."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, real):
+        self.calls, self.real = [], real
 
     def __call__(self, task, work, flops=None):
         self.calls.append(list(work))
-        return _runtime.run(task, work, flops)
+        return self.real(task, work, flops)
 
 
 def _on_two_threads(monkeypatch, call, chunk_bytes):
     """``call()`` with the chunks dealt over two worker threads; checks that they were."""
-    spy = _SpyRun()
-    monkeypatch.setattr(fused, "run", spy)
+    spy = _SpyRun(_runtime.run)
+    monkeypatch.setattr(_runtime, "run", spy)
     with qkvnp.num_threads(2), _runtime.block_sizes(min_parallel_entries=0,
                                                     loss_block_bytes=chunk_bytes):
         result = call()
