@@ -19,7 +19,7 @@ the same formula and bits.
 
 Both go through the rows by chunks small enough that a chunk's passes run
 in cache (the ``loss_block_bytes`` setting), dealt over the worker threads
-when the work is large (:func:`qkvnp.kernels._runtime.run`); each chunk
+from ``min_parallel_entries`` on (:func:`qkvnp.kernels._runtime.run_elementwise`); each chunk
 writes its own rows of a preallocated output. Every entry is computed by
 the same elementwise operations whatever its chunk, and the row sums and
 the loss's sum are each one call over all rows, so the results are the same
