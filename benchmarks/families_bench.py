@@ -20,7 +20,8 @@ first, medians of ``--repeats`` rounds:
   cross-entropy, backward, step), target at least 1.0x. The first losses
   must agree (relative 1e-4, float32) first. Beside it, the ceiling: in
   each library's worker, the step's matrix products alone on random arrays
-  (:func:`workloads.families.step_products`, numpy's against torch's) and
+  (:func:`workloads.families.step_products`, numpy's as qkvnp's step runs
+  them, each worker thread its share of the batch, against torch's) and
   its attention cores alone (qkvnp's against torch's fused
   ``scaled_dot_product_attention``, :func:`workloads.families.time_core`),
   the rest of each step, and the ratio qkvnp would reach with torch's

@@ -170,15 +170,15 @@ def make_runner(library, task, config, weights_path=None, threads=1):
     return (_Torch if library == "torch" else _Qkvnp)(task, config, weights_path, threads)
 
 
-def step_products(config):
+def step_products(config, batch=TRAIN_BATCH):
     """The ``(a, b)`` shapes of every matrix product of one training step (forward and backward).
 
     Each linear ``(n_in, n_out)`` on ``N = B T`` rows: ``x W``, ``dy W^T``,
     ``x^T dy``; the attention core per head: ``q k^T``, ``w v`` and the
-    backward's four.
+    backward's four. ``batch``: B (a share of the batch's, for the split).
     """
     c = config
-    N, T = TRAIN_BATCH * TRAIN_TOKENS, TRAIN_TOKENS
+    N, T = batch * TRAIN_TOKENS, TRAIN_TOKENS
     E, F, V, D = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     H, K = c["num_attention_heads"], c["num_key_value_heads"]
     linears = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
@@ -187,7 +187,7 @@ def step_products(config):
     for n_in, n_out in linears:
         products += [((N, n_in), (n_in, n_out)), ((N, n_out), (n_out, n_in)),
                      ((n_in, N), (N, n_out))]
-    heads = (TRAIN_BATCH, H)
+    heads = (batch, H)
     core = [((T, D), (D, T)), ((T, T), (T, D)),  # forward: scores, output
             ((T, D), (D, T)), ((T, T), (T, D)), ((T, T), (T, D)), ((T, T), (T, D))]  # backward
     products += [(heads + a, heads + b) for a, b in core] * c["num_hidden_layers"]
@@ -195,21 +195,48 @@ def step_products(config):
 
 
 def time_products(config, repeats=5, seed=0, library="qkvnp"):
-    """Best seconds of all of :func:`step_products` on random float32 arrays, by numpy's
-    ``matmul`` (``library="qkvnp"``) or torch's (``"torch"``), at the caller's threads."""
+    """Best seconds of all of :func:`step_products` on random float32 arrays.
+
+    ``library="torch"``: torch's ``matmul`` at its threads. ``"qkvnp"``: numpy's,
+    as the decoder's training step runs them: at more than one thread each
+    worker thread takes its share of the batch at one BLAS thread, the shares
+    at once (:func:`qkvnp.kernels._runtime.run`, the blocks' batch split).
+    """
     rng = np.random.default_rng(seed)
-    pairs = [(rng.standard_normal(a, np.float32), rng.standard_normal(b, np.float32))
-             for a, b in step_products(config)]
+    threads = 1
+    if library == "qkvnp":
+        from qkvnp.kernels import get_num_threads
+
+        threads = min(get_num_threads(), TRAIN_BATCH)
+    shares = [[(rng.standard_normal(a, np.float32), rng.standard_normal(b, np.float32))
+               for a, b in step_products(config, TRAIN_BATCH * (i + 1) // threads
+                                         - TRAIN_BATCH * i // threads)]
+              for i in range(threads)]
     matmul = np.matmul
     if library == "torch":
         import torch
 
-        pairs, matmul = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in pairs], torch.matmul
+        shares = [[(torch.from_numpy(a), torch.from_numpy(b)) for a, b in pairs]
+                  for pairs in shares]
+        matmul = torch.matmul
+
+    def task(part):
+        for i in part:
+            for a, b in shares[i]:
+                matmul(a, b)
+
+    if threads > 1:
+        from qkvnp.kernels._runtime import run
+
+        def products():
+            run(task, list(range(threads)))
+    else:
+        def products():
+            task([0])
     best = np.inf
     for _ in range(repeats):
         start = time.perf_counter()
-        for a, b in pairs:
-            matmul(a, b)
+        products()
         best = min(best, time.perf_counter() - start)
     return best
 
