@@ -104,7 +104,7 @@ def run_task(task, threads, args, directory):
         if task == "train":  # the ceilings: each library's products and attention cores alone
             for name, worker in workers.items():
                 for part in ("products", "core"):
-                    record[name][f"{part}_ms"] = 1e3 * worker.request(part, repeats=5)["seconds"]
+                    record[name][f"{part}_ms"] = 1e3 * worker.request(part, repeats=9)["seconds"]
             if "torch" in workers:
                 record["ceiling_ratio"] = _ceiling_ratio(record["qkvnp"], record["torch"])
         if args.profile:
