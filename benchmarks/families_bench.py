@@ -19,7 +19,9 @@ first, medians of ``--repeats`` rounds:
 - **train**: AdamW steps per second at B 8, T 128 (zero, forward,
   cross-entropy, backward, step), target at least 1.0x. The first losses
   must agree (relative 1e-4, float32) first. Beside it, the ceiling: in
-  each library's worker, the step's matrix products alone on random arrays
+  each library's worker, rounds of a step followed by its parts alone
+  (:func:`workloads.families.time_parts`, the medians): the step's matrix
+  products alone on random arrays
   (:func:`workloads.families.step_products`, numpy's as qkvnp's step runs
   them, each worker thread its share of the batch, against torch's) and
   its attention cores alone (qkvnp's against torch's fused
@@ -51,6 +53,7 @@ __all__ = ["TARGETS", "LOSS_TOLERANCE", "run_task", "run", "format_report", "mai
 #: qkvnp / transformers, at least.
 TARGETS = {"decode": 1.5, "train": 1.0}
 LOSS_TOLERANCE = 1e-4  # float32 losses of the first steps, relative
+PART_ROUNDS = 9  # rounds of a step and its parts alone (the ceiling lines)
 CHECK_CALLS = 3
 
 
@@ -103,8 +106,9 @@ def run_task(task, threads, args, directory):
             record["target"] = TARGETS[task]
         if task == "train":  # the ceilings: each library's products and attention cores alone
             for name, worker in workers.items():
-                for part in ("products", "core"):
-                    record[name][f"{part}_ms"] = 1e3 * worker.request(part, repeats=9)["seconds"]
+                parts = worker.request("parts", rounds=PART_ROUNDS)
+                record[name].update({f"{part}_ms": 1e3 * parts[part] for part in
+                                     ("step", "products", "core", "rest")})
             if "torch" in workers:
                 record["ceiling_ratio"] = _ceiling_ratio(record["qkvnp"], record["torch"])
         if args.profile:
@@ -117,10 +121,11 @@ def run_task(task, threads, args, directory):
 
 def _ceiling_ratio(mine, theirs):
     """The ratio qkvnp's step would reach with torch's products and attention cores:
-    torch's step over qkvnp's, less what its products and cores take beyond torch's."""
-    held = (mine["ms"] - (mine["products_ms"] - theirs["products_ms"])
+    torch's step over qkvnp's, less what its products and cores take beyond torch's
+    (the steps and parts of :func:`workloads.families.time_parts`, interleaved)."""
+    held = (mine["step_ms"] - (mine["products_ms"] - theirs["products_ms"])
             - (mine["core_ms"] - theirs["core_ms"]))
-    return theirs["ms"] / held
+    return theirs["step_ms"] / held
 
 
 def run(args, progress=None):
@@ -174,9 +179,10 @@ def _ceiling_lines(mine, theirs, ceiling):
     if theirs is None or "products_ms" not in theirs:
         return [f"        products alone {mine['products_ms']:.1f} ms, attention cores alone "
                 f"{mine['core_ms']:.1f} ms (numpy, same threads)"]
-    rest = {name: side["ms"] - side["products_ms"] - side["core_ms"]
-            for name, side in (("qkvnp", mine), ("torch", theirs))}
-    return [f"        products alone: numpy {mine['products_ms']:.1f} ms, torch "
+    rest = {name: side["rest_ms"] for name, side in (("qkvnp", mine), ("torch", theirs))}
+    return [f"        interleaved with steps of {mine['step_ms']:.1f} ms (qkvnp) and "
+            f"{theirs['step_ms']:.1f} (torch):",
+            f"        products alone: numpy {mine['products_ms']:.1f} ms, torch "
             f"{theirs['products_ms']:.1f} ({mine['products_ms'] / theirs['products_ms']:.2f}x); "
             f"attention cores alone: qkvnp {mine['core_ms']:.1f} ms, torch's fused "
             f"{theirs['core_ms']:.1f}",

@@ -29,7 +29,8 @@ import numpy as np
 from benchmarks.harness.timing import calls_per_round
 
 __all__ = ["QWEN3", "TINY", "PROMPT", "NEW_TOKENS", "TRAIN_BATCH", "TRAIN_TOKENS", "LR",
-           "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "time_core", "serve"]
+           "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "time_core",
+           "time_parts", "serve"]
 
 #: The measured configuration, transformers' ``Qwen3Config`` fields: 4 layers,
 #: E 256, 4 query and 2 key/value heads of D 64, V 4096, F 768, untied head.
@@ -285,6 +286,28 @@ def time_core(config, repeats=5, seed=0, library="qkvnp"):
     return best
 
 
+def time_parts(runner, config, rounds):
+    """The step and its parts, interleaved: ``rounds`` times a step, then the step's
+    products alone, then its attention cores alone (one pass each, in the runner's
+    library, :func:`time_products` and :func:`time_core`); the medians, in seconds,
+    of each and of the rest of the step (``step - products - core``, round by round).
+
+    Interleaved, the parts see the same state of the host as the step they are
+    taken from, which separate runs of each do not.
+    """
+    rows = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        runner.call()
+        step = time.perf_counter() - start
+        products = time_products(config, 1, library=runner.library)
+        core = time_core(config, 1, library=runner.library)
+        rows.append((step, products, core, step - products - core))
+    step, products, core, rest = np.median(np.array(rows), axis=0)
+    return {"step": float(step), "products": float(products), "core": float(core),
+            "rest": float(rest)}
+
+
 def _profile(runner, calls, top=15):
     import cProfile
     import pstats
@@ -310,7 +333,8 @@ def serve():
     :func:`harness.workers.time_alternating` sends them; the method is
     ignored: a runner has one call), ``profile`` (``calls``), ``products``
     and ``core`` (``repeats``: :func:`time_products` and :func:`time_core`
-    in the worker's library, at its threads).
+    in the worker's library, at its threads), ``parts`` (``rounds``:
+    :func:`time_parts`).
     """
     protocol = sys.stdout
     sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
@@ -350,6 +374,8 @@ def serve():
             elif op == "core":
                 reply = {"seconds": time_core(spec["config"], command["repeats"],
                                               library=runner.library)}
+            elif op == "parts":
+                reply = time_parts(runner, spec["config"], command["rounds"])
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as error:

@@ -41,12 +41,34 @@ def test_tiny_run_agrees_and_reports(tmp_path, capsys):
             assert "missing" in row and "ratio" not in row
     train = report["rows"][1]
     assert train["qkvnp"]["products_ms"] > 0 and train["qkvnp"]["core_ms"] > 0
+    assert train["qkvnp"]["step_ms"] > 0 and "rest_ms" in train["qkvnp"]
     if _has_transformers():  # the ceiling: torch's step over qkvnp's with torch's parts
         mine, theirs = train["qkvnp"], train["torch"]
-        held = (mine["ms"] - mine["products_ms"] + theirs["products_ms"] - mine["core_ms"]
-                + theirs["core_ms"])
-        assert np.isclose(train["ceiling_ratio"], theirs["ms"] / held)
+        held = (mine["step_ms"] - mine["products_ms"] + theirs["products_ms"]
+                - mine["core_ms"] + theirs["core_ms"])
+        assert np.isclose(train["ceiling_ratio"], theirs["step_ms"] / held)
     assert "decode" in capsys.readouterr().out
+
+
+def test_parts_are_interleaved_medians(monkeypatch):
+    """Oracle: the definition, on stand-in timers: each round times a step, then the
+    products and the cores once; the medians of each and of the round-by-round rest."""
+    from benchmarks.workloads import families
+
+    clock = iter(np.arange(0.0, 100.0, 1.0))  # a step takes 1 s on the stand-in clock
+    monkeypatch.setattr(families.time, "perf_counter", lambda: float(next(clock)))
+    products, cores = iter([0.2, 0.3, 0.4]), iter([0.05, 0.1, 0.15])
+    monkeypatch.setattr(families, "time_products", lambda *a, **k: next(products))
+    monkeypatch.setattr(families, "time_core", lambda *a, **k: next(cores))
+
+    class Runner:
+        library = "qkvnp"
+
+        def call(self):
+            return 0.0
+
+    parts = families.time_parts(Runner(), families.TINY, 3)
+    assert parts == {"step": 1.0, "products": 0.3, "core": 0.1, "rest": 0.6}
 
 
 def test_ceiling_lines_without_torch():
