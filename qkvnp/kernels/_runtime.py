@@ -72,6 +72,7 @@ __all__ = [
     "threads_for",
     "run",
     "run_elementwise",
+    "row_slices",
     "matmul",
 ]
 
@@ -109,8 +110,8 @@ BLOCK_SIZE_DEFAULTS = {
     # OpenBLAS's threads (see matmul). NOTE: 2**27 measured faster than 2**24
     # on layers that do not split their batch (benchmarks/NOTES.md).
     "min_parallel_flops": 1 << 27,
-    # Fewest entries of an elementwise job (AdamW's update) for which the worker
-    # threads are used. NOTE: AdamW at two threads measured 1.3-1.45x faster from
+    # Fewest entries of an elementwise job (AdamW's update, the loss's rows, sums
+    # and copies of arrays: run_elementwise) for which the worker threads are used. NOTE: AdamW at two threads measured 1.3-1.45x faster from
     # 2**19 float32 entries, slower at 2**18 (benchmarks/NOTES.md).
     "min_parallel_entries": 1 << 19,
     # Fewest floating-point operations of a layer's fast forward (projections,
@@ -509,6 +510,16 @@ def run_elementwise(task, work, entries):
         run(task, work)
     else:
         task(work)
+
+
+def row_slices(N, rows):
+    """``N`` rows cut in slices of ``rows`` (at least one), the last one shorter if need be.
+
+    >>> row_slices(5, 2)
+    [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
+    """
+    rows = max(1, rows)
+    return [slice(lo, min(lo + rows, N)) for lo in range(0, N, rows)]
 
 
 def _snake_shares(work, threads):

@@ -71,7 +71,7 @@ from ..functional import sum_to_shape
 from ..ops.dropout import dense_keep, keep_scale, prepare_dropout
 from ..ops.gqa import GroupedCache, grouped_backward, grouped_forward, split_groups, ungroup_weights
 from ..ops.masks import additive_mask, causal_factors, causal_mask_offset, prepare_mask
-from ._runtime import blocks, get_block_sizes, run, threads_for
+from ._runtime import blocks, get_block_sizes, row_slices, run, threads_for
 from .buffers import recycled_empty
 from .fast_small import LARGE_SCORES, mask_row_max, masked_exp, small_backward, small_forward
 
@@ -165,9 +165,7 @@ def _chunk_rows(T, S, itemsize, causal=None):
 
 def _row_slices(T, rows):
     """The chunks of ``rows`` rows of ``T``, as slices (``[slice(None)]``: one chunk)."""
-    if rows >= T:
-        return [slice(None)]
-    return [slice(start, min(start + rows, T)) for start in range(0, T, rows)]
+    return [slice(None)] if rows >= T else row_slices(T, rows)
 
 
 def _live_keys(rows, S, causal):

@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from ._runtime import get_block_sizes, run_elementwise, single_threaded_blas
+from ._runtime import get_block_sizes, row_slices, run_elementwise, single_threaded_blas
 from .pointwise import row_buffers
 
 __all__ = ["cross_entropy_probs_fused", "cross_entropy_backward_fused"]
@@ -206,7 +206,6 @@ def _run_chunks(task, shape, itemsize):
     (:func:`qkvnp.kernels._runtime.run_elementwise`), else to the calling thread.
     """
     N, C = shape
-    step = max(1, get_block_sizes()["loss_block_bytes"] // max(1, C * itemsize))
-    chunks = [slice(lo, min(lo + step, N)) for lo in range(0, N, step)]
+    chunks = row_slices(N, get_block_sizes()["loss_block_bytes"] // max(1, C * itemsize))
     if chunks:  # none without rows
         run_elementwise(task, chunks, N * C)

@@ -30,6 +30,7 @@ from ..ops.layer_norm import LayerNormCache
 from ..ops.reductions import column_sums
 from ..ops.rms_norm import RMSNormCache
 from ..ops.silu import SiluCache
+from ._runtime import row_slices
 
 __all__ = ["gated_forward_fused", "gated_backward_fused", "GatedCache", "rms_norm_forward_fused", "rms_norm_backward_fused", "silu_forward_fused", "silu_backward_fused", "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]
@@ -239,12 +240,6 @@ def rms_norm_backward_fused(dout, cache):
     return g, dweight
 
 
-def _row_chunks(N, F):
-    """Row slices of ``N`` rows of width ``F``, ``_GATED_CHUNK`` elements each (at least a row)."""
-    rows = max(1, _GATED_CHUNK // max(F, 1))
-    return [slice(lo, min(lo + rows, N)) for lo in range(0, N, rows)], rows
-
-
 class row_buffers:
     """Context manager: numpy's ufunc buffer at about one row of ``C`` entries inside.
 
@@ -313,7 +308,7 @@ def gated_forward_fused(gate_up, activation):
     sigmoid = np.empty((N, F), gate_up.dtype)  # the activation's sigmoid, (N, F)
     act, hidden = np.empty_like(sigmoid), np.empty_like(sigmoid)  # (N, F)
     fill = _silu_sigmoid if activation == "silu" else _gelu_tanh_sigmoid
-    chunks = _row_chunks(N, F)[0]
+    chunks = row_slices(N, _GATED_CHUNK // max(F, 1))
     with np.errstate(over="ignore", under="ignore"), row_buffers(F):  # as the fused activations
         for rows in chunks:
             fill(gate[rows], sigmoid[rows])
@@ -339,8 +334,9 @@ def gated_backward_fused(dhidden, cache):
     dgate_up = np.empty((N, 2 * F), dhidden.dtype)  # (N, 2F)
     dgate, dup = dgate_up[:, :F], dgate_up[:, F:]  # views (N, F)
     x, sigmoid = act_cache.x, act_cache.sigmoid
-    chunks, rows = _row_chunks(N, F)
-    spread = None if isinstance(act_cache, SiluCache) else np.empty((min(rows, N), F), dhidden.dtype)
+    chunks = row_slices(N, _GATED_CHUNK // max(F, 1))
+    rows = max((part.stop - part.start for part in chunks), default=0)
+    spread = None if isinstance(act_cache, SiluCache) else np.empty((rows, F), dhidden.dtype)
     with row_buffers(F):
         for part in chunks:
             np.multiply(dhidden[part], act[part], out=dup[part])  # d up = dh * act
