@@ -331,10 +331,9 @@ def serve():
     ``weights`` path, ``threads``), ``outputs`` (``calls``: the tokens or
     losses of that many calls), ``calibrate`` and ``time`` (as
     :func:`harness.workers.time_alternating` sends them; the method is
-    ignored: a runner has one call), ``profile`` (``calls``), ``products``
-    and ``core`` (``repeats``: :func:`time_products` and :func:`time_core`
-    in the worker's library, at its threads), ``parts`` (``rounds``:
-    :func:`time_parts`).
+    ignored: a runner has one call), ``profile`` (``calls``), ``parts``
+    (``rounds``: :func:`time_parts`, the step and its products and cores
+    alone in the worker's library, at its threads).
     """
     protocol = sys.stdout
     sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
@@ -368,12 +367,6 @@ def serve():
                 reply = {"seconds": time.perf_counter() - start}
             elif op == "profile":
                 reply = _profile(runner, command["calls"])
-            elif op == "products":
-                reply = {"seconds": time_products(spec["config"], command["repeats"],
-                                                  library=runner.library)}
-            elif op == "core":
-                reply = {"seconds": time_core(spec["config"], command["repeats"],
-                                              library=runner.library)}
             elif op == "parts":
                 reply = time_parts(runner, spec["config"], command["rounds"])
             else:
