@@ -18,7 +18,7 @@ import pytest
 import qkvnp
 from qkvnp import losses
 from qkvnp.kernels import _runtime
-from qkvnp.kernels.loss import cross_entropy_backward_fused, cross_entropy_probs_fused
+from qkvnp.kernels.loss import cross_entropy_probs_fused
 from qkvnp.ops import losses as reference
 from qkvnp.ops.losses import CrossEntropyCache, cross_entropy_inputs, cross_entropy_probs
 
