@@ -17,6 +17,7 @@ __all__ = [
     "compute_dtype",
     "as_float_array",
     "as_upstream_grad",
+    "not_finite",
     "check_real_dtype",
     "check_ndim",
     "check_last_dim",
@@ -191,11 +192,21 @@ def as_float_array(x, name, dtype=None, finite=True):
         target = np.result_type(target, arr.dtype)  # NOTE: complex step: keep the imaginary part
     arr = arr.astype(target, copy=False)
     if finite and not np.isfinite(arr).all():
-        raise ValueError(f"{name} contains NaN or inf; expected finite values")
+        raise not_finite(name)
     return arr
 
 
-def as_upstream_grad(d, name, shape, dtype):
+def not_finite(name):
+    """The ``ValueError`` of a NaN or inf entry in argument ``name``: one text for every check,
+    whole-array (:func:`as_float_array`, :func:`as_upstream_grad`) or by a kernel's chunks.
+
+    >>> not_finite("logits")
+    ValueError('logits contains NaN or inf; expected finite values')
+    """
+    return ValueError(f"{name} contains NaN or inf; expected finite values")
+
+
+def as_upstream_grad(d, name, shape, dtype, finite=True):
     """Check an upstream gradient (``dout`` of a backward) and return it in ``dtype``.
 
     The backward counterpart of :func:`as_float_array`: every public
@@ -213,6 +224,11 @@ def as_upstream_grad(d, name, shape, dtype):
     dtype : dtype
         The forward's compute dtype; ``d`` is cast to it (float32 for a
         float64 forward, float128 or int for any, are accepted and cast).
+    finite : bool
+        False: skip the NaN / inf test, for a caller that makes it itself
+        (raising :func:`not_finite`), as a kernel does by chunks in its worker
+        threads. Honoured only when ``d`` needs no cast; a cast ``d`` is tested
+        here, where the error can say that the cast made the inf.
 
     Returns
     -------
@@ -227,7 +243,8 @@ def as_upstream_grad(d, name, shape, dtype):
         string...).
     ValueError
         If ``d``'s shape is not ``shape``, or an entry is NaN or inf (after
-        the cast: a float64 value beyond float32's range counts as inf).
+        the cast: a float64 value beyond float32's range counts as inf; with
+        ``finite=False`` and no cast, left to the caller).
 
     Notes
     -----
@@ -250,13 +267,13 @@ def as_upstream_grad(d, name, shape, dtype):
     else:
         with np.errstate(over="ignore"):  # reported below, naming the argument
             grad = arr.astype(dtype)
-    if not np.isfinite(grad).all():
+    if (finite or grad is not arr) and not np.isfinite(grad).all():
         if grad is not arr and np.isfinite(arr).all():  # only the cast made it inf
             raise ValueError(
                 f"{name} has values too large for {np.dtype(dtype)} (cast from {arr.dtype}, "
                 f"they become inf); expected finite values in {np.dtype(dtype)}'s range"
             )
-        raise ValueError(f"{name} contains NaN or inf; expected finite values")
+        raise not_finite(name)
     return grad
 
 

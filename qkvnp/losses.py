@@ -14,8 +14,9 @@ the cross-entropy of real floating logits, forward and backward.
 """
 from __future__ import annotations
 
-import numpy as np  # noqa: F401 (the doctests' np)
+import numpy as np
 
+from ._checks import not_finite
 from .ops import losses as _reference
 from .ops.losses import (CrossEntropyCache, MSECache, accuracy, check_dloss, cross_entropy_inputs,
                          cross_entropy_probs, mse_backward, mse_forward)
@@ -39,16 +40,20 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
                           mask: BoolArray | None = None) -> tuple[FloatArray, CrossEntropyCache]:
     # the reference op's docstring, below: one text for both
     logits, safe_targets, counted, count = cross_entropy_inputs(logits, targets, ignore_index,
-                                                                mask)
-    probs_of = cross_entropy_probs
+                                                                mask, finite=False)
     if logits.dtype.kind == "f":
         # NOTE: real floating logits take the fused passes of qkvnp.kernels.loss
-        # (the same loss up to rounding, and the softmax for the backward);
-        # others (the gradient checker's complex step) the reference's
+        # (the same loss up to rounding, and the softmax for the backward), which
+        # test each chunk finite in cache, before its passes; others (the gradient
+        # checker's complex step) the reference's
         from .kernels.loss import cross_entropy_probs_fused
 
-        probs_of = cross_entropy_probs_fused
-    loss, probs = probs_of(logits, safe_targets, counted, count)
+        loss, probs = cross_entropy_probs_fused(logits, safe_targets, counted, count,
+                                                check_finite=True)
+    else:
+        if not np.isfinite(logits).all():
+            raise not_finite("logits")
+        loss, probs = cross_entropy_probs(logits, safe_targets, counted, count)
     return loss, CrossEntropyCache(probs, safe_targets, counted, count)
 
 

@@ -38,6 +38,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from .._checks import not_finite
 from ._runtime import run, run_elementwise, threads_for
 from .fast import attention_backward as fast_attention_backward
 from .fast import attention_forward as fast_attention_forward
@@ -290,12 +291,18 @@ def stack_forward(x: FloatArray, weights: Any, keeps: Any, ropes: Any,
     return out, StackCache(shares, caches, ropes, x.shape, head)
 
 
-def stack_backward(dout: FloatArray, cache: Any) -> tuple[FloatArray, list]:
+def stack_backward(dout: FloatArray, cache: Any,
+                   finite_name: str | None = None) -> tuple[FloatArray, list]:
     """Backward of :func:`stack_forward`: ``(dx (B, T, E), grads)``, one dict a block
     (and, with a head, a last one: ``head.W`` and ``final_norm.weight``).
 
     Each share's blocks backward in its worker; the shares' parameter
     gradients are added in share order after all have finished.
+    ``finite_name``: None, or the argument name under which each share first
+    tests its rows of ``dout`` finite (for a caller that skipped the
+    whole-array test): a NaN or inf raises ``ValueError``
+    (:func:`qkvnp._checks.not_finite`) once every share has ended, with no
+    gradient returned.
     """
     dx = np.empty(cache.shape, dout.dtype)
     results: list = [None] * len(cache.shares)
@@ -305,6 +312,8 @@ def stack_backward(dout: FloatArray, cache: Any) -> tuple[FloatArray, list]:
     def task(work):
         for i, share in work:
             d, grads, mine = dout[share], [], cache.caches[i]
+            if finite_name is not None and not np.isfinite(d).all():
+                raise not_finite(finite_name)
             if head is not None:  # in the forward this was: z = rms_norm(x) W
                 (norm, rows), mine = mine[-1], mine[:-1]
                 d_rows = d.reshape(-1, d.shape[-1])  # (b, T, V) -> (b T, V)

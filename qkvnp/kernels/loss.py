@@ -10,7 +10,8 @@ to rounding, in fewer passes: the row maximum, one shift, ``exp2`` with
 the logarithm of the ``N`` sums only, never of the ``(N, C)`` entries. It
 returns the softmax itself, which the backward reads instead of taking
 ``exp`` again. :func:`qkvnp.losses.cross_entropy_forward` calls it for real
-floating logits after checking them; other logits (the gradient checker's
+floating logits after checking them (their finiteness by chunks here,
+``check_finite``); other logits (the gradient checker's
 complex step) keep the reference path. Likewise
 :func:`qkvnp.losses.cross_entropy_backward` calls
 :func:`cross_entropy_backward_fused` for real floating probabilities
@@ -31,6 +32,7 @@ import math
 
 import numpy as np
 
+from .._checks import not_finite
 from ._runtime import get_block_sizes, row_slices, run_elementwise, single_threaded_blas
 from .pointwise import row_buffers
 
@@ -39,13 +41,13 @@ __all__ = ["cross_entropy_probs_fused", "cross_entropy_backward_fused"]
 _LOG2_E = 1.0 / math.log(2.0)
 
 
-def cross_entropy_probs_fused(logits, targets, counted, count):
+def cross_entropy_probs_fused(logits, targets, counted, count, check_finite=False):
     """The mean cross-entropy over the counted positions, and ``softmax(logits)``.
 
     Parameters
     ----------
     logits : ndarray, shape (..., C)
-        Real floating (float32 or float64), checked finite.
+        Real floating (float32 or float64), checked finite unless ``check_finite``.
     targets : ndarray of int, shape (...)
         A class index in ``[0, C)`` at every position (the caller puts 0 at
         the uncounted ones).
@@ -53,6 +55,12 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
         True = the position counts.
     count : int
         ``counted.sum()``; 0 gives the loss 0.
+    check_finite : bool
+        True: each chunk tests its rows finite before its passes, in cache and
+        on its worker thread, and a NaN or inf raises ``ValueError`` naming
+        ``logits`` (:func:`qkvnp._checks.not_finite`) once every chunk has ended.
+        NOTE: measured faster than a whole-array ``isfinite`` before the
+        passes, at one thread and two (benchmarks/NOTES.md).
 
     Returns
     -------
@@ -92,15 +100,21 @@ def cross_entropy_probs_fused(logits, targets, counted, count):
     flat_targets = targets.reshape(-1)  # (...) -> (N,)
     probs = np.empty(rows.shape, logits.dtype)  # (N, C), each chunk writes its rows
     picked = np.empty(rows.shape[0], logits.dtype)  # z_y - m, (N,)
+    not_finite_rows = []  # the first rows of the chunks that hold a NaN or inf
 
     def shifted_exp(chunks):
         positions = np.arange(max(piece.stop - piece.start for piece in chunks))  # (n,)
         with np.errstate(under="ignore"), row_buffers(C):  # numpy's state is per thread
             for piece in chunks:
+                if check_finite and not np.isfinite(rows[piece]).all():
+                    not_finite_rows.append(piece.start)
+                    continue
                 _shifted_exp_rows(rows[piece], flat_targets[piece], probs[piece], picked[piece],
                                   positions[:piece.stop - piece.start])
 
     _run_chunks(shifted_exp, rows.shape, logits.itemsize)
+    if not_finite_rows:
+        raise not_finite("logits")
     ones = np.ones((C, 1), logits.dtype)
     # NOTE: one product over all rows, never by chunk: OpenBLAS's gemv sums the last
     # one to three rows it is given by another path, so that a row's bits changed with

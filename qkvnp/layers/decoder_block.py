@@ -579,12 +579,13 @@ def _copied_weights(blocks, specs):
 
 
 def train_blocks_backward(blocks: Any, dout: FloatArray, cache: Any, final_norm: Any = None,
-                          head: Any = None) -> FloatArray:
+                          head: Any = None, finite_name: str | None = None) -> FloatArray:
     """Backward of :func:`train_blocks_forward` (the same ``final_norm`` and ``head``): each
-    block's gradients accumulated; returns ``dx`` ``(B, T, E)``."""
+    block's gradients accumulated; returns ``dx`` ``(B, T, E)``. ``finite_name``: see
+    :func:`qkvnp.kernels.decoder_train.stack_backward` (a refusal accumulates nothing)."""
     from ..kernels.decoder_train import stack_backward
 
-    dx, grads = stack_backward(dout, cache)
+    dx, grads = stack_backward(dout, cache, finite_name)
     blocks = list(blocks)
     if cache.head is not None:
         final = grads.pop()

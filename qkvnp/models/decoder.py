@@ -328,7 +328,10 @@ class Decoder(Model):
             raise RuntimeError("Decoder.backward after decode: decoding keeps nothing for a "
                                "backward; call forward(ids) first")
         shape, cap_cache, fused = self._need_cache()
-        dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype)
+        in_shares = fused is not None and fused.head is not None  # the head's backward too
+        # NOTE: there each share tests its own rows of dlogits finite, on its worker
+        # thread, before it reads them (benchmarks/NOTES.md)
+        dlogits = as_upstream_grad(dlogits, "dlogits", shape, self.dtype, finite=not in_shares)
         if cap_cache is not None:
             dlogits = softcap_backward(dlogits, cap_cache)  # (B, T, V)
         dx = dlogits
@@ -337,7 +340,8 @@ class Decoder(Model):
             dx = self.head.backward(dlogits, retain_cache, check=False)  # (B, T, V) -> (B, T, E)
             dx = self.final_norm.backward(dx, retain_cache, check=False)
         if fused is not None:  # the blocks (and the head and the final norm when they ran there)
-            dx = train_blocks_backward(self.blocks, dx, fused, self.final_norm, self.head)
+            dx = train_blocks_backward(self.blocks, dx, fused, self.final_norm, self.head,
+                                       finite_name="dlogits" if in_shares else None)
         for block in reversed(list(self.blocks)) if fused is None else ():
             dx = block.backward(dx, retain_cache)  # (B, T, E)
         if self.config.positions == "learned":

@@ -137,13 +137,14 @@ def mse_backward(dloss: float | FloatArray, cache: MSECache) -> FloatArray:
 # ---------------------------------------------------------------- cross-entropy
 
 
-def _check_classification(logits, targets, ignore_index, mask):
+def _check_classification(logits, targets, ignore_index, mask, finite=True):
     """Validate the inputs of a classification loss or metric.
 
     Returns the float logits, the integer targets (counted entries checked to
     be in range) and the boolean ``counted`` array of the targets' shape.
+    ``finite=False`` leaves the logits' NaN / inf test to the caller.
     """
-    logits = as_float_array(logits, "logits")
+    logits = as_float_array(logits, "logits", finite=finite)
     check_ndim(logits, "logits", 1, "(..., C)")
     num_classes = logits.shape[-1]
     if num_classes < 1:
@@ -261,8 +262,12 @@ def cross_entropy_forward(logits: FloatArray, targets: IntArray, ignore_index: i
 
 
 def cross_entropy_inputs(logits: FloatArray, targets: IntArray, ignore_index: int | None,
-                         mask: BoolArray | None) -> tuple[FloatArray, IntArray, BoolArray, int]:
+                         mask: BoolArray | None,
+                         finite: bool = True) -> tuple[FloatArray, IntArray, BoolArray, int]:
     """The checked inputs of :func:`cross_entropy_forward`.
+
+    ``finite=False`` leaves the logits' NaN / inf test to the caller (the
+    fused loss makes it by chunks, each in cache: ``qkvnp.kernels.loss``).
 
     Returns
     -------
@@ -273,7 +278,7 @@ def cross_entropy_inputs(logits: FloatArray, targets: IntArray, ignore_index: in
     count : int
         ``counted.sum()``.
     """
-    logits, targets, counted = _check_classification(logits, targets, ignore_index, mask)
+    logits, targets, counted = _check_classification(logits, targets, ignore_index, mask, finite)
     safe_targets = np.where(counted, targets, 0)  # uncounted rows may hold -100 etc.
     return logits, safe_targets, counted, int(counted.sum())
 

@@ -224,6 +224,42 @@ def test_a_refused_backward_changes_nothing():
     assert any(grad.any() for grad in model.grads.values())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_dlogits_tested_finite_in_the_shares(threads, bad):
+    """Oracle: the whole-array test the backward made before the shares did it (the
+    same ValueError naming dlogits), for one entry in the last share's rows; the
+    refused call accumulates nothing, and the cache stays for a finite dlogits, whose
+    gradients equal a step that never saw the refusal."""
+    model = Decoder(_config("qwen3"), rng=1, dtype=np.float32)
+    ids, dlogits = _inputs()
+    dlogits = dlogits.astype(np.float32)
+    poisoned = dlogits.copy()
+    poisoned[-1, -1, -1] = bad
+    with num_threads(threads), block_sizes(batch_split_flops=0):
+        expected = _step(model, ids, dlogits)[1]
+        model.zero_grad()
+        model.forward(ids)
+        assert model._cache[2].head is not None  # the head's backward in the shares
+        assert len(model._cache[2].shares) == threads
+        with pytest.raises(ValueError, match="^dlogits contains NaN or inf"):
+            model.backward(poisoned)
+        assert all(not grad.any() for grad in model.grads.values())
+        model.backward(dlogits)
+    assert all(np.array_equal(model.grads[name], expected[name]) for name in expected)
+
+
+def test_dlogits_cast_to_inf_is_named_before_the_shares():
+    """A float64 dlogits beyond float32's range: the whole-array test of the cast still
+    says that the cast made the inf (the shares' test only sees the cast array)."""
+    model = Decoder(_config("qwen3"), rng=1, dtype=np.float32)
+    ids, dlogits = _inputs()
+    dlogits[0, 0, 0] = 1e300
+    model.forward(ids)
+    with pytest.raises(ValueError, match="too large for float32"):
+        model.backward(dlogits)
+
+
 def test_two_threads_training_one_model():
     """Each thread's forward and backward use its own cache; the gradients add as if serial."""
     model = Decoder(_config("qwen3"), rng=1, dtype=np.float32)

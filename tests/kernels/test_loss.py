@@ -228,6 +228,37 @@ def test_complex_probs_take_the_reference_backward():
     assert np.array_equal(dlogits, expected)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_nan_or_inf_in_the_last_chunk_refuses_the_logits(threads, bad, monkeypatch):
+    """Oracle: the reference forward's whole-array test, the same ValueError naming
+    logits. The chunks test their rows themselves (``check_finite``): one entry in the
+    last chunk, -inf included (whose shifted exponential would be a plain 0)."""
+    logits = np.random.default_rng(0).normal(size=(4, 25, 300)).astype(np.float32)
+    targets = np.zeros((4, 25), np.int64)
+    logits[-1, -1, -1] = bad
+    with pytest.raises(ValueError, match="^logits contains NaN or inf") as expected:
+        reference.cross_entropy_forward(logits, targets)
+    spy = _SpyRun(_runtime.run)
+    monkeypatch.setattr(_runtime, "run", spy)
+    with qkvnp.num_threads(threads), _runtime.block_sizes(
+            min_parallel_entries=0, loss_block_bytes=_chunk_bytes(7, 300, np.float32)):
+        with pytest.raises(ValueError) as refused:
+            losses.cross_entropy_forward(logits, targets)
+    assert str(refused.value) == str(expected.value)
+    assert (len(spy.calls) == 1) == (threads == 2), "the chunks did not go to the threads"
+
+
+def test_complex_logits_are_tested_finite_before_the_reference():
+    """The gradient checker's complex step keeps the reference path, and its test."""
+    from qkvnp._checks import complex_step_mode
+
+    logits = np.zeros((2, 3), complex)
+    logits[1, 2] = np.nan
+    with complex_step_mode(), pytest.raises(ValueError, match="^logits contains NaN or inf"):
+        losses.cross_entropy_forward(logits, np.zeros(2, np.int64))
+
+
 def test_no_rows_give_the_reference_results():
     """Oracle: the reference ops on logits of shape (0, C): loss 0, empty softmax and gradient."""
     logits, targets = np.zeros((0, 5), np.float32), np.zeros(0, np.int64)
