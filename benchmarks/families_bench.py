@@ -27,7 +27,10 @@ first, medians of ``--repeats`` rounds:
   its attention cores alone (qkvnp's against torch's fused
   ``scaled_dot_product_attention``, :func:`workloads.families.time_core`),
   the rest of each step, and the ratio qkvnp would reach with torch's
-  products and cores in place of its own.
+  products and cores in place of its own. At more than one thread, what
+  qkvnp's split of the batch over its threads costs a step
+  (:func:`workloads.families.time_split`): the time its threads wait for
+  the slowest share, and the time that share spent off its CPU.
 
 ``--profile`` adds a cProfile of qkvnp's call of each task. Without
 transformers, qkvnp's side is measured and the ratios are left blank.
@@ -111,6 +114,11 @@ def run_task(task, threads, args, directory):
                                      ("step", "products", "core", "rest")})
             if "torch" in workers:
                 record["ceiling_ratio"] = _ceiling_ratio(record["qkvnp"], record["torch"])
+            if threads > 1:  # what qkvnp's split of the batch over its threads costs
+                split = workers["qkvnp"].request("split", rounds=PART_ROUNDS)
+                record["qkvnp"].update({"split_shares": split["shares"],
+                                        "imbalance_ms": 1e3 * split["imbalance"],
+                                        "off_cpu_ms": 1e3 * split["off_cpu"]})
         if args.profile:
             record["profile"] = workers["qkvnp"].request("profile", calls=2)
     finally:
@@ -167,6 +175,10 @@ def format_report(report):
                      + (" ".join(f"{t:.1f}" for t in theirs["times_ms"]) if theirs else "-"))
         if "products_ms" in mine:
             lines += _ceiling_lines(mine, theirs, row.get("ceiling_ratio"))
+        if mine.get("split_shares", 1) > 1:
+            lines.append(f"        qkvnp's batch split in {mine['split_shares']} shares, a step: "
+                         f"{mine['imbalance_ms']:.1f} ms waiting for the slowest share, which "
+                         f"spent {mine['off_cpu_ms']:.1f} ms off its CPU (the GIL, the host)")
         for name, share in row.get("profile", {}).get("top", []):
             lines.append(f"        {100 * share:5.1f}%  {name}")
     missing = {row["missing"] for row in report["rows"] if "missing" in row}

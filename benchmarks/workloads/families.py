@@ -30,7 +30,7 @@ from benchmarks.harness.timing import calls_per_round
 
 __all__ = ["QWEN3", "TINY", "PROMPT", "NEW_TOKENS", "TRAIN_BATCH", "TRAIN_TOKENS", "LR",
            "WEIGHT_DECAY", "make_runner", "step_products", "time_products", "time_core",
-           "time_parts", "serve"]
+           "time_parts", "time_split", "serve"]
 
 #: The measured configuration, transformers' ``Qwen3Config`` fields: 4 layers,
 #: E 256, 4 query and 2 key/value heads of D 64, V 4096, F 768, untied head.
@@ -308,6 +308,59 @@ def time_parts(runner, config, rounds):
             "rest": float(rest)}
 
 
+def time_split(runner, rounds):
+    """What qkvnp's batch split costs in ``rounds`` steps of ``runner`` (medians, seconds a step).
+
+    Each share of the fused blocks' forward and backward
+    (:func:`qkvnp.kernels.decoder_train.stack_forward` and ``stack_backward``,
+    one worker thread a share) is timed on the wall clock and on its thread's
+    CPU clock, through a stand-in for the module's ``run`` that calls the
+    real one:
+
+    - ``imbalance``: the time a thread waits for the slowest share, summed over
+      the step's forward and backward (the slowest share's wall time less the
+      fastest's);
+    - ``off_cpu``: the slowest share's wall time less its CPU time, summed
+      likewise: the time its thread was not running (waiting for the GIL
+      between numpy calls, or not scheduled by the host);
+    - ``shares``: the shares of a call (1: no split, both are 0).
+    """
+    from qkvnp.kernels import decoder_train
+
+    real, phases = decoder_train.run, []
+
+    def timed_run(task, work, flops=None):
+        shares: list = []
+
+        def timed(part):
+            start, cpu = time.perf_counter(), time.thread_time()
+            try:
+                task(part)
+            finally:
+                shares.append((time.perf_counter() - start, time.thread_time() - cpu))
+
+        real(timed, work, flops)
+        phases.append(shares)
+
+    rows, count = [], 0
+    decoder_train.run = timed_run
+    try:
+        for _ in range(rounds):
+            phases.clear()
+            runner.call()
+            count = max(len(shares) for shares in phases)
+            imbalance = off_cpu = 0.0
+            for shares in phases:  # the forward's, then the backward's
+                slowest_wall, slowest_cpu = max(shares)  # the share the others wait for
+                imbalance += slowest_wall - min(wall for wall, _ in shares)
+                off_cpu += slowest_wall - slowest_cpu
+            rows.append((imbalance, off_cpu))
+    finally:
+        decoder_train.run = real
+    imbalance, off_cpu = np.median(np.array(rows), axis=0) if count > 1 else (0.0, 0.0)
+    return {"imbalance": float(imbalance), "off_cpu": float(off_cpu), "shares": count}
+
+
 def _profile(runner, calls, top=15):
     import cProfile
     import pstats
@@ -333,7 +386,8 @@ def serve():
     :func:`harness.workers.time_alternating` sends them; the method is
     ignored: a runner has one call), ``profile`` (``calls``), ``parts``
     (``rounds``: :func:`time_parts`, the step and its products and cores
-    alone in the worker's library, at its threads).
+    alone in the worker's library, at its threads), ``split`` (``rounds``:
+    :func:`time_split`, qkvnp's only).
     """
     protocol = sys.stdout
     sys.stdout = sys.stderr  # whatever the libraries print stays off the protocol
@@ -369,6 +423,8 @@ def serve():
                 reply = _profile(runner, command["calls"])
             elif op == "parts":
                 reply = time_parts(runner, spec["config"], command["rounds"])
+            elif op == "split":
+                reply = time_split(runner, command["rounds"])
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as error:

@@ -71,6 +71,41 @@ def test_parts_are_interleaved_medians(monkeypatch):
     assert parts == {"step": 1.0, "products": 0.3, "core": 0.1, "rest": 0.6}
 
 
+def test_split_costs_follow_their_definition(monkeypatch):
+    """Oracle: the definition, on stand-in clocks and a serial stand-in for the kernel's
+    ``run``: per call the slowest share's wall time less the fastest's, and less its own
+    CPU time, summed over the step's two calls; medians over the rounds; ``run`` restored."""
+    from benchmarks.workloads import families
+    from qkvnp.kernels import decoder_train
+
+    def serial_run(task, work, flops=None):
+        for part in work:
+            task(part)
+
+    monkeypatch.setattr(decoder_train, "run", serial_run)
+    # each share reads wall, CPU, then wall, CPU: (wall, CPU) spans per share, call, round
+    spans = [[((1.0, 0.9), (3.0, 2.5)), ((2.0, 2.0), (1.5, 1.0))]] * 3
+    walls, cpus = [], []
+    for round_ in spans:
+        for call in round_:
+            for wall, cpu in call:
+                walls += [0.0, wall]
+                cpus += [0.0, cpu]
+    wall_clock, cpu_clock = iter(walls), iter(cpus)
+    monkeypatch.setattr(families.time, "perf_counter", lambda: next(wall_clock))
+    monkeypatch.setattr(families.time, "thread_time", lambda: next(cpu_clock))
+
+    class Runner:
+        def call(self):  # the forward's call of run, then the backward's
+            for _ in range(2):
+                decoder_train.run(lambda part: None, [[0], [1]])
+
+    split = families.time_split(Runner(), 3)
+    # forward: slowest 3.0 (CPU 2.5), fastest 1.0; backward: slowest 2.0 (CPU 2.0), fastest 1.5
+    assert split == {"imbalance": 2.0 + 0.5, "off_cpu": 0.5 + 0.0, "shares": 2}
+    assert decoder_train.run is serial_run
+
+
 def test_ceiling_lines_without_torch():
     """Oracle: the line's text, qkvnp's parts only when torch's side is missing."""
     lines = families_bench._ceiling_lines({"products_ms": 2.0, "core_ms": 1.0}, None, None)
