@@ -47,7 +47,8 @@ def cross_entropy_probs_fused(logits, targets, counted, count, check_finite=Fals
     Parameters
     ----------
     logits : ndarray, shape (..., C)
-        Real floating (float32 or float64), checked finite unless ``check_finite``.
+        Real floating (float32 or float64), finite (the caller's test, or this
+        function's with ``check_finite``).
     targets : ndarray of int, shape (...)
         A class index in ``[0, C)`` at every position (the caller puts 0 at
         the uncounted ones).
