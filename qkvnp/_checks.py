@@ -12,36 +12,12 @@ import threading
 
 import numpy as np
 
-__all__ = [
-    "declare_complex_step",
-    "compute_dtype",
-    "as_float_array",
-    "as_upstream_grad",
-    "not_finite",
-    "check_real_dtype",
-    "check_ndim",
-    "check_last_dim",
-    "check_same_shape",
-    "make_rng",
-    "check_int",
-    "check_bool",
-    "check_attention_inputs",
-    "is_real_number",
-    "check_scale",
-    "layer_dtype",
-    "check_indices",
-    "owned",
-    "as_numpy",
-    "check_state_value",
-    "abs_max",
-    "projected_score_bound",
-    "core_scores_may_overflow",
-    "values_may_overflow",
-    "row_norm_max",
-    "scores_may_overflow",
-    "complex_step_mode",
-    "complex_step_active",
-]
+__all__ = ["declare_complex_step", "compute_dtype", "as_float_array", "as_upstream_grad",
+           "not_finite", "check_real_dtype", "check_ndim", "check_last_dim", "check_same_shape",
+           "make_rng", "check_int", "check_bool", "check_attention_inputs", "is_real_number",
+           "check_scale", "layer_dtype", "check_indices", "owned", "as_numpy", "check_state_value",
+           "abs_max", "projected_score_bound", "core_scores_may_overflow", "values_may_overflow",
+           "row_norm_max", "scores_may_overflow", "complex_step_mode", "complex_step_active"]
 
 _COMPLEX_STEP = threading.local()
 
