@@ -106,6 +106,33 @@ def test_split_costs_follow_their_definition(monkeypatch):
     assert decoder_train.run is serial_run
 
 
+def test_split_costs_of_a_real_split_step():
+    """A tiny qkvnp runner at two threads with the split forced: two shares timed, the
+    wait for the slowest not negative, the kernel's ``run`` put back."""
+    from benchmarks.workloads import families
+    from qkvnp.kernels import block_sizes, decoder_train
+
+    real = decoder_train.run
+    runner = families.make_runner("qkvnp", "train", families.TINY, threads=2)
+    try:
+        with block_sizes(batch_split_flops=0):
+            split = families.time_split(runner, 2)
+    finally:
+        runner.pinned.close()  # the runner's thread counts, held for a worker's life
+    assert split["shares"] == 2 and split["imbalance"] >= 0
+    assert decoder_train.run is real
+
+
+def test_split_line_in_the_report():
+    report = {"environment": {}, "config": {}, "rows": [
+        {"task": "train", "threads": 2, "qkvnp": {"per_s": 1.0, "times_ms": [1.0],
+                                                   "split_shares": 2, "imbalance_ms": 3.0,
+                                                   "off_cpu_ms": 0.5}}]}
+    assert ("        qkvnp's batch split in 2 shares, a step: 3.0 ms waiting for the slowest "
+            "share, which spent 0.5 ms off its CPU (the GIL, the host)"
+            in families_bench.format_report(report).splitlines())
+
+
 def test_ceiling_lines_without_torch():
     """Oracle: the line's text, qkvnp's parts only when torch's side is missing."""
     lines = families_bench._ceiling_lines({"products_ms": 2.0, "core_ms": 1.0}, None, None)
