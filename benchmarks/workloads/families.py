@@ -323,7 +323,8 @@ def time_split(runner, rounds):
     - ``off_cpu``: the slowest share's wall time less its CPU time, summed
       likewise: the time its thread was not running (waiting for the GIL
       between numpy calls, or not scheduled by the host);
-    - ``shares``: the shares of a call (1: no split, both are 0).
+    - ``shares``: the shares of a call (0: the step ran no fused blocks, 1: no
+      split; then both are 0).
     """
     from qkvnp.kernels import decoder_train
 
@@ -348,7 +349,7 @@ def time_split(runner, rounds):
         for _ in range(rounds):
             phases.clear()
             runner.call()
-            count = max(len(shares) for shares in phases)
+            count = max((len(shares) for shares in phases), default=0)  # 0: no fused blocks
             imbalance = off_cpu = 0.0
             for shares in phases:  # the forward's, then the backward's
                 slowest_wall, slowest_cpu = max(shares)  # the share the others wait for

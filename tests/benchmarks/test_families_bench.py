@@ -123,6 +123,17 @@ def test_split_costs_of_a_real_split_step():
     assert decoder_train.run is real
 
 
+def test_split_costs_of_a_step_without_fused_blocks(monkeypatch):
+    """A step that never calls the kernel's ``run`` (the layers' path): no shares, no cost."""
+    from benchmarks.workloads import families
+
+    class Runner:
+        def call(self):
+            return 0.0
+
+    assert families.time_split(Runner(), 2) == {"imbalance": 0.0, "off_cpu": 0.0, "shares": 0}
+
+
 def test_split_line_in_the_report():
     report = {"environment": {}, "config": {}, "rows": [
         {"task": "train", "threads": 2, "qkvnp": {"per_s": 1.0, "times_ms": [1.0],
