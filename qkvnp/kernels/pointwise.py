@@ -32,7 +32,9 @@ from ..ops.rms_norm import RMSNormCache
 from ..ops.silu import SiluCache
 from ._runtime import row_slices
 
-__all__ = ["gated_forward_fused", "gated_backward_fused", "GatedCache", "rms_norm_forward_fused", "rms_norm_backward_fused", "silu_forward_fused", "silu_backward_fused", "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
+__all__ = ["gated_forward_fused", "gated_backward_fused", "GatedCache", "rms_norm_forward_fused",
+           "rms_norm_backward_fused", "silu_forward_fused", "silu_backward_fused",
+           "layer_norm_forward_fused", "layer_norm_backward_fused", "gelu_tanh_forward_fused",
            "gelu_tanh_backward_fused", "gelu_tanh_reference_cache"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
