@@ -167,7 +167,16 @@ class _Torch:
 
 
 def make_runner(library, task, config, weights_path=None, threads=1):
-    """A runner of ``task`` (``"decode"`` or ``"train"``) in ``library`` (``"qkvnp"`` or ``"torch"``)."""
+    """A runner of ``task`` (``"decode"`` or ``"train"``) in ``library``: ``"qkvnp"``, ``"torch"``,
+    or, training only, ``"qkvnp+torch-mm-sdpa"`` and ``"qkvnp+torch-mm-sdpa-silu"``
+    (qkvnp's step with torch's kernels: :mod:`workloads.torch_kernels`)."""
+    if library in ("qkvnp+torch-mm-sdpa", "qkvnp+torch-mm-sdpa-silu"):
+        from benchmarks.workloads.torch_kernels import TorchKernelsRunner
+
+        if task != "train":
+            raise ValueError(f"{library} runs the training task only, not {task!r}")
+        return TorchKernelsRunner(_Qkvnp(task, config, weights_path, threads),
+                                  silu=library.endswith("-silu"))
     return (_Torch if library == "torch" else _Qkvnp)(task, config, weights_path, threads)
 
 
