@@ -2,7 +2,7 @@
 
 The training task of ``families_bench.py`` (:mod:`workloads.families`: the
 Qwen3-like ``Decoder``, batch 8 of 128 tokens, float32, cross-entropy and
-AdamW) in four processes, asked in turn for one round each (the protocol
+AdamW) in five processes, asked in turn for one round each (the protocol
 of ``harness/workers.py``), at each thread count:
 
 - **transformers**: ``Qwen3ForCausalLM``'s step, torch at the same threads;
@@ -14,17 +14,22 @@ of ``harness/workers.py``), at each thread count:
   where qkvnp calls its own: in the same batch shares, on the same worker
   threads, torch at one thread in each (:mod:`workloads.torch_kernels`);
 - **and torch's SiLU**: the same, and the gated activation ``silu(gate) *
-  up`` and its backward are torch's fused SiLU kernels and products.
+  up`` and its backward are torch's fused SiLU kernels and products;
+- **and no guarantees**: the same, without what qkvnp's guarantees cost
+  (``workloads.torch_kernels.without_guarantees``, a measure, not a way to
+  train): the weights not copied for the backward, no fresh zeros for the
+  gradients (the commit puts each gradient in place, as torch's first
+  accumulation does), the logits and ``dlogits`` not tested finite.
 
-Everything else in the last two is qkvnp's: the norms, RoPE, the loss,
-AdamW, the split of the batch, the checks and copies. The first losses of
-the four must agree (relative 1e-4, float32) before anything is timed.
-When a line with torch's kernels runs at least as fast as transformers'
-step, what stands between qkvnp and the 1.0x target is those kernels:
-numpy's BLAS, and fused kernels numpy cannot express; when it is slower,
-the rest of qkvnp's step is too. A table in ms a step (medians of the
-rounds) and each one's speed as a multiple of transformers'. About 4
-minutes.
+Everything else in the last three is qkvnp's: the norms, RoPE, the loss,
+AdamW, the split of the batch. The first losses of the five must agree
+(relative 1e-4, float32) before anything is timed. When a line with
+torch's kernels runs at least as fast as transformers' step, what stands
+between qkvnp and the 1.0x target is those kernels (numpy's BLAS, and
+fused kernels numpy cannot express) and, on the last line, the cost of
+the guarantees; when it is slower, the rest of qkvnp's step is too. A table
+in ms a step (medians of the rounds) and each one's speed as a multiple of
+transformers'. About 5 minutes.
 """
 import argparse
 import os
@@ -46,7 +51,8 @@ __all__ = ["RUNNERS", "measure", "main"]
 #: The runners: ``make_runner``'s library name, and the report's.
 RUNNERS = {"torch": "transformers", "qkvnp": "qkvnp",
            "qkvnp+torch-mm-sdpa": "  torch's mm, attention",
-           "qkvnp+torch-mm-sdpa-silu": "  and torch's SiLU"}
+           "qkvnp+torch-mm-sdpa-silu": "  and torch's SiLU",
+           "qkvnp+torch-mm-sdpa-silu-unguarded": "  and no guarantees"}
 CHECK_CALLS = 3
 
 

@@ -168,15 +168,20 @@ class _Torch:
 
 def make_runner(library, task, config, weights_path=None, threads=1):
     """A runner of ``task`` (``"decode"`` or ``"train"``) in ``library``: ``"qkvnp"``, ``"torch"``,
-    or, training only, ``"qkvnp+torch-mm-sdpa"`` and ``"qkvnp+torch-mm-sdpa-silu"``
-    (qkvnp's step with torch's kernels: :mod:`workloads.torch_kernels`)."""
-    if library in ("qkvnp+torch-mm-sdpa", "qkvnp+torch-mm-sdpa-silu"):
+    or, training only, ``"qkvnp+torch-mm-sdpa"``, ``"qkvnp+torch-mm-sdpa-silu"`` and
+    ``"qkvnp+torch-mm-sdpa-silu-unguarded"`` (qkvnp's step with torch's kernels, then
+    without what its guarantees cost: :mod:`workloads.torch_kernels`)."""
+    if library.startswith("qkvnp+torch-mm-sdpa"):
         from benchmarks.workloads.torch_kernels import TorchKernelsRunner
 
         if task != "train":
             raise ValueError(f"{library} runs the training task only, not {task!r}")
-        return TorchKernelsRunner(_Qkvnp(task, config, weights_path, threads),
-                                  silu=library.endswith("-silu"))
+        runner = TorchKernelsRunner(_Qkvnp(task, config, weights_path, threads),
+                                    silu="-silu" in library,
+                                    guarantees=not library.endswith("-unguarded"))
+        if runner.library != library:
+            raise ValueError(f"unknown library {library!r}")
+        return runner
     return (_Torch if library == "torch" else _Qkvnp)(task, config, weights_path, threads)
 
 

@@ -19,7 +19,10 @@ AdamW, the checks and copies), stays qkvnp's code as it stands.
 :class:`TorchKernelsRunner` runs the families benchmark's training step
 with that module in place of the real one, torch at one thread in each
 share (as numpy's BLAS is there); ``make_runner("qkvnp+torch-mm-sdpa",
-...)`` builds it, ``"qkvnp+torch-mm-sdpa-silu"`` with torch's SiLU. Only for measuring: ``benchmarks/train_ceiling.py``.
+...)`` builds it, ``"qkvnp+torch-mm-sdpa-silu"`` with torch's SiLU, and
+``"qkvnp+torch-mm-sdpa-silu-unguarded"`` also without what qkvnp's
+guarantees cost (:class:`without_guarantees`: no copies of the weights for
+the backward, no fresh zeros for the gradients, no finiteness tests). Only for measuring: ``benchmarks/train_ceiling.py``.
 """
 import ast
 import inspect
@@ -27,7 +30,7 @@ import types
 
 import numpy as np
 
-__all__ = ["torch_kernels_module", "TorchKernelsRunner"]
+__all__ = ["torch_kernels_module", "TorchKernelsRunner", "without_guarantees"]
 
 
 class _TorchProducts(ast.NodeTransformer):
@@ -124,25 +127,102 @@ class TorchKernelsRunner:
     """A qkvnp training runner whose steps run :func:`torch_kernels_module` in place of the real module.
 
     ``runner``: the families benchmark's qkvnp runner (its model, data and
-    optimizer); ``silu``: torch's SiLU too. torch runs at one thread for
-    the worker's life.
+    optimizer); ``silu``: torch's SiLU too; ``guarantees=False``: its steps
+    also go without what qkvnp's guarantees cost (:func:`without_guarantees`).
+    torch runs at one thread for the worker's life.
     """
 
-    def __init__(self, runner, silu=False):
+    def __init__(self, runner, silu=False, guarantees=True):
         import torch
 
         torch.set_num_threads(1)  # one thread in each share, as numpy's BLAS there
         self.runner, self.module = runner, torch_kernels_module(torch, silu)
-        self.library = "qkvnp+torch-mm-sdpa" + ("-silu" if silu else "")
+        self.guarantees = guarantees
+        self.library = ("qkvnp+torch-mm-sdpa" + ("-silu" if silu else "")
+                        + ("" if guarantees else "-unguarded"))
         self.task, self.data = runner.task, runner.data
 
     def call(self):
+        import contextlib
+
         import qkvnp.kernels.decoder_train as original
 
         saved = original.stack_forward, original.stack_backward
         original.stack_forward = self.module.stack_forward
         original.stack_backward = self.module.stack_backward
         try:
-            return self.runner.call()
+            with contextlib.nullcontext() if self.guarantees else without_guarantees(self.runner):
+                return self.runner.call()
         finally:
             original.stack_forward, original.stack_backward = saved
+
+
+class without_guarantees:
+    """A context in which a qkvnp training runner's step goes without what its guarantees cost.
+
+    NOT a way to train: only a measure of those costs, on a model whose
+    parameters each get one gradient a step (no tied weights). Inside it:
+
+    - the blocks' weights are not copied for the backward (only the joined
+      projections are made, as the products need them): an optimizer step
+      between a forward and its backward would change the gradients;
+    - ``zero_grad`` does nothing, and the transaction's commit puts each
+      kept gradient in place of the old array (a C-contiguous copy of a
+      view) instead of adding it into fresh zeros, as torch's
+      ``zero_grad(set_to_none=True)`` and its first accumulation do: an
+      array of ``grads`` that a caller kept is no longer the model's;
+    - the logits and ``dlogits`` are not tested finite.
+    """
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __enter__(self):
+        import qkvnp.kernels.decoder_train as kernel
+        from qkvnp.kernels.loss import cross_entropy_probs_fused
+        from qkvnp.layers import base, transaction
+        from qkvnp.ops.losses import CrossEntropyCache, cross_entropy_inputs
+
+        def block_weights(params, spec):
+            p, qk = params, spec["qk_norm"]
+            return kernel.BlockWeights(
+                p["attn_norm.weight"], p["mlp_norm.weight"],
+                p["self_attn.q_norm.weight"] if qk else None,
+                p["self_attn.k_norm.weight"] if qk else None,
+                np.concatenate([p[f"self_attn.{n}_proj.W"] for n in "qkv"], axis=1),
+                p["self_attn.o_proj.W"],
+                np.concatenate([p["mlp.gate_proj.W"], p["mlp.up_proj.W"]], axis=1),
+                p["mlp.down_proj.W"], dict(spec))
+
+        def commit(transaction_self):
+            for owner, attribute, name, grad in transaction_self.grads:
+                getattr(owner, attribute)[name] = np.ascontiguousarray(grad)
+
+        def zero_grad(layer):
+            pass
+
+        def loss_forward(logits, targets):
+            logits, targets, counted, count = cross_entropy_inputs(logits, targets, None, None,
+                                                                   finite=False)
+            loss, probs = cross_entropy_probs_fused(logits, targets, counted, count)
+            return loss, CrossEntropyCache(probs, targets, counted, count)
+
+        stack_backward = kernel.stack_backward
+
+        def unchecked_backward(dout, cache, finite_name=None):
+            return stack_backward(dout, cache, None)
+
+        self.saved = [(kernel, "block_weights"), (kernel, "stack_backward"),
+                      (transaction._Transaction, "commit"), (base.Layer, "zero_grad"),
+                      (base.Model, "zero_grad"), (self.runner, "loss_forward")]
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name in self.saved]
+        kernel.block_weights, kernel.stack_backward = block_weights, unchecked_backward
+        transaction._Transaction.commit = commit
+        base.Layer.zero_grad = base.Model.zero_grad = zero_grad
+        self.runner.loss_forward = loss_forward
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in self.saved:
+            setattr(owner, name, value)
+        return False

@@ -68,6 +68,32 @@ def test_step_with_torch_kernels_equals_qkvnps_step(library, threads):
                                    atol=1e-5 * np.abs(grad).max(), err_msg=name)
 
 
+def test_step_without_guarantees_computes_the_same_bits_and_restores_everything():
+    """Oracle: the same step with the guarantees: what they cost changes no value (the
+    copies, the fresh zeros and the tests), so the same losses and gradients, bit for bit;
+    after each step every patched name is back."""
+    import qkvnp.kernels.decoder_train as kernel
+    from qkvnp.layers import base, transaction
+
+    before = (kernel.block_weights, kernel.stack_backward, transaction._Transaction.commit,
+              base.Layer.zero_grad, base.Model.zero_grad)
+    guarded = make_runner("qkvnp+torch-mm-sdpa-silu", "train", TINY)
+    unguarded = make_runner("qkvnp+torch-mm-sdpa-silu-unguarded", "train", TINY)
+    loss_forward = unguarded.runner.loss_forward
+    for _ in range(3):
+        assert unguarded.call() == guarded.call()
+        assert (kernel.block_weights, kernel.stack_backward, transaction._Transaction.commit,
+                base.Layer.zero_grad, base.Model.zero_grad) == before
+        assert unguarded.runner.loss_forward is loss_forward
+    for name, grad in guarded.runner.model.grads.items():
+        np.testing.assert_array_equal(unguarded.runner.model.grads[name], grad, err_msg=name)
+
+
+def test_unknown_runner_is_refused():
+    with pytest.raises(ValueError, match="unknown library"):
+        make_runner("qkvnp+torch-mm-sdpa-gelu", "train", TINY)
+
+
 def test_attention_stand_in_refuses_other_masks():
     module = torch_kernels.torch_kernels_module(torch)
     q = np.zeros((1, 2, 4, 8), np.float32)
