@@ -27,7 +27,10 @@ first, medians of ``--repeats`` rounds:
   its attention cores alone (qkvnp's against torch's fused
   ``scaled_dot_product_attention``, :func:`workloads.families.time_core`),
   the rest of each step, and the ratio qkvnp would reach with torch's
-  products and cores in place of its own. At more than one thread, what
+  products and cores in place of its own (parts timed apart from the
+  step; at more than one thread qkvnp's cores alone split over its pool,
+  not in the batch shares: ``train_ceiling.py`` measures that ceiling in
+  place, in qkvnp's own step). At more than one thread, what
   qkvnp's split of the batch over its threads costs a step
   (:func:`workloads.families.time_split`): the time its threads wait for
   the slowest share, and the time that share spent off its CPU.
