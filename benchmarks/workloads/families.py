@@ -174,14 +174,12 @@ def make_runner(library, task, config, weights_path=None, threads=1):
     if library.startswith("qkvnp+torch-mm-sdpa"):
         from benchmarks.workloads.torch_kernels import TorchKernelsRunner
 
+        silu, guarantees = "-silu" in library, not library.endswith("-unguarded")
+        if library != TorchKernelsRunner.name(silu, guarantees):
+            raise ValueError(f"unknown library {library!r}")
         if task != "train":
             raise ValueError(f"{library} runs the training task only, not {task!r}")
-        runner = TorchKernelsRunner(_Qkvnp(task, config, weights_path, threads),
-                                    silu="-silu" in library,
-                                    guarantees=not library.endswith("-unguarded"))
-        if runner.library != library:
-            raise ValueError(f"unknown library {library!r}")
-        return runner
+        return TorchKernelsRunner(_Qkvnp(task, config, weights_path, threads), silu, guarantees)
     return (_Torch if library == "torch" else _Qkvnp)(task, config, weights_path, threads)
 
 

@@ -137,10 +137,13 @@ class TorchKernelsRunner:
 
         torch.set_num_threads(1)  # one thread in each share, as numpy's BLAS there
         self.runner, self.module = runner, torch_kernels_module(torch, silu)
-        self.guarantees = guarantees
-        self.library = ("qkvnp+torch-mm-sdpa" + ("-silu" if silu else "")
-                        + ("" if guarantees else "-unguarded"))
+        self.guarantees, self.library = guarantees, self.name(silu, guarantees)
         self.task, self.data = runner.task, runner.data
+
+    @staticmethod
+    def name(silu, guarantees):
+        """The runner's library name, for ``make_runner``."""
+        return "qkvnp+torch-mm-sdpa" + ("-silu" if silu else "") + ("" if guarantees else "-unguarded")
 
     def call(self):
         import contextlib

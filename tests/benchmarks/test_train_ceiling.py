@@ -22,6 +22,21 @@ from benchmarks.workloads import torch_kernels  # noqa: E402
 from benchmarks.workloads.families import TINY, make_runner  # noqa: E402
 
 
+@pytest.fixture
+def runners():
+    """``make(library)``: a training runner on TINY; the thread counts each one holds for
+    a worker's life are let go at the end, the last made first."""
+    made = []
+
+    def make(library, threads=1):
+        made.append(make_runner(library, "train", TINY, threads=threads))
+        return made[-1]
+
+    yield make
+    for runner in reversed(made):
+        getattr(runner, "runner", runner).pinned.close()
+
+
 def _numpy_products(tree):
     """The ``@`` and ``np.matmul`` nodes of a syntax tree."""
     return [node for node in ast.walk(tree)
@@ -43,13 +58,13 @@ def test_rewrite_leaves_no_numpy_product():
 
 @pytest.mark.parametrize("library", ["qkvnp+torch-mm-sdpa", "qkvnp+torch-mm-sdpa-silu"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_step_with_torch_kernels_equals_qkvnps_step(library, threads):
+def test_step_with_torch_kernels_equals_qkvnps_step(library, threads, runners):
     """Oracle: qkvnp's own step from the same weights: the same losses over three AdamW
     steps and the same gradients, to float32 rounding; the real module is left as it was."""
     import qkvnp.kernels.decoder_train as original
 
     before = original.stack_forward, original.stack_backward
-    mine, theirs = make_runner("qkvnp", "train", TINY), make_runner(library, "train", TINY)
+    mine, theirs = runners("qkvnp", threads), runners(library, threads)
     calls = {"forward": 0}
     forward = theirs.module.stack_forward
 
@@ -68,7 +83,7 @@ def test_step_with_torch_kernels_equals_qkvnps_step(library, threads):
                                    atol=1e-5 * np.abs(grad).max(), err_msg=name)
 
 
-def test_step_without_guarantees_computes_the_same_bits_and_restores_everything():
+def test_step_without_guarantees_computes_the_same_bits_and_restores_everything(runners):
     """Oracle: the same step with the guarantees: what they cost changes no value (the
     copies, the fresh zeros and the tests), so the same losses and gradients, bit for bit;
     after each step every patched name is back."""
@@ -77,8 +92,8 @@ def test_step_without_guarantees_computes_the_same_bits_and_restores_everything(
 
     before = (kernel.block_weights, kernel.stack_backward, transaction._Transaction.commit,
               base.Layer.zero_grad, base.Model.zero_grad)
-    guarded = make_runner("qkvnp+torch-mm-sdpa-silu", "train", TINY)
-    unguarded = make_runner("qkvnp+torch-mm-sdpa-silu-unguarded", "train", TINY)
+    guarded = runners("qkvnp+torch-mm-sdpa-silu")
+    unguarded = runners("qkvnp+torch-mm-sdpa-silu-unguarded")
     loss_forward = unguarded.runner.loss_forward
     for _ in range(3):
         assert unguarded.call() == guarded.call()
@@ -89,9 +104,9 @@ def test_step_without_guarantees_computes_the_same_bits_and_restores_everything(
         np.testing.assert_array_equal(unguarded.runner.model.grads[name], grad, err_msg=name)
 
 
-def test_unknown_runner_is_refused():
+def test_unknown_runner_is_refused(runners):
     with pytest.raises(ValueError, match="unknown library"):
-        make_runner("qkvnp+torch-mm-sdpa-gelu", "train", TINY)
+        runners("qkvnp+torch-mm-sdpa-gelu")
 
 
 def test_attention_stand_in_refuses_other_masks():
