@@ -22,7 +22,8 @@ share (as numpy's BLAS is there); ``make_runner("qkvnp+torch-mm-sdpa",
 ...)`` builds it, ``"qkvnp+torch-mm-sdpa-silu"`` with torch's SiLU, and
 ``"qkvnp+torch-mm-sdpa-silu-unguarded"`` also without what qkvnp's
 guarantees cost (:class:`without_guarantees`: no copies of the weights for
-the backward, no fresh zeros for the gradients, no finiteness tests). Only for measuring: ``benchmarks/train_ceiling.py``.
+the backward, no fresh zeros for the gradients, no finiteness tests). Only
+for measuring: ``benchmarks/train_ceiling.py``.
 """
 import ast
 import inspect

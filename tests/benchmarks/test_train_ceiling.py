@@ -1,4 +1,4 @@
-"""Tests of the training step's ceiling (benchmarks/train_ceiling.py, workloads/torch_kernels.py): untimed, tiny.
+"""Tests of the training step's ceiling (train_ceiling.py, workloads/torch_kernels.py): untimed, tiny.
 
 Oracles: qkvnp's own step (the same weights, data and optimizer) for the
 step with torch's kernels, to float32 rounding; the rewritten module's
