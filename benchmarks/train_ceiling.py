@@ -41,7 +41,7 @@ sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, in
 
 import numpy as np  # noqa: E402
 
-from benchmarks.families_bench import LOSS_TOLERANCE  # noqa: E402
+from benchmarks.families_bench import CHECK_CALLS, _check  # noqa: E402
 from benchmarks.harness.machine import CHILD_PATH, environment_info  # noqa: E402
 from benchmarks.harness.workers import Worker, WorkerError, time_alternating  # noqa: E402
 from benchmarks.workloads.families import QWEN3, TINY  # noqa: E402
@@ -53,7 +53,6 @@ RUNNERS = {"torch": "transformers", "qkvnp": "qkvnp",
            "qkvnp+torch-mm-sdpa": "  torch's mm, attention",
            "qkvnp+torch-mm-sdpa-silu": "  and torch's SiLU",
            "qkvnp+torch-mm-sdpa-silu-unguarded": "  and no guarantees"}
-CHECK_CALLS = 3
 
 
 def measure(threads, args, directory):
@@ -70,11 +69,11 @@ def measure(threads, args, directory):
                                                   "weights": weights})
             if "missing" in reply:
                 raise SystemExit(f"train_ceiling: {reply['missing']}")
-        losses = {name: np.asarray(worker.request("outputs", calls=CHECK_CALLS)["outputs"])
+        losses = {name: worker.request("outputs", calls=CHECK_CALLS)["outputs"]
                   for name, worker in workers.items()}
         for name, mine in losses.items():
-            error = float(np.max(np.abs(mine - losses["torch"]) / np.abs(losses["torch"])))
-            if error > LOSS_TOLERANCE:
+            error, agree = _check("train", {"qkvnp": mine, "torch": losses["torch"]})
+            if not agree:
                 raise SystemExit(f"train_ceiling: {RUNNERS[name]}'s first losses {mine} differ "
                                  f"from transformers' {losses['torch']} (relative {error:.1e})")
         seconds, _ = time_alternating(workers, "fwd", args.repeats, args.warmup, args.pause,

@@ -164,17 +164,17 @@ class TorchKernelsRunner:
 class without_guarantees:
     """A context in which a qkvnp training runner's step goes without what its guarantees cost.
 
-    NOT a way to train: only a measure of those costs, on a model whose
-    parameters each get one gradient a step (no tied weights). Inside it:
+    NOT a way to train: only a measure of those costs. Inside it:
 
     - the blocks' weights are not copied for the backward (only the joined
       projections are made, as the products need them): an optimizer step
       between a forward and its backward would change the gradients;
     - ``zero_grad`` does nothing, and the transaction's commit puts each
-      kept gradient in place of the old array (a C-contiguous copy of a
-      view) instead of adding it into fresh zeros, as torch's
-      ``zero_grad(set_to_none=True)`` and its first accumulation do: an
-      array of ``grads`` that a caller kept is no longer the model's;
+      parameter's first kept gradient in place of the old array (a
+      C-contiguous copy of a view) and adds any later one into it, instead
+      of adding them into fresh zeros, as torch's
+      ``zero_grad(set_to_none=True)`` and its accumulation do: an array of
+      ``grads`` that a caller kept is no longer the model's;
     - the logits and ``dlogits`` are not tested finite.
     """
 
@@ -199,8 +199,14 @@ class without_guarantees:
                 p["mlp.down_proj.W"], dict(spec))
 
         def commit(transaction_self):
+            placed = set()  # (owner, name) given a gradient this step: a tied table's second adds
             for owner, attribute, name, grad in transaction_self.grads:
-                getattr(owner, attribute)[name] = np.ascontiguousarray(grad)
+                grads = getattr(owner, attribute)
+                if (id(owner), name) in placed:  # a new sum: the placed array may be a view
+                    grads[name] = grads[name] + grad
+                else:
+                    grads[name] = np.ascontiguousarray(grad)
+                    placed.add((id(owner), name))
 
         def zero_grad(layer):
             pass

@@ -104,6 +104,36 @@ def test_step_without_guarantees_computes_the_same_bits_and_restores_everything(
         np.testing.assert_array_equal(unguarded.runner.model.grads[name], grad, err_msg=name)
 
 
+def test_unguarded_commit_sums_a_tied_tables_two_gradients():
+    """Oracle: the guarded step of the same tied model: the embedding table gets its lookup's
+    and the head's gradients, the same sum in the same order, bit for bit."""
+    import contextlib
+    import types
+
+    from qkvnp.losses import cross_entropy_backward, cross_entropy_forward
+    from qkvnp.models.decoder import Decoder, DecoderConfig
+
+    c = TINY
+    config = DecoderConfig.qwen3(
+        vocab_size=c["vocab_size"], emb_dim=c["hidden_size"], num_layers=1,
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"], hidden_dim=c["intermediate_size"], context_length=16,
+        tie_embeddings=True)
+    ids = np.random.default_rng(0).integers(0, c["vocab_size"], (2, 8))
+    grads = []
+    for guarded in (True, False):
+        model = Decoder(config, rng=0, dtype=np.float32)
+        runner = types.SimpleNamespace(loss_forward=cross_entropy_forward)
+        with contextlib.nullcontext() if guarded else torch_kernels.without_guarantees(runner):
+            model.zero_grad()
+            loss, cache = runner.loss_forward(model.forward(ids), ids)
+            model.backward(cross_entropy_backward(1.0, cache))
+        grads.append(model.grads)
+    assert "embed.weight" in grads[0] and not any("head" in name for name in grads[0])
+    for name, grad in grads[0].items():
+        np.testing.assert_array_equal(grads[1][name], grad, err_msg=name)
+
+
 def test_unknown_runner_is_refused(runners):
     with pytest.raises(ValueError, match="unknown library"):
         runners("qkvnp+torch-mm-sdpa-gelu")
