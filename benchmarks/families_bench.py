@@ -54,7 +54,8 @@ from benchmarks.harness.workers import Worker, WorkerError, time_alternating  # 
 from benchmarks.workloads.families import NEW_TOKENS, QWEN3, TINY  # noqa: E402
 from qkvnp._io import atomic_write  # noqa: E402
 
-__all__ = ["TARGETS", "LOSS_TOLERANCE", "run_task", "run", "format_report", "main"]
+__all__ = ["TARGETS", "LOSS_TOLERANCE", "CHECK_CALLS", "check_outputs", "run_task", "run",
+           "format_report", "main"]
 
 #: qkvnp / transformers, at least.
 TARGETS = {"decode": 1.5, "train": 1.0}
@@ -69,7 +70,7 @@ def _stats(seconds, per_call):
     return {"ms": median, "times_ms": [float(t) for t in ms], "per_s": per_call * 1e3 / median}
 
 
-def _check(task, outputs):
+def check_outputs(task, outputs):
     """Whether the libraries' tokens (decode) or first losses (train) agree, and by how much."""
     mine, theirs = outputs["qkvnp"], outputs["torch"]
     if task == "decode":
@@ -99,7 +100,7 @@ def run_task(task, threads, args, directory):
         outputs = {name: w.request("outputs", calls=CHECK_CALLS if task == "train" else 1)
                    ["outputs"] for name, w in workers.items()}
         if "torch" in workers:
-            record["check_error"], record["agree"] = _check(task, outputs)
+            record["check_error"], record["agree"] = check_outputs(task, outputs)
             if not record["agree"]:
                 return record
         seconds, calls = time_alternating(workers, "fwd", args.repeats, args.warmup, args.pause,

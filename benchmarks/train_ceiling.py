@@ -41,7 +41,7 @@ sys.path.insert(0, CHECKOUT)  # this checkout's benchmarks package and qkvnp, in
 
 import numpy as np  # noqa: E402
 
-from benchmarks.families_bench import CHECK_CALLS, _check  # noqa: E402
+from benchmarks.families_bench import CHECK_CALLS, check_outputs  # noqa: E402
 from benchmarks.harness.machine import CHILD_PATH, environment_info  # noqa: E402
 from benchmarks.harness.workers import Worker, WorkerError, time_alternating  # noqa: E402
 from benchmarks.workloads.families import QWEN3, TINY  # noqa: E402
@@ -72,7 +72,7 @@ def measure(threads, args, directory):
         losses = {name: worker.request("outputs", calls=CHECK_CALLS)["outputs"]
                   for name, worker in workers.items()}
         for name, mine in losses.items():
-            error, agree = _check("train", {"qkvnp": mine, "torch": losses["torch"]})
+            error, agree = check_outputs("train", {"qkvnp": mine, "torch": losses["torch"]})
             if not agree:
                 raise SystemExit(f"train_ceiling: {RUNNERS[name]}'s first losses {mine} differ "
                                  f"from transformers' {losses['torch']} (relative {error:.1e})")

@@ -160,6 +160,6 @@ def test_step_products_count():
 
 
 def test_check_refuses_disagreement():
-    assert families_bench._check("decode", {"qkvnp": [1, 2], "torch": [1, 3]}) == (1.0, False)
-    error, agree = families_bench._check("train", {"qkvnp": [2.0, 1.0], "torch": [2.0, 1.5]})
+    assert families_bench.check_outputs("decode", {"qkvnp": [1, 2], "torch": [1, 3]}) == (1.0, False)
+    error, agree = families_bench.check_outputs("train", {"qkvnp": [2.0, 1.0], "torch": [2.0, 1.5]})
     assert not agree and error == pytest.approx(1 / 3)
