@@ -29,7 +29,7 @@ between qkvnp and the 1.0x target is those kernels (numpy's BLAS, and
 fused kernels numpy cannot express) and, on the last line, the cost of
 the guarantees; when it is slower, the rest of qkvnp's step is too. A table
 in ms a step (medians of the rounds) and each one's speed as a multiple of
-transformers'. About 5 minutes.
+transformers'. About 3.5 minutes.
 """
 import argparse
 import os
